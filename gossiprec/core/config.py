@@ -1,0 +1,169 @@
+"""One frozen configuration for the protocol core, with named profiles.
+
+Every field documents its unit and, where it has one, the formula it feeds. Profiles:
+
+- ``lan``: training clusters (sub-millisecond RTT, dedicated fabric). Probes every 100 ms with 100 ms
+  timeouts; a silent node is declared dead in about 2 s at N = 1,000.
+- ``wan``: ``lan`` with timeouts ten times larger, for links with tens of milliseconds of RTT.
+- ``sim``: ``lan`` (the simulator uses the production timings by default so that its figures are the
+  figures users get).
+
+Nothing here reads the environment or files: that happens once, at the edge (``gossiprec.settings``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from gossiprec.errors import ConfigError
+
+PROFILES = ("lan", "wan", "sim")
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Protocol parameters. Times are seconds (float), sizes bytes, counts plain integers."""
+
+    cluster: str = "gossiprec"
+    """Cluster name; part of every packet's associated data, so two clusters never mix."""
+
+    # --- SWIM probing -------------------------------------------------------------------------------
+    probe_interval: float = 0.1
+    """Seconds between the starts of two probes by one node (scaled by the health multiplier)."""
+    probe_timeout: float = 0.1
+    """Seconds to wait for a direct ack before asking ``indirect_checks`` helpers (scaled by health)."""
+    indirect_timeout: float = 0.1
+    """Seconds, after the indirect requests are sent, to wait for any ack (scaled by health)."""
+    indirect_checks: int = 3
+    """k: helpers asked to probe a target that missed its direct ack."""
+    nack_fraction: float = 0.8
+    """A helper answers Nack when the target is silent for nack_fraction * probe_timeout."""
+
+    # --- Lifeguard -----------------------------------------------------------------------------------
+    awareness_max: int = 8
+    """Local health multiplier ceiling: timeouts and probe interval are scaled by (score + 1) <= max."""
+    accuse_health_limit: int = 4
+    """A node whose health score is at or above this does not accuse others (it suspects itself)."""
+    suspicion_mult: float = 2.0
+    """suspicion_min = max(suspicion_floor, suspicion_mult * log10(max(N, 10)) * probe_interval)."""
+    suspicion_floor: float = 1.2
+    """Lower bound of suspicion_min in seconds. Must exceed the longest pause that must not be fatal
+    (1 s for the ``lan`` goal) minus the earliest suspicion (probe_timeout + indirect_timeout)."""
+    suspicion_max_mult: float = 3.0
+    """suspicion_max = suspicion_max_mult * suspicion_min: the timeout with no confirmation."""
+    suspicion_confirmations: int = 3
+    """K: independent confirmations after which the timeout has shrunk to suspicion_min.
+    timeout(C) = max(min, max - (max - min) * log(C + 1) / log(K + 1))."""
+    verify_timeout: float = 0.1
+    """Before declaring a suspect dead, a node probes it itself (direct + indirect) for this long."""
+    starve_slack: float = 0.25
+    """A timer that fires later than this past its deadline means this process was starved (paused,
+    swapped, GC): it raises its own health score instead of accusing the peer."""
+
+    # --- Dissemination -------------------------------------------------------------------------------
+    retransmit_mult: int = 3
+    """lambda: each broadcast is sent retransmit_mult * ceil(log10(N + 1)) times."""
+    gossip_interval: float = 0.05
+    """Seconds between gossip rounds (sent only while the broadcast queue is not empty)."""
+    gossip_nodes: int = 3
+    """Random members each gossip round goes to."""
+    gossip_to_dead: float = 5.0
+    """Seconds a dead member still receives gossip (so it learns it was declared dead and rejoins)."""
+    dead_reap: float = 60.0
+    """Seconds after which a dead or left member's record is forgotten."""
+    pushpull_interval: float = 30.0
+    """Seconds between anti-entropy state exchanges at N <= pushpull_ref_nodes; scaled linearly
+    above (interval * N / pushpull_ref_nodes) so that the bytes per node per second stay flat."""
+    pushpull_ref_nodes: int = 100
+    """See pushpull_interval."""
+    mtu: int = 1400
+    """Largest datagram (bytes of encoded payload); compound packets are filled up to it."""
+    max_stream: int = 64 * 1024 * 1024
+    """Largest reliable (stream) message in bytes; state sync for 10,000 members is about 0.5 MB."""
+    progress_piggyback: int = 2
+    """Other members' progress records carried on each ping and ack (round robin)."""
+
+    # --- Identity ------------------------------------------------------------------------------------
+    max_name: int = 128
+    """Longest node name in bytes."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        positive = (
+            "probe_interval", "probe_timeout", "indirect_timeout", "suspicion_mult", "suspicion_floor",
+            "verify_timeout", "gossip_interval", "pushpull_interval", "starve_slack",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                problems.append(f"{name} must be a positive number of seconds, got {value!r}")
+        for name in ("indirect_checks", "gossip_nodes", "retransmit_mult", "progress_piggyback"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                problems.append(f"{name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.awareness_max, int) or self.awareness_max < 1:
+            problems.append(f"awareness_max must be an integer >= 1, got {self.awareness_max!r}")
+        if not 0 < self.nack_fraction < 1:
+            problems.append(f"nack_fraction must be in (0, 1), got {self.nack_fraction!r}")
+        if self.suspicion_max_mult < 1:
+            problems.append(f"suspicion_max_mult must be >= 1, got {self.suspicion_max_mult!r}")
+        if self.suspicion_confirmations < 1:
+            problems.append("suspicion_confirmations must be >= 1")
+        if not 576 <= self.mtu <= 65000:
+            problems.append(f"mtu must be within 576..65000 bytes, got {self.mtu!r}")
+        if not self.cluster or len(self.cluster.encode()) > 64:
+            problems.append("cluster must be a non-empty name of at most 64 bytes")
+        if problems:
+            raise ConfigError("invalid gossiprec config: " + "; ".join(problems))
+
+    # --- Formulas (pure, table-tested) --------------------------------------------------------------
+    def suspicion_min(self, n: int) -> float:
+        """Seconds: the suspicion timeout once ``suspicion_confirmations`` peers agree."""
+        return max(self.suspicion_floor, self.suspicion_mult * math.log10(max(n, 10)) * self.probe_interval)
+
+    def suspicion_max(self, n: int) -> float:
+        """Seconds: the suspicion timeout with no independent confirmation."""
+        return self.suspicion_max_mult * self.suspicion_min(n)
+
+    def retransmit_limit(self, n: int) -> int:
+        """How many times one broadcast is piggybacked or gossiped by each node that holds it."""
+        return self.retransmit_mult * math.ceil(math.log10(n + 1))
+
+    def pushpull_period(self, n: int) -> float:
+        """Seconds between anti-entropy exchanges of one node at cluster size ``n``."""
+        return self.pushpull_interval * max(1.0, n / self.pushpull_ref_nodes)
+
+    # --- Construction -------------------------------------------------------------------------------
+    @classmethod
+    def profile(cls, name: str, **overrides: Any) -> "Config":
+        """A named profile (``lan``, ``wan``, ``sim``) with optional field overrides."""
+        if name not in PROFILES:
+            raise ConfigError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}")
+        base = cls()
+        if name == "wan":
+            base = replace(
+                base, probe_interval=1.0, probe_timeout=0.5, indirect_timeout=0.5, verify_timeout=0.5,
+                suspicion_floor=6.0, gossip_interval=0.2, starve_slack=1.0, retransmit_mult=4,
+            )
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        return replace(base, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def remaining_suspicion(
+    confirmations: int, k: int, elapsed: float, min_s: float, max_s: float
+) -> float:
+    """Seconds left on a suspicion timer (Lifeguard's dynamic suspicion, as memberlist computes it).
+
+    The total timeout shrinks from ``max_s`` with no confirmation towards ``min_s`` at ``k`` independent
+    confirmations, logarithmically: ``max(min, max - (max - min) * log(C + 1) / log(K + 1))``.
+    """
+    frac = math.log(confirmations + 1) / math.log(k + 1) if k > 0 else 1.0
+    total = max(min_s, max_s - (max_s - min_s) * frac)
+    return total - elapsed

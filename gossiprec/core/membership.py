@@ -1,0 +1,851 @@
+"""SWIM membership with the Lifeguard extensions, as a sans-IO state machine.
+
+What it decides: for every known member, whether it is alive, suspect, dead or left, at which
+incarnation; and this node's own liveness claims. Inputs, each with the current time ``now``:
+
+- :meth:`Membership.receive` (a datagram or stream message from the network),
+- :meth:`Membership.tick` (called at or after :meth:`Membership.next_deadline`),
+- :meth:`Membership.join`, :meth:`Membership.leave`, :meth:`Membership.set_progress`,
+  :meth:`Membership.set_probe_targets` (from the agent).
+
+Outputs are data: :meth:`take_sends` gives ``Send(addr, payload, reliable)`` to transmit,
+:meth:`take_events` gives membership events, :meth:`next_deadline` the time to call :meth:`tick` again.
+
+Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
+
+1. Every ``probe_interval * (health + 1)`` the node pings the next target of a shuffled round robin.
+   No ack within ``probe_timeout * (health + 1)``: ``indirect_checks`` helpers ping it for us and answer
+   ack or nack. No ack by the end of the indirect window: the target becomes *suspect*, unless this node's
+   own health is poor (missing nacks mean our side is the problem), or the timer fired late (we were
+   paused): then the node blames itself and raises its health score instead.
+2. Suspicion is broadcast. Every member that learns of it runs its own timer, which starts at
+   ``suspicion_max`` and shrinks logarithmically towards ``suspicion_min`` with each *independent*
+   confirmation (a Suspect from another accuser).
+3. When the timer runs out, the member checks for itself (a direct and ``indirect_checks`` indirect
+   probes during ``verify_timeout``) before declaring the suspect dead: a process that was paused and has
+   just resumed answers, and is not killed by a rumour that its refutation had not yet overtaken.
+4. A suspected member refutes by raising its incarnation and broadcasting Alive; the accuser is also told
+   directly. Probes of a suspect carry the suspicion (buddy system), so it learns at once.
+5. Updates ride on every packet (piggyback) from a transmit-limited queue, plus gossip rounds to
+   ``gossip_nodes`` random members while the queue is not empty, plus a periodic push-pull exchange of the
+   full state (anti-entropy), whose period grows with N so that the load per node stays flat.
+6. Progress: acks carry the acker's training step, phase and step time; pings and acks also carry a few
+   progress records of other members, round robin, and push-pull carries them all.
+
+Memory for very large simulations: the member table is layered, ``base`` (a mapping shared, read-only,
+by every node of a simulated cluster) under ``own`` (this node's changes), and records are immutable.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol
+
+from gossiprec.core.awareness import Awareness
+from gossiprec.core.broadcast import BroadcastQueue
+from gossiprec.core.config import Config, remaining_suspicion
+from gossiprec.core.wire import (
+    ALIVE, DEAD, LEFT, PACKET_OVERHEAD, ROLES, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack,
+    Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet, encode_parts,
+)
+from gossiprec.errors import DecodeError, ProtocolError
+
+
+class RandomSource(Protocol):
+    """The subset of :class:`random.Random` the core uses (injected, never global)."""
+
+    def random(self) -> float: ...
+    def randrange(self, start: int, stop: int | None = ..., step: int = ...) -> int: ...
+    def sample(self, population, k: int): ...  # type: ignore[no-untyped-def]
+
+
+# --- records, events, outputs ---------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """Immutable: shared between the tables of many simulated nodes."""
+
+    name: str
+    addr: str
+    incarnation: int
+    status: int = ALIVE
+    role: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.status <= SUSPECT
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressInfo:
+    incarnation: int
+    version: int
+    step: int
+    phase: int
+    step_ms: int
+    seen_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    addr: str
+    payload: bytes
+    reliable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MemberJoined:
+    name: str
+    addr: str
+    incarnation: int
+    role: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSuspected:
+    name: str
+    incarnation: int
+    by: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberAlive:
+    """A suspect refuted, or a dead/left member came back with a newer incarnation."""
+
+    name: str
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberFailed:
+    name: str
+    incarnation: int
+    by: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLeft:
+    name: str
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SelfRefuted:
+    """This node was suspected or declared dead and raised its incarnation."""
+
+    incarnation: int
+    accuser: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """Outcome of one of this node's probes (the agreement layer's observers listen to these)."""
+
+    target: str
+    ok: bool
+    at: float
+
+
+MemberEvent = (
+    MemberJoined | MemberSuspected | MemberAlive | MemberFailed | MemberLeft | SelfRefuted | ProbeResult
+)
+
+# timer kinds
+_PROBE, _DIRECT, _INDIRECT_END, _GOSSIP, _PUSHPULL, _SUSPICION, _RELAY_NACK, _REAP = range(8)
+
+
+@dataclass(slots=True)
+class _Probe:
+    target: str
+    addr: str
+    start: float
+    verify: bool
+    incarnation: int
+    timer: int = 0
+    expected_nacks: int = 0
+    nacks: int = 0
+    acked: bool = False
+    indirect_sent: bool = False
+
+
+@dataclass(slots=True)
+class _Suspicion:
+    incarnation: int
+    start: float
+    min_s: float
+    max_s: float
+    k: int
+    accusers: set[str] = field(default_factory=set)
+    token: int = 0
+    verifying: bool = False
+
+    def deadline(self) -> float:
+        return self.start + remaining_suspicion(len(self.accusers) - 1, self.k, 0.0, self.min_s, self.max_s)
+
+
+@dataclass(slots=True)
+class _Relay:
+    requester_addr: str
+    orig_seq: int
+    nack: bool
+    done: bool = False
+
+
+_GONE = MemberInfo("", "", 0, DEAD)
+
+
+class Membership:
+    """One node's SWIM/Lifeguard state machine. Not thread-safe; drive it from one task."""
+
+    def __init__(
+        self,
+        config: Config,
+        name: str,
+        addr: str,
+        *,
+        incarnation: int,
+        rng: RandomSource,
+        now: float,
+        role: str = "trainer",
+        members: Mapping[str, MemberInfo] | None = None,
+        member_order: tuple[str, ...] | None = None,
+        members_live: int | None = None,
+    ) -> None:
+        if role not in ROLES:
+            raise ProtocolError(f"role must be one of {ROLES}, got {role!r}")
+        if not name or len(name.encode()) > config.max_name:
+            raise ProtocolError(f"node name must be 1..{config.max_name} bytes")
+        self.config = config
+        self.name = name
+        self.addr = addr
+        self.role = ROLES.index(role)
+        self.incarnation = incarnation
+        self.rng = rng
+        self.awareness = Awareness(config.awareness_max)
+        self.left = False
+        # layered member table: shared base + own changes
+        self._base: Mapping[str, MemberInfo] = members if members is not None else {}
+        self._own: dict[str, MemberInfo] = {}
+        self._base_order: tuple[str, ...] = member_order if member_order is not None else tuple(self._base)
+        self._extra_order: list[str] = []
+        self._changed_at: dict[str, float] = {}
+        # members_live lets a simulator share one count across 10,000 tables instead of recounting
+        self._n_live = (members_live if members_live is not None
+                        else sum(1 for m in self._base.values() if m.live))
+        me = MemberInfo(name, addr, incarnation, ALIVE, self.role)
+        if self._base.get(name) is None:
+            self._extra_order.append(name)
+            self._n_live += 1
+        elif not self._base[name].live:
+            self._n_live += 1
+        self._own[name] = me
+        # progress
+        self._progress: dict[str, ProgressInfo] = {}
+        self._progress_names: list[str] = []
+        self._progress_cursor = 0
+        self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
+        # protocol state
+        self._queue = BroadcastQueue()
+        self._suspicions: dict[str, _Suspicion] = {}
+        self._probes: dict[int, _Probe] = {}
+        self._relays: dict[int, _Relay] = {}
+        self._seq = rng.randrange(1, 2**31)
+        self._token = 0
+        self._timers: list[tuple[float, int, int, object]] = []
+        self._cancelled: set[int] = set()
+        self._gossip_armed = False
+        self._now = now
+        self._probe_targets: tuple[str, ...] | None = None
+        self._order_a = 1
+        self._order_b = 0
+        self._order_i = 0
+        self._order_n = 0
+        self._sends: list[Send] = []
+        self._events: list[MemberEvent] = []
+        self.counters: dict[str, int] = {}
+        jitter = rng.random()
+        self._at(now + jitter * config.probe_interval, _PROBE, None)
+        self._broadcast(name, Alive(name, addr, incarnation, self.role))
+        self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
+
+    # ------------------------------------------------------------------ table access
+    def member(self, name: str) -> MemberInfo | None:
+        rec = self._own.get(name)
+        if rec is None:
+            rec = self._base.get(name)
+        return None if rec is None or rec is _GONE else rec
+
+    def _set(self, rec: MemberInfo, now: float) -> None:
+        old = self.member(rec.name)
+        if old is None:
+            self._extra_order.append(rec.name)
+        was_live = old is not None and old.live
+        if was_live != rec.live:
+            self._n_live += 1 if rec.live else -1
+        self._own[rec.name] = rec
+        if old is None or old.status != rec.status:
+            self._changed_at[rec.name] = now
+
+    @property
+    def n_live(self) -> int:
+        """Members believed alive or suspect, including this node."""
+        return self._n_live
+
+    def members(self) -> list[MemberInfo]:
+        """Every known member record (sorted by name)."""
+        names = set(self._base_order) | set(self._extra_order)
+        out = [m for m in (self.member(n) for n in names) if m is not None]
+        return sorted(out, key=lambda m: m.name)
+
+    def live_members(self) -> list[str]:
+        return [m.name for m in self.members() if m.live]
+
+    def progress(self, name: str) -> ProgressInfo | None:
+        return self._progress.get(name)
+
+    def health(self) -> int:
+        return self.awareness.score
+
+    # ------------------------------------------------------------------ outputs
+    def take_sends(self) -> list[Send]:
+        out = self._sends
+        if out:
+            self._sends = []
+        return out
+
+    def take_events(self) -> list[MemberEvent]:
+        out = self._events
+        if out:
+            self._events = []
+        return out
+
+    def next_deadline(self) -> float:
+        timers, cancelled = self._timers, self._cancelled
+        while timers and timers[0][1] in cancelled:
+            cancelled.discard(heapq.heappop(timers)[1])
+        return timers[0][0] if timers else math.inf
+
+    # ------------------------------------------------------------------ inputs from the agent
+    def join(self, seed_addrs: Iterable[str], now: float) -> None:
+        """Ask seeds for their full state (push-pull with ``join=True``)."""
+        self._now = now
+        msg = self._pushpull(join=True, reply=False)
+        for addr in seed_addrs:
+            if addr != self.addr:
+                self._sends.append(Send(addr, encode_packet([msg]), reliable=True))
+
+    def leave(self, now: float) -> None:
+        """Graceful leave: others record LEFT, not a failure. Keep ticking briefly to drain gossip."""
+        self._now = now
+        self.left = True
+        self._set(MemberInfo(self.name, self.addr, self.incarnation, LEFT, self.role), now)
+        dead = Dead(self.name, self.incarnation, self.name)
+        self._broadcast(self.name, dead)
+        for target in self._random_members(self.config.gossip_nodes * 2, None):
+            rec = self.member(target)
+            if rec is not None:
+                self._send(rec.addr, [dead], piggyback=True, dest=target)
+
+    def set_progress(self, step: int, phase: int, step_ms: int) -> None:
+        p = self._my_progress
+        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms)
+
+    def set_probe_targets(self, names: Iterable[str] | None) -> None:
+        """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
+        self._probe_targets = None if names is None else tuple(sorted(set(names) - {self.name}))
+        self._order_i = self._order_n = 0
+
+    # ------------------------------------------------------------------ network input
+    def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
+        limit = self.config.max_stream if reliable else self.config.mtu
+        try:
+            msgs = decode_packet(data, limit)
+        except DecodeError as exc:
+            self._count("rx_dropped_" + exc.reason)
+            return
+        self._now = now
+        if self.left:
+            return
+        for msg in msgs:
+            self.handle(msg, now)
+
+    def handle(self, msg: Message, now: float) -> None:
+        """Process one decoded message."""
+        t = type(msg)
+        if t is Ping:
+            self._on_ping(msg, now)  # type: ignore[arg-type]
+        elif t is Ack:
+            self._on_ack(msg, now)  # type: ignore[arg-type]
+        elif t is Alive:
+            self._on_alive(msg, now)  # type: ignore[arg-type]
+        elif t is Suspect:
+            self._on_suspect(msg, now)  # type: ignore[arg-type]
+        elif t is Dead:
+            self._on_dead(msg, now)  # type: ignore[arg-type]
+        elif t is Progress:
+            self._on_progress(msg, now)  # type: ignore[arg-type]
+        elif t is IndirectPing:
+            self._on_indirect(msg, now)  # type: ignore[arg-type]
+        elif t is Nack:
+            probe = self._probes.get(msg.seq)  # type: ignore[attr-defined]
+            if probe is not None:
+                probe.nacks += 1
+        elif t is PushPull:
+            self._on_pushpull(msg, now)  # type: ignore[arg-type]
+        else:
+            self._count("rx_unexpected")
+
+    # ------------------------------------------------------------------ timers
+    def _at(self, when: float, kind: int, arg: object) -> int:
+        self._token += 1
+        heapq.heappush(self._timers, (when, self._token, kind, arg))
+        return self._token
+
+    def _broadcast(self, key: str, msg: Message) -> None:
+        """Queue a broadcast; gossip rounds run only while something is queued."""
+        self._queue.queue(key, msg)
+        if not self._gossip_armed:
+            self._gossip_armed = True
+            self._at(self._now + self.rng.random() * self.config.gossip_interval, _GOSSIP, None)
+
+    def tick(self, now: float) -> None:
+        """Run every timer whose deadline is at or before ``now``."""
+        self._now = now
+        timers, cancelled = self._timers, self._cancelled
+        while timers and timers[0][0] <= now:
+            when, token, kind, arg = heapq.heappop(timers)
+            if token in cancelled:
+                cancelled.discard(token)
+                continue
+            late = now - when > self.config.starve_slack
+            if late:
+                self._count("timers_late")
+            if self.left and kind not in (_GOSSIP,):
+                continue
+            if kind == _PROBE:
+                self._start_probe(now, late)
+            elif kind == _DIRECT:
+                self._direct_timeout(arg, now, late)  # type: ignore[arg-type]
+            elif kind == _INDIRECT_END:
+                self._probe_end(arg, now, late)  # type: ignore[arg-type]
+            elif kind == _GOSSIP:
+                self._gossip(now)
+            elif kind == _PUSHPULL:
+                self._pushpull_round(now)
+            elif kind == _SUSPICION:
+                self._suspicion_timer(arg, now, late)  # type: ignore[arg-type]
+            elif kind == _RELAY_NACK:
+                self._relay_nack(arg)  # type: ignore[arg-type]
+            elif kind == _REAP:
+                self._reap(arg, now)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ probing
+    def _next_target(self) -> str | None:
+        """Shuffled round robin over candidates via a random affine permutation (O(1) memory)."""
+        names: tuple[str, ...] | list[str]
+        if self._probe_targets is not None:
+            names = self._probe_targets
+            n_names = len(names)
+        else:
+            names = self._base_order
+            n_names = len(names) + len(self._extra_order)
+        if n_names == 0:
+            return None
+        for _ in range(min(n_names, 64) + 1):
+            if self._order_i >= self._order_n:
+                self._order_n = n_names
+                self._order_i = 0
+                a = self.rng.randrange(1, max(2, n_names))
+                while math.gcd(a, n_names) != 1:
+                    a = self.rng.randrange(1, max(2, n_names))
+                self._order_a, self._order_b = a, self.rng.randrange(0, n_names)
+            idx = (self._order_a * self._order_i + self._order_b) % self._order_n
+            self._order_i += 1
+            if self._probe_targets is not None:
+                name = names[idx] if idx < len(names) else None
+            elif idx < len(self._base_order):
+                name = self._base_order[idx]
+            elif idx - len(self._base_order) < len(self._extra_order):
+                name = self._extra_order[idx - len(self._base_order)]
+            else:
+                name = None
+            if name is None or name == self.name:
+                continue
+            rec = self.member(name)
+            if rec is not None and rec.live:
+                return name
+        return None
+
+    def _start_probe(self, now: float, late: bool) -> None:
+        cfg = self.config
+        self._at(now + self.awareness.scale(cfg.probe_interval), _PROBE, None)
+        if late:
+            self.awareness.apply(+2)
+        target = self._next_target()
+        if target is not None:
+            self._probe(target, now, verify=False)
+
+    def _probe(self, target: str, now: float, verify: bool) -> None:
+        rec = self.member(target)
+        if rec is None:
+            return
+        self._seq += 1
+        seq = self._seq
+        self._probes[seq] = _Probe(target, rec.addr, now, verify, rec.incarnation)
+        msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
+        if rec.status == SUSPECT:  # buddy system: tell the suspect at once
+            msgs.append(Suspect(target, rec.incarnation, self.name))
+        self._send(rec.addr, msgs, piggyback=True, dest=target)
+        if verify:
+            self._send_indirect(seq, now)
+            self._at(now + self.awareness.scale(self.config.verify_timeout), _INDIRECT_END, seq)
+        else:
+            self._probes[seq].timer = self._at(now + self.awareness.scale(self.config.probe_timeout), _DIRECT, seq)
+
+    def _send_indirect(self, seq: int, now: float) -> None:
+        probe = self._probes[seq]
+        probe.indirect_sent = True
+        helpers = self._random_members(self.config.indirect_checks, exclude=probe.target)
+        probe.expected_nacks = len(helpers)
+        for helper in helpers:
+            rec = self.member(helper)
+            if rec is not None:
+                msg = IndirectPing(seq, probe.target, probe.addr, self.name, self.addr, True)
+                self._send(rec.addr, [msg], piggyback=True, dest=helper)
+
+    def _direct_timeout(self, seq: int, now: float, late: bool) -> None:
+        probe = self._probes.get(seq)
+        if probe is None or probe.acked:
+            return
+        self._send_indirect(seq, now)
+        self._at(now + self.awareness.scale(self.config.indirect_timeout), _INDIRECT_END, seq)
+
+    def _probe_end(self, seq: int, now: float, late: bool) -> None:
+        probe = self._probes.pop(seq, None)
+        if probe is None or probe.acked:
+            return
+        self._events.append(ProbeResult(probe.target, False, now))
+        missing = max(0, probe.expected_nacks - probe.nacks)
+        if late:
+            # We were not running while the answers came in: our fault, not the target's.
+            self.awareness.apply(+2)
+            if probe.verify:
+                self._rearm_suspicion(probe.target, now)
+            return
+        # Lifeguard: blame ourselves only for nacks that never came (or when no helper was asked).
+        self.awareness.apply(missing if probe.expected_nacks else 1)
+        rec = self.member(probe.target)
+        if rec is None or not rec.live or rec.incarnation != probe.incarnation:
+            return
+        if probe.verify:
+            self._declare_dead(probe.target, rec.incarnation, now)
+            return
+        if self.awareness.score >= self.config.accuse_health_limit:
+            self._count("accusations_withheld")
+            return
+        self._on_suspect(Suspect(probe.target, rec.incarnation, self.name), now)
+
+    def _on_ping(self, msg: Ping, now: float) -> None:
+        if msg.target != self.name:
+            self._count("rx_misdirected_ping")
+            return
+        ack = Ack(msg.seq, self.name, self.incarnation, self._my_progress.step, self._my_progress.phase,
+                  self._my_progress.step_ms)
+        self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
+
+    def _on_ack(self, msg: Ack, now: float) -> None:
+        relay = self._relays.get(msg.seq)
+        if relay is not None:
+            if not relay.done:
+                relay.done = True
+                fwd = Ack(relay.orig_seq, msg.src, msg.incarnation, msg.step, msg.phase, msg.step_ms)
+                self._send(relay.requester_addr, [fwd], piggyback=False)
+            return
+        probe = self._probes.get(msg.seq)
+        if probe is None or probe.acked or msg.src != probe.target:
+            return
+        probe.acked = True
+        del self._probes[msg.seq]
+        if probe.timer:
+            self._cancelled.add(probe.timer)
+        self.awareness.apply(-1)
+        self._events.append(ProbeResult(probe.target, True, now))
+        if msg.step >= 0:
+            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now,
+                              direct=True)
+        rec = self.member(msg.src)
+        if rec is not None and msg.incarnation > rec.incarnation:
+            # The ack proves a newer incarnation: as good as its Alive.
+            self._on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now)
+        elif probe.verify:
+            self._rearm_suspicion(probe.target, now)
+
+    def _on_indirect(self, msg: IndirectPing, now: float) -> None:
+        self._seq += 1
+        seq = self._seq
+        self._relays[seq] = _Relay(msg.src_addr, msg.seq, msg.nack)
+        self._send(msg.target_addr, [Ping(seq, msg.target, self.name, self.addr)], piggyback=False)
+        self._at(now + self.config.nack_fraction * self.config.probe_timeout, _RELAY_NACK, seq)
+
+    def _relay_nack(self, seq: int) -> None:
+        relay = self._relays.pop(seq, None)
+        if relay is not None and not relay.done and relay.nack:
+            self._send(relay.requester_addr, [Nack(relay.orig_seq, self.name)], piggyback=False)
+
+    # ------------------------------------------------------------------ dissemination of state
+    def _on_alive(self, msg: Alive, now: float) -> None:
+        if msg.name == self.name:
+            if msg.incarnation > self.incarnation and not self.left:
+                self._refute(msg.incarnation, "alive-conflict", now)
+            return
+        cur = self.member(msg.name)
+        if cur is not None and msg.incarnation <= cur.incarnation:
+            return
+        rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
+        self._set(rec, now)
+        self._suspicions.pop(msg.name, None)
+        self._broadcast(msg.name, msg)
+        if cur is None or cur.status >= DEAD:
+            self._events.append(MemberJoined(msg.name, msg.addr, msg.incarnation, ROLES[msg.role], now))
+        elif cur.status == SUSPECT:
+            self._events.append(MemberAlive(msg.name, msg.incarnation, now))
+
+    def _on_suspect(self, msg: Suspect, now: float) -> None:
+        if msg.name == self.name:
+            if not self.left:
+                self._refute(msg.incarnation, msg.src, now)
+            return
+        cur = self.member(msg.name)
+        if cur is None or not cur.live or msg.incarnation < cur.incarnation:
+            return
+        susp = self._suspicions.get(msg.name)
+        if cur.status == SUSPECT and susp is not None and msg.incarnation == cur.incarnation:
+            if msg.src in susp.accusers or len(susp.accusers) > susp.k:
+                return
+            susp.accusers.add(msg.src)
+            self._broadcast(msg.name, msg)
+            if not susp.verifying:
+                self._arm(msg.name, susp)
+            return
+        n = self.n_live
+        cfg = self.config
+        susp = _Suspicion(msg.incarnation, now, cfg.suspicion_min(n), cfg.suspicion_max(n),
+                          max(1, min(cfg.suspicion_confirmations, n - 2)), {msg.src})
+        self._suspicions[msg.name] = susp
+        self._set(MemberInfo(cur.name, cur.addr, msg.incarnation, SUSPECT, cur.role), now)
+        self._broadcast(msg.name, msg)
+        self._events.append(MemberSuspected(msg.name, msg.incarnation, msg.src, now))
+        self._arm(msg.name, susp)
+
+    def _arm(self, name: str, susp: _Suspicion) -> None:
+        self._token += 1
+        susp.token = self._token
+        heapq.heappush(self._timers, (susp.deadline(), self._token, _SUSPICION, (name, self._token)))
+
+    def _suspicion_timer(self, arg: tuple[str, int], now: float, late: bool) -> None:
+        name, token = arg
+        susp = self._suspicions.get(name)
+        if susp is None or susp.token != token or susp.verifying:
+            return
+        rec = self.member(name)
+        if rec is None or rec.status != SUSPECT or rec.incarnation != susp.incarnation:
+            return
+        if late:
+            # We slept through the refutation window: give the network time to tell us.
+            self.awareness.apply(+2)
+            self._rearm_suspicion(name, now)
+            return
+        if self.config.verify_timeout > 0:
+            susp.verifying = True
+            self._probe(name, now, verify=True)
+        else:
+            self._declare_dead(name, rec.incarnation, now)
+
+    def _rearm_suspicion(self, name: str, now: float) -> None:
+        susp = self._suspicions.get(name)
+        if susp is None:
+            return
+        susp.verifying = False
+        susp.start = now
+        susp.accusers = set(list(sorted(susp.accusers))[:1])
+        self._arm(name, susp)
+
+    def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
+        self._on_dead(Dead(name, incarnation, self.name), now)
+
+    def _on_dead(self, msg: Dead, now: float) -> None:
+        if msg.name == self.name:
+            if not self.left:
+                self._refute(msg.incarnation, msg.src, now)
+            return
+        cur = self.member(msg.name)
+        if cur is None or not cur.live or msg.incarnation < cur.incarnation:
+            return
+        leaving = msg.src == msg.name
+        self._set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
+        self._suspicions.pop(msg.name, None)
+        self._broadcast(msg.name, msg)
+        if leaving:
+            self._events.append(MemberLeft(msg.name, msg.incarnation, now))
+        else:
+            self._events.append(MemberFailed(msg.name, msg.incarnation, msg.src, now))
+        self._at(now + self.config.dead_reap, _REAP, (msg.name, msg.incarnation))
+
+    def _reap(self, arg: tuple[str, int], now: float) -> None:
+        name, inc = arg
+        rec = self.member(name)
+        if rec is not None and not rec.live and rec.incarnation == inc:
+            self._own[name] = _GONE
+            self._progress.pop(name, None)
+            self._changed_at.pop(name, None)
+
+    def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
+        self.incarnation = max(self.incarnation, accused_inc) + 1
+        self._set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
+        p = self._my_progress
+        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms)
+        alive = Alive(self.name, self.addr, self.incarnation, self.role)
+        self._broadcast(self.name, alive)
+        self.awareness.apply(+1)
+        self._events.append(SelfRefuted(self.incarnation, accuser, now))
+        acc = self.member(accuser)
+        if acc is not None and acc.name != self.name:
+            self._send(acc.addr, [alive], piggyback=True, dest=acc.name)
+
+    def _on_progress(self, msg: Progress, now: float, direct: bool = False) -> None:
+        if msg.name == self.name:
+            return
+        cur = self._progress.get(msg.name)
+        if cur is None:
+            self._progress_names.append(msg.name)
+        elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
+            return
+        version = msg.version if not direct else (cur.version if cur is not None else 0)
+        if direct and cur is not None and cur.step == msg.step and cur.phase == msg.phase:
+            self._progress[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
+                                                    msg.step_ms, now)
+            return
+        self._progress[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now)
+
+    # ------------------------------------------------------------------ gossip and anti-entropy
+    def _random_members(self, k: int, exclude: str | None) -> list[str]:
+        """Up to ``k`` distinct random live members other than self and ``exclude``."""
+        if self._probe_targets is not None and len(self._base_order) == 0:
+            pool: tuple[str, ...] | list[str] = self._probe_targets
+        else:
+            pool = self._base_order
+        n_base = len(pool)
+        n = n_base + (len(self._extra_order) if pool is self._base_order else 0)
+        out: list[str] = []
+        if n == 0:
+            return out
+        tries = 0
+        while len(out) < k and tries < 4 * k + 8:
+            tries += 1
+            idx = self.rng.randrange(0, n)
+            name = pool[idx] if idx < n_base else self._extra_order[idx - n_base]
+            if name == self.name or name == exclude or name in out:
+                continue
+            rec = self.member(name)
+            if rec is not None and rec.live:
+                out.append(name)
+        return out
+
+    def _gossip(self, now: float) -> None:
+        cfg = self.config
+        if not len(self._queue):
+            self._gossip_armed = False
+            return
+        self._at(now + cfg.gossip_interval, _GOSSIP, None)
+        targets = self._random_members(cfg.gossip_nodes, None)
+        # Recently dead members still hear gossip, so a falsely declared node learns and refutes.
+        if self._changed_at and self.rng.random() < 0.5:
+            for name, at in list(self._changed_at.items())[-4:]:
+                rec = self.member(name)
+                if rec is not None and rec.status == DEAD and now - at < cfg.gossip_to_dead:
+                    targets.append(name)
+                    break
+        limit = cfg.retransmit_limit(self.n_live)
+        for target in targets:
+            rec = self.member(target)
+            if rec is None:
+                continue
+            parts = self._queue.take(cfg.mtu - PACKET_OVERHEAD, limit)
+            if not parts:
+                break
+            self._sends.append(Send(rec.addr, encode_parts(parts)))
+
+    def _pushpull(self, join: bool, reply: bool) -> PushPull:
+        rows = []
+        for m in self.members():
+            p = self._my_progress if m.name == self.name else self._progress.get(m.name)
+            if p is None:
+                rows.append((m.name, m.addr, m.incarnation, m.status, m.role, 0, -1, 0, 0))
+            else:
+                rows.append((m.name, m.addr, m.incarnation, m.status, m.role, p.version, p.step, p.phase,
+                             p.step_ms))
+        return PushPull(self.name, self.addr, join, reply, tuple(rows))
+
+    def _pushpull_round(self, now: float) -> None:
+        self._at(now + self.config.pushpull_period(self.n_live), _PUSHPULL, None)
+        peers = self._random_members(1, None)
+        if peers:
+            rec = self.member(peers[0])
+            if rec is not None:
+                self._sends.append(Send(rec.addr, encode_packet([self._pushpull(False, False)]), True))
+
+    def _on_pushpull(self, msg: PushPull, now: float) -> None:
+        if not msg.reply:
+            self._sends.append(Send(msg.src_addr, encode_packet([self._pushpull(msg.join, True)]), True))
+        for name, addr, inc, status, role, pver, step, phase, step_ms in msg.members:
+            if status <= SUSPECT:
+                self._on_alive(Alive(name, addr, inc, role), now)
+                if status == SUSPECT:
+                    self._on_suspect(Suspect(name, inc, msg.src), now)
+            elif status == DEAD:
+                if self.member(name) is None:
+                    continue
+                self._on_dead(Dead(name, inc, msg.src), now)
+            else:
+                self._on_dead(Dead(name, inc, name), now)
+            if pver > 0:
+                self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
+
+    # ------------------------------------------------------------------ sending
+    def _progress_piggyback(self) -> list[Message]:
+        out: list[Message] = []
+        if self._my_progress.version > 0:
+            out.append(self._my_progress)
+        names = self._progress_names
+        want = self.config.progress_piggyback
+        while names and want > 0:
+            if self._progress_cursor >= len(names):
+                self._progress_cursor = 0
+            name = names[self._progress_cursor]
+            info = self._progress.get(name)
+            if info is None:
+                names.pop(self._progress_cursor)
+                continue
+            self._progress_cursor += 1
+            want -= 1
+            if info.version > 0:
+                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms))
+        return out
+
+    def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
+        parts = [encode_message(m) for m in msgs]
+        if piggyback:
+            parts.extend(encode_message(m) for m in self._progress_piggyback())
+            budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
+            parts.extend(self._queue.take(budget, self.config.retransmit_limit(self.n_live)))
+        self._sends.append(Send(addr, encode_parts(parts)))
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1

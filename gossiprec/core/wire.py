@@ -1,0 +1,334 @@
+"""Wire format: versioned msgpack, one frozen dataclass per message type, strict validation on decode.
+
+A datagram is a *compound packet*: ``[PROTOCOL_VERSION, [msg, msg, ...]]`` where each ``msg`` is
+``[type_id, field1, field2, ...]`` in the dataclass's field order. Encoding never fails for messages the
+core built; decoding treats every byte as hostile: it checks the size before parsing, refuses unknown
+versions and types, and validates each field's type and range (strings by UTF-8 length, integers by
+range, lists by length). Anything wrong raises :class:`~gossiprec.errors.DecodeError` with a short
+``reason`` that the caller counts; nothing else escapes :func:`decode_packet`.
+
+Larger messages (push-pull state, agreement payloads) travel on the reliable stream with the same
+encoding and a larger size limit.
+
+Message types are registered with :func:`message`; later modules (agreement, views) add their own
+types from the same registry, so one decoder serves all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable, ClassVar, Iterable, Sequence
+
+import msgpack
+
+from gossiprec.errors import DecodeError
+
+PROTOCOL_VERSION = 1
+MAX_NAME = 128
+MAX_ADDR = 300
+MAX_U64 = 2**64 - 1
+MAX_MEMBERS = 100_000
+
+# Member status on the wire.
+ALIVE, SUSPECT, DEAD, LEFT = 0, 1, 2, 3
+STATUS_NAMES = ("alive", "suspect", "dead", "left")
+
+# Training phase on the wire.
+PHASES = ("idle", "compute", "communicate", "optimizer", "checkpoint", "recovering")
+ROLES = ("trainer", "spare")
+
+Validator = Callable[[Any], Any]
+
+
+# --- field validators -----------------------------------------------------------------------------
+def _uint(limit: int = MAX_U64) -> Validator:
+    def check(v: Any) -> int:
+        if type(v) is not int or v < 0 or v > limit:
+            raise DecodeError("bad_field", f"expected integer 0..{limit}, got {type(v).__name__}")
+        return v
+
+    return check
+
+
+def _sint(lo: int, hi: int) -> Validator:
+    def check(v: Any) -> int:
+        if type(v) is not int or v < lo or v > hi:
+            raise DecodeError("bad_field", f"expected integer {lo}..{hi}")
+        return v
+
+    return check
+
+
+def _text(max_bytes: int, allow_empty: bool = False) -> Validator:
+    def check(v: Any) -> str:
+        if type(v) is not str:
+            raise DecodeError("bad_field", f"expected text, got {type(v).__name__}")
+        if len(v) > max_bytes or len(v.encode("utf-8", "surrogatepass")) > max_bytes:
+            raise DecodeError("bad_field", f"text longer than {max_bytes} bytes")
+        if not v and not allow_empty:
+            raise DecodeError("bad_field", "empty text")
+        return v
+
+    return check
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise DecodeError("bad_field", "expected boolean")
+    return v
+
+
+def _real(lo: float, hi: float) -> Validator:
+    def check(v: Any) -> float:
+        if type(v) not in (int, float) or not math.isfinite(v) or v < lo or v > hi:
+            raise DecodeError("bad_field", f"expected number {lo}..{hi}")
+        return float(v)
+
+    return check
+
+
+def _blob(max_bytes: int) -> Validator:
+    def check(v: Any) -> bytes:
+        if type(v) is not bytes or len(v) > max_bytes:
+            raise DecodeError("bad_field", f"expected bytes of at most {max_bytes}")
+        return v
+
+    return check
+
+
+def _seq(item: Validator, max_len: int) -> Validator:
+    def check(v: Any) -> tuple:
+        if type(v) is not list or len(v) > max_len:
+            raise DecodeError("bad_field", f"expected list of at most {max_len}")
+        return tuple(item(x) for x in v)
+
+    return check
+
+
+def _record(*items: Validator) -> Validator:
+    n = len(items)
+
+    def check(v: Any) -> tuple:
+        if type(v) is not list or len(v) != n:
+            raise DecodeError("bad_field", f"expected record of {n} fields")
+        return tuple(f(x) for f, x in zip(items, v))
+
+    return check
+
+
+def _optional(inner: Validator) -> Validator:
+    def check(v: Any) -> Any:
+        return None if v is None else inner(v)
+
+    return check
+
+
+U64 = _uint()
+U32 = _uint(2**32 - 1)
+NAME = _text(MAX_NAME)
+ADDR = _text(MAX_ADDR, allow_empty=True)
+STATUS = _uint(len(STATUS_NAMES) - 1)
+PHASE = _uint(len(PHASES) - 1)
+ROLE = _uint(len(ROLES) - 1)
+STEP = _sint(-1, 2**62)
+MILLIS = _uint(2**31 - 1)
+
+_REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
+
+
+def message(type_id: int, *validators: Validator) -> Callable[[type], type]:
+    """Class decorator: register a frozen dataclass as wire message ``type_id`` with field validators."""
+
+    def register(cls: type) -> type:
+        names = [f.name for f in fields(cls)]
+        if len(names) != len(validators):
+            raise TypeError(f"{cls.__name__}: {len(names)} fields but {len(validators)} validators")
+        if type_id in _REGISTRY:
+            raise TypeError(f"message type {type_id} registered twice")
+        cls.TYPE = type_id  # type: ignore[attr-defined]
+        cls.FIELDS = tuple(names)  # type: ignore[attr-defined]
+        _REGISTRY[type_id] = (cls, tuple(validators))
+        return cls
+
+    return register
+
+
+class Message:
+    """Marker base: every wire message is a frozen, slotted dataclass registered with :func:`message`."""
+
+    TYPE: ClassVar[int]
+    FIELDS: ClassVar[tuple[str, ...]]
+    __slots__ = ()
+
+
+def _to_list(msg: Any) -> list:
+    # msgpack writes tuples as arrays, so nested records need no conversion.
+    return [msg.TYPE, *[getattr(msg, name) for name in msg.FIELDS]]
+
+
+# --- SWIM messages -------------------------------------------------------------------------------
+@message(1, U64, NAME, NAME, ADDR)
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    seq: int
+    target: str
+    src: str
+    src_addr: str
+
+
+@message(2, U64, NAME, ADDR, NAME, ADDR, _bool)
+@dataclass(frozen=True, slots=True)
+class IndirectPing(Message):
+    seq: int
+    target: str
+    target_addr: str
+    src: str
+    src_addr: str
+    nack: bool
+
+
+@message(3, U64, NAME, U64, STEP, PHASE, MILLIS)
+@dataclass(frozen=True, slots=True)
+class Ack(Message):
+    """Answer to a ping; carries the acker's incarnation and training progress."""
+
+    seq: int
+    src: str
+    incarnation: int
+    step: int
+    phase: int
+    step_ms: int
+
+
+@message(4, U64, NAME)
+@dataclass(frozen=True, slots=True)
+class Nack(Message):
+    seq: int
+    src: str
+
+
+@message(5, NAME, ADDR, U64, ROLE)
+@dataclass(frozen=True, slots=True)
+class Alive(Message):
+    name: str
+    addr: str
+    incarnation: int
+    role: int
+
+
+@message(6, NAME, U64, NAME)
+@dataclass(frozen=True, slots=True)
+class Suspect(Message):
+    name: str
+    incarnation: int
+    src: str
+
+
+@message(7, NAME, U64, NAME)
+@dataclass(frozen=True, slots=True)
+class Dead(Message):
+    """``src == name`` means a graceful leave."""
+
+    name: str
+    incarnation: int
+    src: str
+
+
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
+@dataclass(frozen=True, slots=True)
+class Progress(Message):
+    """A member's training progress; ``version`` grows with every update by its owner."""
+
+    name: str
+    incarnation: int
+    version: int
+    step: int
+    phase: int
+    step_ms: int
+
+
+MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS)
+
+
+@message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
+@dataclass(frozen=True, slots=True)
+class PushPull(Message):
+    """Anti-entropy: full state. ``members`` rows are
+    (name, addr, incarnation, status, role, progress_version, step, phase, step_ms)."""
+
+    src: str
+    src_addr: str
+    join: bool
+    reply: bool
+    members: tuple
+
+
+# --- codec ---------------------------------------------------------------------------------------
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode_message(msg: Message) -> bytes:
+    """One message as a standalone msgpack body (used for sizing and for streams)."""
+    return _packer.pack(_to_list(msg))
+
+
+def encode_packet(msgs: Sequence[Message]) -> bytes:
+    """A compound packet of already-chosen messages."""
+    return _packer.pack([PROTOCOL_VERSION, [_to_list(m) for m in msgs]])
+
+
+def encode_parts(parts: Iterable[bytes]) -> bytes:
+    """A compound packet from pre-encoded message bodies (see :func:`encode_message`)."""
+    parts = list(parts)
+    n = len(parts)
+    if n < 16:
+        head = bytes((0x92, PROTOCOL_VERSION, 0x90 | n))
+    else:
+        head = bytes((0x92, PROTOCOL_VERSION, 0xDC)) + n.to_bytes(2, "big")
+    return head + b"".join(parts)
+
+
+PACKET_OVERHEAD = 5
+"""Bytes a compound packet adds around its message bodies (upper bound)."""
+
+
+def _decode_one(item: Any) -> Message:
+    if type(item) is not list or not item:
+        raise DecodeError("bad_message", "message is not a non-empty list")
+    entry = _REGISTRY.get(item[0]) if type(item[0]) is int else None
+    if entry is None:
+        raise DecodeError("unknown_type", repr(item[0])[:20])
+    cls, validators = entry
+    if len(item) != len(validators) + 1:
+        raise DecodeError("bad_message", f"{cls.__name__} needs {len(validators)} fields")
+    return cls(*[check(v) for check, v in zip(validators, item[1:])])
+
+
+def decode_packet(data: bytes, max_size: int) -> list[Message]:
+    """Decode a compound packet. Raises DecodeError (never anything else) on any defect."""
+    if len(data) > max_size:
+        raise DecodeError("oversized", f"{len(data)} > {max_size} bytes")
+    if not data:
+        raise DecodeError("truncated", "empty packet")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, use_list=True, strict_map_key=True,
+            max_str_len=max_size, max_bin_len=max_size,
+            max_array_len=MAX_MEMBERS + 16, max_map_len=1024, max_ext_len=0,
+        )
+    except DecodeError:
+        raise
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError,
+            UnicodeDecodeError, OverflowError, RecursionError, MemoryError) as exc:
+        raise DecodeError("malformed", type(exc).__name__) from None
+    except Exception as exc:  # msgpack raises assorted types on hostile input
+        raise DecodeError("malformed", type(exc).__name__) from None
+    if type(obj) is not list or len(obj) != 2:
+        raise DecodeError("malformed", "packet is not [version, messages]")
+    if obj[0] != PROTOCOL_VERSION or type(obj[0]) is not int:
+        raise DecodeError("bad_version", repr(obj[0])[:20])
+    body = obj[1]
+    if type(body) is not list or not body:
+        raise DecodeError("malformed", "no messages")
+    return [_decode_one(m) for m in body]

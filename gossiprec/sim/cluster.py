@@ -1,0 +1,200 @@
+"""Deterministic discrete-event simulation of a cluster of sans-IO protocol machines.
+
+What it does: runs N copies of the very same core state machine in one process, on a virtual clock,
+with one seeded :class:`random.Random` from which every other random choice derives (the network's and
+each node's). Same seed, same events, same output, byte for byte.
+
+Event loop: a heap of ``(time, seq, kind, node, payload)``. A delivery calls ``receive`` on the
+destination; a timer calls ``tick``; after either, the node's outgoing sends become future deliveries
+(through :class:`~gossiprec.sim.network.Network`), its events go to the observers (metrics, invariant
+checkers) and its next deadline is (re)scheduled. Faults are events too: crash (the node stops, its
+timers and inbound traffic vanish), pause (nothing runs; inbound traffic piles up and is delivered, in
+arrival order, when it resumes, followed by its overdue timers), restart (a fresh machine with a newer
+incarnation that rejoins through seeds).
+
+Observers are called with ``(now, node_index, event)`` for every event a machine emits, and
+``check(now)`` may raise :class:`~gossiprec.errors.InvariantViolation`; the runner prints the seed and
+the command that replays it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from gossiprec.sim.network import Network, NetworkModel
+
+DELIVER, TIMER, ACTION = 0, 1, 2
+UP, CRASHED, PAUSED = "up", "crashed", "paused"
+
+
+class Machine(Protocol):
+    def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
+    def tick(self, now: float) -> None: ...
+    def next_deadline(self) -> float: ...
+    def take_sends(self) -> list[Any]: ...
+    def take_events(self) -> list[Any]: ...
+
+
+MachineFactory = Callable[[int, float, int, random.Random], Machine]
+"""(node index, now, incarnation, rng) -> a new machine for that node."""
+
+
+@dataclass(slots=True)
+class SimNode:
+    index: int
+    name: str
+    machine: Machine
+    state: str = UP
+    timer_at: float = float("inf")
+    backlog: list[tuple[float, bytes, bool]] = field(default_factory=list)
+    sent_msgs: int = 0
+    sent_bytes: int = 0
+    incarnation: int = 1
+    crashed_at: float | None = None
+    paused_total: float = 0.0
+    longest_pause: float = 0.0
+
+
+class SimCluster:
+    def __init__(
+        self,
+        n: int,
+        factory: MachineFactory,
+        *,
+        seed: int,
+        model: NetworkModel | None = None,
+        names: list[str] | None = None,
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.network = Network(model or NetworkModel(), random.Random(self.rng.getrandbits(64)))
+        self.now = 0.0
+        self.events_processed = 0
+        self._heap: list[tuple[float, int, int, int, Any]] = []
+        self._seq = 0
+        self.factory = factory
+        self.names = names or [f"n{i}" for i in range(n)]
+        self.index_of = {name: i for i, name in enumerate(self.names)}
+        self.observers: list[Callable[[float, int, Any], None]] = []
+        self.checkers: list[Callable[[float], None]] = []
+        self.nodes: list[SimNode] = []
+        for i in range(n):
+            machine = factory(i, 0.0, 1, random.Random(self.rng.getrandbits(64)))
+            self.nodes.append(SimNode(i, self.names[i], machine))
+        for node in self.nodes:
+            self._flush(node)
+
+    # ------------------------------------------------------------------ scheduling
+    def _push(self, when: float, kind: int, node: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (when, self._seq, kind, node, payload))
+
+    def at(self, when: float, action: Callable[[], None]) -> None:
+        """Run ``action`` at virtual time ``when`` (fault injection, measurements)."""
+        self._push(when, ACTION, -1, action)
+
+    def _flush(self, node: SimNode) -> None:
+        machine = node.machine
+        now = self.now
+        sends = machine.take_sends()
+        if sends:
+            arrivals = self.network.arrivals
+            index_of = self.index_of
+            for send in sends:
+                size = len(send.payload)
+                node.sent_msgs += 1
+                node.sent_bytes += size
+                dst = index_of.get(send.addr)
+                if dst is None:
+                    continue
+                for t in arrivals(now, node.index, dst, size, send.reliable):
+                    self._push(t, DELIVER, dst, (send.payload, send.reliable))
+        events = machine.take_events()
+        if events:
+            for obs in self.observers:
+                for ev in events:
+                    obs(now, node.index, ev)
+        deadline = machine.next_deadline()
+        if deadline != node.timer_at:
+            node.timer_at = deadline
+            if deadline != float("inf"):
+                self._push(max(deadline, now), TIMER, node.index, deadline)
+
+    # ------------------------------------------------------------------ running
+    def run_until(self, t_end: float) -> None:
+        heap = self._heap
+        nodes = self.nodes
+        checkers = self.checkers
+        pop = heapq.heappop
+        while heap and heap[0][0] <= t_end:
+            when, _, kind, idx, payload = pop(heap)
+            self.now = when
+            self.events_processed += 1
+            if kind == DELIVER:
+                node = nodes[idx]
+                if node.state is UP:
+                    node.machine.receive(payload[0], when, payload[1])
+                    self._flush(node)
+                elif node.state is PAUSED:
+                    node.backlog.append((when, payload[0], payload[1]))
+            elif kind == TIMER:
+                node = nodes[idx]
+                if node.state is UP and payload == node.timer_at:
+                    node.timer_at = float("inf")
+                    node.machine.tick(when)
+                    self._flush(node)
+                elif node.state is PAUSED and payload == node.timer_at:
+                    node.timer_at = float("inf")  # re-armed on resume
+            else:
+                payload()
+            for check in checkers:
+                check(when)
+        self.now = max(self.now, t_end)
+
+    # ------------------------------------------------------------------ faults
+    def crash(self, idx: int) -> None:
+        node = self.nodes[idx]
+        if node.state == CRASHED:
+            return
+        node.state = CRASHED
+        node.crashed_at = self.now
+        node.backlog.clear()
+        node.timer_at = float("inf")
+
+    def pause(self, idx: int, duration: float) -> None:
+        node = self.nodes[idx]
+        if node.state is not UP:
+            return
+        node.state = PAUSED
+        node.paused_total += duration
+        node.longest_pause = max(node.longest_pause, duration)
+        self.at(self.now + duration, lambda: self._resume(idx))
+
+    def _resume(self, idx: int) -> None:
+        node = self.nodes[idx]
+        if node.state is not PAUSED:
+            return
+        node.state = UP
+        backlog, node.backlog = node.backlog, []
+        for _, data, reliable in backlog:
+            node.machine.receive(data, self.now, reliable)
+        node.machine.tick(self.now)
+        node.timer_at = float("inf")
+        self._flush(node)
+
+    def restart(self, idx: int, incarnation: int | None = None) -> None:
+        """A fresh process on the same node, with a newer incarnation (virtual milliseconds)."""
+        node = self.nodes[idx]
+        inc = incarnation if incarnation is not None else max(node.incarnation + 1, int(self.now * 1000) + 2)
+        node.incarnation = inc
+        node.state = UP
+        node.backlog.clear()
+        node.timer_at = float("inf")
+        node.machine = self.factory(idx, self.now, inc, random.Random(self.rng.getrandbits(64)))
+        self._flush(node)
+
+    def up_nodes(self) -> list[int]:
+        return [n.index for n in self.nodes if n.state is UP]

@@ -1,0 +1,431 @@
+"""One torch.distributed process group per membership epoch, with collectives an agent can interrupt.
+
+Theory of operation
+-------------------
+Recovery in place means the surviving processes keep running and switch to a new group when the
+membership changes; nobody calls ``init_process_group`` again. :class:`EpochGroups` builds, for each
+epoch the agent decides, a standalone backend (``ProcessGroupGloo``, or ``ProcessGroupNCCL`` with
+non-blocking communicators) on ``PrefixStore("gossiprec/e{epoch}", store)``. The store is a TCPStore
+hosted by whichever process the recovery plan names (:func:`start_store_server` in that process,
+:func:`connect_store` everywhere else); the per-epoch prefix keeps keys of an old group from leaking
+into a new one, so one store serves every epoch.
+
+Collectives are issued asynchronously and waited for in slices of ``poll_interval`` against the
+group's abort event (:meth:`EpochGroup.abort`, set by the agent from another thread). On gloo the slice
+is ``work.wait(timeout)``, which returns the moment the work completes; elsewhere it is
+``work.is_completed()`` polled with ``Event.wait``. Either way an abort is seen within one slice
+(5 ms by default) and raises :class:`CollectiveAborted`; so does the backend's own error when a peer
+dies (gloo reports a reset connection in tens of ms; the original exception is the ``__cause__``) and
+a per-call ``timeout``. A group that raised is poisoned: every later collective on it raises at once.
+
+Measured facts this design rests on (see TORCH-NOTES.md): abort/shutdown/destroy of a gloo group from
+another thread does not unblock a thread stuck in it, and dropping the last reference to a hung group
+blocks ~28 s in its destructor. So retired groups, and the work and tensors still pending on them, go
+to :attr:`EpochGroups.graveyard` and are never destroyed; a new group comes up in a few ms beside them.
+A process whose graveyard holds a hung group should leave with ``os._exit`` (interpreter teardown
+would run that destructor). A tensor given to a collective that was aborted may still be written by
+the dead group later: do not reuse it for the next step.
+
+NCCL (written against the torch 2.13 API, not run in CI): communicators are created with
+``config.blocking = False`` so that :meth:`EpochGroup.abort` can call ``pg.abort()`` without hanging,
+and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` must be 0 or 2 (the default, 3, kills the process on a
+timeout); building an NCCL group refuses otherwise, and refuses without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable
+
+from gossiprec.errors import ConfigError, RecoveryError
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
+STORE_PREFIX = "gossiprec/e{epoch}"
+BACKENDS = ("gloo", "nccl")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+
+
+class CollectiveAborted(RecoveryError):
+    """A collective did not complete: aborted by the agent, a peer failed, or it timed out.
+
+    ``reason`` is "aborted", "peer_failed" or "timeout"; the backend's exception, if any, is the cause.
+    The group is unusable afterwards: build the next epoch's group.
+    """
+
+    def __init__(self, message: str, *, epoch: int, op: str, reason: str) -> None:
+        super().__init__(message)
+        self.epoch = epoch
+        self.op = op
+        self.reason = reason
+
+
+def store_prefix(epoch: int) -> str:
+    return STORE_PREFIX.format(epoch=epoch)
+
+
+def start_store_server(host: str = "0.0.0.0", port: int = 0, *, timeout: float = 30.0
+                       ) -> tuple[dist.TCPStore, int]:
+    """Host a TCPStore in this process (any rank may); returns the store and the port it listens on.
+
+    ``port=0`` picks a free port. The server does not wait for workers; clients connect with
+    :func:`connect_store`. It lives as long as the returned object does.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    return store, int(store.port)
+
+
+def connect_store(host: str, port: int, *, timeout: float = 30.0) -> dist.TCPStore:
+    """A client of the TCPStore at ``host:port``; ``timeout`` bounds every store operation."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout))
+
+
+def _reduce_op(op: str) -> Any:
+    import torch.distributed as dist
+
+    table = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+             "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+    if op not in table:
+        raise ConfigError(f"unknown reduce op {op!r}; use one of {REDUCE_OPS}")
+    return table[op]
+
+
+def wait_interruptible(work: Any, abort: threading.Event, *, epoch: int, op: str,
+                       poll_interval: float = 0.005, deadline: float | None = None,
+                       blocking_wait: bool = True, reason_of_abort: Callable[[], str] = lambda: "") -> None:
+    """Wait for ``work`` (a ``torch.distributed.Work``) unless ``abort`` is set or ``deadline`` passes.
+
+    ``blocking_wait``: wait in ``work.wait(poll_interval)`` slices (gloo: completion wakes at once);
+    otherwise poll ``work.is_completed()`` (NCCL: ``wait`` does not block the host). Raises
+    :class:`CollectiveAborted` with reason "aborted", "timeout" or "peer_failed" (backend error as cause).
+    """
+    slice_ = timedelta(seconds=poll_interval)
+    backoff = min(poll_interval, 0.0001)
+    while True:
+        if abort.is_set():
+            why = reason_of_abort()
+            raise CollectiveAborted(f"{op} of epoch {epoch} aborted by the agent" + (f": {why}" if why else ""),
+                                    epoch=epoch, op=op, reason="aborted")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise CollectiveAborted(f"{op} of epoch {epoch} timed out; a peer is hung or gone",
+                                    epoch=epoch, op=op, reason="timeout")
+        if blocking_wait:
+            try:
+                work.wait(slice_)
+                return
+            except RuntimeError as exc:
+                if not work.is_completed():
+                    continue  # our slice ran out; the work goes on
+                _finish(work, epoch, op, exc)
+                return
+        if work.is_completed():
+            _finish(work, epoch, op, None)
+            return
+        abort.wait(backoff)
+        backoff = min(poll_interval, backoff * 2)
+
+
+def _finish(work: Any, epoch: int, op: str, first: BaseException | None) -> None:
+    """The work completed: return if it succeeded, else raise CollectiveAborted from its error."""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise CollectiveAborted(f"{op} of epoch {epoch} failed: a peer died or closed its connection "
+                                f"({str(exc).splitlines()[0][:200]})", epoch=epoch, op=op,
+                                reason="peer_failed") from exc
+
+
+class PendingCollective:
+    """An issued collective; :meth:`wait` blocks interruptibly (see :func:`wait_interruptible`)."""
+
+    def __init__(self, group: EpochGroup, op: str, work: Any, tensor: torch.Tensor | None,
+                 after: Callable[[], None] | None, deadline: float | None) -> None:
+        self.group = group
+        self.op = op
+        self.work = work
+        self.tensor = tensor
+        self._after = after
+        self._deadline = deadline
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done or bool(self.work.is_completed())
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        g = self.group
+        try:
+            wait_interruptible(self.work, g.abort_event, epoch=g.epoch, op=self.op,
+                               poll_interval=g.poll_interval, deadline=self._deadline,
+                               blocking_wait=g.backend == "gloo", reason_of_abort=lambda: g.abort_reason)
+        except CollectiveAborted as exc:
+            g.abort(f"{self.op} raised: {exc}")  # poison the group; keep the work referenced there
+            raise
+        g._forget(self)
+        self._done = True
+        if self._after is not None:
+            self._after()
+
+
+class EpochGroup:
+    """The process group of one epoch, with interruptible collectives; built by :class:`EpochGroups`."""
+
+    def __init__(self, epoch: int, rank: int, world_size: int, backend: str, *,
+                 poll_interval: float, timeout: float) -> None:
+        self.epoch = epoch
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.poll_interval = poll_interval
+        self.timeout = timeout
+        self.pg: Any = None
+        self.abort_event = threading.Event()
+        self.abort_reason = ""
+        self._lock = threading.Lock()
+        self._pending: list[PendingCollective] = []
+
+    def __repr__(self) -> str:
+        state = f"aborted: {self.abort_reason}" if self.abort_event.is_set() else "live"
+        return (f"EpochGroup(epoch={self.epoch}, rank={self.rank}/{self.world_size}, {self.backend}, "
+                f"{state})")
+
+    @property
+    def aborted(self) -> bool:
+        return self.abort_event.is_set()
+
+    def abort(self, reason: str = "") -> None:
+        """Make every current and future collective on this group raise. Thread-safe, idempotent.
+
+        For NCCL this also aborts the communicators (non-blocking, so it returns promptly).
+        """
+        with self._lock:
+            if self.abort_event.is_set():
+                return
+            self.abort_reason = reason
+            self.abort_event.set()
+        if self.backend == "nccl" and self.pg is not None:
+            try:
+                self.pg.abort()
+            except RuntimeError:
+                pass
+
+    def _forget(self, pending: PendingCollective) -> None:
+        with self._lock:
+            if pending in self._pending:
+                self._pending.remove(pending)
+
+    def _issue(self, op: str, start: Callable[[], Any], tensor: torch.Tensor | None,
+               after: Callable[[], None] | None, timeout: float | None, async_op: bool
+               ) -> PendingCollective | None:
+        if self.abort_event.is_set():
+            raise CollectiveAborted(f"{op} on epoch {self.epoch}'s group, which was aborted "
+                                    f"({self.abort_reason}); build the next epoch's group", epoch=self.epoch,
+                                    op=op, reason="aborted")
+        if self.pg is None:
+            raise ConfigError(f"epoch {self.epoch}'s group is not built yet")
+        t = self.timeout if timeout is None else timeout
+        try:
+            work = start()
+        except RuntimeError as exc:
+            self.abort(f"{op} could not be issued: {exc}")
+            raise CollectiveAborted(f"{op} on epoch {self.epoch} could not be issued: {exc}",
+                                    epoch=self.epoch, op=op, reason="peer_failed") from exc
+        pending = PendingCollective(self, op, work, tensor, after, time.monotonic() + t)
+        with self._lock:
+            self._pending.append(pending)
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
+    def allreduce(self, tensor: torch.Tensor, op: str = "sum", *, timeout: float | None = None,
+                  async_op: bool = False) -> PendingCollective | None:
+        """All-reduce ``tensor`` in place. ``op``: sum, avg, max, min, product."""
+        import torch.distributed as dist
+
+        opts = dist.AllreduceOptions()
+        after: Callable[[], None] | None = None
+        if op == "avg" and self.backend == "gloo":  # gloo has no AVG
+            opts.reduceOp = dist.ReduceOp.SUM
+            ws = self.world_size
+
+            def after() -> None:
+                tensor.div_(ws)
+        else:
+            opts.reduceOp = _reduce_op(op)
+        return self._issue("allreduce", lambda: self.pg.allreduce([tensor], opts), tensor, after, timeout,
+                           async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, timeout: float | None = None,
+                  async_op: bool = False) -> PendingCollective | None:
+        """Broadcast ``tensor`` from rank ``src`` of this epoch's group, in place."""
+        import torch.distributed as dist
+
+        if not 0 <= src < self.world_size:
+            raise ConfigError(f"broadcast source {src} is not a rank of a {self.world_size}-rank group")
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        return self._issue("broadcast", lambda: self.pg.broadcast([tensor], opts), tensor, None, timeout,
+                           async_op)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        import torch.distributed as dist
+
+        self._issue("barrier", lambda: self.pg.barrier(dist.BarrierOptions()), None, None, timeout, False)
+
+
+class EpochGroups:
+    """Builds each epoch's group on a shared store and keeps every retired one alive (the graveyard).
+
+    ``store`` is a TCPStore client (or server) object; ``timeout`` (seconds) bounds group construction
+    and is the default per-collective timeout; ``poll_interval`` (seconds) is how often a waiting
+    collective looks at its abort event. ``device`` is the CUDA device for NCCL.
+    """
+
+    def __init__(self, store: dist.Store, *, backend: str = "gloo", timeout: float = 30.0,
+                 poll_interval: float = 0.005, device: torch.device | int | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if not 0 < poll_interval <= 1.0 or timeout <= 0:
+            raise ConfigError("poll_interval must be in (0, 1] s and timeout > 0 s")
+        self.store = store
+        self.backend = backend
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.device = device
+        self.current: EpochGroup | None = None
+        self.graveyard: list[EpochGroup] = []
+        self._building: EpochGroup | None = None
+        self._lock = threading.Lock()
+
+    def build(self, epoch: int, rank: int, world_size: int, *, store: dist.Store | None = None
+              ) -> EpochGroup:
+        """Retire the current group and build epoch ``epoch``'s (blocks until all ranks joined).
+
+        Construction runs in a helper thread; an :meth:`abort` of this epoch, or ``timeout``, makes
+        this raise :class:`CollectiveAborted` promptly and leaves the half-built group in the
+        graveyard. ``store`` replaces the shared store (e.g. the plan moved it to another host).
+        """
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank {rank} is not in [0, {world_size})")
+        with self._lock:
+            last = max([g.epoch for g in self.graveyard] + ([self.current.epoch] if self.current else []),
+                       default=-1)
+            if epoch <= last:
+                raise ConfigError(f"epoch {epoch} is not newer than epoch {last}: group store prefixes must "
+                                  "never be reused")
+            if store is not None:
+                self.store = store
+            self._retire_locked("superseded by epoch %d" % epoch)
+            group = EpochGroup(epoch, rank, world_size, self.backend, poll_interval=self.poll_interval,
+                               timeout=self.timeout)
+            self._building = group
+        import torch.distributed as dist
+
+        prefixed = dist.PrefixStore(store_prefix(epoch), self.store)
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+
+        def construct() -> None:
+            try:
+                group.pg = self._make_backend(prefixed, rank, world_size)
+                outcome.append(None)
+            except BaseException as exc:  # reported to the caller below
+                outcome.append(exc)
+            done.set()
+
+        builder = threading.Thread(target=construct, name=f"gossiprec-build-e{epoch}", daemon=True)
+        builder.start()
+        deadline = time.monotonic() + self.timeout
+        while not done.wait(self.poll_interval):
+            if group.abort_event.is_set() or time.monotonic() >= deadline:
+                why = group.abort_reason or f"not all {world_size} ranks joined within {self.timeout:.1f}s"
+                group.abort(why)
+                with self._lock:
+                    self._building = None
+                    self.graveyard.append(group)
+                raise CollectiveAborted(f"building epoch {epoch}'s group failed: {why}", epoch=epoch,
+                                        op="build", reason="aborted" if group.abort_reason else "timeout")
+        err = outcome[0]
+        with self._lock:
+            self._building = None
+            if err is not None or group.abort_event.is_set():
+                self.graveyard.append(group)
+            else:
+                self.current = group
+        if err is not None:
+            raise CollectiveAborted(f"building epoch {epoch}'s group failed: {err}", epoch=epoch, op="build",
+                                    reason="peer_failed") from err
+        if group.abort_event.is_set():
+            raise CollectiveAborted(f"building epoch {epoch}'s group was aborted: {group.abort_reason}",
+                                    epoch=epoch, op="build", reason="aborted")
+        return group
+
+    def abort(self, epoch: int | None = None, reason: str = "") -> bool:
+        """Abort the group of ``epoch`` (default: the current or the one being built). Thread-safe.
+
+        Returns False when there is no such live group (a late abort for an old epoch is a no-op, so it
+        cannot hit the next epoch's group).
+        """
+        with self._lock:
+            candidates = [g for g in (self._building, self.current) if g is not None]
+        for g in candidates:
+            if epoch is None or g.epoch == epoch:
+                g.abort(reason or "aborted by the agent")
+                return True
+        return False
+
+    def retire(self, reason: str = "retired") -> None:
+        """Abort the current group and move it to the graveyard (e.g. before leaving the job)."""
+        with self._lock:
+            self._retire_locked(reason)
+
+    def _retire_locked(self, reason: str) -> None:
+        if self.current is not None:
+            self.current.abort(reason)
+            self.graveyard.append(self.current)
+            self.current = None
+
+    def _make_backend(self, store: dist.Store, rank: int, world_size: int) -> Any:
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=self.timeout)
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        return make_nccl_backend(store, rank, world_size, timeout, self.device)
+
+
+def make_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                      device: torch.device | int | None = None) -> Any:
+    """A ``ProcessGroupNCCL`` with non-blocking communicators, safe to :meth:`abort` from any thread.
+
+    Refuses (ConfigError) without CUDA/NCCL and unless TORCH_NCCL_ASYNC_ERROR_HANDLING is 0 or 2.
+    Not exercised in CI (no GPU there).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available() or not dist.is_nccl_available():
+        raise ConfigError("the NCCL backend needs CUDA and an NCCL build of torch; use backend='gloo'")
+    mode = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    if mode not in ("0", "2"):
+        raise ConfigError(f"TORCH_NCCL_ASYNC_ERROR_HANDLING={mode} makes NCCL kill the process on a "
+                          "timeout; set it to 2 (or 0) in the environment before starting the trainer")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.blocking = False
+    opts._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if device is not None:
+        pg.eager_connect_single_device(torch.device("cuda", device) if isinstance(device, int) else device)
+    return pg

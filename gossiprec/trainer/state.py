@@ -1,0 +1,646 @@
+"""Complete training state as a msgpack header plus raw tensor bytes; never pickle.
+
+Theory of operation
+-------------------
+A training state is a set of named objects that follow the :class:`Stateful` protocol
+(``state_dict()`` / ``load_state_dict()``): model, optimizer, LR scheduler, a data-position object and
+:class:`RNGState` (torch CPU and CUDA generators, Python ``random``, numpy when importable).
+
+:func:`capture_state` walks each object's nested state dict depth-first in insertion order. Every tensor
+leaf becomes an entry of the *payload*: a contiguous CPU tensor, described in the header by a
+:class:`TensorSpec` (name, dtype, shape, byte offset, size, crc32). The offsets pack the tensors densely
+in that order, so the payload is one flat byte range ``[0, total_nbytes)`` that can be split anywhere
+(several donors each serve a slice). Everything else (ints, floats, str, bool, None, bytes, lists,
+dicts with str/int keys) stays in the header's *tree*, where a tensor leaf is a msgpack ext reference
+(code 1) to its index, a tuple is ext code 2 (so ``betas`` comes back a tuple) and a dict that carries
+``_metadata`` (``nn.Module.state_dict``) is ext code 3. The header is a :class:`StateHeader`;
+:func:`pack_header` / :func:`unpack_header` turn it into bytes and back, validating everything.
+
+The receiving side never allocates per transfer: :class:`ReceiveTarget` takes the local objects'
+own state dicts (a hot spare builds model and optimizer in advance, and
+:func:`materialize_optimizer_state` allocates optimizer state by a zero-gradient, lr=0 step) and
+uses those very tensors as destinations when they are contiguous CPU tensors (otherwise a CPU
+staging tensor, pinned if asked). :meth:`ReceiveTarget.bind` matches the donor's header against the
+local layout *by name* (optimizer state may be created in another order on the donor) and refuses
+with :class:`LayoutMismatch` naming the differences. Bytes then land straight in the destinations
+(:meth:`BoundTarget.views` gives zero-copy ``memoryview`` s over them), :meth:`BoundTarget.verify`
+checks every crc32 (:class:`ChecksumMismatch`), and :meth:`BoundTarget.apply` rebuilds each tree
+around the destination tensors and calls ``load_state_dict``. On any failure before ``apply`` the
+destination tensors hold a mix of old and new bytes: the target is only good for another attempt.
+
+crc32 (zlib, ~3.3 GB/s here) is the end-to-end check: it is computed at capture, so it also catches a
+snapshot that was mutated after it was taken (``copy=False`` while training runs on). Authentication on
+the wire is the transport's job (:mod:`gossiprec.trainer.transfer`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import re
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import msgpack
+
+from gossiprec.errors import ConfigError, DecodeError, TransferError
+
+if TYPE_CHECKING:  # torch is imported lazily: the non-torch parts of gossiprec must not pull it in
+    import torch
+
+HEADER_VERSION = 1
+EXT_TENSOR = 1
+EXT_TUPLE = 2
+EXT_META_DICT = 3
+CHECKSUMS = ("crc32", "none")
+MAX_TREE_DEPTH = 64
+_DTYPE_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
+class LayoutMismatch(TransferError):
+    """The donor's tensors (names, dtypes, shapes) differ from what the local objects hold."""
+
+
+class ChecksumMismatch(TransferError):
+    """Received bytes do not match the crc32 the donor computed when it captured the state."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One tensor of the payload: where its bytes are and what they mean."""
+
+    name: str
+    """Path in the state, ``object/key/key``, e.g. ``optimizer/state/0/exp_avg``."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix, e.g. ``float32``."""
+    shape: tuple[int, ...]
+    offset: int
+    """Byte offset in the flat payload."""
+    nbytes: int
+    crc32: int | None
+    """zlib.crc32 of the bytes, or None when the header was captured with ``checksum=False``."""
+
+    def key(self) -> tuple[str, str, tuple[int, ...]]:
+        return (self.name, self.dtype, self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class StateHeader:
+    """Everything but the tensor bytes. ``trees`` maps object name to its encoded state dict."""
+
+    step: int
+    tensors: tuple[TensorSpec, ...]
+    trees: Mapping[str, Any]
+    total_nbytes: int
+    checksum: str = "crc32"
+    version: int = HEADER_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack-able dict (the trees hold msgpack ``ExtType`` references)."""
+        return {
+            "v": self.version,
+            "step": self.step,
+            "checksum": self.checksum,
+            "total": self.total_nbytes,
+            "tensors": [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes, s.crc32]
+                        for s in self.tensors],
+            "trees": dict(self.trees),
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> StateHeader:
+        """Validate a decoded header; raises :class:`DecodeError` on anything malformed."""
+        if not isinstance(obj, dict):
+            raise DecodeError("bad_state_header", "not a map")
+        version = _field(obj, "v", int)
+        if version != HEADER_VERSION:
+            raise DecodeError("bad_state_header", f"version {version}, this build reads {HEADER_VERSION}")
+        step = _field(obj, "step", int)
+        checksum = _field(obj, "checksum", str)
+        if checksum not in CHECKSUMS:
+            raise DecodeError("bad_state_header", f"unknown checksum {checksum!r}")
+        total = _field(obj, "total", int)
+        raw_tensors = _field(obj, "tensors", list)
+        trees = _field(obj, "trees", dict)
+        specs: list[TensorSpec] = []
+        offset = 0
+        for i, row in enumerate(raw_tensors):
+            specs.append(_spec_from_wire(i, row, offset, checksum))
+            offset += specs[-1].nbytes
+        if offset != total:
+            raise DecodeError("bad_state_header", f"tensors add up to {offset} bytes, header says {total}")
+        for name in trees:
+            if not isinstance(name, str) or not name or "/" in name:
+                raise DecodeError("bad_state_header", f"bad object name {name!r}")
+        refs: list[int] = []
+        for tree in trees.values():
+            _collect_refs(tree, refs, 0)
+        if sorted(refs) != list(range(len(specs))):
+            raise DecodeError("bad_state_header", "tensor references do not match the tensor table")
+        return cls(step=step, tensors=tuple(specs), trees=trees, total_nbytes=total,
+                   checksum=checksum, version=version)
+
+    def layout(self) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+        return tuple(s.key() for s in self.tensors)
+
+
+def pack_header(header: StateHeader) -> bytes:
+    return msgpack.packb(header.to_wire(), use_bin_type=True)
+
+
+def unpack_header(data: bytes | memoryview) -> StateHeader:
+    """Inverse of :func:`pack_header`; raises :class:`DecodeError` on malformed bytes."""
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise DecodeError("bad_state_header", f"msgpack: {exc}") from exc
+    return StateHeader.from_wire(obj)
+
+
+def _field(obj: dict[Any, Any], key: str, typ: type) -> Any:
+    value = obj.get(key)
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise DecodeError("bad_state_header", f"field {key!r} missing or not {typ.__name__}")
+    return value
+
+
+def _spec_from_wire(i: int, row: Any, offset: int, checksum: str) -> TensorSpec:
+    if not isinstance(row, list) or len(row) != 6:
+        raise DecodeError("bad_state_header", f"tensor entry {i} is not a 6-item list")
+    name, dtype_name, shape, off, nbytes, crc = row
+    if not isinstance(name, str) or not isinstance(dtype_name, str) or not isinstance(shape, list):
+        raise DecodeError("bad_state_header", f"tensor entry {i} has bad name/dtype/shape types")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise DecodeError("bad_state_header", f"tensor {name!r} has a bad shape {shape!r}")
+    if off != offset or not isinstance(nbytes, int):
+        raise DecodeError("bad_state_header", f"tensor {name!r} is not packed densely (offset {off!r})")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if nbytes != numel * dtype_itemsize(dtype_name):
+        raise DecodeError("bad_state_header", f"tensor {name!r}: {nbytes} bytes for shape {shape}")
+    if checksum == "crc32":
+        if not isinstance(crc, int) or not 0 <= crc < 2**32:
+            raise DecodeError("bad_state_header", f"tensor {name!r} lacks a crc32")
+    elif crc is not None:
+        raise DecodeError("bad_state_header", f"tensor {name!r} has a checksum but the header says none")
+    return TensorSpec(name, dtype_name, tuple(shape), off, nbytes, crc)
+
+
+def _collect_refs(node: Any, refs: list[int], depth: int) -> None:
+    if depth > MAX_TREE_DEPTH:
+        raise DecodeError("bad_state_header", f"state tree nested deeper than {MAX_TREE_DEPTH}")
+    if isinstance(node, msgpack.ExtType):
+        inner = _unpack_ext(node)
+        if node.code == EXT_TENSOR:
+            refs.append(inner)
+        else:
+            _collect_refs(inner, refs, depth + 1)
+    elif isinstance(node, dict):
+        for v in node.values():
+            _collect_refs(v, refs, depth + 1)
+    elif isinstance(node, list):
+        for v in node:
+            _collect_refs(v, refs, depth + 1)
+
+
+def _unpack_ext(ext: msgpack.ExtType) -> Any:
+    try:
+        inner = msgpack.unpackb(ext.data, raw=False, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException, TypeError) as exc:
+        raise DecodeError("bad_state_header", f"ext {ext.code}: {exc}") from exc
+    if ext.code == EXT_TENSOR:
+        if not isinstance(inner, int) or isinstance(inner, bool) or inner < 0:
+            raise DecodeError("bad_state_header", "bad tensor reference")
+    elif ext.code == EXT_TUPLE:
+        if not isinstance(inner, list):
+            raise DecodeError("bad_state_header", "bad tuple")
+    elif ext.code == EXT_META_DICT:
+        if not (isinstance(inner, list) and len(inner) == 2 and isinstance(inner[0], dict)
+                and isinstance(inner[1], dict)):
+            raise DecodeError("bad_state_header", "bad dict with metadata")
+    else:
+        raise DecodeError("bad_state_header", f"unknown ext code {ext.code}")
+    return inner
+
+
+# --------------------------------------------------------------------------------------------------
+# dtypes and zero-copy byte views
+
+
+def dtype_itemsize(name: str) -> int:
+    """Bytes per element of the torch dtype ``name``; :class:`DecodeError` if it is not one."""
+    return _dtype(name).itemsize
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    value = getattr(torch, name, None) if _DTYPE_NAME.match(name) else None
+    if not isinstance(value, torch.dtype):
+        raise DecodeError("bad_state_header", f"unknown dtype {name!r}")
+    return value
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A writable, zero-copy ``memoryview`` (format ``B``) over a contiguous CPU tensor's bytes.
+
+    The view keeps the tensor alive. Works for every dtype (bfloat16 too) and needs no numpy.
+    """
+    import torch
+
+    if t.device.type != "cpu" or t.layout != torch.strided or not t.is_contiguous():
+        raise ConfigError(f"need a contiguous, strided CPU tensor, got {t.device} {t.layout} "
+                          f"contiguous={t.is_contiguous()}")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    arr._gossiprec_owner = t  # type: ignore[attr-defined]  # ties the tensor's life to the view
+    return memoryview(arr).cast("B")
+
+
+# --------------------------------------------------------------------------------------------------
+# encoding state dicts
+
+
+def _encode(value: Any, path: tuple[str, ...], found: list[tuple[str, torch.Tensor]]) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        found.append(("/".join(path), value))
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb(len(found) - 1))
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
+            raise ConfigError(f"state value at {'/'.join(path)} = {value} does not fit 64 bits")
+        return value
+    if len(path) > MAX_TREE_DEPTH:
+        raise ConfigError(f"state nested deeper than {MAX_TREE_DEPTH} at {'/'.join(path)}")
+    if isinstance(value, dict):
+        enc: dict[Any, Any] = {}
+        for k, v in value.items():
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise ConfigError(f"state dict key {k!r} at {'/'.join(path)} is a {type(k).__name__}; "
+                                  "only str and int keys can be transferred")
+            enc[k] = _encode(v, (*path, str(k)), found)
+        meta = getattr(value, "_metadata", None)
+        if isinstance(meta, dict):
+            plain_meta = _encode(dict(meta), (*path, "_metadata"), [])
+            return msgpack.ExtType(EXT_META_DICT, msgpack.packb([enc, plain_meta], use_bin_type=True))
+        return enc
+    if isinstance(value, list):
+        return [_encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        items = [_encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
+        return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
+    raise ConfigError(f"state value at {'/'.join(path)} is a {type(value).__name__}; only tensors, "
+                      "None, bool, int, float, str, bytes, lists, tuples and dicts can be transferred: "
+                      "convert it in that object's state_dict()")
+
+
+def _decode(node: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    if isinstance(node, msgpack.ExtType):
+        inner = _unpack_ext(node)
+        if node.code == EXT_TENSOR:
+            return tensors[inner]
+        if node.code == EXT_TUPLE:
+            return tuple(_decode(v, tensors) for v in inner)
+        out = OrderedDict((k, _decode(v, tensors)) for k, v in inner[0].items())
+        out._metadata = _decode(inner[1], tensors)  # type: ignore[attr-defined]
+        return out
+    if isinstance(node, dict):
+        return {k: _decode(v, tensors) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_decode(v, tensors) for v in node]
+    return node
+
+
+def _walk_objects(objects: Mapping[str, Stateful]
+                  ) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+    trees: dict[str, Any] = {}
+    found: list[tuple[str, torch.Tensor]] = []
+    for name, obj in objects.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"state object name {name!r} must be a non-empty str without '/'")
+        trees[name] = _encode(obj.state_dict(), (name,), found)
+    return trees, found
+
+
+# --------------------------------------------------------------------------------------------------
+# capture (donor side)
+
+
+@dataclass(frozen=True, slots=True)
+class StateSnapshot:
+    """A captured state: the header and the payload tensors (contiguous, CPU) in header order."""
+
+    header: StateHeader
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def step(self) -> int:
+        return self.header.step
+
+    def views(self) -> list[memoryview]:
+        """Zero-copy byte views of the payload tensors, in header order."""
+        return [tensor_bytes(t) for t in self.tensors]
+
+    def payload(self) -> bytes:
+        """The whole payload as one bytes object (a copy; for tests and small states)."""
+        return b"".join(bytes(v) for v in self.views())
+
+
+def capture_state(objects: Mapping[str, Stateful], *, step: int, copy: bool = True,
+                  checksum: bool = True) -> StateSnapshot:
+    """Capture ``objects`` (name -> Stateful) at training step ``step``.
+
+    ``copy=True`` clones every tensor, so the snapshot stays valid while training moves on.
+    ``copy=False`` keeps views of contiguous CPU tensors (others are still copied): only safe while
+    the state does not change, e.g. when training is paused for a recovery. With ``checksum`` each
+    tensor's crc32 goes into the header (about 30 ms per 100 MB here).
+    """
+    import torch
+
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step must be an int >= 0, got {step!r}")
+    trees, found = _walk_objects(objects)
+    tensors: list[torch.Tensor] = []
+    specs: list[TensorSpec] = []
+    offset = 0
+    for name, t in found:
+        if t.layout != torch.strided:
+            raise ConfigError(f"tensor {name} has layout {t.layout}; only dense tensors can be "
+                              "transferred (convert sparse tensors in state_dict())")
+        src = t.detach()
+        if src.device.type != "cpu":
+            payload_t = src.to("cpu").contiguous()
+        elif copy or not src.is_contiguous():
+            payload_t = src.clone(memory_format=torch.contiguous_format)
+        else:
+            payload_t = src
+        nbytes = payload_t.numel() * payload_t.element_size()
+        crc = zlib.crc32(tensor_bytes(payload_t)) if checksum else None
+        specs.append(TensorSpec(name, dtype_name(payload_t.dtype), tuple(payload_t.shape), offset,
+                                nbytes, crc))
+        tensors.append(payload_t)
+        offset += nbytes
+    header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
+                         checksum="crc32" if checksum else "none")
+    return StateSnapshot(header=header, tensors=tuple(tensors))
+
+
+# --------------------------------------------------------------------------------------------------
+# receive side
+
+
+class ReceiveTarget:
+    """Destination tensors for a transfer, taken from the local objects' own state dicts.
+
+    Contiguous CPU tensors in the local state dicts are used in place (bytes land directly in the
+    model parameters and optimizer state); anything else gets a CPU staging tensor of the same
+    dtype and shape (pinned when ``pin_memory`` and CUDA is available) that ``load_state_dict``
+    copies from in :meth:`BoundTarget.apply`.
+    """
+
+    def __init__(self, objects: Mapping[str, Stateful], *, pin_memory: bool = False) -> None:
+        import torch
+
+        self.objects: dict[str, Stateful] = dict(objects)
+        _, found = _walk_objects(self.objects)
+        pin = pin_memory and torch.cuda.is_available()
+        self._dest: dict[str, torch.Tensor] = {}
+        for name, t in found:
+            if name in self._dest:
+                raise ConfigError(f"two tensors are both named {name!r}; state dict keys must be unique")
+            t = t.detach()
+            if t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided:
+                self._dest[name] = t
+            else:
+                self._dest[name] = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pin)
+        self.total_nbytes = sum(t.numel() * t.element_size() for t in self._dest.values())
+
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Local tensors: name -> (dtype name, shape)."""
+        return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self._dest.items()}
+
+    def bind(self, header: StateHeader) -> BoundTarget:
+        """Match ``header`` against the local layout; :class:`LayoutMismatch` lists what differs."""
+        problems: list[str] = []
+        missing_objects = set(self.objects) ^ set(header.trees)
+        if missing_objects:
+            problems.append(f"state objects differ: local {sorted(self.objects)}, "
+                            f"donor {sorted(header.trees)}")
+        local = self.layout()
+        remote_names = {s.name for s in header.tensors}
+        dests: list[torch.Tensor] = []
+        for spec in header.tensors:
+            have = local.get(spec.name)
+            if have is None:
+                problems.append(f"donor tensor {spec.name} {spec.dtype}{list(spec.shape)} has no local "
+                                "counterpart")
+            elif have != (spec.dtype, spec.shape):
+                problems.append(f"{spec.name}: donor {spec.dtype}{list(spec.shape)}, local "
+                                f"{have[0]}{list(have[1])}")
+            else:
+                dests.append(self._dest[spec.name])
+        for name in local:
+            if name not in remote_names:
+                problems.append(f"local tensor {name} is not in the donor's state")
+        if problems:
+            hint = ""
+            if any("optimizer" in p or "state" in p for p in problems):
+                hint = (" (a hot spare must build the same model and optimizer and allocate optimizer "
+                        "state first, see materialize_optimizer_state)")
+            shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+            raise LayoutMismatch(f"refusing the donor's state at step {header.step}: its layout differs "
+                                 f"from this process's: {shown}{hint}")
+        return BoundTarget(self, header, tuple(dests))
+
+
+class BoundTarget:
+    """A :class:`ReceiveTarget` matched to one donor header: destinations in header order."""
+
+    def __init__(self, target: ReceiveTarget, header: StateHeader,
+                 tensors: tuple[torch.Tensor, ...]) -> None:
+        self.target = target
+        self.header = header
+        self.tensors = tensors
+        self._views: list[memoryview] | None = None
+
+    def views(self) -> list[memoryview]:
+        """Writable zero-copy byte views of the destinations, in header order (cached)."""
+        if self._views is None:
+            self._views = [tensor_bytes(t) for t in self.tensors]
+        return self._views
+
+    def write_payload(self, payload: bytes | bytearray | memoryview | Iterable[memoryview]) -> None:
+        """Copy a whole payload (one buffer, or the donor's views in order) into the destinations."""
+        if isinstance(payload, (bytes, bytearray, memoryview)):
+            chunks = [memoryview(payload).cast("B")]
+        else:
+            chunks = [memoryview(p).cast("B") for p in payload]
+        flat = chunks[0] if len(chunks) == 1 else memoryview(b"".join(chunks))
+        if len(flat) != self.header.total_nbytes:
+            raise TransferError(f"payload is {len(flat)} bytes, header says {self.header.total_nbytes}")
+        for spec, view in zip(self.header.tensors, self.views()):
+            view[:] = flat[spec.offset:spec.offset + spec.nbytes]
+
+    def verify(self) -> None:
+        """Check every tensor's crc32 against the header (no-op for ``checksum='none'``)."""
+        if self.header.checksum == "none":
+            return
+        bad = [spec.name for spec, view in zip(self.header.tensors, self.views())
+               if zlib.crc32(view) != spec.crc32]
+        if bad:
+            raise ChecksumMismatch(f"{len(bad)} tensor(s) of the step-{self.header.step} state fail their "
+                                   f"crc32 ({', '.join(bad[:5])}): the donor's snapshot changed after "
+                                   "capture or memory is corrupt; fetch again from another donor")
+
+    def apply(self) -> None:
+        """Rebuild each state dict around the destination tensors and load it into its object."""
+        for name, tree in self.header.trees.items():
+            self.target.objects[name].load_state_dict(_decode(tree, self.tensors))
+
+
+def prepare_receive(objects: Mapping[str, Stateful], *, pin_memory: bool = False) -> ReceiveTarget:
+    """Shorthand for :class:`ReceiveTarget`."""
+    return ReceiveTarget(objects, pin_memory=pin_memory)
+
+
+def restore_state(objects: Mapping[str, Stateful], snapshot: StateSnapshot | tuple[bytes, bytes]) -> None:
+    """Load a snapshot (or ``(packed header, payload)``) into ``objects`` in memory, verifying it."""
+    if isinstance(snapshot, StateSnapshot):
+        header, payload = snapshot.header, snapshot.views()
+        bound = ReceiveTarget(objects).bind(header)
+        bound.write_payload(payload)
+    else:
+        header = unpack_header(snapshot[0])
+        bound = ReceiveTarget(objects).bind(header)
+        bound.write_payload(snapshot[1])
+    bound.verify()
+    bound.apply()
+
+
+# --------------------------------------------------------------------------------------------------
+# hot-spare helpers
+
+
+def materialize_optimizer_state(optimizer: Any) -> None:
+    """Allocate the per-parameter state of ``optimizer`` (Adam, AdamW, SGD with momentum, ...).
+
+    A hot spare builds model and optimizer in advance, but optimizers create their state lazily in
+    the first ``step()``; without it the spare's layout would not match a donor's. This runs one step
+    with every learning rate set to 0 and a zero gradient for each trainable parameter that has no
+    state yet, then restores the learning rates and gradients. Parameters with state already are left
+    out (their gradient is hidden during the step), so calling it twice changes nothing.
+
+    The step counters and buffers it creates hold meaningless values (step=1, zero moments); they
+    exist only to be overwritten by the transfer. With lr=0, Adam/AdamW/SGD leave parameter values
+    unchanged; other optimizers may not, which does not matter as the transfer overwrites the model.
+    """
+    import torch
+
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    missing = [p for p in trainable if not optimizer.state.get(p)]
+    if not missing:
+        return
+    missing_ids = {id(p) for p in missing}
+    saved_grads = {id(p): p.grad for p in trainable}
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    try:
+        for g in optimizer.param_groups:
+            lr = g["lr"]
+            g["lr"] = torch.zeros_like(lr) if isinstance(lr, torch.Tensor) else 0.0
+        for p in trainable:
+            p.grad = torch.zeros_like(p) if id(p) in missing_ids else None
+        optimizer.step()
+    finally:
+        for g, lr in zip(optimizer.param_groups, saved_lr):
+            g["lr"] = lr
+        for p in trainable:
+            p.grad = saved_grads[id(p)]
+
+
+class RNGState:
+    """The process's random generators as a :class:`Stateful`.
+
+    ``state_dict()`` holds ``torch`` (CPU generator state, a uint8 tensor), ``cuda`` (one tensor per
+    device, when CUDA is available), ``python`` (``random.getstate()`` as lists) and ``numpy`` (the
+    legacy global ``np.random`` state, when numpy is importable). Pass ``cuda``/``numpy`` explicitly to
+    force the layout, e.g. when donors and receivers differ in what is installed.
+    """
+
+    def __init__(self, *, cuda: bool | None = None, numpy: bool | None = None) -> None:
+        import torch
+
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
+        if numpy is None:
+            try:
+                import numpy as _np  # noqa: F401
+                numpy = True
+            except ImportError:
+                numpy = False
+        self.numpy = numpy
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        version, internal, gauss = random.getstate()
+        sd: dict[str, Any] = {"torch": torch.get_rng_state(),
+                              "python": [version, list(internal), gauss]}
+        if self.cuda:
+            sd["cuda"] = list(torch.cuda.get_rng_state_all())
+        if self.numpy:
+            import numpy as np
+
+            algo, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+            sd["numpy"] = {"algo": str(algo), "keys": [int(k) for k in keys], "pos": int(pos),
+                           "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        import torch
+
+        try:
+            torch.set_rng_state(state_dict["torch"])
+            version, internal, gauss = state_dict["python"]
+            random.setstate((version, tuple(internal), gauss))
+            if self.cuda:
+                torch.cuda.set_rng_state_all(state_dict["cuda"])
+            if self.numpy:
+                import numpy as np
+
+                st = state_dict["numpy"]
+                np.random.set_state((st["algo"], np.asarray(st["keys"], dtype=np.uint32), st["pos"],
+                                     st["has_gauss"], st["cached_gaussian"]))
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise TransferError(f"RNG state does not fit this process ({exc}); donor and receiver must "
+                                "agree on CUDA and numpy being present") from exc
+
+
+def training_state(model: Any, optimizer: Any, scheduler: Any = None, data: Any = None, *,
+                   rng: bool = True) -> dict[str, Stateful]:
+    """The usual objects under their conventional names (``model``, ``optimizer``, ...)."""
+    objects: dict[str, Stateful] = {"model": model, "optimizer": optimizer}
+    if scheduler is not None:
+        objects["scheduler"] = scheduler
+    if data is not None:
+        objects["data"] = data
+    if rng:
+        objects["rng"] = RNGState()
+    return objects
