@@ -41,7 +41,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol
+from typing import Callable, Iterable, Mapping, Protocol
 
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
@@ -260,6 +260,12 @@ class Membership:
         self._token = 0
         self._timers: list[tuple[float, int, int, object]] = []
         self._cancelled: set[int] = set()
+        self.on_other: Callable[[Message, float], None] | None = None
+        """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
+        self._focus: list[str] = []
+        self._focus_i = 0
+        self._limit_n = -1
+        self._limit = 1
         self._gossip_armed = False
         self._now = now
         self._probe_targets: tuple[str, ...] | None = None
@@ -272,7 +278,9 @@ class Membership:
         self.counters: dict[str, int] = {}
         jitter = rng.random()
         self._at(now + jitter * config.probe_interval, _PROBE, None)
-        self._broadcast(name, Alive(name, addr, incarnation, self.role))
+        known = self._base.get(name)
+        if known is None or known.incarnation != incarnation or known.addr != addr:
+            self._broadcast(name, Alive(name, addr, incarnation, self.role))
         self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
 
     # ------------------------------------------------------------------ table access
@@ -399,6 +407,8 @@ class Membership:
                 probe.nacks += 1
         elif t is PushPull:
             self._on_pushpull(msg, now)  # type: ignore[arg-type]
+        elif self.on_other is not None:
+            self.on_other(msg, now)
         else:
             self._count("rx_unexpected")
 
@@ -491,10 +501,40 @@ class Membership:
         target = self._next_target()
         if target is not None:
             self._probe(target, now, verify=False)
+        if self._focus:
+            self._focus_i = (self._focus_i + 1) % len(self._focus)
+            focus = self._focus[self._focus_i]
+            if focus != target and self.member(focus) is not None:
+                self._probe(focus, now, verify=False)
+
+    def set_focus(self, names: Iterable[str]) -> None:
+        """Members probed every round in addition to the round robin (subjects under suspicion)."""
+        self._focus = sorted(set(names) - {self.name})
+        self._focus_i = 0
+
+    def broadcast(self, key: str, msg: Message, now: float) -> None:
+        """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it."""
+        self._now = now
+        self._broadcast(key, msg)
+
+    def send_to(self, name: str, msg: Message, now: float) -> bool:
+        """Send ``msg`` (plus piggyback) to a known member; False if its address is unknown."""
+        rec = self.member(name)
+        if rec is None:
+            return False
+        self._now = now
+        self._send(rec.addr, [msg], piggyback=True, dest=name)
+        return True
+
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False) -> None:
+        if reliable:
+            self._sends.append(Send(addr, encode_packet([msg]), True))
+        else:
+            self._send(addr, [msg], piggyback=True)
 
     def _probe(self, target: str, now: float, verify: bool) -> None:
         rec = self.member(target)
-        if rec is None:
+        if rec is None or rec.status == LEFT:
             return
         self._seq += 1
         seq = self._seq
@@ -772,7 +812,7 @@ class Membership:
                 if rec is not None and rec.status == DEAD and now - at < cfg.gossip_to_dead:
                     targets.append(name)
                     break
-        limit = cfg.retransmit_limit(self.n_live)
+        limit = self._retransmit_limit()
         for target in targets:
             rec = self.member(target)
             if rec is None:
@@ -842,10 +882,18 @@ class Membership:
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(m) for m in msgs]
         if piggyback:
-            parts.extend(encode_message(m) for m in self._progress_piggyback())
-            budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
-            parts.extend(self._queue.take(budget, self.config.retransmit_limit(self.n_live)))
+            if self._progress_names or self._my_progress.version:
+                parts.extend(encode_message(m) for m in self._progress_piggyback())
+            if len(self._queue):
+                budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
+                parts.extend(self._queue.take(budget, self._retransmit_limit()))
         self._sends.append(Send(addr, encode_parts(parts)))
+
+    def _retransmit_limit(self) -> int:
+        n = self._n_live
+        if n != self._limit_n:
+            self._limit_n, self._limit = n, self.config.retransmit_limit(n)
+        return self._limit
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1

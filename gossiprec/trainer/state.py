@@ -35,6 +35,7 @@ the wire is the transport's job (:mod:`gossiprec.trainer.transfer`).
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import random
 import re
@@ -339,6 +340,48 @@ def _walk_objects(objects: Mapping[str, Stateful]
             raise ConfigError(f"state object name {name!r} must be a non-empty str without '/'")
         trees[name] = _encode(obj.state_dict(), (name,), found)
     return trees, found
+
+
+# --------------------------------------------------------------------------------------------------
+# payload geometry: chunks (never across a tensor) and stripes (byte ranges served by one donor each)
+
+
+def plan_chunks(specs: Sequence[TensorSpec], start: int, end: int,
+                chunk_size: int) -> list[tuple[int, int, int]]:
+    """Chunks ``(tensor index, first byte, end byte)`` covering payload bytes ``[start, end)``.
+
+    Chunks are at most ``chunk_size`` bytes and never cross a tensor boundary; empty tensors get none.
+    Donor and receiver compute the same list from the same header.
+    """
+    if chunk_size < 1:
+        raise ConfigError("chunk_size must be >= 1")
+    out: list[tuple[int, int, int]] = []
+    first = max(0, bisect.bisect_right([s.offset for s in specs], start) - 1)
+    for i in range(first, len(specs)):
+        s = specs[i]
+        if s.offset >= end:
+            break
+        pos, stop = max(start, s.offset), min(end, s.offset + s.nbytes)
+        while pos < stop:
+            nxt = min(pos + chunk_size, stop)
+            out.append((i, pos - s.offset, nxt - s.offset))
+            pos = nxt
+    return out
+
+
+def select_chunks(chunks: Sequence[tuple[int, int, int]], specs: Sequence[TensorSpec], start: int,
+                  end: int) -> range:
+    """Indices of the chunks whose first payload byte lies in ``[start, end)``."""
+    starts = [specs[ti].offset + lo for ti, lo, _ in chunks]
+    return range(bisect.bisect_left(starts, start), bisect.bisect_left(starts, end))
+
+
+def even_stripes(total: int, n: int, align: int = 4096) -> list[tuple[int, int]]:
+    """Split ``[0, total)`` into ``n`` contiguous ranges of nearly equal size, cut at ``align``."""
+    if n < 1:
+        raise ConfigError("need at least one stripe")
+    cuts = [0] + [min(total, (total * k // n) // align * align) for k in range(1, n)] + [total]
+    return [(cuts[k], cuts[k + 1]) for k in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -50,7 +50,6 @@ hold garbage until a fetch succeeds).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import socket
@@ -58,8 +57,8 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from queue import SimpleQueue
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import Any, Callable, Sequence
 
 import msgpack
@@ -69,7 +68,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gossiprec.errors import ConfigError, DecodeError, GossiprecError, SecurityError, TransferError
-from gossiprec.trainer.state import BoundTarget, ReceiveTarget, StateHeader, StateSnapshot, TensorSpec
+from gossiprec.trainer.state import (
+    BoundTarget,
+    ReceiveTarget,
+    StateHeader,
+    StateSnapshot,
+    even_stripes,
+    plan_chunks,
+    select_chunks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -215,36 +222,6 @@ def open_request(key: bytes, frame: bytes, context: bytes = b"") -> tuple[bytes,
     return tid, TransferRequest.from_wire(obj)
 
 
-def plan_chunks(specs: Sequence[TensorSpec], start: int, end: int,
-                chunk_size: int) -> list[tuple[int, int, int]]:
-    """Chunks ``(tensor index, first byte, end byte)`` covering payload bytes ``[start, end)``.
-
-    Chunks are at most ``chunk_size`` bytes and never cross a tensor boundary; empty tensors get none.
-    Donor and receiver compute the same list from the same header.
-    """
-    if chunk_size < 1:
-        raise ConfigError("chunk_size must be >= 1")
-    out: list[tuple[int, int, int]] = []
-    first = max(0, bisect.bisect_right([s.offset for s in specs], start) - 1)
-    for i in range(first, len(specs)):
-        s = specs[i]
-        if s.offset >= end:
-            break
-        pos, stop = max(start, s.offset), min(end, s.offset + s.nbytes)
-        while pos < stop:
-            nxt = min(pos + chunk_size, stop)
-            out.append((i, pos - s.offset, nxt - s.offset))
-            pos = nxt
-    return out
-
-
-def select_chunks(chunks: Sequence[tuple[int, int, int]], specs: Sequence[TensorSpec], start: int,
-                  end: int) -> range:
-    """Indices of the chunks whose first payload byte lies in ``[start, end)``."""
-    starts = [specs[ti].offset + lo for ti, lo, _ in chunks]
-    return range(bisect.bisect_left(starts, start), bisect.bisect_left(starts, end))
-
-
 @dataclass(frozen=True, slots=True)
 class SealedState:
     """A snapshot with a GMAC tag per chunk (see :func:`seal_state`); what a donor serves."""
@@ -276,14 +253,6 @@ def seal_state(snapshot: StateSnapshot, key: bytes, *, chunk_size: int = DEFAULT
     views = snapshot.views()
     tags = b"".join(aead.encrypt(_nonce(g), b"", views[ti][lo:hi]) for g, (ti, lo, hi) in enumerate(chunks))
     return SealedState(snapshot, salt, chunk_size, tuple(chunks), tags)
-
-
-def even_stripes(total: int, n: int, align: int = 4096) -> list[tuple[int, int]]:
-    """Split ``[0, total)`` into ``n`` contiguous ranges of nearly equal size, cut at ``align``."""
-    if n < 1:
-        raise ConfigError("need at least one stripe")
-    cuts = [0] + [min(total, (total * k // n) // align * align) for k in range(1, n)] + [total]
-    return [(cuts[k], cuts[k + 1]) for k in range(n)]
 
 
 def _check_stripes(stripes: Sequence[tuple[int, int]], total: int, n: int) -> None:
@@ -355,6 +324,7 @@ class DonorServer:
     def start(self) -> DonorServer:
         sock = socket.create_server((self._host, self._port), backlog=64, reuse_port=False)
         self._sock = sock
+        self._port = int(sock.getsockname()[1])
         self._accept_thread = threading.Thread(target=self._accept_loop, name="gossiprec-donor-accept",
                                                daemon=True)
         self._accept_thread.start()
@@ -362,9 +332,10 @@ class DonorServer:
 
     @property
     def port(self) -> int:
+        """The port it listens on (the one picked when constructed with port 0)."""
         if self._sock is None:
             raise ConfigError("DonorServer.start() first")
-        return int(self._sock.getsockname()[1])
+        return self._port
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop accepting, cut every connection in progress and wait (bounded) for the threads."""
@@ -398,6 +369,8 @@ class DonorServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return  # closed
+            handler = threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
+                                       name=f"gossiprec-donor-{addr[0]}:{addr[1]}")
             with self._lock:
                 if self._closed:
                     conn.close()
@@ -405,14 +378,12 @@ class DonorServer:
                 busy = len(self._conns) >= self._max_conns
                 if not busy:
                     self._conns.add(conn)
-                    t = threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
-                                         name=f"gossiprec-donor-{addr[0]}:{addr[1]}")
-                    self._threads.add(t)
+                    self._threads.add(handler)
             if busy:
                 _send_plain_refusal(conn, f"donor busy ({self._max_conns} transfers in progress)")
                 conn.close()
                 continue
-            t.start()
+            handler.start()
 
     def _serve(self, conn: socket.socket, addr: Any) -> None:
         peer = f"{addr[0]}:{addr[1]}"

@@ -1,0 +1,51 @@
+"""The ``gossiprec`` command: one entry point, sub-commands registered by the modules that own them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from gossiprec import __version__
+from gossiprec.errors import GossiprecError
+
+# (module, attribute) of each sub-command's ``add_cli(subparsers)``; imported lazily so that
+# ``gossiprec sim`` does not pay for torch or asyncio.
+_COMMANDS: tuple[tuple[str, str], ...] = (
+    ("gossiprec.sim.cli", "add_cli"),
+    ("gossiprec.io.keyring", "add_cli"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gossiprec",
+        description="Masterless failure detection, agreement and in-place recovery for distributed training.",
+    )
+    parser.add_argument("--version", action="version", version=f"gossiprec {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module, attr in _COMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:  # an optional part (e.g. torch) is missing
+            print(f"gossiprec: {module} unavailable: {exc}", file=sys.stderr)
+            continue
+        getattr(mod, attr)(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except GossiprecError as exc:
+        print(f"gossiprec: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,242 @@
+"""Leaderless consensus on the next view: a Fast Paxos fast round, then classic Paxos rounds.
+
+What it decides: one change set per epoch, agreed by a quorum of the *current* view, never by a minority.
+
+Fast round: every member that detects a cut votes for it once. Votes travel as a bitmap over the view's
+sorted members, merged by OR and gossiped (one message carries thousands of votes), so the number of
+messages stays O(N log N) however many members vote. A proposal with ``fast_quorum = N - floor((N-1)/4)``
+votes is decided at once.
+
+Classic rounds: a member that voted (or saw votes) and has not decided after ``fallback_timeout`` plus a
+random delay becomes coordinator of round ``r = highest seen + 1`` (rounds are ordered by
+``(r, coordinator)``): Prepare to all, Promise from a majority, Accept of the value Fast Paxos allows,
+Accepted from a majority, then Decided. Value choice (Lamport, Fast Paxos, section 3.3): among the
+promises, the value of the highest classic round if any; else a fast-round value ``v`` voted by at least
+``fast_quorum - (N - |promises|)`` of the promisers, which is the only value that may have been chosen
+in the fast round; else the most-voted proposal (ties: smallest digest); else the coordinator's own.
+
+A member accepts a fast vote only while it has promised no classic round, so a value chosen in the fast
+round is never contradicted. Quorums are counted among the members of the current view only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from gossiprec.core.view import Change, View, changes_digest
+from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Votes
+
+Rank = tuple[int, str]
+FAST: Rank = (0, "")
+
+
+def _rows(changes: list[Change]) -> tuple:
+    return tuple((c.node, c.kind, c.addr, c.host, c.rack) for c in changes)
+
+
+def changes_from_rows(rows: tuple) -> list[Change]:
+    return sorted((Change(*r) for r in rows), key=lambda c: (c.node, c.kind))
+
+
+@dataclass(slots=True)
+class Decision:
+    digest: bytes
+    changes: list[Change]
+    fast: bool
+    heard: bool
+
+
+@dataclass(slots=True)
+class Consensus:
+    """One epoch's agreement state for one member. Sending is done by the callbacks given."""
+
+    view: View
+    me: str
+    broadcast: Callable[[str, Message], None]
+    send_to: Callable[[str, Message], None]
+    proposals: dict[bytes, list[Change]] = field(default_factory=dict)
+    votes: dict[bytes, int] = field(default_factory=dict)
+    my_vote: bytes | None = None
+    promised: Rank = FAST
+    accepted_rank: Rank = FAST
+    accepted_digest: bytes | None = None
+    highest_round: int = 0
+    # coordinator
+    my_round: Rank | None = None
+    promises: dict[str, Promise] = field(default_factory=dict)
+    accepts: set[str] = field(default_factory=set)
+    accept_value: tuple[bytes, list[Change]] | None = None
+    decided: Decision | None = None
+
+    # ------------------------------------------------------------------ fast round
+    def propose(self, changes: list[Change]) -> None:
+        """Vote for our own cut (once per epoch)."""
+        digest = changes_digest(self.view.epoch, self.view.config_id, changes)
+        self._learn(digest, changes)
+        if self.my_vote is None and self.promised == FAST:
+            idx = self.view.index(self.me)
+            if idx is None:
+                return
+            self.my_vote = digest
+            self.accepted_digest = digest
+            self._merge_votes(digest, 1 << idx)
+
+    def _learn(self, digest: bytes, changes: list[Change]) -> None:
+        if digest not in self.proposals:
+            self.proposals[digest] = changes
+            self.broadcast("p" + digest.hex(), Proposal(self.view.epoch, self.view.config_id, digest,
+                                                         _rows(changes)))
+
+    def on_proposal(self, msg: Proposal) -> None:
+        changes = changes_from_rows(msg.changes)
+        if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
+            return  # content does not match its digest: drop
+        self._learn(msg.digest, changes)
+        self._check_fast(msg.digest)
+
+    def on_votes(self, msg: Votes) -> None:
+        bits = int.from_bytes(msg.bitmap, "little")
+        bits &= (1 << len(self.view)) - 1
+        self._merge_votes(msg.digest, bits)
+
+    def _merge_votes(self, digest: bytes, bits: int) -> None:
+        old = self.votes.get(digest, 0)
+        new = old | bits
+        if new == old:
+            return
+        self.votes[digest] = new
+        nbytes = (len(self.view) + 7) // 8
+        self.broadcast("v" + digest.hex(), Votes(self.view.epoch, self.view.config_id, digest,
+                                                 new.to_bytes(nbytes, "little")))
+        self._check_fast(digest)
+
+    def _check_fast(self, digest: bytes) -> None:
+        if self.decided is not None:
+            return
+        if self.votes.get(digest, 0).bit_count() >= self.view.fast_quorum() and digest in self.proposals:
+            self._decide(digest, self.proposals[digest], fast=True)
+
+    def vote_count(self) -> int:
+        return max((b.bit_count() for b in self.votes.values()), default=0)
+
+    # ------------------------------------------------------------------ classic rounds
+    def start_round(self) -> None:
+        if self.decided is not None:
+            return
+        self.highest_round += 1
+        self.my_round = (self.highest_round, self.me)
+        self.promises = {}
+        self.accepts = set()
+        self.accept_value = None
+        self.resend()
+
+    def resend(self) -> None:
+        """(Re)send this coordinator's current phase to members that have not answered."""
+        if self.my_round is None or self.decided is not None:
+            return
+        r, me = self.my_round
+        v = self.view
+        if self.accept_value is None:
+            msg: Message = Prepare(v.epoch, v.config_id, r, me)
+            waiting = set(self.promises)
+        else:
+            digest, changes = self.accept_value
+            msg = Accept(v.epoch, v.config_id, r, me, digest, _rows(changes))
+            waiting = self.accepts
+        for m in v.members:
+            if m.node not in waiting:
+                self.send_to(m.node, msg)
+
+    def on_prepare(self, msg: Prepare) -> None:
+        rank = (msg.round, msg.coordinator)
+        self.highest_round = max(self.highest_round, msg.round)
+        if rank < self.promised:
+            return
+        self.promised = rank
+        vdigest = self.accepted_digest
+        vchanges = _rows(self.proposals[vdigest]) if vdigest is not None and vdigest in self.proposals else None
+        if vchanges is None:
+            vdigest = None
+        v = self.view
+        self.send_to(msg.coordinator, Promise(v.epoch, v.config_id, msg.round, msg.coordinator, self.me,
+                                              self.accepted_rank[0], self.accepted_rank[1], vdigest, vchanges))
+
+    def on_promise(self, msg: Promise) -> None:
+        if self.my_round != (msg.round, msg.coordinator) or self.accept_value is not None:
+            return
+        if msg.acceptor not in self.view:
+            return
+        self.promises[msg.acceptor] = msg
+        if msg.vdigest is not None and msg.vchanges is not None:
+            self._learn(msg.vdigest, changes_from_rows(msg.vchanges))
+        if len(self.promises) >= self.view.majority():
+            self.accept_value = self._choose()
+            if self.accept_value is not None:
+                self.resend()
+
+    def _choose(self) -> tuple[bytes, list[Change]] | None:
+        promises = list(self.promises.values())
+        classic = [p for p in promises if p.vround > 0 and p.vdigest is not None]
+        if classic:
+            best = max(classic, key=lambda p: (p.vround, p.vcoordinator))
+            assert best.vdigest is not None
+            return best.vdigest, self.proposals[best.vdigest]
+        counts: dict[bytes, int] = {}
+        for p in promises:
+            if p.vdigest is not None:
+                counts[p.vdigest] = counts.get(p.vdigest, 0) + 1
+        n = len(self.view)
+        need = self.view.fast_quorum() - (n - len(promises))
+        possible = [d for d, c in counts.items() if c >= need]
+        if possible:
+            d = min(possible)
+            return d, self.proposals[d]
+        if counts:
+            d = min(counts, key=lambda x: (-counts[x], x))
+            return d, self.proposals[d]
+        if self.my_vote is not None:
+            return self.my_vote, self.proposals[self.my_vote]
+        if self.proposals:
+            d = min(self.proposals)
+            return d, self.proposals[d]
+        return None
+
+    def on_accept(self, msg: Accept) -> None:
+        rank = (msg.round, msg.coordinator)
+        self.highest_round = max(self.highest_round, msg.round)
+        if rank < self.promised:
+            return
+        changes = changes_from_rows(msg.changes)
+        if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
+            return
+        self.promised = rank
+        self.accepted_rank = rank
+        self.accepted_digest = msg.digest
+        self._learn(msg.digest, changes)
+        v = self.view
+        self.send_to(msg.coordinator, Accepted(v.epoch, v.config_id, msg.round, msg.coordinator, msg.digest,
+                                               self.me))
+
+    def on_accepted(self, msg: Accepted) -> None:
+        if self.my_round != (msg.round, msg.coordinator) or self.accept_value is None:
+            return
+        if msg.digest != self.accept_value[0] or msg.acceptor not in self.view:
+            return
+        self.accepts.add(msg.acceptor)
+        if len(self.accepts) >= self.view.majority():
+            self._decide(msg.digest, self.accept_value[1], fast=False)
+
+    # ------------------------------------------------------------------ decision
+    def on_decided(self, msg: Decided) -> None:
+        if self.decided is not None:
+            return
+        changes = changes_from_rows(msg.changes)
+        if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
+            return
+        self._decide(msg.digest, changes, fast=False, heard=True)
+
+    def _decide(self, digest: bytes, changes: list[Change], fast: bool, heard: bool = False) -> None:
+        self.decided = Decision(digest, changes, fast, heard)
+        v = self.view
+        self.broadcast("d", Decided(v.epoch, v.config_id, digest, _rows(changes)))

@@ -1,0 +1,130 @@
+"""Multi-node cut detection (Rapid): turn observers' alerts into one proposal per view change.
+
+What it decides: *when* to propose a view change, and *which* changes it contains. Inputs are alerts
+``(observer, subject, kind)`` gossiped in the current epoch (and their retractions); the output is a sorted
+change set, or nothing yet.
+
+Rule: a subject with at least H alerts is *stable*; with at least L but fewer than H it is *unstable*.
+A proposal is emitted when at least one subject is stable, no subject is unstable (an unstable subject
+stops blocking after ``unstable_timeout``: a flaky observer cannot stall the cluster forever), and no
+alert arrived during the last ``settle`` seconds (the alerts of a correlated failure arrive within a
+short window; waiting for it to close lands them in one view change).
+
+Implicit alerts: while some subjects are stable or unstable, an observer of a subject that is itself in
+that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gossiprec.core.overlay import Overlay, watermarks
+from gossiprec.core.view import JOIN, REMOVE, Change
+
+
+@dataclass(slots=True)
+class _Tally:
+    kind: int
+    observers: set[str] = field(default_factory=set)
+    addr: str = ""
+    host: str = ""
+    rack: str = ""
+    unstable_since: float | None = None
+
+
+@dataclass(slots=True)
+class CutDetector:
+    overlay: Overlay
+    settle: float
+    unstable_timeout: float
+    _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
+    last_change: float = float("-inf")
+
+    def alert(self, observer: str, subject: str, kind: int, retract: bool, now: float,
+              addr: str = "", host: str = "", rack: str = "") -> bool:
+        """Record an alert (or its retraction). Returns True when the tally changed."""
+        key = (subject, kind)
+        tally = self._tallies.get(key)
+        if retract:
+            if tally is None or observer not in tally.observers:
+                return False
+            tally.observers.discard(observer)
+        else:
+            if kind == REMOVE and observer not in self.overlay.observers(subject):
+                return False  # only a subject's own observers speak for it
+            if kind == JOIN and observer not in self.overlay.joiner_observers(subject):
+                return False
+            if tally is None:
+                tally = self._tallies[key] = _Tally(kind, addr=addr, host=host, rack=rack)
+            if observer in tally.observers:
+                return False
+            tally.observers.add(observer)
+        self.last_change = now
+        return True
+
+    def count(self, subject: str, kind: int = REMOVE) -> int:
+        tally = self._tallies.get((subject, kind))
+        return len(tally.observers) if tally else 0
+
+    def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
+        if kind == JOIN:
+            return watermarks(len(self.overlay.joiner_observers(subject)))
+        return watermarks(len(self.overlay.observers(subject)))
+
+    def evaluate(self, now: float) -> tuple[list[Change], float | None]:
+        """(proposal, next time worth re-evaluating). The proposal is empty while not ready."""
+        if not self._tallies:
+            return [], None
+        counts: dict[tuple[str, int], int] = {k: len(t.observers) for k, t in self._tallies.items()}
+        real = dict(counts)
+        # Implicit alerts, to a fixpoint: an observer that is itself on its way out (at or above its L)
+        # cannot alert about its subjects, so it counts as alerting for subjects that already have
+        # real alerts close to L (a partition or a failed rack watches itself).
+        removes = [key for key in self._tallies if key[1] == REMOVE]
+        for _ in range(8):
+            troubled = {s for (s, kind) in removes if counts[(s, kind)] >= self._thresholds(s, kind)[1]}
+            if not troubled:
+                break
+            changed = False
+            for key in removes:
+                s = key[0]
+                h, low = self._thresholds(*key)
+                if real[key] < max(1, low - 1):
+                    continue
+                t = self._tallies[key]
+                c = real[key] + sum(1 for o in self.overlay.observers(s) if o in troubled and o not in t.observers)
+                if c != counts[key]:
+                    counts[key] = c
+                    changed = True
+            if not changed:
+                break
+        stable: list[tuple[str, int]] = []
+        blocking = False
+        wake: float | None = None
+        for key, t in sorted(self._tallies.items()):
+            h, low = self._thresholds(*key)
+            c = counts[key]
+            if c >= h:
+                stable.append(key)
+                t.unstable_since = None
+            elif c >= low:
+                if t.unstable_since is None:
+                    t.unstable_since = now
+                until = t.unstable_since + self.unstable_timeout
+                if now < until:
+                    blocking = True
+                    wake = until if wake is None else min(wake, until)
+            else:
+                t.unstable_since = None
+        if not stable:
+            return [], wake
+        settled_at = self.last_change + self.settle
+        if now < settled_at:
+            return [], settled_at if wake is None else min(wake, settled_at)
+        if blocking:
+            return [], wake
+        changes = []
+        for subject, kind in stable:
+            t = self._tallies[(subject, kind)]
+            changes.append(Change(subject, kind, t.addr if kind == JOIN else "", t.host, t.rack))
+        return sorted(changes, key=lambda c: (c.node, c.kind)), None

@@ -1,0 +1,707 @@
+"""The whole agent core: membership, monitoring overlay, cut detection, consensus, hang detection,
+state reports and the recovery plan, as one sans-IO machine.
+
+What it decides: the sequence of views this member installs, whether it must fence (stop its trainer),
+and the recovery plan of each view. Inputs and outputs are those of
+:class:`~gossiprec.core.membership.Membership` (``receive``, ``tick``, ``next_deadline``, ``take_sends``,
+``take_events``), plus :meth:`Node.set_progress` and :meth:`Node.set_state` from the trainer side.
+
+Flow of one failure:
+
+1. Observing: SWIM probes go only to this member's K overlay subjects (round robin) and, every round, to
+   subjects under suspicion (*focus*). An observer alerts when its own probes of a subject have failed
+   without a single success for ``alert_after`` seconds, when the subject left gracefully, or when the
+   subject's training progress has stalled behind the cluster's frontier (a hang, see below). A later
+   success retracts the alert.
+2. Alerts are gossiped; every member tallies them in its :class:`~gossiprec.core.cut.CutDetector`, which
+   emits the same change set everywhere once the alerts have settled.
+3. Every member votes for its change set (fast round); a fast quorum decides at once, otherwise classic
+   Paxos rounds (:mod:`gossiprec.core.consensus`) with majority quorums decide.
+4. Every member applies the decision to its view (:meth:`View.next`): epoch + 1, spares promoted.
+5. Holders report their state (committed step, in-flight step, size), aggregated in bitmaps; once all
+   holders of the view have reported, every member computes the same plan and publishes its digest.
+
+Hangs: a trainer whose (step, phase) is behind the frontier (the most advanced (step, phase) any
+trainer reports) and has not changed for ``max(hang_floor, hang_mult * median step time)`` is hung: the
+rank the others wait for in a collective. Its observers alert. A trainer behind the frontier that still
+moves is a straggler: reported (event), not removed, unless ``evict_stragglers``.
+
+Fencing: a member removed from the view, or one that has waited ``fence_after`` seconds for a
+change it cannot get decided (no quorum on its side), or that sees fewer than a majority of the view
+alive for that long, emits :class:`Fenced`: its trainer must stop sending collectives and state. It then
+tries to rejoin through the majority's members.
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, MutableMapping
+
+from gossiprec.core.config import Config
+from gossiprec.core.consensus import Consensus, changes_from_rows
+from gossiprec.core.cut import CutDetector
+from gossiprec.core.election import Plan, StateReport
+from gossiprec.core.membership import (
+    MemberFailed, MemberInfo, MemberLeft, Membership, MemberSuspected, ProbeResult, RandomSource, Send,
+)
+from gossiprec.core.overlay import Overlay
+from gossiprec.core.view import JOIN, REMOVE, View
+from gossiprec.core.wire import (
+    ALERT_REASONS, DEPARTED, HUNG, JOINING, PHASES, UNREACHABLE, Accept, Accepted, Alert, Decided,
+    JoinRequest, Message, PlanDigest, Prepare, Promise, Proposal, Report, ViewRequest, ViewState, Votes,
+)
+from gossiprec.errors import ProtocolError
+
+PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
+_COMMUNICATE = PHASES.index("communicate")
+
+
+@dataclass(frozen=True, slots=True)
+class AgreementConfig:
+    """Agreement-layer parameters (seconds unless stated)."""
+
+    k: int = 10
+    """Observers per member (capped at N - 1)."""
+    alert_after: float = 0.9
+    """An observer alerts after its probes of a subject failed, with no success, this long. Must exceed
+    the longest pause that must not be fatal minus the earliest failure (1 s - 0.2 s)."""
+    settle: float = 0.15
+    """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
+    unstable_timeout: float = 2.0
+    """A subject between the L and H watermarks stops blocking proposals after this long."""
+    fallback_timeout: float = 0.6
+    """Undecided this long after voting: start a classic Paxos round (plus a random 0..fallback_jitter)."""
+    fallback_jitter: float = 0.4
+    retry_interval: float = 0.1
+    """Coordinator re-sends Prepare/Accept to silent members this often."""
+    fence_after: float = 3.0
+    """Waiting this long without a decision (or without a live majority) fences this member."""
+    hang_floor: float = 1.0
+    hang_mult: float = 3.0
+    evict_stragglers: bool = False
+    join_retry: float = 0.5
+    catchup_interval: float = 0.3
+
+
+# --- events -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ViewInstalled:
+    epoch: int
+    config_id: str
+    members: tuple[str, ...]
+    removed: tuple[str, ...]
+    joined: tuple[str, ...]
+    fast: bool
+    decided_here: bool
+    at: float
+    stopped: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReady:
+    epoch: int
+    digest: str
+    plan: Plan
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    epoch: int
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Unfenced:
+    epoch: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class AlertRaised:
+    subject: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    node: str
+    behind_steps: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlanMismatch:
+    epoch: int
+    mine: str
+    theirs: str
+    at: float
+
+
+# timers
+_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG = range(6)
+
+
+class Node:
+    """One member's complete protocol core. ``memo`` may be shared by nodes of a simulation: it caches
+    pure functions of views (overlays, transitions, plans), never anything node-specific."""
+
+    def __init__(
+        self,
+        config: Config,
+        name: str,
+        addr: str,
+        *,
+        incarnation: int,
+        rng: RandomSource,
+        now: float,
+        view: View | None,
+        agreement: AgreementConfig | None = None,
+        host: str = "",
+        rack: str = "",
+        role: str = "trainer",
+        seeds: tuple[str, ...] = (),
+        members: MutableMapping[str, MemberInfo] | None = None,
+        member_order: tuple[str, ...] | None = None,
+        members_live: int | None = None,
+        memo: MutableMapping[Any, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self.acfg = agreement or AgreementConfig()
+        self.name, self.addr, self.host, self.rack = name, addr, host, rack
+        self.rng = rng
+        self.memo: MutableMapping[Any, Any] = memo if memo is not None else {}
+        self.swim = Membership(config, name, addr, incarnation=incarnation, rng=rng, now=now, role=role,
+                               members=members, member_order=member_order, members_live=members_live)
+        self.swim.on_other = self._on_message
+        self._events: list[Any] = []
+        self._timers: list[tuple[float, int, int]] = []
+        self._tok = 0
+        self._now = now
+        self.fenced: str = ""
+        self.view: View | None = None
+        self.plan: Plan | None = None
+        self._reports: dict[tuple, int] = {}
+        self._plan_digests: dict[bytes, int] = {}
+        self._state: tuple[int, int | None, int] = (0, None, 0)
+        self._streak: dict[str, float] = {}
+        self._alerted: dict[str, int] = {}
+        self._progress_seen: dict[str, tuple[int, int, float]] = {}
+        self._my_progress: tuple[int, int, int] = (-1, 0, 0)
+        self._trouble_since: float | None = None
+        self._last_catchup = float("-inf")
+        self.counters: dict[str, int] = self.swim.counters
+        if view is not None:
+            self._install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
+        else:
+            for addr_ in seeds:
+                self.swim.send_addr(addr_, ViewRequest(0, name, addr), reliable=True)
+            self.swim.join(seeds, now)
+            self._at(now + self.acfg.join_retry, _JOIN)
+        self._at(now + 0.5, _WATCH)
+
+    # ------------------------------------------------------------------ machine interface
+    def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
+        self._now = now
+        self.swim.receive(data, now, reliable)
+        self._drain_swim(now)
+
+    def tick(self, now: float) -> None:
+        self._now = now
+        self.swim.tick(now)
+        self._drain_swim(now)
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, kind = heapq.heappop(timers)
+            if kind == _EVAL:
+                self._evaluate(now)
+            elif kind == _FALLBACK:
+                self._fallback(now)
+            elif kind == _RESEND:
+                self._resend(now)
+            elif kind == _WATCH:
+                self._watch(now)
+            elif kind == _JOIN:
+                self._join_retry(now)
+            elif kind == _HANG:
+                self._check_hangs(now)
+
+    def next_deadline(self) -> float:
+        d = self.swim.next_deadline()
+        return min(d, self._timers[0][0]) if self._timers else d
+
+    def take_sends(self) -> list[Send]:
+        return self.swim.take_sends()
+
+    def take_events(self) -> list[Any]:
+        out = self._events
+        if out:
+            self._events = []
+        return out
+
+    @property
+    def incarnation(self) -> int:
+        return self.swim.incarnation
+
+    @property
+    def n_live(self) -> int:
+        return self.swim.n_live
+
+    def _at(self, when: float, kind: int) -> None:
+        self._tok += 1
+        heapq.heappush(self._timers, (when, self._tok, kind))
+
+    # ------------------------------------------------------------------ trainer side
+    def set_progress(self, step: int, phase: int, step_ms: int) -> None:
+        self._my_progress = (step, phase, step_ms)
+        self.swim.set_progress(step, phase, step_ms)
+
+    def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
+        """What this member could serve to a replacement (reported to the plan of each new view)."""
+        self._state = (committed_step, inflight_step, state_bytes)
+
+    def leave(self, now: float) -> None:
+        self.swim.leave(now)
+
+    # ------------------------------------------------------------------ memoised pure functions
+    def _overlay(self, view: View) -> Overlay:
+        key = ("overlay", view.config_id, self.acfg.k)
+        ov = self.memo.get(key)
+        if ov is None:
+            ov = self.memo[key] = Overlay.build(view.config_id, view.nodes, self.acfg.k)
+        return ov  # type: ignore[no-any-return]
+
+    def _next_view(self, view: View, digest: bytes, changes: list) -> View:
+        key = ("next", view.config_id, digest)
+        nv = self.memo.get(key)
+        if nv is None:
+            nv = self.memo[key] = view.next(changes)
+        return nv  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ views
+    def _install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple,
+                 joined: tuple, initial: bool = False) -> None:
+        old = self.view
+        self.view = view
+        self._installed_at = now
+        self._progress_seen = {}
+        self.plan = None
+        self._reports = {}
+        self._plan_digests = {}
+        self._streak = {}
+        self._ok_since: dict[str, float] = {}
+        self._alerted = {}
+        self._trouble_since = None
+        ov = self._overlay(view)
+        self._prev_consensus = getattr(self, "consensus", None)
+        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout)
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to)
+        self._fallback_armed = False
+        if self.name in view:
+            self.swim.set_probe_targets(ov.subjects(self.name))
+            self.swim.set_focus(())
+            if self.fenced:
+                self.fenced = ""
+                self._events.append(Unfenced(view.epoch, now))
+        else:
+            self.swim.set_probe_targets(None)
+        if not initial or old is not None:
+            self._events.append(ViewInstalled(view.epoch, view.config_id, view.nodes, removed, joined, fast,
+                                              decided_here, now, view.stopped))
+        if self.name not in view:
+            if old is not None and self.name in old:
+                self._fence("removed from the view", now)
+            self._at(now, _JOIN)
+            return
+        if view.basis is not None and self.name in view.holders():
+            committed, inflight, size = self._state
+            idx = view.index(self.name)
+            assert idx is not None
+            self._merge_report((committed, inflight, size), 1 << idx, now)
+        self._maybe_plan(now)
+
+    def _decided(self, now: float) -> None:
+        d = self.consensus.decided
+        assert d is not None and self.view is not None
+        nv = self._next_view(self.view, d.digest, d.changes)
+        removed = tuple(c.node for c in d.changes if c.kind == REMOVE)
+        joined = tuple(c.node for c in d.changes if c.kind == JOIN)
+        self._install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
+                      joined=joined)
+
+    def _fence(self, reason: str, now: float) -> None:
+        if not self.fenced:
+            self.fenced = reason
+            self._events.append(Fenced(self.view.epoch if self.view else -1, reason, now))
+
+    # ------------------------------------------------------------------ sending helpers
+    def _bcast(self, key: str, msg: Message) -> None:
+        self.swim.broadcast(key, msg, self._now)
+
+    def _send_to(self, node: str, msg: Message) -> None:
+        if node == self.name:
+            self._on_message(msg, self._now)
+            return
+        if not self.swim.send_to(node, msg, self._now) and self.view is not None:
+            m = self.view.member(node)
+            if m is not None:
+                self.swim.send_addr(m.addr, msg)
+
+    # ------------------------------------------------------------------ SWIM events -> observations
+    def _drain_swim(self, now: float) -> None:
+        for ev in self.swim.take_events():
+            t = type(ev)
+            if t is ProbeResult:
+                self._on_probe(ev, now)
+                continue
+            if t is MemberSuspected:
+                self._maybe_focus(ev.name)
+            elif t is MemberLeft:
+                self._observe_departure(ev.name, now)
+            self._events.append(ev)
+
+    def _is_my_subject(self, subject: str) -> bool:
+        v = self.view
+        return v is not None and self.name in v and subject in self._overlay(v).subjects(self.name)
+
+    def _maybe_focus(self, subject: str) -> None:
+        if self._is_my_subject(subject) and subject not in self._streak:
+            self._streak[subject] = float("inf")  # focus, no failure seen yet
+            self._refocus()
+
+    def _refocus(self) -> None:
+        self.swim.set_focus(s for s in self._streak)
+
+    def _on_probe(self, ev: ProbeResult, now: float) -> None:
+        subject = ev.target
+        if not self._is_my_subject(subject):
+            return
+        if ev.ok:
+            if self._alerted.get(subject) == UNREACHABLE:
+                # retract only after the subject answered steadily for alert_after (a flapping node
+                # must not escape by answering now and then)
+                ok_since = self._ok_since.setdefault(subject, now)
+                if now - ok_since >= self.acfg.alert_after:
+                    del self._alerted[subject]
+                    self._ok_since.pop(subject, None)
+                    self._alert(subject, REMOVE, UNREACHABLE, now, retract=True)
+                return
+            if subject in self._streak:
+                del self._streak[subject]
+                self._refocus()
+            return
+        self._ok_since.pop(subject, None)
+        start = self._streak.get(subject, float("inf"))
+        if start == float("inf"):
+            self._streak[subject] = now
+            self._refocus()
+        elif now - start >= self.acfg.alert_after and subject not in self._alerted:
+            self._alerted[subject] = UNREACHABLE
+            self._alert(subject, REMOVE, UNREACHABLE, now)
+
+    def _observe_departure(self, subject: str, now: float) -> None:
+        if self._is_my_subject(subject) and self._alerted.get(subject) != DEPARTED:
+            self._alerted[subject] = DEPARTED
+            self._alert(subject, REMOVE, DEPARTED, now)
+
+    def _alert(self, subject: str, kind: int, reason: int, now: float, retract: bool = False,
+               addr: str = "", host: str = "", rack: str = "") -> None:
+        v = self.view
+        assert v is not None
+        msg = Alert(v.epoch, v.config_id, self.name, subject, kind, reason, retract, addr, host, rack)
+        if not retract:
+            self._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
+        self._bcast(f"a|{self.name}|{subject}|{kind}", msg)
+        self._on_alert(msg, now)
+
+    # ------------------------------------------------------------------ agreement messages
+    def _on_message(self, msg: Message, now: float) -> None:
+        t = type(msg)
+        if t is ViewRequest:
+            self._on_view_request(msg, now)  # type: ignore[arg-type]
+            return
+        if t is ViewState:
+            self._on_view_state(msg, now)  # type: ignore[arg-type]
+            return
+        if t is JoinRequest:
+            self._on_join_request(msg, now)  # type: ignore[arg-type]
+            return
+        v = self.view
+        epoch = getattr(msg, "epoch", None)
+        config = getattr(msg, "config", None)
+        if v is None or epoch is None:
+            self.counters["rx_unexpected"] = self.counters.get("rx_unexpected", 0) + 1
+            return
+        if epoch != v.epoch or config != v.config_id:
+            if epoch > v.epoch:
+                self._catch_up(now)
+            self.counters["rx_other_epoch"] = self.counters.get("rx_other_epoch", 0) + 1
+            return
+        if t is Alert:
+            self._on_alert(msg, now)  # type: ignore[arg-type]
+        elif t is Report:
+            self._on_report(msg, now)  # type: ignore[arg-type]
+        elif t is PlanDigest:
+            self._on_plan_digest(msg, now)  # type: ignore[arg-type]
+        elif self.name not in v:
+            if t is Decided:
+                self.consensus.on_decided(msg)  # type: ignore[arg-type]
+                self._after_consensus(now)
+            return
+        elif t is Votes:
+            self.consensus.on_votes(msg)  # type: ignore[arg-type]
+            self._after_consensus(now)
+        elif t is Proposal:
+            self.consensus.on_proposal(msg)  # type: ignore[arg-type]
+            self._after_consensus(now)
+        elif t is Decided:
+            self.consensus.on_decided(msg)  # type: ignore[arg-type]
+            self._after_consensus(now)
+        elif t is Prepare:
+            self.consensus.on_prepare(msg)  # type: ignore[arg-type]
+        elif t is Promise:
+            self.consensus.on_promise(msg)  # type: ignore[arg-type]
+        elif t is Accept:
+            self.consensus.on_accept(msg)  # type: ignore[arg-type]
+        elif t is Accepted:
+            self.consensus.on_accepted(msg)  # type: ignore[arg-type]
+            self._after_consensus(now)
+
+    def _after_consensus(self, now: float) -> None:
+        if self.consensus.decided is not None:
+            self._decided(now)
+        elif self.consensus.votes and not self._fallback_armed and self.name in (self.view or ()):
+            self._fallback_armed = True
+            self._at(now + self.acfg.fallback_timeout + self.rng.random() * self.acfg.fallback_jitter,
+                     _FALLBACK)
+
+    def _on_alert(self, msg: Alert, now: float) -> None:
+        if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
+                          msg.rack):
+            if msg.observer != self.name:  # spread it on (epidemic), once per change
+                self._bcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
+            if self._trouble_since is None:
+                self._trouble_since = now
+            self._at(now + self.acfg.settle, _EVAL)
+
+    def _evaluate(self, now: float) -> None:
+        if self.view is None or self.consensus.decided is not None or self.name not in self.view:
+            return
+        changes, wake = self.cut.evaluate(now)
+        if changes:
+            self.consensus.propose(changes)
+            self._after_consensus(now)
+        elif wake is not None:
+            self._at(wake, _EVAL)
+
+    def _fallback(self, now: float) -> None:
+        self._fallback_armed = False
+        if self.consensus.decided is not None or self.view is None or self.name not in self.view:
+            return
+        self.consensus.start_round()
+        self._at(now + self.acfg.retry_interval, _RESEND)
+        self._fallback_armed = True
+        self._at(now + self.acfg.fallback_timeout * 2 + self.rng.random() * self.acfg.fallback_jitter,
+                 _FALLBACK)
+
+    def _resend(self, now: float) -> None:
+        c = self.consensus
+        if c.decided is None and c.my_round is not None and c.my_round[1] == self.name:
+            c.resend()
+            self._at(now + self.acfg.retry_interval, _RESEND)
+
+    # ------------------------------------------------------------------ catch-up and joining
+    def _catch_up(self, now: float) -> None:
+        if now - self._last_catchup < self.acfg.catchup_interval or self.view is None:
+            return
+        self._last_catchup = now
+        live = [m.node for m in self.view.members if m.node != self.name]
+        if live:
+            peer = live[self.rng.randrange(0, len(live))]
+            rec = self.swim.member(peer)
+            if rec is not None:
+                self.swim.send_addr(rec.addr, ViewRequest(self.view.epoch, self.name, self.addr))
+
+    def _on_view_request(self, msg: ViewRequest, now: float) -> None:
+        if self.view is not None and self.view.epoch >= msg.epoch:
+            self.swim.send_addr(msg.src_addr, ViewState(self.view.to_wire()), reliable=True)
+
+    def _on_view_state(self, msg: ViewState, now: float) -> None:
+        try:
+            view = View.from_wire(msg.view)
+        except ProtocolError:
+            self.counters["rx_bad_view"] = self.counters.get("rx_bad_view", 0) + 1
+            return
+        if self.view is None or view.epoch > self.view.epoch:
+            self._install(view, now, fast=False, decided_here=False, removed=(), joined=())
+
+    def _join_retry(self, now: float) -> None:
+        v = self.view
+        if v is not None and self.name in v:
+            return
+        self._at(now + self.acfg.join_retry, _JOIN)
+        if v is None:
+            return
+        for obs in self._overlay(v).joiner_observers(self.name):
+            m = v.member(obs)
+            if m is not None:
+                self.swim.send_addr(m.addr, JoinRequest(self.name, self.addr, self.host, self.rack, v.epoch))
+
+    def _on_join_request(self, msg: JoinRequest, now: float) -> None:
+        v = self.view
+        if v is None or self.name not in v:
+            return
+        if msg.epoch != v.epoch or msg.node in v:
+            self.swim.send_addr(msg.addr, ViewState(v.to_wire()), reliable=True)
+            return
+        if self.name in self._overlay(v).joiner_observers(msg.node):
+            key = f"join:{msg.node}"
+            if key not in self._alerted:
+                self._alerted[key] = JOINING
+                self._alert(msg.node, JOIN, JOINING, now, addr=msg.addr, host=msg.host, rack=msg.rack)
+
+    # ------------------------------------------------------------------ reports and plan
+    def _merge_report(self, values: tuple, bits: int, now: float) -> None:
+        old = self._reports.get(values, 0)
+        new = old | bits
+        if new == old:
+            return
+        self._reports[values] = new
+        v = self.view
+        assert v is not None
+        committed, inflight, size = values
+        nbytes = (len(v) + 7) // 8
+        self._bcast(f"r|{committed}|{inflight}|{size}",
+                    Report(v.epoch, v.config_id, committed, inflight, size, new.to_bytes(nbytes, "little")))
+        self._maybe_plan(now)
+
+    def _on_report(self, msg: Report, now: float) -> None:
+        bits = int.from_bytes(msg.bitmap, "little") & ((1 << len(self.view or ())) - 1)
+        if msg.inflight_step is not None and msg.inflight_step <= msg.committed_step:
+            return
+        self._merge_report((msg.committed_step, msg.inflight_step, msg.state_bytes), bits, now)
+
+    def _maybe_plan(self, now: float) -> None:
+        v = self.view
+        if v is None or v.basis is None or self.plan is not None or v.stopped:
+            return
+        holders = v.holders()
+        have = 0
+        for bits in self._reports.values():
+            have |= bits
+        need = 0
+        for h in holders:
+            idx = v.index(h)
+            assert idx is not None
+            need |= 1 << idx
+        if have & need != need:
+            return
+        reports: dict[str, StateReport] = {}
+        for (committed, inflight, size), bits in sorted(self._reports.items(), key=repr):
+            for h in holders:
+                idx = v.index(h)
+                if idx is not None and bits >> idx & 1 and h not in reports:
+                    rank = dict(v.basis.previous_assignment)  # type: ignore[union-attr]
+                    node_rank = next((r for r, n in rank.items() if n == h), None)
+                    reports[h] = StateReport(h, node_rank, max(0, committed), inflight, size)
+        key = ("plan", v.config_id, tuple(sorted((n, r.committed_step, r.inflight_step, r.state_bytes)
+                                                  for n, r in reports.items())))
+        plan = self.memo.get(key)
+        if plan is None:
+            plan = self.memo[key] = v.plan(reports)
+        self.plan = plan
+        digest = bytes.fromhex(plan.digest())
+        self._events.append(PlanReady(v.epoch, plan.digest(), plan, now))
+        idx = v.index(self.name)
+        if idx is not None:
+            self._merge_digest(digest, 1 << idx, now)
+
+    def _merge_digest(self, digest: bytes, bits: int, now: float) -> None:
+        old = self._plan_digests.get(digest, 0)
+        new = old | bits
+        if new == old:
+            return
+        self._plan_digests[digest] = new
+        v = self.view
+        assert v is not None
+        self._bcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+                                                    new.to_bytes((len(v) + 7) // 8, "little")))
+        if self.plan is not None and digest.hex() != self.plan.digest():
+            self._events.append(PlanMismatch(v.epoch, self.plan.digest(), digest.hex(), now))
+
+    def _on_plan_digest(self, msg: PlanDigest, now: float) -> None:
+        self._merge_digest(msg.digest, int.from_bytes(msg.bitmap, "little"), now)
+
+    # ------------------------------------------------------------------ watchdog: fencing, hangs
+    def _watch(self, now: float) -> None:
+        self._at(now + 0.25, _WATCH)
+        v = self.view
+        if v is None or self.name not in v:
+            return
+        live = sum(1 for m in v.members if (rec := self.swim.member(m.node)) is not None and rec.live)
+        # voted but undecided: a cut was ready, yet no quorum answers (the minority side of a partition)
+        pending = self.consensus.my_vote is not None and self.consensus.decided is None
+        if live < v.majority() or pending:
+            if self._trouble_since is None:
+                self._trouble_since = now
+            elif now - self._trouble_since >= self.acfg.fence_after:
+                self._fence("no quorum: cannot reach a majority of the view" if live < v.majority()
+                            else "no decision within fence_after", now)
+        else:
+            self._trouble_since = None
+        self._check_hangs(now)
+
+    def _check_hangs(self, now: float) -> None:
+        v = self.view
+        if v is None or self.name not in v:
+            return
+        subjects = set(self._overlay(v).subjects(self.name))
+        frontier = (-1, 0)
+        times = []
+        table: dict[str, tuple[int, int, float, float]] = {}
+        for m in v.trainers():
+            if m.node == self.name:
+                step, phase, ms = self._my_progress
+                seen_at = now
+            else:
+                p = self.swim.progress(m.node)
+                if p is None or now - p.seen_at > 1.0:
+                    continue  # stale (maybe crashed): neither frontier nor judged
+                step, phase, ms, seen_at = p.step, p.phase, p.step_ms, p.seen_at
+            if step < 0:
+                continue
+            prev = self._progress_seen.get(m.node)
+            # the stall clock never starts before this view was installed
+            since = prev[2] if prev is not None and prev[:2] == (step, phase) else max(now, self._installed_at)
+            self._progress_seen[m.node] = (step, phase, since)
+            table[m.node] = (step, phase, since, seen_at)
+            if ms > 0:
+                times.append(ms)
+            frontier = max(frontier, (step, phase))
+        if frontier[0] < 0 or not times:
+            return
+        threshold = max(self.acfg.hang_floor, self.acfg.hang_mult * statistics.median(times) / 1000.0)
+        for s in sorted(subjects):
+            row = table.get(s)
+            if row is None:
+                continue
+            step, phase, since, seen_at = row
+            if (step, phase) >= frontier:
+                if self._alerted.get(s) == HUNG:
+                    del self._alerted[s]
+                    self._alert(s, REMOVE, HUNG, now, retract=True)
+                continue
+            if now - seen_at > 0.5:
+                self._maybe_focus(s)  # judge only on fresh progress: probe it now
+                continue
+            stalled = now - since >= threshold
+            if stalled and s not in self._alerted:
+                self._alerted[s] = HUNG
+                self._alert(s, REMOVE, HUNG, now)
+            elif not stalled and frontier[0] - step >= 2 and f"straggler:{s}" not in self._alerted:
+                self._alerted[f"straggler:{s}"] = HUNG
+                self._events.append(Straggler(s, frontier[0] - step, now))

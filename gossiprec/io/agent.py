@@ -1,0 +1,763 @@
+"""The agent: a thin asyncio pump around the sans-IO protocol machine.
+
+Theory of operation
+-------------------
+An :class:`Agent` owns four things and moves data between them; it decides nothing itself:
+
+- the *machine* (today :class:`~gossiprec.core.membership.Membership`, built by :func:`build_machine`;
+  any object with the :class:`Machine` interface will do, so the agreement layer's bigger machine is a
+  one-line change of factory),
+- the :class:`~gossiprec.io.transport.Transport` (sealed UDP datagrams and TCP messages),
+- the :class:`~gossiprec.io.control.ControlServer` (Unix socket for the training process),
+- an :class:`EventHub` that hands every machine event to subscribers (control clients, the launcher,
+  tests) through bounded queues.
+
+The pump: every input (a message from the transport, a control request, a join) is handed to the
+machine with ``now = time.monotonic()``, then :meth:`Agent._flush` sends what the machine wants sent,
+publishes its events and, if the machine's next deadline moved earlier, wakes the timer task. The
+timer task sleeps until ``machine.next_deadline()`` (or until woken), calls ``machine.tick(now)`` and
+flushes. Inputs run synchronously in the transport's callbacks, so a packet is processed as soon as
+the event loop sees it. Anything the machine raises on an input or a tick is counted and logged (rate
+limited); nothing from the network can stop the agent.
+
+Life cycle: ``async with Agent(settings) as agent`` (or ``await agent.run()``, which also handles
+SIGTERM/SIGINT/SIGHUP when asked). Leaving the block, :meth:`Agent.stop` or a signal performs a
+graceful leave: ``machine.leave(now)`` is flushed at once, the agent keeps pumping for
+``leave_drain`` seconds (a few gossip intervals) so the leave spreads, waits briefly for reliable
+messages in flight, then closes the control socket and the transport. :meth:`Agent.abort` closes every
+socket at once without leaving (a crash, for tests). Every task belongs to the agent's TaskGroup (or
+to the transport's / control server's own), entered in :meth:`start` and awaited in :meth:`aclose`;
+both must run in the same task, as ``async with`` does.
+
+A new process takes wall-clock milliseconds as its incarnation, so a restarted node always comes back
+newer than every record of its previous life. The keyring file is checked for changes every
+``keyring_check_s`` seconds (and reloaded on SIGHUP); a bad file keeps the keys in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import random
+import signal
+import sys
+import time
+from collections import deque
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Callable, Coroutine, Iterable, Protocol, TypeVar
+
+from gossiprec import __version__
+from gossiprec.core.config import Config
+from gossiprec.core.membership import Membership
+from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
+from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
+from gossiprec.io.control import ControlServer, event_to_dict
+from gossiprec.io.keyring import Keyring, KeyringError
+from gossiprec.io.transport import Throttle, Transport, TransportLimits, routable_ip
+from gossiprec.settings import (
+    AgentSettings, add_agent_arguments, default_control_path, default_node_name, join_host_port,
+    settings_from_args, split_host_port,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+# --- the machine seam -------------------------------------------------------------------------------
+class Machine(Protocol):
+    """What the agent needs of a protocol machine (Membership today, the agreement machine later)."""
+
+    counters: dict[str, int]
+
+    def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
+    def tick(self, now: float) -> None: ...
+    def next_deadline(self) -> float: ...
+    def take_sends(self) -> list[Any]: ...
+    def take_events(self) -> list[Any]: ...
+    def join(self, seed_addrs: Iterable[str], now: float) -> None: ...
+    def leave(self, now: float) -> None: ...
+    def set_progress(self, step: int, phase: int, step_ms: int) -> None: ...
+    def members(self) -> list[Any]: ...
+    def progress(self, name: str) -> Any | None: ...
+    def health(self) -> int: ...
+
+
+MachineFactory = Callable[..., Machine]
+"""``factory(config, name, addr, *, incarnation, role, now, rng) -> Machine``."""
+
+
+def build_machine(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
+                  rng: random.Random) -> Machine:
+    """The machine every agent runs. Swap this one line for the agreement layer's machine."""
+    return Membership(config, name, addr, incarnation=incarnation, rng=rng, now=now, role=role)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentLeaving:
+    """Published by the agent itself when it starts to leave (before its sockets close)."""
+
+    name: str
+    reason: str
+    failed: bool
+    at: float
+
+
+# --- events to subscribers --------------------------------------------------------------------------
+class Subscription:
+    """A bounded queue of events. :meth:`get` returns None once closed; on overflow it is closed
+    (``overflowed`` set) and its backlog dropped: a consumer that falls behind must resynchronise."""
+
+    def __init__(self, hub: EventHub, maxsize: int) -> None:
+        self._hub = hub
+        self._items: deque[Any] = deque()
+        self._maxsize = maxsize
+        self._waiter: asyncio.Future[None] | None = None
+        self.overflowed = False
+        self.closed = False
+
+    def push(self, event: Any) -> None:
+        if self.closed:
+            return
+        if len(self._items) >= self._maxsize:
+            self.overflowed = True
+            self._items.clear()
+            self.close()
+            return
+        self._items.append(event)
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> Any | None:
+        while not self._items:
+            if self.closed:
+                return None
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def get_nowait(self) -> Any | None:
+        return self._items.popleft() if self._items else None
+
+    def close(self) -> None:
+        self.closed = True
+        self._hub.discard(self)
+        self._wake()
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> Any:
+        ev = await self.get()
+        if ev is None:
+            raise StopAsyncIteration
+        return ev
+
+
+class EventHub:
+    def __init__(self) -> None:
+        self._subs: set[Subscription] = set()
+
+    def subscribe(self, maxsize: int = 10_000) -> Subscription:
+        sub = Subscription(self, maxsize)
+        self._subs.add(sub)
+        return sub
+
+    def discard(self, sub: Subscription) -> None:
+        self._subs.discard(sub)
+
+    def publish(self, event: Any) -> None:
+        for sub in list(self._subs):
+            sub.push(event)
+
+    def close_all(self) -> None:
+        for sub in list(self._subs):
+            sub.close()
+
+    def __len__(self) -> int:
+        return len(self._subs)
+
+
+# --- the agent --------------------------------------------------------------------------------------
+class Agent:
+    """One node: machine + transport + control socket + timer. See the module docstring."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        *,
+        machine_factory: MachineFactory = build_machine,
+        keyring: Keyring | None = None,
+        limits: TransportLimits | None = None,
+        leave_drain: float | None = None,
+        keyring_check_s: float = 1.0,
+        join_retry_s: float = 1.0,
+        handle_signals: bool = False,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.config = settings.protocol_config()
+        self.machine_factory = machine_factory
+        self.keyring = keyring
+        self.leave_drain = leave_drain if leave_drain is not None else max(0.1, 4 * self.config.gossip_interval)
+        self.keyring_check_s = keyring_check_s
+        self.join_retry_s = join_retry_s
+        self.handle_signals = handle_signals
+        self.rng = rng if rng is not None else random.Random()
+        self._limits = limits
+        self.machine: Machine | None = None
+        self.transport: Transport | None = None
+        self.control: ControlServer | None = None
+        self.name = settings.name or ""
+        self.addr = ""
+        self.control_path = ""
+        self.incarnation = 0
+        self.started_at = 0.0
+        self.layout: dict[Any, Any] | None = None
+        self.leave_reason: str | None = None
+        self.counters: dict[str, int] = {}
+        self.hub = EventHub()
+        self._progress = (-1, 0, 0)
+        self._state = "new"
+        self._closing = False
+        self._stack: AsyncExitStack | None = None
+        self._wake = asyncio.Event()
+        self._closed_evt = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._sleeping_until = -math.inf
+        self._pump_waiters: list[asyncio.Future[None]] = []
+        self._throttle = Throttle(log)
+        self._signals: list[int] = []
+
+    # ------------------------------------------------------------------ life cycle
+    async def __aenter__(self) -> Agent:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: Any) -> None:
+        await self.aclose(graceful=True)
+
+    async def start(self) -> None:
+        """Bind, build the machine, open the control socket, start the timer and join the seeds."""
+        if self._state != "new":
+            raise ProtocolError("an Agent starts once; create a new one")
+        self._state = "starting"
+        s = self.settings
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        self._stack = stack
+        try:
+            if self.keyring is None and not s.insecure:
+                assert s.keyring is not None
+                self.keyring = Keyring.load(s.keyring)
+            limits = self._limits or TransportLimits(
+                max_datagram_payload=self.config.mtu,
+                max_stream_payload=min(self.config.max_stream, 8 * 1024 * 1024))
+            self.transport = Transport(s.bind_host, s.port, cluster=self.config.cluster,
+                                       on_message=self._on_message, keyring=self.keyring,
+                                       insecure=s.insecure, limits=limits)
+            await stack.enter_async_context(self.transport)
+            port = self.transport.port
+            self.name = s.name or default_node_name(port)
+            self.addr = await self._advertise(port)
+            self.incarnation = int(time.time() * 1000)
+            self.started_at = time.monotonic()
+            self.machine = self.machine_factory(self.config, self.name, self.addr,
+                                                incarnation=self.incarnation, role=s.role,
+                                                now=self.started_at, rng=self.rng)
+            self.control_path = s.control_socket or default_control_path(port)
+            self.control = ControlServer(self.control_path, self)
+            await stack.enter_async_context(self.control)
+            tg = await stack.enter_async_context(asyncio.TaskGroup())
+            tg.create_task(self._timer_loop(), name="gossiprec-timer")
+            if self.keyring is not None and self.keyring.path is not None:
+                tg.create_task(self._keyring_loop(), name="gossiprec-keyring")
+            seeds = [a for a in s.seed_addrs() if a != self.addr]
+            if seeds:
+                tg.create_task(self._join_loop(seeds), name="gossiprec-join")
+            if self.handle_signals:
+                self._install_signals()
+            self._state = "running"
+            self._flush()
+        except BaseException:
+            self._closing = True
+            self._state = "closed"
+            await stack.aclose()
+            raise
+        log.info("agent started", extra={"fields": {
+            "node": self.name, "addr": self.addr, "incarnation": self.incarnation,
+            "role": s.role, "rank": s.rank, "control": self.control_path,
+            "secure": not s.insecure, "profile": s.profile}})
+
+    async def aclose(self, graceful: bool = True) -> None:
+        """Leave (if ``graceful`` and not aborted), drain, close every socket and task."""
+        if self._state in ("new", "closed", "closing"):
+            self._state = "closed" if self._state == "new" else self._state
+            return
+        if graceful and self._state == "running":
+            self.leave_now("shutdown")
+            await self._sleep(self.leave_drain)
+            if self.transport is not None:
+                await self.transport.drain(self.transport.limits.connect_timeout)
+        self._state = "closing"
+        self._closing = True
+        self._closed_evt.set()
+        self._wake.set()
+        self.hub.close_all()
+        self._remove_signals()
+        self._release_waiters()
+        try:
+            if self._stack is not None:
+                await self._stack.aclose()
+        finally:
+            self._state = "closed"
+            log.info("agent stopped", extra={"fields": {"node": self.name, "reason": self.leave_reason}})
+
+    async def run(self) -> None:
+        """Start, serve until :meth:`stop` (or a signal when ``handle_signals``), then leave and close."""
+        async with self:
+            await self._stop_requested.wait()
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to leave gracefully and return."""
+        self._stop_requested.set()
+
+    def abort(self) -> None:
+        """Crash on purpose: close every socket now, no leave. :meth:`aclose` finishes the cleanup."""
+        if self._state in ("closed", "closing"):
+            return
+        self._state = "aborted"
+        self._closing = True
+        self.leave_reason = "aborted"
+        if self.transport is not None:
+            self.transport.abort()
+        self._closed_evt.set()
+        self._wake.set()
+        self._stop_requested.set()
+
+    def leave_now(self, reason: str, failed: bool = False) -> None:
+        """Broadcast this node's departure at once (``machine.leave``), keep pumping until closed.
+
+        ``failed=True`` is the launcher's alarm (the training process died): peers must see this node
+        gone within a gossip round instead of waiting for a probe timeout.
+        """
+        m = self.machine
+        if m is None or self._closing or self.leave_reason is not None:
+            return
+        now = time.monotonic()
+        self.leave_reason = reason
+        if failed:
+            log.warning("leaving the cluster at once: %s", reason, extra={"fields": {"node": self.name}})
+        else:
+            log.info("leaving the cluster: %s", reason, extra={"fields": {"node": self.name}})
+        self.hub.publish(AgentLeaving(self.name, reason, failed, now))
+        try:
+            m.leave(now)
+        except Exception:
+            self._count("machine_errors")
+            log.exception("machine.leave failed")
+        self._flush()
+
+    @property
+    def leaving(self) -> bool:
+        return self.leave_reason is not None
+
+    # ------------------------------------------------------------------ the pump
+    def _on_message(self, payload: bytes, reliable: bool) -> None:
+        m = self.machine
+        if m is None or self._closing:
+            self._count("rx_before_start" if m is None else "rx_after_close")
+            return
+        try:
+            m.receive(payload, time.monotonic(), reliable)
+        except Exception:
+            self._count("machine_errors")
+            self._throttle.warn("receive", "machine.receive raised; message dropped", exc_info=True)
+        self._flush()
+
+    def _flush(self) -> None:
+        m, t = self.machine, self.transport
+        if m is None or t is None:
+            return
+        try:
+            for send in m.take_sends():
+                t.send(send.addr, send.payload, send.reliable)
+            events = m.take_events()
+            deadline = m.next_deadline()
+        except Exception:
+            self._count("machine_errors")
+            self._throttle.warn("flush", "machine output failed", exc_info=True)
+            return
+        for ev in events:
+            self.hub.publish(ev)
+            _log_event(ev)
+        self._release_waiters()
+        if deadline < self._sleeping_until:
+            self._wake.set()
+
+    def _release_waiters(self) -> None:
+        if self._pump_waiters:
+            waiters, self._pump_waiters = self._pump_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _timer_loop(self) -> None:
+        m = self.machine
+        assert m is not None
+        while not self._closing:
+            now = time.monotonic()
+            try:
+                deadline = m.next_deadline()
+                if deadline <= now:
+                    m.tick(now)
+            except Exception:
+                self._count("machine_errors")
+                self._throttle.warn("tick", "machine.tick raised", exc_info=True)
+                await asyncio.sleep(0.01)  # do not spin on a persistent bug
+                continue
+            if deadline <= now:
+                self._flush()
+                await asyncio.sleep(0)  # let pending I/O in between ticks
+                continue
+            self._wake.clear()
+            self._sleeping_until = deadline
+            try:
+                async with asyncio.timeout(min(deadline - now, 1.0)):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            finally:
+                self._sleeping_until = -math.inf
+
+    async def _join_loop(self, seeds: list[str]) -> None:
+        delay = self.join_retry_s
+        while not self._closing and not self.leaving:
+            if self._live_count() > 1:
+                return
+            m = self.machine
+            assert m is not None
+            log.info("joining through %s", ", ".join(seeds))
+            try:
+                m.join(seeds, time.monotonic())
+            except Exception:
+                self._count("machine_errors")
+                log.exception("machine.join failed")
+            self._flush()
+            try:
+                await self.wait_until(lambda: self._closing or self._live_count() > 1, delay)
+            except TimeoutError:
+                log.warning("no seed answered within %.1f s (%s); retrying", delay, ", ".join(seeds))
+                delay = min(delay * 2, 30.0)
+
+    async def _keyring_loop(self) -> None:
+        while not self._closing:
+            await self._sleep(self.keyring_check_s)
+            if not self._closing:
+                self.reload_keyring()
+
+    def reload_keyring(self, force: bool = False) -> bool:
+        """Reload the keyring file if it changed (or always, ``force``). Errors keep the current keys."""
+        ring = self.keyring
+        if ring is None or ring.path is None:
+            return False
+        try:
+            if force:
+                ring.reload()
+                changed = True
+            else:
+                changed = ring.load_if_changed()
+        except KeyringError as exc:
+            self._count("keyring_errors")
+            self._throttle.warn("keyring", "keyring reload failed, keeping the current keys: %s", exc)
+            return False
+        if changed:
+            self._count("keyring_reloads")
+            pid = ring.keyset.primary_id
+            log.info("keyring reloaded: %d key(s), primary %s", len(ring), pid.hex() if pid else None)
+        return changed
+
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep, returning early when the agent closes."""
+        try:
+            async with asyncio.timeout(seconds):
+                await self._closed_evt.wait()
+        except TimeoutError:
+            pass
+
+    # ------------------------------------------------------------------ waiting (launcher, tests)
+    def subscribe(self, maxsize: int = 10_000) -> Subscription:
+        """Every machine event from now on (plus :class:`AgentLeaving`)."""
+        return self.hub.subscribe(maxsize)
+
+    async def wait_until(self, cond: Callable[[], bool], timeout: float) -> None:
+        """Return once ``cond()`` holds, re-checking after every pump; TimeoutError after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            while not cond():
+                if self._state == "closed":
+                    raise ProtocolError("the agent is closed")
+                fut: asyncio.Future[None] = loop.create_future()
+                self._pump_waiters.append(fut)
+                await fut
+
+    async def wait_for_event(self, pred: Callable[[Any], bool], timeout: float,
+                             sub: Subscription | None = None) -> Any:
+        """The first event matching ``pred``, from ``sub`` (subscribe before acting to miss nothing)."""
+        own = sub is None
+        s = self.subscribe() if sub is None else sub
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    ev = await s.get()
+                    if ev is None:
+                        raise ProtocolError("the agent closed before the event came")
+                    if pred(ev):
+                        return ev
+        finally:
+            if own:
+                s.close()
+
+    # ------------------------------------------------------------------ views of the state
+    def member_status(self, name: str) -> str | None:
+        """``alive``/``suspect``/``dead``/``left`` for a known member, else None."""
+        m = self.machine
+        if m is None:
+            return None
+        for rec in m.members():
+            if rec.name == name:
+                return str(_status_name(rec.status))
+        return None
+
+    def _live_count(self) -> int:
+        m = self.machine
+        if m is None:
+            return 0
+        n = getattr(m, "n_live", None)
+        if isinstance(n, int):
+            return n
+        return sum(1 for rec in m.members() if getattr(rec, "live", True))
+
+    # ------------------------------------------------------------------ ControlBackend
+    @property
+    def node_name(self) -> str:
+        return self.name
+
+    def control_report(self, step: int, phase: int, step_ms: int) -> None:
+        m = self.machine
+        if m is None:
+            return
+        m.set_progress(step, phase, step_ms)
+        self._progress = (step, phase, step_ms)
+
+    def control_members(self) -> list[dict[str, Any]]:
+        m = self.machine
+        if m is None:
+            return []
+        now = time.monotonic()
+        rows: list[dict[str, Any]] = []
+        for rec in m.members():
+            row: dict[str, Any] = {
+                "name": rec.name, "addr": rec.addr, "incarnation": rec.incarnation,
+                "status": _status_name(rec.status), "role": _role_name(getattr(rec, "role", 0)),
+                "self": rec.name == self.name,
+            }
+            if rec.name == self.name:
+                step, phase, step_ms = self._progress
+                row.update(step=step, phase=PHASES[phase], step_ms=step_ms, progress_age_s=0.0)
+            else:
+                p = m.progress(rec.name)
+                if p is not None:
+                    row.update(step=p.step, phase=PHASES[p.phase] if 0 <= p.phase < len(PHASES) else p.phase,
+                               step_ms=p.step_ms, progress_age_s=round(now - p.seen_at, 6))
+                else:
+                    row.update(step=-1, phase=None, step_ms=0, progress_age_s=None)
+            rows.append(row)
+        return rows
+
+    def control_status(self) -> dict[str, Any]:
+        m = self.machine
+        s = self.settings
+        members = m.members() if m is not None else []
+        return {
+            "node": self.name, "addr": self.addr, "cluster": self.config.cluster,
+            "version": __version__, "incarnation": getattr(m, "incarnation", self.incarnation),
+            "role": s.role, "rank": s.rank, "profile": s.profile, "secure": not s.insecure,
+            "health": m.health() if m is not None else None,
+            "live": self._live_count(), "known": len(members),
+            "state": self._state, "leaving": self.leaving, "leave_reason": self.leave_reason,
+            "uptime_s": round(time.monotonic() - self.started_at, 3) if self.started_at else 0.0,
+            "layout_registered": self.layout is not None,
+            "machine": dict(m.counters) if m is not None else {},
+            "agent": dict(self.counters),
+            "transport": self.transport.stats() if self.transport is not None else {},
+            "control": dict(self.control.counters) if self.control is not None else {},
+            "subscribers": len(self.hub),
+        }
+
+    def control_set_layout(self, layout: dict[Any, Any]) -> None:
+        self.layout = layout
+
+    def control_layout(self) -> dict[Any, Any] | None:
+        return self.layout
+
+    def control_subscribe(self) -> Subscription:
+        return self.subscribe()
+
+    # ------------------------------------------------------------------ helpers
+    async def _advertise(self, port: int) -> str:
+        s = self.settings
+        if s.advertise:
+            host, p = split_host_port(s.advertise, default_port=0)
+            return join_host_port(host, p or port)
+        if s.bind_host not in ("0.0.0.0", "::"):
+            return join_host_port(s.bind_host, port)
+        return join_host_port(await routable_ip(s.seed_addrs()), port)
+
+    def _install_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig, handler in ((signal.SIGTERM, self.stop), (signal.SIGINT, self.stop),
+                             (signal.SIGHUP, lambda: self.reload_keyring(force=True))):
+            try:
+                loop.add_signal_handler(sig, handler)
+                self._signals.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+    def _remove_signals(self) -> None:
+        if not self._signals:
+            return
+        loop = asyncio.get_running_loop()
+        for sig in self._signals:
+            loop.remove_signal_handler(sig)
+        self._signals.clear()
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
+
+def _status_name(status: Any) -> Any:
+    return STATUS_NAMES[status] if type(status) is int and 0 <= status < len(STATUS_NAMES) else status
+
+
+def _role_name(role: Any) -> Any:
+    return ROLES[role] if type(role) is int and 0 <= role < len(ROLES) else role
+
+
+_QUIET_EVENTS = frozenset({"ProbeResult"})
+
+
+def _log_event(ev: Any) -> None:
+    name = type(ev).__name__
+    level = logging.DEBUG if name in _QUIET_EVENTS else logging.INFO
+    if log.isEnabledFor(level):
+        log.log(level, "event %s", name, extra={"fields": event_to_dict(ev)})
+
+
+# --- process entry ----------------------------------------------------------------------------------
+def install_event_loop() -> str:
+    """Use uvloop's event loop policy when importable; returns ``"uvloop"`` or ``"asyncio"``."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    uvloop.install()
+    return "uvloop"
+
+
+def run_async(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        base = super().format(record)
+        fields = getattr(record, "fields", None)
+        if fields:
+            base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        return base
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname.lower(),
+                               "logger": record.name, "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if fields:
+            doc.update(fields)
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure_logging(fmt: str = "text", level: str = "info", stream: Any = None) -> None:
+    """Log ``gossiprec.*`` to stderr as text or JSON lines. Called by the CLI only (never at import)."""
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("gossiprec")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+async def serve(settings: AgentSettings, **agent_kwargs: Any) -> int:
+    """Run one agent until SIGTERM/SIGINT; 0 after a graceful leave."""
+    agent = Agent(settings, handle_signals=True, **agent_kwargs)
+    await agent.run()
+    return 0
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ConfigError as exc:
+        print(f"gossiprec agent: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        return run_async(serve(settings))
+    except GossiprecError as exc:
+        print(f"gossiprec agent: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``agent`` sub-command (sets ``func``: ``args.func(args) -> exit code``)."""
+    p = subparsers.add_parser(
+        "agent", help="run a membership agent without a training process",
+        description="Run a gossiprec agent: failure detection and progress gossip for this node. "
+                    "SIGTERM/SIGINT leave the cluster gracefully; SIGHUP reloads the keyring.")
+    add_agent_arguments(p)
+    p.set_defaults(func=_cmd_agent)
+    return p  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gossiprec agent")
+    add_agent_arguments(parser)
+    return _cmd_agent(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    # Run the package's copy of this module, not __main__'s, so loggers and classes are the real ones.
+    from gossiprec.io.agent import main as _main
+
+    sys.exit(_main())

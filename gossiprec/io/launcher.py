@@ -1,0 +1,266 @@
+"""``gossiprec run``: an agent in this process and the training process as its child.
+
+Theory of operation
+-------------------
+:class:`Launcher` starts an :class:`~gossiprec.io.agent.Agent` (bound, control socket open, joining
+its seeds) and then the training command as a child process, in a new session like torchrun does, with
+the agent's coordinates in its environment:
+
+    GOSSIPREC_CONTROL  the agent's control socket (``ControlClient.from_env()`` reads it)
+    GOSSIPREC_NODE     this node's name in the cluster
+    GOSSIPREC_RANK     the training rank, when known (removed from the environment otherwise)
+    GOSSIPREC_ROLE     ``trainer`` or ``spare``
+    GOSSIPREC_CLUSTER  the cluster name
+
+It then awaits the child (``proc.wait()``, i.e. the event loop's child watcher), so the child's exit
+is noticed at once, whatever the cause. The exit is an alarm: the agent broadcasts its own departure
+immediately (:meth:`Agent.leave_now`, which sends the Dead-about-itself directly to several members
+and gossips it), so peers see this node gone within a gossip round instead of a probe-and-suspicion
+timeout; it drains for a few gossip intervals and closes.
+
+Signals pass through like torchrun's: SIGTERM, SIGINT and SIGQUIT received by the launcher are sent
+to the child (a third one kills it with SIGKILL); the launcher exits with the child's exit code, or
+128 + N when the child was killed by signal N; 127/126 when the command cannot be found/executed.
+SIGHUP reloads the keyring. If the agent fails while the child runs, the child is terminated
+(SIGTERM, then SIGKILL after ``kill_grace`` seconds) so that no trainer runs without its agent.
+
+Known limit: if the launcher itself is SIGKILLed the child keeps running (new session); the training
+library notices because the control socket closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.io.agent import Agent, configure_logging, run_async
+from gossiprec.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
+
+log = logging.getLogger(__name__)
+
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildExit:
+    """How the training process ended."""
+
+    returncode: int
+    """As :mod:`asyncio` reports it: the exit status, or ``-N`` when killed by signal N."""
+    exit_code: int
+    """What the launcher exits with: ``returncode``, or ``128 + N`` for signal N."""
+    signal: str | None
+    at: float
+    """``time.monotonic()`` when the launcher saw the exit."""
+    runtime_s: float
+
+
+def exit_code_of(returncode: int) -> int:
+    """Shell convention: a child killed by signal N gives 128 + N."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    return f"was killed by {_signal_name(-returncode)}"
+
+
+def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
+    """The training process's environment: ``base`` plus the agent's coordinates."""
+    env = dict(base)
+    s = agent.settings
+    env[ENV["control_socket"]] = agent.control_path
+    env[ENV["name"]] = agent.name
+    env[ENV["role"]] = s.role
+    env[ENV["cluster"]] = s.cluster
+    if s.rank is None:
+        env.pop(ENV["rank"], None)
+    else:
+        env[ENV["rank"]] = str(s.rank)
+    return env
+
+
+class Launcher:
+    """Runs one agent and one training process; :meth:`run` returns the exit code to use."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        argv: Sequence[str],
+        *,
+        forward_signals: bool = True,
+        environ: Mapping[str, str] | None = None,
+        agent_kwargs: Mapping[str, Any] | None = None,
+        child_kwargs: Mapping[str, Any] | None = None,
+        kill_grace: float = 10.0,
+    ) -> None:
+        if not argv:
+            raise ConfigError("no training command: write `gossiprec run [options] -- python train.py ...`")
+        self.settings = settings
+        self.argv = list(argv)
+        self.forward_signals = forward_signals
+        self.environ = dict(os.environ if environ is None else environ)
+        self.agent_kwargs = dict(agent_kwargs or {})
+        self.child_kwargs = dict(child_kwargs or {})
+        self.kill_grace = kill_grace
+        self.agent: Agent | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.child_exit: ChildExit | None = None
+        self.started = asyncio.Event()
+        self._signals_seen = 0
+        self._forwarded: int | None = None
+        self._installed: list[int] = []
+
+    async def run(self) -> int:
+        async with Agent(self.settings, **self.agent_kwargs) as agent:
+            self.agent = agent
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.argv, env=child_environment(agent, self.environ), start_new_session=True,
+                    **self.child_kwargs)
+            except OSError as exc:
+                code = 127 if isinstance(exc, FileNotFoundError) else 126
+                log.error("cannot start the training process %r: %s", self.argv[0], exc.strerror or exc)
+                agent.leave_now(f"training process could not start: {exc.strerror or exc}", failed=True)
+                return code
+            self.proc = proc
+            t0 = time.monotonic()
+            log.info("training process started", extra={"fields": {"pid": proc.pid, "argv": self.argv}})
+            self.started.set()
+            self._install_signals(agent)
+            try:
+                rc = await proc.wait()
+            finally:
+                self._remove_signals(agent)
+                if proc.returncode is None:  # we are being cancelled: never leave a trainer behind
+                    await asyncio.shield(self._terminate(proc))
+            at = time.monotonic()
+            sig = _signal_name(-rc) if rc < 0 else None
+            self.child_exit = ChildExit(rc, exit_code_of(rc), sig, at, at - t0)
+            what = f"training process {describe_exit(rc)}"
+            if self._forwarded is not None:
+                agent.leave_now(f"{what} after {signal.Signals(self._forwarded).name}")
+            elif rc == 0:
+                agent.leave_now(what)
+            else:
+                agent.leave_now(what, failed=True)
+        assert self.child_exit is not None
+        return self.child_exit.exit_code
+
+    async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
+        try:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(self.kill_grace):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def forward(self, sig: int) -> None:
+        """Send ``sig`` to the training process (the third signal becomes SIGKILL)."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        self._signals_seen += 1
+        self._forwarded = sig
+        send = signal.SIGKILL if self._signals_seen >= 3 else sig
+        log.info("forwarding %s to the training process", signal.Signals(send).name)
+        try:
+            proc.send_signal(send)
+        except ProcessLookupError:
+            pass
+
+    def _install_signals(self, agent: Agent) -> None:
+        if not self.forward_signals:
+            return
+        loop = asyncio.get_running_loop()
+        handlers: list[tuple[int, Any]] = [(s, lambda s=s: self.forward(s)) for s in FORWARDED_SIGNALS]
+        handlers.append((signal.SIGHUP, lambda: agent.reload_keyring(force=True)))
+        for sig, handler in handlers:
+            try:
+                loop.add_signal_handler(sig, handler)
+                self._installed.append(sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass
+
+    def _remove_signals(self, agent: Agent) -> None:
+        if not self._installed:
+            return
+        loop = asyncio.get_running_loop()
+        for sig in self._installed:
+            loop.remove_signal_handler(sig)
+        self._installed.clear()
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        settings = settings_from_args(args)
+        if args.spare:
+            settings = replace(settings, role="spare")
+        launcher = Launcher(settings, command)
+    except ConfigError as exc:
+        print(f"gossiprec run: error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level)
+    try:
+        return run_async(launcher.run())
+    except GossiprecError as exc:
+        print(f"gossiprec run: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    add_agent_arguments(p)
+    p.add_argument("--spare", action="store_true",
+                   help="run as a hot spare (role spare): same command, waits to take over a rank")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="the training command, after `--`")
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``run`` sub-command (sets ``func``: ``args.func(args) -> exit code``)."""
+    p = subparsers.add_parser(
+        "run", help="run a training process under a gossiprec agent",
+        description="Start a gossiprec agent and the training command as its child. The child finds "
+                    "the agent through GOSSIPREC_CONTROL; its exit is announced to the cluster at once. "
+                    "Exit codes and signals pass through like torchrun.",
+        usage="%(prog)s [agent options] [--spare] -- COMMAND [ARGS ...]")
+    _add_run_arguments(p)
+    p.set_defaults(func=_cmd_run)
+    return p  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gossiprec run",
+                                     usage="%(prog)s [agent options] [--spare] -- COMMAND [ARGS ...]")
+    _add_run_arguments(parser)
+    return _cmd_run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    # Run the package's copy of this module, not __main__'s, so loggers and classes are the real ones.
+    from gossiprec.io.launcher import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,493 @@
+"""Agent settings: the one place that reads ``GOSSIPREC_*`` environment variables and the TOML file.
+
+Theory of operation
+-------------------
+:class:`AgentSettings` is a frozen dataclass of everything an agent process needs to start: identity
+(name, role, rank), network (bind address, port, advertised address, seeds), protocol (profile, cluster
+name, overrides of :class:`~gossiprec.core.config.Config` fields), security (keyring path or insecure
+mode), the control socket path and logging. It validates itself on construction and reports *every*
+bad value in one :class:`~gossiprec.errors.ConfigError`, each problem naming where the value came from
+(``--port``, ``GOSSIPREC_PORT``, ``file.toml: port``) and what would be accepted.
+
+Sources, highest precedence first::
+
+    command-line flags  >  environment (GOSSIPREC_*)  >  TOML file (--config / GOSSIPREC_CONFIG)  >  defaults
+
+:func:`load_settings` merges raw values from the three sources field by field; :func:`add_agent_arguments`
+adds the flags to an :mod:`argparse` parser (every default is ``None`` so that "not given" is visible)
+and :func:`settings_from_args` turns parsed flags plus an environment mapping into settings. Nothing
+else in gossiprec reads the environment or a settings file; the core gets a frozen ``Config``.
+
+Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC_RANK`` are also what
+``gossiprec run`` hands to the training process, with the same meaning)::
+
+    GOSSIPREC_NODE GOSSIPREC_BIND GOSSIPREC_PORT GOSSIPREC_ADVERTISE GOSSIPREC_SEEDS (comma separated)
+    GOSSIPREC_ROLE GOSSIPREC_RANK GOSSIPREC_PROFILE GOSSIPREC_CLUSTER GOSSIPREC_KEYRING
+    GOSSIPREC_INSECURE (1/0, true/false, yes/no) GOSSIPREC_CONTROL GOSSIPREC_LOG_FORMAT
+    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_CONFIG (path of the TOML file)
+
+TOML file: the same names as the dataclass fields at top level (``port = 7980``, ``seeds = ["a:7980"]``),
+plus an optional ``[protocol]`` table of ``Config`` overrides (``probe_interval = 0.2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import math
+import os
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from gossiprec.core.config import Config
+from gossiprec.errors import ConfigError
+
+DEFAULT_PORT = 7980
+"""UDP and TCP port of the agent (both protocols share the number)."""
+ROLES = ("trainer", "spare")
+AGENT_PROFILES = ("lan", "wan")
+LOG_FORMATS = ("json", "text")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+UNIX_PATH_MAX = 107
+"""Longest path a Unix socket can bind on Linux (sun_path is 108 bytes with the terminating NUL)."""
+
+ENV: dict[str, str] = {
+    "name": "GOSSIPREC_NODE",
+    "bind_host": "GOSSIPREC_BIND",
+    "port": "GOSSIPREC_PORT",
+    "advertise": "GOSSIPREC_ADVERTISE",
+    "seeds": "GOSSIPREC_SEEDS",
+    "role": "GOSSIPREC_ROLE",
+    "rank": "GOSSIPREC_RANK",
+    "profile": "GOSSIPREC_PROFILE",
+    "cluster": "GOSSIPREC_CLUSTER",
+    "keyring": "GOSSIPREC_KEYRING",
+    "insecure": "GOSSIPREC_INSECURE",
+    "control_socket": "GOSSIPREC_CONTROL",
+    "log_format": "GOSSIPREC_LOG_FORMAT",
+    "log_level": "GOSSIPREC_LOG_LEVEL",
+    "metrics_port": "GOSSIPREC_METRICS_PORT",
+}
+"""Setting field -> environment variable."""
+ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    """Everything an agent process needs to start. Validated on construction (:class:`ConfigError`)."""
+
+    name: str | None = None
+    """Node name, unique in the cluster. None: ``<hostname>:<port>`` once the port is bound."""
+    bind_host: str = "0.0.0.0"
+    """Address the UDP and TCP sockets bind to."""
+    port: int = DEFAULT_PORT
+    """Port for UDP and TCP (0: any free port, for tests)."""
+    advertise: str | None = None
+    """``host`` or ``host:port`` other members use to reach this node. None: the bind address, or when
+    that is a wildcard, the address of the interface that routes to the first seed."""
+    seeds: tuple[str, ...] = ()
+    """``host:port`` of members to join through (any live member will do; this node's own is skipped)."""
+    role: str = "trainer"
+    """``trainer`` (runs a training process) or ``spare`` (hot spare, takes over a failed rank)."""
+    rank: int | None = None
+    """The training rank this node runs, if known at start."""
+    profile: str = "lan"
+    """Protocol timing profile: ``lan`` (training fabric) or ``wan`` (10x the timeouts)."""
+    cluster: str = "gossiprec"
+    """Cluster name: packets of other clusters never open (it is part of the authenticated data)."""
+    keyring: str | None = None
+    """Keyring file (see ``gossiprec keys``). Required unless ``insecure``; :func:`load_settings` falls
+    back to :func:`default_keyring_path` when that file exists."""
+    insecure: bool = False
+    """Send and accept unauthenticated, unencrypted packets (trusted networks and tests only)."""
+    control_socket: str | None = None
+    """Unix socket for the training process. None: ``default_control_path(port)``."""
+    log_format: str = "text"
+    """``text`` (for people) or ``json`` (one object per line, for log shippers)."""
+    log_level: str = "info"
+    """``debug``, ``info``, ``warning`` or ``error``."""
+    metrics_port: int | None = None
+    """Port of the Prometheus endpoint; None: no endpoint."""
+    protocol: tuple[tuple[str, Any], ...] = ()
+    """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
+    config_file: str | None = None
+    """The TOML file these settings were read from (informational)."""
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    """Where each non-default value came from, for error messages (field -> "--port" etc.)."""
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+
+        def bad(name: str, msg: str) -> None:
+            where = self.origins.get(name, name)
+            problems.append(f"{where}: {msg}")
+
+        if self.name is not None and not 1 <= len(self.name.encode()) <= 128:
+            bad("name", f"node name must be 1..128 bytes, got {self.name!r}")
+        if not self.bind_host:
+            bad("bind_host", "bind address is empty; use 0.0.0.0 to listen on every interface")
+        if not _is_port(self.port):
+            bad("port", f"expected a port number 0..65535, got {self.port!r}")
+        if self.advertise is not None:
+            try:
+                host, port = split_host_port(self.advertise, default_port=0)
+                if _is_wildcard(host):
+                    bad("advertise", f"{self.advertise!r} is a wildcard address; others cannot reach it, "
+                                     "advertise this host's routable address")
+            except ConfigError as exc:
+                bad("advertise", str(exc))
+        for seed in self.seeds:
+            try:
+                split_host_port(seed, default_port=DEFAULT_PORT)
+            except ConfigError as exc:
+                bad("seeds", str(exc))
+        if self.role not in ROLES:
+            bad("role", f"expected one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.rank is not None and (type(self.rank) is not int or self.rank < 0):
+            bad("rank", f"expected a non-negative integer, got {self.rank!r}")
+        if self.profile not in AGENT_PROFILES:
+            bad("profile", f"expected one of {', '.join(AGENT_PROFILES)}, got {self.profile!r}")
+        if self.log_format not in LOG_FORMATS:
+            bad("log_format", f"expected one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.log_level not in LOG_LEVELS:
+            bad("log_level", f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.metrics_port is not None and not _is_port(self.metrics_port):
+            bad("metrics_port", f"expected a port number 0..65535, got {self.metrics_port!r}")
+        if self.insecure and self.keyring is not None:
+            bad("insecure", f"insecure mode and a keyring ({self.keyring}) exclude each other; drop one")
+        if not self.insecure and self.keyring is None:
+            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys install "
+                           "$(gossiprec keys generate) --keyring PATH`), or --insecure on a trusted network")
+        if self.control_socket is not None:
+            if not self.control_socket:
+                bad("control_socket", "empty path")
+            elif len(os.fsencode(self.control_socket)) > UNIX_PATH_MAX:
+                bad("control_socket", f"path is {len(os.fsencode(self.control_socket))} bytes; a Unix "
+                                      f"socket path must be at most {UNIX_PATH_MAX}; choose a shorter one")
+        if self.profile in AGENT_PROFILES and self.cluster:
+            try:
+                self.protocol_config()
+            except (ConfigError, TypeError) as exc:
+                bad("protocol", str(exc))
+        elif not self.cluster:
+            bad("cluster", "cluster name is empty")
+        if problems:
+            raise ConfigError("invalid agent settings:\n  " + "\n  ".join(problems))
+
+    def protocol_config(self) -> Config:
+        """The core's frozen :class:`Config` for these settings."""
+        return Config.profile(self.profile, cluster=self.cluster, **dict(self.protocol))
+
+    def seed_addrs(self) -> tuple[str, ...]:
+        """Seeds normalised to ``host:port``."""
+        return tuple(join_host_port(*split_host_port(s, default_port=DEFAULT_PORT)) for s in self.seeds)
+
+
+# --- addresses --------------------------------------------------------------------------------------
+def _is_port(v: object) -> bool:
+    return type(v) is int and 0 <= v <= 65535
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
+
+
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """``"host:port"``, ``"host"``, ``"[v6]:port"`` or ``"[v6]"`` -> (host, port)."""
+    t = text.strip()
+    if not t:
+        raise ConfigError("empty address; expected host:port")
+    if t.startswith("["):
+        end = t.find("]")
+        if end < 0:
+            raise ConfigError(f"address {text!r} opens '[' without ']'; write [IPv6]:port")
+        host, rest = t[1:end], t[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise ConfigError(f"address {text!r}: expected ':port' after ']'")
+        port_text = rest[1:] if rest else ""
+    elif t.count(":") == 1:
+        host, port_text = t.split(":")
+    elif t.count(":") > 1:
+        host, port_text = t, ""  # bare IPv6 literal
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"address {text!r} is not host:port; write IPv6 as [addr]:port") from None
+    else:
+        host, port_text = t, ""
+    if not host:
+        raise ConfigError(f"address {text!r} has no host")
+    if port_text:
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ConfigError(f"address {text!r}: port {port_text!r} is not a number") from None
+        if not 0 < port <= 65535:
+            raise ConfigError(f"address {text!r}: port must be 1..65535")
+    else:
+        port = default_port
+    return host, port
+
+
+def join_host_port(host: str, port: int) -> str:
+    """Inverse of :func:`split_host_port` (brackets IPv6 literals)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def default_control_path(port: int, environ: Mapping[str, str] | None = None) -> str:
+    """``$XDG_RUNTIME_DIR/gossiprec/agent-<port>.sock``, else ``/tmp/gossiprec-<uid>/agent-<port>.sock``."""
+    env = os.environ if environ is None else environ
+    runtime = env.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "gossiprec" if runtime else Path("/tmp") / f"gossiprec-{os.getuid()}"
+    return str(base / f"agent-{port}.sock")
+
+
+def default_keyring_path(environ: Mapping[str, str] | None = None) -> str:
+    """``$XDG_CONFIG_HOME/gossiprec/keyring.json`` (``~/.config`` when unset)."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return str(Path(base) / "gossiprec" / "keyring.json")
+
+
+def default_node_name(port: int) -> str:
+    return f"{socket.gethostname()}:{port}"
+
+
+# --- raw value conversion (each source gives strings or TOML values) --------------------------------
+def _as_int(v: Any, where: str) -> int:
+    if type(v) is int:
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v.strip())
+        except ValueError:
+            pass
+    raise ConfigError(f"{where}: expected an integer, got {v!r}")
+
+
+def _as_bool(v: Any, where: str) -> bool:
+    if type(v) is bool:
+        return v
+    if isinstance(v, str):
+        t = v.strip().lower()
+        if t in ("1", "true", "yes", "on"):
+            return True
+        if t in ("0", "false", "no", "off", ""):
+            return False
+    raise ConfigError(f"{where}: expected a boolean (1/0, true/false, yes/no), got {v!r}")
+
+
+def _as_str(v: Any, where: str) -> str:
+    if isinstance(v, str):
+        return v
+    raise ConfigError(f"{where}: expected a string, got {v!r}")
+
+
+def _as_opt_str(v: Any, where: str) -> str | None:
+    s = _as_str(v, where)
+    return s or None
+
+
+def _as_seeds(v: Any, where: str) -> tuple[str, ...]:
+    if isinstance(v, str):
+        items = [s for s in (x.strip() for x in v.split(",")) if s]
+    elif isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+        items = [s for s in (x.strip() for x in v) if s]
+    else:
+        raise ConfigError(f"{where}: expected a list of host:port strings, got {v!r}")
+    return tuple(items)
+
+
+def _as_opt_int(v: Any, where: str) -> int | None:
+    if isinstance(v, str) and not v.strip():
+        return None
+    return _as_int(v, where)
+
+
+_CONVERT: dict[str, Callable[[Any, str], Any]] = {
+    "name": _as_opt_str, "bind_host": _as_str, "port": _as_int, "advertise": _as_opt_str,
+    "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
+    "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
+    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int,
+}
+_CONFIG_FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _protocol_value(name: str, v: Any, where: str) -> Any:
+    if name not in _CONFIG_FIELDS:
+        known = ", ".join(sorted(_CONFIG_FIELDS))
+        raise ConfigError(f"{where}: unknown protocol setting {name!r}; known: {known}")
+    default = getattr(Config(), name)
+    if isinstance(default, bool):
+        return _as_bool(v, where)
+    if isinstance(default, int):
+        return _as_int(v, where)
+    if isinstance(default, float):
+        if type(v) in (int, float):
+            out = float(v)
+        else:
+            try:
+                out = float(_as_str(v, where))
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {v!r}") from None
+        if not math.isfinite(out):
+            raise ConfigError(f"{where}: expected a finite number, got {v!r}")
+        return out
+    return _as_str(v, where)
+
+
+def parse_protocol_overrides(items: list[str] | None, where: str = "--protocol") -> dict[str, Any]:
+    """``["probe_interval=0.2", ...]`` -> typed Config overrides."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ConfigError(f"{where}: expected NAME=VALUE, got {item!r}")
+        out[key] = _protocol_value(key, value.strip(), f"{where} {key}")
+    return out
+
+
+def read_settings_file(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a TOML settings file -> (agent fields, protocol overrides), typed and checked."""
+    p = Path(path).expanduser()
+    try:
+        with open(p, "rb") as f:
+            doc = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"settings file {p} does not exist; fix --config / {ENV_CONFIG_FILE}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read settings file {p}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"settings file {p} is not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    protocol: dict[str, Any] = {}
+    for raw_key, v in doc.items():
+        key = raw_key.replace("-", "_")
+        where = f"{p}: {raw_key}"
+        if key == "protocol":
+            if not isinstance(v, dict):
+                raise ConfigError(f"{where}: expected a [protocol] table")
+            for pk, pv in v.items():
+                pkey = pk.replace("-", "_")
+                protocol[pkey] = _protocol_value(pkey, pv, f"{p}: protocol.{pk}")
+        elif key in _CONVERT:
+            values[key] = _CONVERT[key](v, where)
+        else:
+            known = ", ".join(sorted([*_CONVERT, "protocol"]))
+            raise ConfigError(f"{where}: unknown setting; known settings: {known}")
+    return values, protocol
+
+
+def load_settings(
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+    flag_protocol: Mapping[str, Any] | None = None,
+) -> AgentSettings:
+    """Merge flags > environment > file > defaults into validated :class:`AgentSettings`.
+
+    ``flags`` maps field names to already-typed values (None = not given). ``environ`` defaults to
+    :data:`os.environ`. ``config_file`` (else ``GOSSIPREC_CONFIG``) names the TOML file.
+    """
+    env = os.environ if environ is None else environ
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    unknown = set(flags) - set(_CONVERT)
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    path = config_file or env.get(ENV_CONFIG_FILE) or None
+    file_values: dict[str, Any] = {}
+    protocol: dict[str, Any] = {}
+    if path:
+        file_values, protocol = read_settings_file(path)
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    problems: list[str] = []
+    for name, convert in _CONVERT.items():
+        flag_name = "--" + _FLAG_NAMES.get(name, name).replace("_", "-")
+        if name in flags:
+            values[name], origins[name] = flags[name], flag_name
+        elif ENV[name] in env:
+            try:
+                values[name] = convert(env[ENV[name]], ENV[name])
+                origins[name] = ENV[name]
+            except ConfigError as exc:
+                problems.append(str(exc))
+        elif name in file_values:
+            values[name], origins[name] = file_values[name], f"{path}: {name}"
+    if problems:
+        raise ConfigError("invalid agent settings:\n  " + "\n  ".join(problems))
+    protocol.update(flag_protocol or {})
+    if "keyring" not in values and not values.get("insecure"):
+        fallback = default_keyring_path(env)
+        if os.path.exists(fallback):
+            values["keyring"], origins["keyring"] = fallback, f"default keyring {fallback}"
+    if protocol:
+        origins["protocol"] = "--protocol / [protocol]"
+    return AgentSettings(**values, protocol=tuple(sorted(protocol.items())), config_file=path,
+                         origins=origins)
+
+
+# --- command line -----------------------------------------------------------------------------------
+_FLAG_NAMES = {"bind_host": "bind", "control_socket": "control_socket", "name": "name"}
+
+
+def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the agent flags to ``parser`` (every default None: unset flags fall through to env/file)."""
+    g = parser.add_argument_group("agent")
+    g.add_argument("--config", metavar="FILE", default=None,
+                   help=f"TOML settings file (env {ENV_CONFIG_FILE})")
+    g.add_argument("--name", default=None, help="node name, unique in the cluster (default host:port)")
+    g.add_argument("--bind", dest="bind_host", metavar="HOST", default=None,
+                   help="address to bind UDP and TCP to (default 0.0.0.0)")
+    g.add_argument("--port", type=int, default=None, help=f"UDP+TCP port (default {DEFAULT_PORT}; 0: any)")
+    g.add_argument("--advertise", metavar="HOST[:PORT]", default=None,
+                   help="address other members reach this node at (default: derived from --bind)")
+    g.add_argument("--seed", dest="seeds", metavar="HOST:PORT", action="append", default=None,
+                   help="member to join through (repeatable, or comma separated)")
+    g.add_argument("--role", choices=ROLES, default=None, help="trainer (default) or spare")
+    g.add_argument("--rank", type=int, default=None, help="training rank of this node, if known")
+    g.add_argument("--profile", choices=AGENT_PROFILES, default=None, help="protocol timings (default lan)")
+    g.add_argument("--cluster", default=None, help="cluster name (default gossiprec)")
+    g.add_argument("--keyring", metavar="PATH", default=None, help="keyring file (see `gossiprec keys`)")
+    g.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=None,
+                   help="no encryption or authentication (trusted networks, tests)")
+    g.add_argument("--control-socket", dest="control_socket", metavar="PATH", default=None,
+                   help="Unix socket for the training process (env GOSSIPREC_CONTROL)")
+    g.add_argument("--log-format", dest="log_format", choices=LOG_FORMATS, default=None)
+    g.add_argument("--log-level", dest="log_level", choices=LOG_LEVELS, default=None)
+    g.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
+                   help="Prometheus endpoint port (default: none)")
+    g.add_argument("--protocol", metavar="NAME=VALUE", action="append", default=None,
+                   help="override a protocol Config field (repeatable), e.g. probe_interval=0.2")
+
+
+def settings_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> AgentSettings:
+    """Settings from parsed :func:`add_agent_arguments` flags, the environment and the TOML file."""
+    flags: dict[str, Any] = {}
+    for name in _CONVERT:
+        v = getattr(args, name, None)
+        if v is not None:
+            flags[name] = v
+    if "seeds" in flags:
+        flags["seeds"] = tuple(s for item in flags["seeds"] for s in _as_seeds(item, "--seed"))
+    protocol = parse_protocol_overrides(getattr(args, "protocol", None))
+    return load_settings(flags, environ, getattr(args, "config", None), protocol)
+
+
+def with_overrides(settings: AgentSettings, **changes: Any) -> AgentSettings:
+    """A copy with some fields replaced (validated again)."""
+    return replace(settings, **changes)
+
+
+def control_path_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """The agent's control socket path handed to a training process (``GOSSIPREC_CONTROL``)."""
+    env = os.environ if environ is None else environ
+    path = env.get(ENV["control_socket"])
+    if not path:
+        raise ConfigError(f"{ENV['control_socket']} is not set: start the training process with "
+                          "`gossiprec run ... -- python train.py`, or pass the agent's control socket path")
+    return path

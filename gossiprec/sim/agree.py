@@ -1,0 +1,355 @@
+"""Agreement scenarios: the full core (:class:`~gossiprec.core.node.Node`) under faults, with the
+invariants of masterless agreement checked on every event.
+
+Invariants (any breach raises :class:`~gossiprec.errors.InvariantViolation` with the seed and the
+command that replays it):
+
+1. at most one view per epoch (one config id per epoch across all members);
+2. no view decided without a quorum of its predecessor (audited at the deciding member: a fast decision
+   holds at least ``fast_quorum`` votes, a classic one ``majority`` accepts);
+3. every member that computes the plan of an epoch computes the same plan (same digest);
+4. the minority side of a partition never decides.
+
+Liveness is checked by the scenario's expectations (e.g. "after the faults stop, the majority decides
+within a bounded time"), reported in the figures and asserted by the tests.
+
+Training model: trainers advance in lockstep (compute, communicate, optimizer per step). A hung or
+crashed trainer blocks the others inside ``communicate`` of the current step until the view without
+it is installed; each trainer's committed step (reported to the plan) is the last completed one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gossiprec.core.config import Config
+from gossiprec.core.membership import MemberInfo
+from gossiprec.core.node import AgreementConfig, Fenced, Node, PlanReady, ViewInstalled
+from gossiprec.core.topology import JobTopology
+from gossiprec.core.view import View, ViewMember
+from gossiprec.core.wire import PHASES
+from gossiprec.errors import ConfigError, InvariantViolation
+from gossiprec.sim.cluster import CRASHED, SimCluster
+from gossiprec.sim.metrics import quantiles
+from gossiprec.sim.network import NetworkModel
+
+SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join")
+COMPUTE, COMMUNICATE, OPTIMIZER = (PHASES.index(p) for p in ("compute", "communicate", "optimizer"))
+
+
+@dataclass(frozen=True, slots=True)
+class AgreeParams:
+    scenario: str = "crash"
+    nodes: int = 16
+    spares: int = 2
+    seed: int = 1
+    duration: float = 20.0
+    fault_at: float = 3.0
+    heal_after: float = 8.0
+    loss: float = 0.0
+    step_time: float = 0.3
+    profile: str = "lan"
+    crash: int = 1
+
+    def validate(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise ConfigError(f"unknown scenario {self.scenario!r}; choose one of {', '.join(SCENARIOS)}")
+        if self.nodes < 3:
+            raise ConfigError("agreement scenarios need at least 3 nodes")
+        if not 0 <= self.spares < self.nodes:
+            raise ConfigError("--spares must be within 0..nodes-1")
+
+    def replay_command(self) -> str:
+        return (f"python -m gossiprec sim --scenario {self.scenario} --nodes {self.nodes} "
+                f"--spares {self.spares} --seed {self.seed} --duration {self.duration} --loss {self.loss}")
+
+
+class AgreementChecker:
+    """Observes every event; raises InvariantViolation at the first breach."""
+
+    def __init__(self, cluster: SimCluster, params: AgreeParams) -> None:
+        self.cluster = cluster
+        self.params = params
+        self.view_of_epoch: dict[int, str] = {}
+        self.plan_of_epoch: dict[int, str] = {}
+        self.installs: dict[int, dict[int, float]] = {}
+        self.plans: dict[int, dict[int, float]] = {}
+        self.fenced: dict[int, float] = {}
+        self.decided_fast: dict[int, bool] = {}
+        self.minority: set[int] = set()
+        self.minority_active = False
+        self.removed_at: dict[str, tuple[int, float]] = {}
+        self.violations: list[str] = []
+
+    def fail(self, msg: str) -> None:
+        self.violations.append(msg)
+        raise InvariantViolation(f"{msg} (seed={self.params.seed}; replay: {self.params.replay_command()})")
+
+    def __call__(self, now: float, idx: int, ev: Any) -> None:
+        t = type(ev)
+        if t is ViewInstalled:
+            prev = self.view_of_epoch.setdefault(ev.epoch, ev.config_id)
+            if prev != ev.config_id:
+                self.fail(f"two views for epoch {ev.epoch}: {prev} and {ev.config_id}")
+            self.installs.setdefault(ev.epoch, {})[idx] = now
+            if ev.decided_here:
+                node: Node = self.cluster.nodes[idx].machine  # type: ignore[assignment]
+                c = node._prev_consensus
+                d = c.decided
+                if d is None:
+                    self.fail(f"{node.name} installed epoch {ev.epoch} without a decision")
+                elif d.fast:
+                    if c.votes.get(d.digest, 0).bit_count() < c.view.fast_quorum():
+                        self.fail(f"{node.name} decided epoch {ev.epoch} on the fast path without a fast quorum")
+                elif len(c.accepts) < c.view.majority():
+                    self.fail(f"{node.name} decided epoch {ev.epoch} without a majority of accepts")
+                self.decided_fast[ev.epoch] = self.decided_fast.get(ev.epoch, False) or d.fast
+                if self.minority_active and idx in self.minority:
+                    self.fail(f"{node.name} on the minority side decided epoch {ev.epoch}")
+            for r in ev.removed:
+                self.removed_at.setdefault(r, (ev.epoch, now))
+        elif t is PlanReady:
+            prev = self.plan_of_epoch.setdefault(ev.epoch, ev.digest)
+            if prev != ev.digest:
+                self.fail(f"two plans for epoch {ev.epoch}: {prev[:12]} and {ev.digest[:12]}")
+            self.plans.setdefault(ev.epoch, {})[idx] = now
+        elif t is Fenced:
+            self.fenced.setdefault(idx, now)
+
+
+def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str, Any]]:
+    config = Config.profile("lan" if params.profile == "sim" else params.profile)
+    acfg = AgreementConfig()
+    n = params.nodes
+    names = [f"n{i:05d}" for i in range(n)]
+    trainers = n - params.spares
+    racks = 20  # a rack is 5% of the nodes
+    members = []
+    for i, name in enumerate(names):
+        rack = f"r{i % racks}"
+        if i < trainers:
+            members.append(ViewMember(name, name, "trainer", i, f"h{i}", rack))
+        else:
+            members.append(ViewMember(name, name, "spare", None, f"h{i}", rack))
+    view0 = View.initial(members, JobTopology.ddp(trainers, allow_shrink=True))
+    base = {name: MemberInfo(name, name, 1) for name in names}
+    order = tuple(names)
+    memo: dict[Any, Any] = {}
+    extra = {"view0": view0, "racks": racks}
+
+    def make(idx: int, now: float, incarnation: int, rng: random.Random) -> Node:
+        name = names[idx]
+        m = view0.member(name)
+        assert m is not None
+        if incarnation == 1 and not extra.get("late", set()).__contains__(idx):
+            node = Node(config, name, name, incarnation=1, rng=rng, now=now, view=view0, agreement=acfg,
+                        host=m.host, rack=m.rack, role=m.role, members=base, member_order=order,
+                        members_live=n, memo=memo)
+        else:
+            seeds = tuple(names[(idx + k) % n] for k in (1, 2, 3))
+            node = Node(config, name, name, incarnation=incarnation, rng=rng, now=now, view=None,
+                        agreement=acfg, host=m.host, rack=m.rack, role="spare", seeds=seeds, memo=memo)
+        node.set_state(0, None, 1 << 20)
+        return node
+
+    model = NetworkModel(loss=params.loss)
+    cluster = SimCluster(n, make, seed=params.seed, model=model, names=names)
+    return cluster, names, extra
+
+
+def run_agreement(params: AgreeParams) -> dict[str, Any]:
+    params.validate()
+    wall0 = time.perf_counter()
+    cluster, names, extra = build_cluster(params)
+    view0: View = extra["view0"]
+    checker = AgreementChecker(cluster, params)
+    cluster.observers.append(checker)
+    rng = random.Random(cluster.rng.getrandbits(64))
+    n = params.nodes
+    trainers = [i for i in range(n) if view0.members[i].role == "trainer"]
+    victims: list[int] = []
+    hung: set[int] = set()
+    slow: set[int] = set()
+    expect_removed: set[int] = set()
+    expect_kept: set[int] = set(range(n))
+    t_fault = params.fault_at
+    sc = params.scenario
+
+    # --- faults -----------------------------------------------------------------------------------
+    if sc == "crash":
+        victims = rng.sample(range(n), params.crash)
+        cluster.at(t_fault, lambda: [cluster.crash(v) for v in victims])
+    elif sc == "rack":
+        rack = f"r{rng.randrange(extra['racks'])}"
+        victims = [i for i in range(n) if view0.members[i].rack == rack]
+        cluster.at(t_fault, lambda: [cluster.crash(v) for v in victims])
+    elif sc == "hang":
+        victims = [rng.choice(trainers)]
+        hung.add(victims[0])
+    elif sc == "straggler":
+        slow.add(rng.choice(trainers))
+    elif sc in ("partition", "split"):
+        order = list(range(n))
+        rng.shuffle(order)
+        cut = n // 2 if sc == "split" else (n - 1) // 2
+        minority = set(order[:cut])
+        majority = set(order[cut:])
+        checker.minority = set(minority) if sc == "partition" else set(range(n))
+
+        def part() -> None:
+            checker.minority_active = True
+            cluster.network.partition([minority, majority])
+
+        def heal() -> None:
+            cluster.network.heal()
+
+        cluster.at(t_fault, part)
+        cluster.at(t_fault + params.heal_after, heal)
+        victims = sorted(minority) if sc == "partition" else []
+    elif sc == "oneway":
+        victims = [rng.randrange(n)]
+        v = victims[0]
+        cluster.at(t_fault, lambda: [cluster.network.block(o, v) for o in range(n) if o != v])
+    elif sc == "flap":
+        victims = [rng.randrange(n)]
+        cluster.at(t_fault, lambda: cluster.network.set_node_loss(victims[0], 0.8, 0.8))
+    elif sc == "donor":
+        first = rng.choice(trainers)
+        victims = [first]
+
+        def second() -> None:
+            # a donor dies while the plan of the first view change is being carried out
+            alive_trainers = [i for i in trainers if i != first and cluster.nodes[i].state != CRASHED]
+            d = rng.choice(alive_trainers)
+            victims.append(d)
+            cluster.crash(d)
+
+        cluster.at(t_fault, lambda: cluster.crash(first))
+        extra["second"] = second
+    elif sc == "join":
+        late = set(rng.sample(range(len(trainers), n), params.spares))
+        extra["late"] = late
+        for i in late:
+            cluster.crash(i)  # not started yet
+            cluster.at(t_fault, lambda i=i: cluster.restart(i, incarnation=2))
+        victims = []
+
+    # --- lockstep training model ---------------------------------------------------------------------
+    state = {"step": 0, "phase": COMPUTE}
+    third = params.step_time / 3
+
+    def blocked() -> bool:
+        if cluster.now < t_fault:
+            return False
+        for v in victims if sc in ("crash", "rack", "hang", "donor", "oneway", "flap") else []:
+            # blocked while some live trainer still has v as a trainer in its view
+            for i in trainers:
+                node = cluster.nodes[i]
+                if node.state == CRASHED or i in victims:
+                    continue
+                view = node.machine.view  # type: ignore[attr-defined]
+                if view is not None and v < len(names) and (m := view.member(names[v])) is not None \
+                        and m.role == "trainer":
+                    return True
+        return False
+
+    def train() -> None:
+        cluster.at(cluster.now + third, train)
+        if not blocked():
+            state["phase"] += 1
+            if state["phase"] > OPTIMIZER:
+                state["phase"] = COMPUTE
+                state["step"] += 1
+        elif state["phase"] != COMMUNICATE:
+            # the healthy ranks run on to the next collective and wait in it; the failed rank never
+            # gets there (it stopped earlier in this step, or in the previous one)
+            if state["phase"] > COMMUNICATE:
+                state["step"] += 1
+            state["phase"] = COMMUNICATE
+        for i in range(n):
+            node = cluster.nodes[i]
+            if node.state == CRASHED:
+                continue
+            machine: Node = node.machine  # type: ignore[assignment]
+            view = machine.view
+            if view is None or (m := view.member(machine.name)) is None or m.role != "trainer":
+                continue
+            if i in hung and cluster.now >= t_fault:
+                continue  # frozen where it hung
+            step, phase = state["step"], state["phase"]
+            if i in slow and cluster.now >= t_fault:
+                step = max(0, step - 2)  # two steps behind, still moving
+            machine.set_progress(step, phase, int(params.step_time * 1000))
+            machine.set_state(max(0, step - 1) if phase != OPTIMIZER else step - 1, None, 1 << 20)
+
+    cluster.at(third, train)
+    if "second" in extra:
+        def watch_for_first_view() -> None:
+            if 1 in checker.installs:
+                extra["second"]()
+            else:
+                cluster.at(cluster.now + 0.01, watch_for_first_view)
+        cluster.at(t_fault, watch_for_first_view)
+
+    cluster.run_until(params.duration)
+    wall = time.perf_counter() - wall0
+
+    # --- figures -----------------------------------------------------------------------------------
+    if sc not in ("partition", "split", "straggler", "join"):
+        expect_removed = set(victims)
+    expect_kept = set(range(n)) - set(victims)
+    survivors = [i for i in range(n) if cluster.nodes[i].state != CRASHED and i not in set(victims)]
+    final_epoch = max(checker.view_of_epoch, default=0)
+    agree = []
+    plan = []
+    if expect_removed:
+        # fault -> every survivor installed the view that removes the last expected victim
+        removal_epochs = {checker.removed_at[names[v]][0] for v in expect_removed if names[v] in checker.removed_at}
+        if len(removal_epochs) and all(names[v] in checker.removed_at for v in expect_removed):
+            last_epoch = max(removal_epochs)
+            per_node = checker.installs.get(last_epoch, {})
+            if all(i in per_node for i in survivors):
+                agree.append(max(per_node[i] for i in survivors) - t_fault)
+            plans = checker.plans.get(last_epoch, {})
+            if plans and all(i in plans for i in survivors if cluster.nodes[i].machine.name in  # type: ignore[attr-defined]
+                             _members(cluster, survivors[0])):
+                plan.append(max(plans.values()) - t_fault)
+    removed_names = set(checker.removed_at)
+    healthy_removed = sorted(names[i] for i in expect_kept if names[i] in removed_names and
+                             sc not in ("partition",))
+    result = {
+        "scenario": sc,
+        "nodes": n,
+        "spares": params.spares,
+        "seed": params.seed,
+        "virtual_s": params.duration,
+        "wall_s": round(wall, 3),
+        "events": cluster.events_processed,
+        "agree_s": quantiles(agree),
+        "plan_s": quantiles(plan),
+        "views_decided": final_epoch,
+        "fast_path_ratio": round(sum(checker.decided_fast.values()) / max(1, len(checker.decided_fast)), 3),
+        "invariant_violations": len(checker.violations),
+        "expected_removed": sorted(names[v] for v in expect_removed),
+        "removed": sorted(removed_names),
+        "removed_all_expected": all(names[v] in removed_names for v in expect_removed),
+        "removal_epochs": sorted({checker.removed_at[names[v]][0] for v in expect_removed
+                                  if names[v] in checker.removed_at}),
+        "healthy_removed": healthy_removed,
+        "fenced": sorted(names[i] for i in checker.fenced),
+        "minority_decisions": 0,
+        "training_step": state["step"],
+    }
+    return result
+
+
+def _view_at(cluster: SimCluster, idx: int) -> View | None:
+    return cluster.nodes[idx].machine.view  # type: ignore[attr-defined, no-any-return]
+
+
+def _members(cluster: SimCluster, idx: int) -> set[str]:
+    v = _view_at(cluster, idx)
+    return set(v.nodes) if v is not None else set()
