@@ -15,6 +15,8 @@ from gossiprec.errors import GossiprecError
 _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gossiprec.sim.cli", "add_cli"),
     ("gossiprec.io.keyring", "add_cli"),
+    ("gossiprec.io.agent", "add_cli"),
+    ("gossiprec.io.launcher", "add_cli"),
 )
 
 

@@ -113,6 +113,20 @@ class Config:
             problems.append("suspicion_confirmations must be >= 1")
         if not 576 <= self.mtu <= 65000:
             problems.append(f"mtu must be within 576..65000 bytes, got {self.mtu!r}")
+        for name in ("dead_reap", "gossip_to_dead"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                problems.append(f"{name} must be a non-negative number of seconds, got {value!r}")
+        if not isinstance(self.suspicion_max_mult, (int, float)) or not math.isfinite(self.suspicion_max_mult):
+            problems.append(f"suspicion_max_mult must be a finite number, got {self.suspicion_max_mult!r}")
+        if not isinstance(self.suspicion_confirmations, int):
+            problems.append(f"suspicion_confirmations must be an integer, got {self.suspicion_confirmations!r}")
+        if not isinstance(self.pushpull_ref_nodes, int) or self.pushpull_ref_nodes < 1:
+            problems.append(f"pushpull_ref_nodes must be an integer >= 1, got {self.pushpull_ref_nodes!r}")
+        if not isinstance(self.max_stream, int) or self.max_stream < self.mtu:
+            problems.append(f"max_stream must be an integer >= mtu, got {self.max_stream!r}")
+        if not isinstance(self.max_name, int) or not 1 <= self.max_name <= 128:
+            problems.append(f"max_name must be within 1..128 bytes (the wire limit), got {self.max_name!r}")
         if not self.cluster or len(self.cluster.encode()) > 64:
             problems.append("cluster must be a non-empty name of at most 64 bytes")
         if problems:

@@ -47,7 +47,7 @@ from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config, remaining_suspicion
 from gossiprec.core.wire import (
-    ALIVE, DEAD, LEFT, PACKET_OVERHEAD, ROLES, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack,
+    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack,
     Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet, encode_parts,
 )
 from gossiprec.errors import DecodeError, ProtocolError
@@ -222,6 +222,8 @@ class Membership:
             raise ProtocolError(f"role must be one of {ROLES}, got {role!r}")
         if not name or len(name.encode()) > config.max_name:
             raise ProtocolError(f"node name must be 1..{config.max_name} bytes")
+        if len(addr.encode()) > MAX_ADDR:
+            raise ProtocolError(f"address must be at most {MAX_ADDR} bytes, got {len(addr.encode())}")
         self.config = config
         self.name = name
         self.addr = addr
@@ -235,6 +237,7 @@ class Membership:
         self._own: dict[str, MemberInfo] = {}
         self._base_order: tuple[str, ...] = member_order if member_order is not None else tuple(self._base)
         self._extra_order: list[str] = []
+        self._ordered: set[str] = set()  # names in _extra_order (the base order is fixed)
         self._changed_at: dict[str, float] = {}
         # members_live lets a simulator share one count across 10,000 tables instead of recounting
         self._n_live = (members_live if members_live is not None
@@ -242,6 +245,7 @@ class Membership:
         me = MemberInfo(name, addr, incarnation, ALIVE, self.role)
         if self._base.get(name) is None:
             self._extra_order.append(name)
+            self._ordered.add(name)
             self._n_live += 1
         elif not self._base[name].live:
             self._n_live += 1
@@ -292,7 +296,8 @@ class Membership:
 
     def _set(self, rec: MemberInfo, now: float) -> None:
         old = self.member(rec.name)
-        if old is None:
+        if old is None and rec.name not in self._ordered and rec.name not in self._base:
+            self._ordered.add(rec.name)
             self._extra_order.append(rec.name)
         was_live = old is not None and old.live
         if was_live != rec.live:
@@ -362,6 +367,13 @@ class Membership:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
 
     def set_progress(self, step: int, phase: int, step_ms: int) -> None:
+        if not (isinstance(step, int) and -1 <= step <= 2**62):
+            raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
+        if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
+            raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
+        if not isinstance(step_ms, int) or step_ms < 0:
+            raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
+        step_ms = min(step_ms, 2**31 - 1)
         p = self._my_progress
         self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms)
 
@@ -659,7 +671,7 @@ class Membership:
 
     def _on_suspect(self, msg: Suspect, now: float) -> None:
         if msg.name == self.name:
-            if not self.left:
+            if not self.left and msg.incarnation >= self.incarnation:  # older rumours: already refuted
                 self._refute(msg.incarnation, msg.src, now)
             return
         cur = self.member(msg.name)
@@ -722,7 +734,7 @@ class Membership:
 
     def _on_dead(self, msg: Dead, now: float) -> None:
         if msg.name == self.name:
-            if not self.left:
+            if not self.left and msg.incarnation >= self.incarnation:
                 self._refute(msg.incarnation, msg.src, now)
             return
         cur = self.member(msg.name)
@@ -747,6 +759,9 @@ class Membership:
             self._changed_at.pop(name, None)
 
     def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
+        if accused_inc >= MAX_INCARNATION:
+            self._count("rx_incarnation_exhausted")
+            return
         self.incarnation = max(self.incarnation, accused_inc) + 1
         self._set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
         p = self._my_progress

@@ -81,6 +81,8 @@ class AgreementConfig:
     hang_floor: float = 1.0
     hang_mult: float = 3.0
     evict_stragglers: bool = False
+    retract_after: int = 3
+    """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
     catchup_interval: float = 0.3
 
@@ -293,7 +295,7 @@ class Node:
         self._reports = {}
         self._plan_digests = {}
         self._streak = {}
-        self._ok_since: dict[str, float] = {}
+        self._ok_since: dict[str, int] = {}
         self._alerted = {}
         self._trouble_since = None
         ov = self._overlay(view)
@@ -382,10 +384,11 @@ class Node:
             return
         if ev.ok:
             if self._alerted.get(subject) == UNREACHABLE:
-                # retract only after the subject answered steadily for alert_after (a flapping node
-                # must not escape by answering now and then)
-                ok_since = self._ok_since.setdefault(subject, now)
-                if now - ok_since >= self.acfg.alert_after:
+                # Retract after `retract_after` answers in a row (one when this member is fenced: it
+                # was the one cut off); a flapping node (80% loss) rarely answers three times running.
+                oks = self._ok_since.get(subject, 0) + 1
+                self._ok_since[subject] = oks
+                if oks >= (1 if self.fenced else self.acfg.retract_after):
                     del self._alerted[subject]
                     self._ok_since.pop(subject, None)
                     self._alert(subject, REMOVE, UNREACHABLE, now, retract=True)

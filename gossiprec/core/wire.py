@@ -28,6 +28,8 @@ PROTOCOL_VERSION = 1
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
+MAX_INCARNATION = 2**62
+"""Incarnations above this are refused: a refutation adds one, and must still encode."""
 MAX_MEMBERS = 100_000
 
 # Member status on the wire.

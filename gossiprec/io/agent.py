@@ -87,12 +87,16 @@ class Machine(Protocol):
 
 
 MachineFactory = Callable[..., Machine]
-"""``factory(config, name, addr, *, incarnation, role, now, rng) -> Machine``."""
+"""``factory(config, name, addr, *, incarnation, role, now, rng, seeds) -> Machine``."""
 
 
 def build_machine(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
-                  rng: random.Random) -> Machine:
-    """The machine every agent runs. Swap this one line for the agreement layer's machine."""
+                  rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
+    """The machine every agent runs. Swap this one line for the agreement layer's machine.
+
+    ``seeds`` (``host:port``, this node's own address removed) is for machines that join by
+    themselves; Membership is joined by the agent's join loop through :meth:`Machine.join`.
+    """
     return Membership(config, name, addr, incarnation=incarnation, rng=rng, now=now, role=role)
 
 
@@ -272,9 +276,10 @@ class Agent:
             self.addr = await self._advertise(port)
             self.incarnation = int(time.time() * 1000)
             self.started_at = time.monotonic()
+            seeds = tuple(a for a in s.seed_addrs() if a != self.addr)
             self.machine = self.machine_factory(self.config, self.name, self.addr,
                                                 incarnation=self.incarnation, role=s.role,
-                                                now=self.started_at, rng=self.rng)
+                                                now=self.started_at, rng=self.rng, seeds=seeds)
             self.control_path = s.control_socket or default_control_path(port)
             self.control = ControlServer(self.control_path, self)
             await stack.enter_async_context(self.control)
@@ -282,9 +287,8 @@ class Agent:
             tg.create_task(self._timer_loop(), name="gossiprec-timer")
             if self.keyring is not None and self.keyring.path is not None:
                 tg.create_task(self._keyring_loop(), name="gossiprec-keyring")
-            seeds = [a for a in s.seed_addrs() if a != self.addr]
             if seeds:
-                tg.create_task(self._join_loop(seeds), name="gossiprec-join")
+                tg.create_task(self._join_loop(list(seeds)), name="gossiprec-join")
             if self.handle_signals:
                 self._install_signals()
             self._state = "running"
@@ -301,10 +305,11 @@ class Agent:
 
     async def aclose(self, graceful: bool = True) -> None:
         """Leave (if ``graceful`` and not aborted), drain, close every socket and task."""
-        if self._state in ("new", "closed", "closing"):
+        if self._state in ("new", "closed", "closing", "leaving"):
             self._state = "closed" if self._state == "new" else self._state
-            return
+            return  # never started, or another caller is already closing it
         if graceful and self._state == "running":
+            self._state = "leaving"
             self.leave_now("shutdown")
             await self._sleep(self.leave_drain)
             if self.transport is not None:
@@ -334,11 +339,13 @@ class Agent:
 
     def abort(self) -> None:
         """Crash on purpose: close every socket now, no leave. :meth:`aclose` finishes the cleanup."""
-        if self._state in ("closed", "closing"):
+        if self._state in ("new", "closed", "closing"):
             return
-        self._state = "aborted"
+        if self._state != "leaving":
+            self._state = "aborted"
         self._closing = True
-        self.leave_reason = "aborted"
+        if self.leave_reason is None:
+            self.leave_reason = "aborted"
         if self.transport is not None:
             self.transport.abort()
         self._closed_evt.set()

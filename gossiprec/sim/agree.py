@@ -83,6 +83,7 @@ class AgreementChecker:
         self.minority_active = False
         self.removed_at: dict[str, tuple[int, float]] = {}
         self.violations: list[str] = []
+        self.joined: set[str] = set()
 
     def fail(self, msg: str) -> None:
         self.violations.append(msg)
@@ -111,6 +112,7 @@ class AgreementChecker:
                     self.fail(f"{node.name} on the minority side decided epoch {ev.epoch}")
             for r in ev.removed:
                 self.removed_at.setdefault(r, (ev.epoch, now))
+            self.joined.update(ev.joined)
         elif t is PlanReady:
             prev = self.plan_of_epoch.setdefault(ev.epoch, ev.digest)
             if prev != ev.digest:
@@ -127,8 +129,11 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
     names = [f"n{i:05d}" for i in range(n)]
     trainers = n - params.spares
     racks = 20  # a rack is 5% of the nodes
+    late = set(range(trainers, n)) if params.scenario == "join" else set()
     members = []
     for i, name in enumerate(names):
+        if i in late:
+            continue
         rack = f"r{i % racks}"
         if i < trainers:
             members.append(ViewMember(name, name, "trainer", i, f"h{i}", rack))
@@ -138,13 +143,12 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
     base = {name: MemberInfo(name, name, 1) for name in names}
     order = tuple(names)
     memo: dict[Any, Any] = {}
-    extra = {"view0": view0, "racks": racks}
+    extra: dict[str, Any] = {"view0": view0, "racks": racks, "late": late}
 
     def make(idx: int, now: float, incarnation: int, rng: random.Random) -> Node:
         name = names[idx]
-        m = view0.member(name)
-        assert m is not None
-        if incarnation == 1 and not extra.get("late", set()).__contains__(idx):
+        m = view0.member(name) or ViewMember(name, name, "spare", None, f"h{idx}", f"r{idx % racks}")
+        if incarnation == 1 and idx not in late:
             node = Node(config, name, name, incarnation=1, rng=rng, now=now, view=view0, agreement=acfg,
                         host=m.host, rack=m.rack, role=m.role, members=base, member_order=order,
                         members_live=n, memo=memo)
@@ -169,7 +173,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
     cluster.observers.append(checker)
     rng = random.Random(cluster.rng.getrandbits(64))
     n = params.nodes
-    trainers = [i for i in range(n) if view0.members[i].role == "trainer"]
+    trainers = [i for i in range(n) if (m := view0.member(names[i])) is not None and m.role == "trainer"]
     victims: list[int] = []
     hung: set[int] = set()
     slow: set[int] = set()
@@ -184,7 +188,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
         cluster.at(t_fault, lambda: [cluster.crash(v) for v in victims])
     elif sc == "rack":
         rack = f"r{rng.randrange(extra['racks'])}"
-        victims = [i for i in range(n) if view0.members[i].rack == rack]
+        victims = [i for i in range(n) if f"r{i % extra['racks']}" == rack]
         cluster.at(t_fault, lambda: [cluster.crash(v) for v in victims])
     elif sc == "hang":
         victims = [rng.choice(trainers)]
@@ -204,6 +208,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
             cluster.network.partition([minority, majority])
 
         def heal() -> None:
+            checker.minority_active = False  # after healing, deciding again is the point
             cluster.network.heal()
 
         cluster.at(t_fault, part)
@@ -230,9 +235,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
         cluster.at(t_fault, lambda: cluster.crash(first))
         extra["second"] = second
     elif sc == "join":
-        late = set(rng.sample(range(len(trainers), n), params.spares))
-        extra["late"] = late
-        for i in late:
+        for i in sorted(extra["late"]):
             cluster.crash(i)  # not started yet
             cluster.at(t_fault, lambda i=i: cluster.restart(i, incarnation=2))
         victims = []
@@ -340,7 +343,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
                                   if names[v] in checker.removed_at}),
         "healthy_removed": healthy_removed,
         "fenced": sorted(names[i] for i in checker.fenced),
-        "minority_decisions": 0,
+        "joined": sorted(checker.joined),
         "training_step": state["step"],
     }
     return result

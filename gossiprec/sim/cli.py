@@ -8,7 +8,9 @@ import sys
 from typing import Any
 
 from gossiprec.errors import GossiprecError, InvariantViolation
+from gossiprec.sim.agree import SCENARIOS, AgreeParams, run_agreement
 from gossiprec.sim.run import SimParams, run_membership
+from gossiprec.sim.seeds import run_seeds
 
 SIM_HELP = """\
 Simulate a cluster of N gossiprec cores on a virtual clock and print what they detected.
@@ -21,6 +23,14 @@ loses (--loss), duplicates (--dup) and reorders (--reorder) datagrams.
 Figures: detect_s is measured per (failed node, surviving observer) pair, from the crash to the moment
 that survivor considers the node dead; false_positives counts nodes that never failed (and never paused
 longer than 1 s) but were declared dead by anyone; bytes are datagram payload bytes sent.
+
+Agreement scenarios (--scenario, the whole core: overlay, cut detection, consensus, plan):
+crash, rack (5% of nodes at once), hang (a trainer stalls), straggler (a trainer lags but moves),
+partition (majority/minority, healed after 8 s), split (exact halves), oneway (a node loses all inbound
+traffic), flap (80% loss on one node's links), donor (a donor dies during the plan), join (spares join).
+They report agree_s (fault -> every survivor installed the view without the failed nodes), plan_s
+(fault -> identical plan everywhere), views_decided, fast_path_ratio and invariant_violations.
+--seeds N repeats a scenario over seeds 1..N; --sweep 16,128,1024 measures a one-node crash per size.
 
 The same --seed always gives the same result (wall_s aside); a failed invariant prints the seed and the
 command that replays it.
@@ -48,6 +58,14 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=("lan", "wan", "sim"), default="lan", help="config profile")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a Config field, e.g. --set probe_interval=0.2 (repeatable)")
+    p.add_argument("--scenario", choices=SCENARIOS, default=None,
+                   help="run the full agreement core under a named fault scenario (see below)")
+    p.add_argument("--spares", type=int, default=2, help="hot spares in agreement scenarios (2)")
+    p.add_argument("--seeds", type=int, default=None,
+                   help="with --scenario: run seeds 1..N in worker processes and summarise")
+    p.add_argument("--workers", type=int, default=2, help="worker processes for --seeds (2)")
+    p.add_argument("--sweep", default=None, metavar="N1,N2,...",
+                   help="crash of one node at each cluster size: one JSON line per size")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", metavar="FILE.png", help="draw the detection CDF and membership size")
     p.set_defaults(func=run_cli)
@@ -79,6 +97,10 @@ def params_from_args(args: argparse.Namespace) -> SimParams:
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    if args.sweep:
+        return run_sweep(args)
+    if args.scenario:
+        return run_scenario(args)
     params = params_from_args(args)
     if not args.json:
         print(f"simulating {params.nodes} nodes for {params.duration:g} virtual s (seed {params.seed})",
@@ -96,6 +118,69 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print(summary_text(result))
     return 0
+
+
+def _agree_params(args: argparse.Namespace, **over: Any) -> AgreeParams:
+    fields = dict(scenario=args.scenario or "crash", nodes=args.nodes, spares=args.spares, seed=args.seed,
+                  duration=args.duration, loss=args.loss, profile=args.profile,
+                  crash=max(1, args.crash))
+    if args.crash_at is not None:
+        fields["fault_at"] = args.crash_at
+    fields.update(over)
+    return AgreeParams(**fields)  # type: ignore[arg-type]
+
+
+def run_scenario(args: argparse.Namespace) -> int:
+    params = _agree_params(args)
+    if args.seeds:
+        result = run_seeds(params, args.seeds, workers=args.workers, progress=not args.json)
+    else:
+        try:
+            result = run_agreement(params)
+        except InvariantViolation as exc:
+            print(f"INVARIANT VIOLATED: {exc}", file=sys.stderr)
+            return 3
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 3 if result.get("invariant_violations") else 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    try:
+        sizes = [int(x) for x in args.sweep.split(",") if x.strip()]
+    except ValueError:
+        raise GossiprecError(f"--sweep takes sizes like 16,128,1024, got {args.sweep!r}") from None
+    rows = []
+    for n in sizes:
+        params = _agree_params(args, scenario="crash", nodes=n, spares=min(args.spares, n - 2), crash=1)
+        r = run_agreement(params)
+        row = {k: r[k] for k in ("nodes", "seed", "agree_s", "plan_s", "views_decided", "fast_path_ratio",
+                                 "invariant_violations", "wall_s", "events")}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.plot:
+        plot_sweep(rows, args.plot)
+    return 0
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = [r["nodes"] for r in rows]
+    ax.plot(ns, [r["agree_s"]["max"] for r in rows], "o-", label="agree (all survivors)")
+    ax.plot(ns, [r["plan_s"]["max"] for r in rows], "s-", label="plan everywhere")
+    ax.set_xscale("log")
+    ax.set_xlabel("cluster size N")
+    ax.set_ylabel("virtual s after the crash")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summary_text(r: dict[str, Any]) -> str:

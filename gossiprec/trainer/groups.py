@@ -113,8 +113,8 @@ def wait_interruptible(work: Any, abort: threading.Event, *, epoch: int, op: str
     while True:
         if abort.is_set():
             why = reason_of_abort()
-            raise CollectiveAborted(f"{op} of epoch {epoch} aborted by the agent" + (f": {why}" if why else ""),
-                                    epoch=epoch, op=op, reason="aborted")
+            raise CollectiveAborted(f"{op} of epoch {epoch} aborted by the agent"
+                                    + (f": {why}" if why else ""), epoch=epoch, op=op, reason="aborted")
         if deadline is not None and time.monotonic() >= deadline:
             raise CollectiveAborted(f"{op} of epoch {epoch} timed out; a peer is hung or gone",
                                     epoch=epoch, op=op, reason="timeout")
@@ -256,7 +256,7 @@ class EpochGroup:
         opts = dist.AllreduceOptions()
         after: Callable[[], None] | None = None
         if op == "avg" and self.backend == "gloo":  # gloo has no AVG
-            opts.reduceOp = dist.ReduceOp.SUM
+            opts.reduceOp = _reduce_op("sum")
             ws = self.world_size
 
             def after() -> None:
@@ -327,7 +327,7 @@ class EpochGroups:
                                   "never be reused")
             if store is not None:
                 self.store = store
-            self._retire_locked("superseded by epoch %d" % epoch)
+            self._retire_locked(f"superseded by epoch {epoch}")
             group = EpochGroup(epoch, rank, world_size, self.backend, poll_interval=self.poll_interval,
                                timeout=self.timeout)
             self._building = group

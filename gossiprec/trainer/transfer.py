@@ -129,7 +129,7 @@ class TransferRequest:
         vals = [obj.get(k) for k in ("epoch", "step", "start", "end")]
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in vals):
             raise DecodeError("bad_request", "epoch/step/start/end must be ints >= 0")
-        req = cls(*vals)
+        req = cls(*(v for v in vals if isinstance(v, int)))
         if req.start > req.end:
             raise DecodeError("bad_request", f"bad range in {req}")
         return req
@@ -457,12 +457,12 @@ class DonorServer:
             refusal = f"donor's state provider failed: {type(exc).__name__}: {exc}"
         if refusal is not None or sealed is None:
             self._count("refused")
-            body = {"error": refusal, "epoch": req.epoch, "step": req.step}
-            _send_frame(conn, aead, KIND_REFUSED, salt, msgpack.packb(body, use_bin_type=True))
+            refused: dict[str, Any] = {"error": refusal, "epoch": req.epoch, "step": req.step}
+            _send_frame(conn, aead, KIND_REFUSED, salt, msgpack.packb(refused, use_bin_type=True))
             return
         header = sealed.snapshot.header
         sel = select_chunks(sealed.chunks, header.tensors, req.start, req.end)
-        body = {**req.to_wire(), "chunk": sealed.chunk_size, "salt": sealed.salt,
+        body: dict[str, Any] = {**req.to_wire(), "chunk": sealed.chunk_size, "salt": sealed.salt,
                 "tags": sealed.tags[sel.start * TAG_SIZE:sel.stop * TAG_SIZE], "state": header.to_wire()}
         _send_frame(conn, aead, KIND_OK, salt, msgpack.packb(body, use_bin_type=True))
         views = sealed.snapshot.views()
@@ -552,7 +552,7 @@ class _Fetch:
 
 
 def _first_difference(a: StateHeader, b: StateHeader) -> str:
-    for sa, sb in zip(a.tensors, b.tensors):
+    for sa, sb in zip(a.tensors, b.tensors):  # noqa: B905 (lengths compared below)
         if sa != sb:
             return f"tensor {sa.name} differs"
     if len(a.tensors) != len(b.tensors):
@@ -584,7 +584,7 @@ def fetch_state(donors: Sequence[Address], key: bytes, target: ReceiveTarget, *,
     total = target.total_nbytes
     stripes = list(stripes) if stripes is not None else even_stripes(total, len(donors))
     _check_stripes(stripes, total, len(donors))
-    jobs = [(i, d, s) for i, (d, s) in enumerate(zip(donors, stripes)) if s[1] > s[0]]
+    jobs = [(i, d, s) for i, (d, s) in enumerate(zip(donors, stripes, strict=True)) if s[1] > s[0]]
     if not jobs:  # nothing to stream; still need a header (the non-tensor state) from one donor
         jobs = [(0, donors[0], stripes[0])]
     tid = os.urandom(ID_SIZE)

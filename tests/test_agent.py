@@ -1,0 +1,303 @@
+"""The asyncio agent on real loopback sockets: cluster formation, crash and leave detection, sealing,
+refusal counting, keyring reload; and the settings loader (flags > env > file > defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterator
+
+import pytest
+
+from gossiprec.core.membership import MemberFailed, MemberJoined, MemberLeft
+from gossiprec.core.wire import Alive, encode_packet
+from gossiprec.errors import ConfigError
+from gossiprec.io.agent import Agent, AgentLeaving, build_machine
+from gossiprec.io.crypto import Sealer
+from gossiprec.io.keyring import Keyring
+from gossiprec.settings import (
+    DEFAULT_PORT, AgentSettings, add_agent_arguments, load_settings, settings_from_args, split_host_port,
+)
+
+FAST = (("suspicion_floor", 0.5),)
+"""Shorter suspicion for tests (the lan default is 1.2 s); probing stays at production timings."""
+KEY_A = bytes(range(32))
+KEY_B = bytes(range(1, 33))
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="gr", dir="/tmp")  # Unix socket paths must stay short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def node_settings(sockdir: str, i: int, seeds: tuple[str, ...] = (), **kw: object) -> AgentSettings:
+    base: dict[str, object] = dict(name=f"n{i}", bind_host="127.0.0.1", port=0, seeds=seeds, insecure=True,
+                                   control_socket=f"{sockdir}/n{i}.sock", protocol=FAST)
+    base.update(kw)
+    return AgentSettings(**base)  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def cluster(sockdir: str, n: int, **kw: object) -> AsyncIterator[list[Agent]]:
+    """``n`` agents in this event loop, joined through the first; yields once all see ``n`` live."""
+    agents: list[Agent] = []
+    try:
+        first = Agent(node_settings(sockdir, 0, **kw))  # type: ignore[arg-type]
+        await first.start()
+        agents.append(first)
+        for i in range(1, n):
+            a = Agent(node_settings(sockdir, i, (first.addr,), **kw))  # type: ignore[arg-type]
+            await a.start()
+            agents.append(a)
+        for a in agents:
+            await a.wait_until(lambda a=a: a._live_count() == n, 10)
+        yield agents
+    finally:
+        for a in reversed(agents):
+            a.abort()
+        for a in reversed(agents):
+            await a.aclose()
+
+
+def live_names(agent: Agent) -> set[str]:
+    assert agent.machine is not None
+    return {m.name for m in agent.machine.members() if m.live}
+
+
+# --- cluster behaviour ------------------------------------------------------------------------------
+async def test_cluster_forms_through_seeds(sockdir: str) -> None:
+    async with cluster(sockdir, 4) as agents:
+        names = {a.name for a in agents}
+        for a in agents:
+            assert live_names(a) == names
+            assert a.member_status("n3") == "alive"
+        assert len({a.incarnation for a in agents}) >= 1
+        # incarnations are wall-clock milliseconds: a restart always comes back newer
+        assert abs(agents[0].incarnation - time.time() * 1000) < 60_000
+
+
+async def test_abrupt_stop_is_detected_as_failure(sockdir: str) -> None:
+    async with cluster(sockdir, 4) as agents:
+        victim, survivors = agents[3], agents[:3]
+        subs = [a.subscribe() for a in survivors]
+        victim.abort()  # sockets closed, no leave: a crash
+        t0 = time.monotonic()
+        for a, sub in zip(survivors, subs):
+            ev = await a.wait_for_event(lambda e: isinstance(e, (MemberFailed, MemberLeft)) and e.name == "n3",
+                                        15, sub)
+            assert isinstance(ev, MemberFailed), ev
+        detect = time.monotonic() - t0
+        assert detect < 15
+        for a in survivors:
+            assert a.member_status("n3") == "dead"
+            assert live_names(a) == {"n0", "n1", "n2"}
+
+
+async def test_graceful_stop_is_seen_as_left(sockdir: str) -> None:
+    async with cluster(sockdir, 3) as agents:
+        leaver, stay = agents[2], agents[:2]
+        subs = [a.subscribe() for a in stay]
+        own = leaver.subscribe()
+        t0 = time.monotonic()
+        await leaver.aclose()  # graceful: leave, drain a few gossip intervals, close
+        assert isinstance(own.get_nowait(), AgentLeaving)
+        for a, sub in zip(stay, subs):
+            ev = await a.wait_for_event(lambda e: isinstance(e, (MemberFailed, MemberLeft)) and e.name == "n2",
+                                        5, sub)
+            assert isinstance(ev, MemberLeft), ev
+            assert ev.at - t0 < 0.5  # the leave went out at once, not after a probe timeout
+            assert a.member_status("n2") == "left"
+
+
+async def test_stop_makes_run_leave_and_return(sockdir: str) -> None:
+    async with cluster(sockdir, 2) as agents:
+        sub = agents[0].subscribe()
+        extra = Agent(node_settings(sockdir, 9, (agents[0].addr,)))
+        async with asyncio.TaskGroup() as tg:
+            task = tg.create_task(extra.run())
+            await agents[0].wait_for_event(lambda e: isinstance(e, MemberJoined) and e.name == "n9", 10, sub)
+            await extra.wait_until(lambda: extra._live_count() == 3, 10)  # it knows whom to tell
+            extra.stop()
+            ev = await agents[0].wait_for_event(lambda e: isinstance(e, MemberLeft) and e.name == "n9", 5, sub)
+        assert task.done() and ev.name == "n9"
+
+
+# --- sealing and refusals ---------------------------------------------------------------------------
+def keyring_file(directory: str, key: bytes, name: str = "keys.json") -> str:
+    path = os.path.join(directory, name)
+    ring = Keyring([key])
+    ring.save(path)
+    return path
+
+
+async def test_secure_cluster_counts_and_ignores_bad_datagrams(sockdir: str) -> None:
+    path = keyring_file(sockdir, KEY_A)
+    async with cluster(sockdir, 2, insecure=False, keyring=path) as agents:
+        target = agents[0]
+        assert target.transport is not None
+        host, port = split_host_port(target.addr, 0)
+        rejects = target.transport.rejects
+        before = dict(rejects)
+        forged = encode_packet([Alive("evil", "127.0.0.1:9", 5, 0)])
+        right = Sealer(Keyring([KEY_A]), "gossiprec")
+        wrong = Sealer(Keyring([KEY_B]), "gossiprec")
+        plain = Sealer(None, "gossiprec", insecure=True)
+        good = right.seal(forged)
+        tampered = bytearray(good)
+        tampered[-1] ^= 0x01
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(bytes(tampered), (host, port))         # auth_failed
+            s.sendto(wrong.seal(forged), (host, port))      # unknown_key (not in the keyring)
+            s.sendto(plain.seal(forged), (host, port))      # bad_magic (plain kind to a keyed node)
+            s.sendto(b"\x00" * 10, (host, port))            # truncated
+            s.sendto(b"x" * 5000, (host, port))             # too_large
+            s.sendto(good, (host, port))                    # authentic: must be accepted...
+            s.sendto(good, (host, port))                    # ...once: replay
+        await target.wait_until(lambda: target.member_status("evil") is not None
+                                and rejects["replay"] > before["replay"], 5)
+        for reason in ("auth_failed", "unknown_key", "bad_magic", "truncated", "too_large", "replay"):
+            assert rejects[reason] == before[reason] + 1, (reason, dict(rejects))
+        # the only member added is the one from the authentic packet
+        assert target.member_status("evil") == "alive"
+        assert live_names(agents[1]) >= {"n0", "n1"}
+        assert target.control_status()["transport"]["rejects"]["auth_failed"] >= 1
+
+
+async def test_node_with_another_key_cannot_join(sockdir: str) -> None:
+    good = keyring_file(sockdir, KEY_A, "a.json")
+    bad = keyring_file(sockdir, KEY_B, "b.json")
+    async with cluster(sockdir, 2, insecure=False, keyring=good) as agents:
+        outsider = Agent(node_settings(sockdir, 7, (agents[0].addr,), insecure=False, keyring=bad),
+                         join_retry_s=0.2)
+        async with outsider:
+            t = agents[0].transport
+            assert t is not None
+            await agents[0].wait_until(lambda: t.rejects["unknown_key"] >= 1, 5)
+            assert agents[0].member_status("n7") is None
+            assert outsider._live_count() == 1
+
+
+async def test_keyring_rotation_is_picked_up(sockdir: str) -> None:
+    path = keyring_file(sockdir, KEY_A)
+    agent = Agent(node_settings(sockdir, 0, insecure=False, keyring=path), keyring_check_s=3600)
+    async with agent:
+        assert agent.reload_keyring() is False  # unchanged file: one stat, nothing reloaded
+        ring = Keyring.load(path)
+        ring.install(KEY_B)
+        ring.use(KEY_B)
+        ring.save(path)
+        assert agent.reload_keyring() is True
+        assert agent.keyring is not None and agent.keyring.primary == KEY_B
+        Path(path).write_text("{not json")
+        os.chmod(path, 0o600)
+        assert agent.reload_keyring(force=True) is False  # a broken file keeps the keys in memory
+        assert agent.keyring.primary == KEY_B
+        assert agent.counters["keyring_errors"] == 1
+
+
+async def test_machine_errors_are_contained(sockdir: str) -> None:
+    calls = {"n": 0}
+
+    def fragile(*args: object, **kw: object) -> object:
+        machine = build_machine(*args, **kw)  # type: ignore[arg-type]
+        real = machine.receive
+
+        def receive(data: bytes, now: float, reliable: bool = False) -> None:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("bug in the machine")
+            real(data, now, reliable)
+
+        machine.receive = receive  # type: ignore[method-assign]
+        return machine
+
+    a = Agent(node_settings(sockdir, 0), machine_factory=fragile)
+    async with a:
+        b = Agent(node_settings(sockdir, 1, (a.addr,)), join_retry_s=0.1)
+        async with b:
+            await a.wait_until(lambda: a._live_count() == 2, 10)
+        assert a.counters["machine_errors"] == 1
+
+
+async def test_bind_conflict_is_a_config_error(sockdir: str) -> None:
+    async with cluster(sockdir, 1) as agents:
+        port = split_host_port(agents[0].addr, 0)[1]
+        clash = Agent(node_settings(sockdir, 5, port=port))
+        with pytest.raises(ConfigError, match="another --port"):
+            await clash.start()
+
+
+# --- settings ---------------------------------------------------------------------------------------
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_agent_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_settings_precedence_flags_env_file_defaults(tmp_path: Path) -> None:
+    toml = tmp_path / "agent.toml"
+    toml.write_text('port = 7001\nrole = "spare"\nseeds = ["a:1", "b"]\ncluster = "filec"\ninsecure = true\n'
+                    '[protocol]\nprobe_interval = 0.2\n')
+    env = {"GOSSIPREC_CONFIG": str(toml), "GOSSIPREC_PORT": "7002", "GOSSIPREC_RANK": "3"}
+    s = settings_from_args(parse(["--port", "7003", "--protocol", "probe_timeout=0.3"]), env)
+    assert s.port == 7003  # flag beats env beats file
+    assert s.rank == 3  # env
+    assert s.role == "spare" and s.cluster == "filec"  # file
+    assert s.seed_addrs() == ("a:1", f"b:{DEFAULT_PORT}")
+    cfg = s.protocol_config()
+    assert cfg.probe_interval == 0.2 and cfg.probe_timeout == 0.3 and cfg.cluster == "filec"
+    s2 = settings_from_args(parse([]), {"GOSSIPREC_CONFIG": str(toml), "GOSSIPREC_PORT": "7002"})
+    assert s2.port == 7002
+    s3 = settings_from_args(parse(["--insecure"]), {})
+    assert s3.port == DEFAULT_PORT and s3.role == "trainer" and s3.profile == "lan"
+
+
+def test_settings_report_every_bad_value_with_its_source(tmp_path: Path) -> None:
+    env = {"GOSSIPREC_ROLE": "boss", "GOSSIPREC_PROFILE": "moon", "GOSSIPREC_INSECURE": "1"}
+    with pytest.raises(ConfigError) as exc:
+        settings_from_args(parse(["--port", "70000", "--seed", "h:xx"]), env)
+    msg = str(exc.value)
+    for part in ("--port: expected a port number", "GOSSIPREC_ROLE: expected one of trainer, spare",
+                 "GOSSIPREC_PROFILE", "port 'xx' is not a number"):
+        assert part in msg, msg
+    with pytest.raises(ConfigError, match="GOSSIPREC_RANK: expected an integer"):
+        load_settings({}, {"GOSSIPREC_RANK": "three", "GOSSIPREC_INSECURE": "yes"})
+    with pytest.raises(ConfigError, match="no keyring"):
+        load_settings({}, {"XDG_CONFIG_HOME": str(tmp_path)})
+    with pytest.raises(ConfigError, match="exclude each other"):
+        load_settings({"insecure": True, "keyring": "/x"}, {})
+    with pytest.raises(ConfigError, match="unknown protocol setting 'probe_intervall'"):
+        settings_from_args(parse(["--insecure", "--protocol", "probe_intervall=1"]), {})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("prot = 1\n")
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_settings({}, {"GOSSIPREC_CONFIG": str(bad)})
+    bad.write_text("port = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings({}, {"GOSSIPREC_CONFIG": str(bad)})
+    with pytest.raises(ConfigError, match="wildcard"):
+        AgentSettings(insecure=True, advertise="0.0.0.0:1")
+    with pytest.raises(ConfigError, match="suspicion_floor"):
+        AgentSettings(insecure=True, protocol=(("suspicion_floor", -1.0),))
+
+
+def test_settings_default_keyring_and_addresses(tmp_path: Path) -> None:
+    keyring = tmp_path / "gossiprec" / "keyring.json"
+    keyring.parent.mkdir()
+    keyring.write_text("{}")
+    s = load_settings({}, {"XDG_CONFIG_HOME": str(tmp_path)})
+    assert s.keyring == str(keyring)
+    assert split_host_port("[::1]:80", 1) == ("::1", 80)
+    assert split_host_port("::1", 7) == ("::1", 7)
+    assert split_host_port("host", 7) == ("host", 7)
+    with pytest.raises(ConfigError):
+        split_host_port("host:0", 7)

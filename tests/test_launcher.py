@@ -1,0 +1,230 @@
+"""``gossiprec run``: the child's environment, exit codes and signals passing through, the child's exit
+announced to peers at once; and real ``agent`` / ``run`` processes talking over loopback."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Iterator
+
+import pytest
+
+from gossiprec.core.membership import MemberFailed, MemberLeft
+from gossiprec.io import agent as agent_mod
+from gossiprec.io import launcher as launcher_mod
+from gossiprec.io.agent import Agent
+from gossiprec.io.control import ControlClient
+from gossiprec.io.launcher import Launcher, describe_exit, exit_code_of
+from gossiprec.settings import AgentSettings
+
+FAST = (("suspicion_floor", 0.5),)
+PY = sys.executable
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="gr", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def settings(sockdir: str, i: int, seeds: tuple[str, ...] = (), **kw: Any) -> AgentSettings:
+    base: dict[str, Any] = dict(name=f"n{i}", bind_host="127.0.0.1", port=0, seeds=seeds, insecure=True,
+                                control_socket=f"{sockdir}/n{i}.sock", protocol=FAST)
+    base.update(kw)
+    return AgentSettings(**base)
+
+
+# --- in-process launcher -----------------------------------------------------------------------------
+def test_exit_code_convention() -> None:
+    assert exit_code_of(0) == 0 and exit_code_of(7) == 7
+    assert exit_code_of(-signal.SIGKILL) == 137 and exit_code_of(-signal.SIGTERM) == 143
+    assert describe_exit(-9) == "was killed by SIGKILL"
+
+
+async def test_child_gets_coordinates_and_its_exit_code_passes_through(sockdir: str) -> None:
+    code = ("import json, os, sys\n"
+            "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('GOSSIPREC_')}))\n"
+            "sys.exit(7)\n")
+    env = {"PATH": os.environ.get("PATH", ""), "GOSSIPREC_RANK": "99"}
+    launcher = Launcher(settings(sockdir, 0, role="spare"), [PY, "-c", code], forward_signals=False,
+                        environ=env, child_kwargs={"stdout": asyncio.subprocess.PIPE})
+    assert await launcher.run() == 7
+    assert launcher.proc is not None and launcher.proc.stdout is not None
+    seen = json.loads(await launcher.proc.stdout.read())
+    assert seen == {"GOSSIPREC_CONTROL": f"{sockdir}/n0.sock", "GOSSIPREC_NODE": "n0",
+                    "GOSSIPREC_ROLE": "spare", "GOSSIPREC_CLUSTER": "gossiprec"}  # stale RANK removed
+    assert launcher.agent is not None and launcher.agent.leave_reason == "training process exited with code 7"
+
+
+async def test_missing_command_gives_127(sockdir: str) -> None:
+    launcher = Launcher(settings(sockdir, 0), ["/nonexistent/trainer"], forward_signals=False)
+    assert await launcher.run() == 127
+
+
+async def test_child_death_is_seen_by_peers_within_a_second(sockdir: str) -> None:
+    a = Agent(settings(sockdir, 0))
+    async with a:
+        b = Agent(settings(sockdir, 1, (a.addr,)))
+        async with b:
+            launcher = Launcher(settings(sockdir, 5, (a.addr,), rank=2),
+                                [PY, "-c", "import time; time.sleep(60)"], forward_signals=False)
+            subs = [a.subscribe(), b.subscribe()]
+            async with asyncio.TaskGroup() as tg:
+                task = tg.create_task(launcher.run())
+                await asyncio.wait_for(launcher.started.wait(), 10)
+                node = launcher.agent
+                assert node is not None
+                await node.wait_until(lambda: node._live_count() == 3, 10)
+                for peer in (a, b):
+                    await peer.wait_until(lambda p=peer: p.member_status("n5") == "alive", 10)
+                assert launcher.proc is not None
+                t_kill = time.monotonic()
+                launcher.proc.kill()  # the trainer crashes
+                lags = []
+                for peer, sub in zip((a, b), subs):
+                    ev = await peer.wait_for_event(
+                        lambda e: isinstance(e, (MemberLeft, MemberFailed)) and e.name == "n5", 5, sub)
+                    lags.append(ev.at - t_kill)
+            assert task.result() == 128 + signal.SIGKILL
+            assert launcher.child_exit is not None and launcher.child_exit.signal == "SIGKILL"
+            assert max(lags) < 1.0, lags
+            assert node.leave_reason == "training process was killed by SIGKILL"
+
+
+async def test_agent_failure_terminates_the_child(sockdir: str) -> None:
+    launcher = Launcher(settings(sockdir, 0), [PY, "-c", "import time; time.sleep(60)"],
+                        forward_signals=False, kill_grace=5)
+    task = asyncio.ensure_future(launcher.run())
+    try:
+        await asyncio.wait_for(launcher.started.wait(), 10)
+        task.cancel()  # e.g. the agent's TaskGroup failed
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        if not task.done():
+            task.cancel()
+    assert launcher.proc is not None and launcher.proc.returncode == -signal.SIGTERM
+
+
+# --- command line ------------------------------------------------------------------------------------
+def test_cli_hooks_parse() -> None:
+    parser = argparse.ArgumentParser(prog="gossiprec")
+    sub = parser.add_subparsers(dest="cmd")
+    agent_mod.add_cli(sub)
+    launcher_mod.add_cli(sub)
+    args = parser.parse_args(["run", "--insecure", "--spare", "--port", "0", "--", "python", "train.py",
+                              "--lr", "1"])
+    assert args.spare and args.port == 0 and args.command == ["--", "python", "train.py", "--lr", "1"]
+    assert args.func is launcher_mod._cmd_run
+    args = parser.parse_args(["agent", "--insecure", "--seed", "a:1,b:2", "--seed", "c:3"])
+    assert args.func is agent_mod._cmd_agent and args.seeds == ["a:1,b:2", "c:3"]
+    assert launcher_mod.main(["--insecure"]) == 2  # no command: a usage error, not a crash
+    assert agent_mod.main(["--port", "-1", "--insecure"]) == 2
+
+
+# --- real processes ----------------------------------------------------------------------------------
+class Lines:
+    """Line reader over a pipe with a timeout (select on the raw fd; no hidden read-ahead buffer)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.fd = stream.fileno()
+        self.buf = b""
+
+    def next(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("no output from the subprocess")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                chunk = os.read(self.fd, 65536)
+                if not chunk:
+                    raise EOFError("subprocess closed its output")
+                self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode()
+
+
+def wait_started(proc: subprocess.Popen[bytes], timeout: float = 15) -> dict[str, Any]:
+    lines = Lines(proc.stderr)
+    deadline = time.monotonic() + timeout
+    while True:
+        line = lines.next(deadline - time.monotonic())
+        try:
+            doc = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if doc.get("msg") == "agent started":
+            return dict(doc)
+
+
+def agent_cmd(sockdir: str, name: str, *extra: str) -> list[str]:
+    return [PY, "-m", "gossiprec.io.agent", "--insecure", "--bind", "127.0.0.1", "--port", "0",
+            "--name", name, "--control-socket", f"{sockdir}/{name}.sock", "--log-format", "json",
+            "--protocol", "suspicion_floor=0.5", *extra]
+
+
+def stop(*procs: subprocess.Popen[bytes]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(10)
+
+
+def test_two_agent_processes_join_and_leave(sockdir: str) -> None:
+    a = subprocess.Popen(agent_cmd(sockdir, "a"), stderr=subprocess.PIPE)
+    b: subprocess.Popen[bytes] | None = None
+    try:
+        addr = wait_started(a)["addr"]
+        b = subprocess.Popen(agent_cmd(sockdir, "b", "--seed", addr), stderr=subprocess.PIPE)
+        wait_started(b)
+        with ControlClient(f"{sockdir}/b.sock") as c:
+            c.subscribe()
+            deadline = time.monotonic() + 10
+            while not any(m["name"] == "a" and m["status"] == "alive" for m in c.members()):
+                assert c.next_event(timeout=deadline - time.monotonic()) is not None, "a never joined"
+            a.send_signal(signal.SIGTERM)
+            assert a.wait(10) == 0  # graceful leave, then exit 0
+            while True:
+                ev = c.next_event(timeout=deadline + 10 - time.monotonic())
+                assert ev is not None, "the leave never arrived"
+                if ev.get("name") == "a" and ev["event"] in ("MemberLeft", "MemberFailed"):
+                    break
+            assert ev["event"] == "MemberLeft"
+        b.send_signal(signal.SIGINT)
+        assert b.wait(10) == 0
+    finally:
+        stop(a, *([b] if b else []))
+
+
+CHILD_TRAP = ("import signal, sys, time\n"
+              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(5))\n"
+              "print('ready', flush=True)\n"
+              "time.sleep(30)\n")
+
+
+@pytest.mark.parametrize(("child", "expected"), [(CHILD_TRAP, 5),
+                                                 (CHILD_TRAP.replace("signal.signal", "0 and signal.signal"),
+                                                  128 + signal.SIGTERM)])
+def test_run_process_forwards_sigterm_and_exits_like_the_child(sockdir: str, child: str,
+                                                                expected: int) -> None:
+    cmd = [PY, "-m", "gossiprec.io.launcher", "--insecure", "--bind", "127.0.0.1", "--port", "0",
+           "--control-socket", f"{sockdir}/l.sock", "--log-level", "warning", "--", PY, "-c", child]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert Lines(proc.stdout).next(15).strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == expected
+    finally:
+        stop(proc)

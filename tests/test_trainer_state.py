@@ -1,0 +1,278 @@
+"""Capture / restore of the complete training state: bit-exact, no pickle, clear refusals."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from gossiprec.errors import ConfigError, DecodeError, TransferError
+from gossiprec.trainer.state import (
+    ChecksumMismatch,
+    LayoutMismatch,
+    ReceiveTarget,
+    RNGState,
+    StateHeader,
+    capture_state,
+    materialize_optimizer_state,
+    pack_header,
+    restore_state,
+    tensor_bytes,
+    training_state,
+    unpack_header,
+)
+
+
+class DataPosition:
+    """A data-loader position: plain Python state."""
+
+    def __init__(self) -> None:
+        self.epoch = 0
+        self.index = 0
+        self.order: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "index": self.index, "order": list(self.order)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.epoch, self.index, self.order = sd["epoch"], sd["index"], list(sd["order"])
+
+
+Objects = tuple[torch.nn.Module, torch.optim.Optimizer, Any, "DataPosition"]
+
+
+def build(hidden: int = 16, seed: int = 0) -> Objects:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
+                                torch.nn.Dropout(0.3), torch.nn.Linear(hidden, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    sched = torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=2),
+              torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)], milestones=[2])
+    return model, opt, sched, DataPosition()
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, data: DataPosition) -> None:
+    x = torch.randn(6, 8)  # consumes the torch RNG, as does dropout
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    data.index += 6
+    data.order.append(random.randrange(1000))  # consumes the python RNG
+    np.random.rand()  # and numpy's
+
+
+def all_tensors(sd: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(sd, torch.Tensor):
+        out[prefix] = sd
+    elif isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(all_tensors(v, f"{prefix}/{k}"))
+    elif isinstance(sd, (list, tuple)):
+        for i, v in enumerate(sd):
+            out.update(all_tensors(v, f"{prefix}/{i}"))
+    return out
+
+
+def test_round_trip_is_bit_exact_and_training_continues_identically() -> None:
+    model, opt, sched, data = build()
+    for _ in range(3):
+        train_step(model, opt, sched, data)
+    donor = training_state(model, opt, sched, data)
+    snap = capture_state(donor, step=3)
+    wire = pack_header(snap.header)
+    payload = snap.payload()
+    assert snap.header.total_nbytes == len(payload)
+
+    # the donor trains on: the step it takes from here is the reference
+    train_step(model, opt, sched, data)
+    expected_next = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_sched = sched.state_dict()
+
+    # a hot spare: same code, different initial weights, optimizer state materialised
+    model2, opt2, sched2, data2 = build(seed=1)
+    materialize_optimizer_state(opt2)
+    spare = training_state(model2, opt2, sched2, data2)
+    restore_state(spare, (wire, payload))  # resets every RNG to the donor's captured state
+
+    got = all_tensors({"m": model2.state_dict(), "o": opt2.state_dict()["state"]})
+    want_snap = {s.name: t for s, t in zip(snap.header.tensors, snap.tensors)}
+    for name, t in all_tensors({"m": model2.state_dict()}).items():
+        assert torch.equal(t, want_snap["model" + name[2:]]), name
+    for pid, st in opt2.state_dict()["state"].items():
+        for k, t in st.items():
+            assert torch.equal(t, want_snap[f"optimizer/state/{pid}/{k}"]), (pid, k)
+    assert got  # compared something
+    groups = opt2.state_dict()["param_groups"]
+    assert isinstance(groups[0]["betas"], tuple)
+    assert data2.state_dict() == {"epoch": 0, "index": 18, "order": data.order[:3]}
+
+    train_step(model2, opt2, sched2, data2)
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected_next[k]), f"{k} diverged after restore"
+    assert sched2.state_dict() == expected_sched
+    assert data2.order == data.order
+
+
+def test_rng_state_continues_the_same_streams() -> None:
+    rng = RNGState()
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    random.gauss(0, 1)  # leaves a cached gaussian in the python state
+    snap = capture_state({"rng": rng}, step=0)
+    a = (torch.rand(4), random.random(), random.gauss(0, 1), np.random.rand(3))
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    restore_state({"rng": RNGState()}, snap)
+    b = (torch.rand(4), random.random(), random.gauss(0, 1), np.random.rand(3))
+    assert torch.equal(a[0], b[0]) and a[1:3] == b[1:3] and np.array_equal(a[3], b[3])
+    py = snap.header.trees["rng"]["python"]
+    assert isinstance(py, list) and isinstance(py[1], list) and len(py[1]) == 625
+
+
+def test_header_is_plain_msgpack_and_round_trips() -> None:
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    snap = capture_state(training_state(model, opt, sched, data), step=1)
+    obj = msgpack.unpackb(pack_header(snap.header), raw=False, strict_map_key=False)
+    assert obj["step"] == 1 and obj["total"] == snap.header.total_nbytes
+    assert [row[0] for row in obj["tensors"]][:2] == ["model/0.weight", "model/0.bias"]
+    assert unpack_header(pack_header(snap.header)) == snap.header
+    # offsets are dense, crc32s present
+    pos = 0
+    for spec in snap.header.tensors:
+        assert spec.offset == pos and spec.crc32 is not None
+        pos += spec.nbytes
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda w: w.update(v=9), "version"),
+    (lambda w: w["tensors"][0].__setitem__(1, "notadtype"), "dtype"),
+    (lambda w: w["tensors"][1].__setitem__(3, 1), "densely"),
+    (lambda w: w["tensors"][0].__setitem__(4, 3), "bytes for shape"),
+    (lambda w: w.update(total=1), "add up"),
+    (lambda w: (w["tensors"].pop(), w.update(total=sum(r[4] for r in w["tensors"]))), "references"),
+    (lambda w: w.update(checksum="md5"), "checksum"),
+])
+def test_malformed_headers_are_refused(mutate: Any, reason: str) -> None:
+    model, opt, sched, data = build()
+    snap = capture_state(training_state(model, opt, sched, data, rng=False), step=0)
+    wire = snap.header.to_wire()
+    mutate(wire)
+    with pytest.raises(DecodeError, match=reason):
+        StateHeader.from_wire(msgpack.unpackb(msgpack.packb(wire, use_bin_type=True), raw=False,
+                                              strict_map_key=False))
+    with pytest.raises(DecodeError):
+        unpack_header(b"\xc1not msgpack")
+
+
+def test_layout_mismatch_names_the_tensors() -> None:
+    model, opt, sched, data = build(hidden=16)
+    train_step(model, opt, sched, data)
+    snap = capture_state(training_state(model, opt, sched, data, rng=False), step=1)
+    other = build(hidden=32)
+    materialize_optimizer_state(other[1])
+    with pytest.raises(LayoutMismatch,
+                       match=r"model/0.weight: donor float32\[16, 8\], local float32\[32, 8\]"):
+        ReceiveTarget(training_state(*other, rng=False)).bind(snap.header)
+    # a spare whose optimizer state was never allocated gets told what to do
+    bare = build(hidden=16)
+    with pytest.raises(LayoutMismatch, match="materialize_optimizer_state"):
+        ReceiveTarget(training_state(*bare, rng=False)).bind(snap.header)
+
+
+def test_corrupted_payload_fails_crc() -> None:
+    model, opt, sched, data = build()
+    snap = capture_state(training_state(model, opt, sched, data, rng=False), step=0)
+    payload = bytearray(snap.payload())
+    spec = snap.header.tensors[2]
+    payload[spec.offset + 1] ^= 0x40
+    spare = build(seed=3)
+    with pytest.raises(ChecksumMismatch, match=spec.name):
+        restore_state(training_state(*spare, rng=False), (pack_header(snap.header), bytes(payload)))
+    with pytest.raises(TransferError, match="payload is"):
+        restore_state(training_state(*spare, rng=False), (pack_header(snap.header), bytes(payload[:-1])))
+
+
+def test_copy_false_aliases_and_copy_true_does_not() -> None:
+    w = torch.arange(6, dtype=torch.float32)
+
+    class Holder:
+        def state_dict(self) -> dict[str, Any]:
+            return {"w": w, "t": (1, 2.5), "none": None, "b": b"\x00\x01"}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.loaded = sd
+
+    aliased = capture_state({"h": Holder()}, step=0, copy=False)
+    copied = capture_state({"h": Holder()}, step=0, copy=True, checksum=False)
+    w.add_(1)
+    assert torch.equal(aliased.tensors[0], w) and not torch.equal(copied.tensors[0], w)
+    assert copied.header.checksum == "none" and copied.header.tensors[0].crc32 is None
+    h = Holder()
+    restore_state({"h": h}, copied)
+    assert h.loaded["t"] == (1, 2.5) and h.loaded["none"] is None and h.loaded["b"] == b"\x00\x01"
+
+
+def test_unsupported_leaf_is_refused_with_its_path() -> None:
+    class Bad:
+        def state_dict(self) -> dict[str, Any]:
+            return {"ok": 1, "nested": {"fn": object()}}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+    with pytest.raises(ConfigError, match="bad/nested/fn is a object"):
+        capture_state({"bad": Bad()}, step=0)
+    with pytest.raises(ConfigError, match="name"):
+        capture_state({"a/b": Bad()}, step=0)
+
+
+def test_materialize_optimizer_state_leaves_params_and_grads_alone() -> None:
+    for make in (lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.5),
+                 lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1)):
+        model = build()[0]
+        opt = make(model.parameters())
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        materialize_optimizer_state(opt)
+        assert all(opt.state[p] for p in model.parameters())
+        assert all(p.grad is None for p in model.parameters())
+        assert opt.param_groups[0]["lr"] == 0.1
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), k
+        snapshot = {k: v.clone() for k, v in all_tensors(opt.state_dict()["state"]).items()}
+        materialize_optimizer_state(opt)  # idempotent: state already there
+        for k, v in all_tensors(opt.state_dict()["state"]).items():
+            assert torch.equal(v, snapshot[k]), k
+
+
+def test_tensor_bytes_is_zero_copy_for_any_dtype() -> None:
+    t = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    view = tensor_bytes(t)
+    assert view.nbytes == 4 and view.format == "B"
+    view[0:2] = bytes(tensor_bytes(torch.tensor([3.0], dtype=torch.bfloat16)))
+    assert t[0].item() == 3.0
+    assert tensor_bytes(torch.tensor(7, dtype=torch.int64)).nbytes == 8
+    with pytest.raises(ConfigError):
+        tensor_bytes(torch.zeros(4, 4).t())
+
+
+def test_capture_can_reuse_an_older_snapshots_memory() -> None:
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    objects = training_state(model, opt, sched, data, rng=False)
+    first = capture_state(objects, step=1)
+    train_step(model, opt, sched, data)
+    second = capture_state(objects, step=2, reuse=first)
+    assert [t.data_ptr() for t in second.tensors] == [t.data_ptr() for t in first.tensors]
+    fresh = capture_state(objects, step=2)
+    assert second.header == fresh.header  # same bytes, so same crc32s
+    assert all(torch.equal(a, b) for a, b in zip(second.tensors, fresh.tensors, strict=True))
