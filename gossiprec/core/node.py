@@ -305,7 +305,13 @@ class Node:
         self._fallback_armed = False
         if self.name in view:
             self.swim.set_probe_targets(ov.subjects(self.name))
-            self.swim.set_focus(())
+            # subjects that SWIM already holds suspect or dead are not in its round robin: watch them
+            # closely from the start, so that this epoch's alerts come without waiting for a new rumour
+            for subject in ov.subjects(self.name):
+                rec = self.swim.member(subject)
+                if rec is None or rec.status != 0:
+                    self._streak[subject] = now
+            self._refocus()
             if self.fenced:
                 self.fenced = ""
                 self._events.append(Unfenced(view.epoch, now))

@@ -1,0 +1,115 @@
+"""The simulator as CI runs it: membership figures, determinism, and every agreement scenario over
+many seeds (kept to minutes; `make sim-seeds` runs thousands)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from gossiprec.errors import ConfigError
+from gossiprec.sim.agree import SCENARIOS, AgreeParams, run_agreement
+from gossiprec.sim.run import SimParams, run_membership
+from gossiprec.sim.seeds import run_seeds
+
+
+def _strip(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k not in ("wall_s", "events_per_wall_s")}
+
+
+def test_membership_run_detects_every_crash_without_false_positives() -> None:
+    r = run_membership(SimParams(nodes=60, crash=3, loss=0.01, duration=10, seed=7))
+    assert r["undetected"] == 0
+    assert r["false_positives"] == 0
+    assert r["detected_pairs"] == 3 * 57  # every (crashed, survivor) pair
+    assert r["detect_s"]["p99"] < 3.0
+    assert r["invariant_violations"] == 0
+    assert 0 < r["bytes_per_node_s"] < 4000
+
+
+def test_pauses_under_loss_cause_no_false_positive() -> None:
+    r = run_membership(SimParams(nodes=50, loss=0.05, pause_frac=0.1, pause_max=1.0, pause_every=3.0,
+                                 duration=40, seed=3))
+    assert r["paused_nodes"] == 5
+    assert r["false_positives"] == 0, r["false_positive_nodes"]
+
+
+def test_long_pause_is_detected_and_the_node_comes_back() -> None:
+    # a node frozen for 5 s is declared dead (it is excused from false_positives), then refutes
+    r = run_membership(SimParams(nodes=20, pause_frac=0.05, pause_max=6.0, pause_every=1000, duration=30,
+                                 seed=11))
+    assert r["false_positives"] == 0
+
+
+def test_same_seed_same_result_byte_for_byte() -> None:
+    p = SimParams(nodes=40, crash=2, loss=0.02, duplicate=0.01, reorder=0.05, duration=8, seed=21)
+    a, b = run_membership(p), run_membership(p)
+    assert json.dumps(_strip(a), sort_keys=True) == json.dumps(_strip(b), sort_keys=True)
+    ap = AgreeParams(scenario="rack", nodes=20, seed=5, duration=8)
+    assert _strip(run_agreement(ap)) == _strip(run_agreement(ap))
+
+
+def test_bad_parameters_are_refused_clearly() -> None:
+    with pytest.raises(ConfigError, match="--crash"):
+        run_membership(SimParams(nodes=5, crash=5))
+    with pytest.raises(ConfigError, match="loss"):
+        run_membership(SimParams(nodes=5, loss=1.5))
+    with pytest.raises(ConfigError, match="unknown scenario"):
+        run_agreement(AgreeParams(scenario="meteor"))
+
+
+# expectations per scenario over many seeds
+SEEDS = 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_scenario_over_seeds(scenario: str) -> None:
+    duration = {"flap": 24.0, "partition": 16.0, "split": 16.0}.get(scenario, 12.0)
+    s = run_seeds(AgreeParams(scenario=scenario, nodes=10, spares=2, duration=duration), SEEDS, workers=2)
+    assert s["invariant_violations"] == 0, s["violations"]
+    assert s["missed_removals"] == 0, s["missed_seeds"]
+    if scenario != "split":
+        assert s["healthy_removed_runs"] == 0, s["healthy_removed_seeds"]
+    if scenario in ("crash", "rack", "hang", "oneway", "flap"):
+        assert s["one_view_change_ratio"] == 1.0
+    if scenario in ("crash", "rack", "hang"):
+        assert s["agree_s_across_runs"]["max"] < 3.0
+
+
+def test_split_brain_never_decides_while_split() -> None:
+    # exact halves: no side has a majority; the checker raises if anyone decides before the heal
+    r = run_agreement(AgreeParams(scenario="split", nodes=12, seed=4, duration=14, heal_after=100))
+    assert r["views_decided"] == 0
+    assert r["invariant_violations"] == 0
+    assert len(r["fenced"]) == 12  # everyone stops its trainer
+
+
+def test_partition_minority_never_decides_and_majority_moves_on() -> None:
+    r = run_agreement(AgreeParams(scenario="partition", nodes=11, seed=2, duration=20, heal_after=100))
+    assert r["invariant_violations"] == 0
+    assert r["views_decided"] >= 1
+    minority = set(r["fenced"])
+    assert len(minority) == 5  # every minority member stops its trainer
+    assert r["removed"] and set(r["removed"]) <= minority  # the majority removes only minority members
+    # (known gap, see the issue note: at this size the rest of the minority is not always removed)
+
+
+def test_cli_json_has_the_documented_keys() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gossiprec", "sim", "--nodes", "30", "--crash", "2", "--loss", "0.01",
+         "--duration", "6", "--seed", "3", "--json"], capture_output=True, text=True, timeout=120, check=True)
+    r = json.loads(out.stdout)
+    for key in ("nodes", "seed", "virtual_s", "wall_s", "events", "detect_s", "undetected", "false_positives",
+                "msgs_per_node_s", "bytes_per_node_s", "bytes_per_node_s_max"):
+        assert key in r
+    assert set(r["detect_s"]) == {"p50", "p99", "max"}
+    out = subprocess.run(
+        [sys.executable, "-m", "gossiprec", "sim", "--scenario", "crash", "--nodes", "12", "--duration", "8",
+         "--json"], capture_output=True, text=True, timeout=120, check=True)
+    r = json.loads(out.stdout)
+    for key in ("agree_s", "views_decided", "invariant_violations", "fast_path_ratio", "plan_s"):
+        assert key in r
+    assert r["views_decided"] == 1 and r["invariant_violations"] == 0
