@@ -16,15 +16,19 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
+# Until the end-to-end recovery demo exists, the demo is the simulator (see README).
 demo: install
-	$(BIN)/python -m gossiprec demo
+	$(BIN)/python -m gossiprec sim --scenario crash --nodes 32 --duration 12
+	$(BIN)/python -m gossiprec sim --nodes 1000 --crash 10 --loss 0.01 --duration 12
 
 test: install
 	$(BIN)/python -m pytest -q -ra
 
 # Thousands of simulator seeds per scenario (not part of CI; tens of minutes).
 sim-seeds: install
-	$(BIN)/python -m gossiprec sim-seeds --seeds 10000
+	for s in crash rack hang straggler partition split oneway flap donor join; do \
+	  $(BIN)/python -m gossiprec sim --scenario $$s --nodes 10 --duration 20 --seeds $${SEEDS:-10000} --json || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
