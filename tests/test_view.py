@@ -8,6 +8,7 @@ election's.
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from gossiprec.core.election import StateReport, elect
@@ -134,8 +135,6 @@ def test_changes_digest_ignores_order_but_not_content_epoch_or_config() -> None:
 
 
 def _round_trip(v: View) -> View:
-    import msgpack
-
     # through real msgpack, as on the wire (tuples become lists)
     obj = msgpack.unpackb(msgpack.packb(v.to_wire(), use_bin_type=True), raw=False)
     return View.from_wire(obj)
@@ -158,8 +157,9 @@ def test_wire_round_trip_of_a_later_view_keeps_basis_and_plan() -> None:
         assert w.config_id == v.config_id
         assert w.basis == v.basis
         assert w.holders() == v.holders()
-        reports = {n: StateReport(n, dict((node, r) for r, node in v.basis.previous_assignment)[n], 5, None, 100)
-                   for n in v.holders()}  # type: ignore[union-attr]
+        assert v.basis is not None
+        rank_of = {node: r for r, node in v.basis.previous_assignment}
+        reports = {n: StateReport(n, rank_of[n], 5, None, 100) for n in v.holders()}
         assert w.plan(reports).digest() == v.plan(reports).digest()
 
 
@@ -195,16 +195,12 @@ def test_from_wire_refuses_malformed_views(obj: object) -> None:
         View.from_wire(obj)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: View.from_wire lets IndexError escape on a basis whose previous "
-                                         "topology is too short (Node._on_view_state catches only ProtocolError)")
 def test_from_wire_refuses_a_truncated_basis_topology() -> None:
     with pytest.raises(ProtocolError, match="malformed view"):
         View.from_wire([0, [["t0", "a", "trainer", 0, "h", "r"]], [1, [[0]], False, 1], None,
                         [[], [], [1], [], None], ""])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: View.from_wire does not validate members (role, rank range, "
-                                         "duplicate nodes); a bad ViewState is installed instead of dropped")
 @pytest.mark.parametrize(
     "rows",
     [

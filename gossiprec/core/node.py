@@ -366,7 +366,9 @@ class Node:
             if t is ProbeResult:
                 self._on_probe(ev, now)
                 continue
-            if t is MemberSuspected:
+            if t is MemberSuspected or t is MemberFailed:
+                # also when the news came by gossip: SWIM stops probing members it holds dead, so an
+                # observer that has not alerted yet must keep checking for itself
                 self._maybe_focus(ev.name)
             elif t is MemberLeft:
                 self._observe_departure(ev.name, now)

@@ -59,6 +59,7 @@ class Overlay:
         ov = cls(config_id, nodes, k)
         obs: dict[str, list[str]] = {x: [] for x in nodes}
         sub: dict[str, list[str]] = {x: [] for x in nodes}
+        complete = n - 1 <= k_max  # small job: everyone watches everyone (random rings would repeat)
         for r in range(k):
             keyed = sorted((ring_key(config_id, r, x), x) for x in nodes)
             keys = [kk for kk, _ in keyed]
@@ -69,6 +70,9 @@ class Overlay:
                 if pred != x and pred not in obs[x]:
                     obs[x].append(pred)
                     sub[pred].append(x)
+        if complete:
+            obs = {x: [y for y in nodes if y != x] for x in nodes}
+            sub = {x: [y for y in nodes if y != x] for x in nodes}
         ov._observers = {x: tuple(v) for x, v in obs.items()}
         ov._subjects = {x: tuple(v) for x, v in sub.items()}
         return ov

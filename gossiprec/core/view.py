@@ -232,7 +232,18 @@ class View:
                     tuple(Member(*r) for r in prev_m), prev_store,
                 )
             view = cls(int(epoch), members, topology, store, b, str(stopped))
-        except (TypeError, ValueError, ConfigError) as exc:
+            for m in members:
+                if not isinstance(m.addr, str) or not isinstance(m.host, str) or not isinstance(m.rack, str):
+                    raise ValueError(f"member {m.node!r} has non-text fields")
+                member = m.as_member()  # validates role and rank
+                if member.rank is not None and member.rank >= topology.world_size:
+                    raise ValueError(f"member {m.node!r} has rank {member.rank} outside the world")
+            if len({m.node for m in members}) != len(members):
+                raise ValueError("a node is listed twice")
+            ranks = sorted(m.rank for m in members if m.role == TRAINER and m.rank is not None)
+            if not stopped and ranks != list(range(topology.world_size)):
+                raise ValueError(f"trainer ranks must be exactly 0..{topology.world_size - 1}")
+        except (TypeError, ValueError, IndexError, KeyError, ConfigError) as exc:
             raise ProtocolError(f"malformed view: {exc}") from None
         if list(view.members) != sorted(view.members, key=lambda m: m.node):
             raise ProtocolError("malformed view: members not sorted")
