@@ -792,12 +792,9 @@ class Membership:
     # ------------------------------------------------------------------ gossip and anti-entropy
     def _random_members(self, k: int, exclude: str | None) -> list[str]:
         """Up to ``k`` distinct random live members other than self and ``exclude``."""
-        if self._probe_targets is not None and len(self._base_order) == 0:
-            pool: tuple[str, ...] | list[str] = self._probe_targets
-        else:
-            pool = self._base_order
+        pool = self._base_order
         n_base = len(pool)
-        n = n_base + (len(self._extra_order) if pool is self._base_order else 0)
+        n = n_base + len(self._extra_order)
         out: list[str] = []
         if n == 0:
             return out

@@ -145,7 +145,7 @@ class PlanMismatch:
 
 
 # timers
-_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG = range(6)
+_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN = range(5)
 
 
 class Node:
@@ -229,8 +229,6 @@ class Node:
                 self._watch(now)
             elif kind == _JOIN:
                 self._join_retry(now)
-            elif kind == _HANG:
-                self._check_hangs(now)
 
     def next_deadline(self) -> float:
         d = self.swim.next_deadline()
@@ -612,13 +610,12 @@ class Node:
         if have & need != need:
             return
         reports: dict[str, StateReport] = {}
+        rank_of = {node: rank for rank, node in v.basis.previous_assignment}
         for (committed, inflight, size), bits in sorted(self._reports.items(), key=repr):
             for h in holders:
                 idx = v.index(h)
                 if idx is not None and bits >> idx & 1 and h not in reports:
-                    rank = dict(v.basis.previous_assignment)  # type: ignore[union-attr]
-                    node_rank = next((r for r, n in rank.items() if n == h), None)
-                    reports[h] = StateReport(h, node_rank, max(0, committed), inflight, size)
+                    reports[h] = StateReport(h, rank_of.get(h), max(0, committed), inflight, size)
         key = ("plan", v.config_id, tuple(sorted((n, r.committed_step, r.inflight_step, r.state_bytes)
                                                   for n, r in reports.items())))
         plan = self.memo.get(key)

@@ -167,7 +167,6 @@ class View:
                      previous_store=self.store_node, min_stripe_bytes=1)
         basis = Basis(transitional, tuple(sorted(prev_assignment.items())), self.topology,
                       tuple(m.as_member() for m in self.members), self.store_node)
-        addr = {m.node: m for m in kept}
         if plan.action == "stop":
             return View(epoch, tuple(kept), self.topology, None, basis, plan.reason or "stop")
         assigned = dict(plan.assignment)
@@ -178,7 +177,6 @@ class View:
             role = TRAINER if rank is not None else SPARE
             members.append(ViewMember(m.node, m.addr, role, rank, m.host, m.rack))
         topology = plan.next_topology(self.topology)
-        del addr
         return View(epoch, tuple(members), topology, plan.store_node, basis)
 
     # ------------------------------------------------------------------ plan

@@ -317,9 +317,8 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
             if all(i in per_node for i in survivors):
                 agree.append(max(per_node[i] for i in survivors) - t_fault)
             plans = checker.plans.get(last_epoch, {})
-            if plans and all(i in plans for i in survivors if cluster.nodes[i].machine.name in  # type: ignore[attr-defined]
-                             _members(cluster, survivors[0])):
-                plan.append(max(plans.values()) - t_fault)
+            if plans and all(i in plans for i in survivors):
+                plan.append(max(plans[i] for i in survivors) - t_fault)
     removed_names = set(checker.removed_at)
     healthy_removed = sorted(names[i] for i in expect_kept if names[i] in removed_names and
                              sc not in ("partition",))
@@ -347,12 +346,3 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
         "training_step": state["step"],
     }
     return result
-
-
-def _view_at(cluster: SimCluster, idx: int) -> View | None:
-    return cluster.nodes[idx].machine.view  # type: ignore[attr-defined, no-any-return]
-
-
-def _members(cluster: SimCluster, idx: int) -> set[str]:
-    v = _view_at(cluster, idx)
-    return set(v.nodes) if v is not None else set()

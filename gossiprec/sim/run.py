@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from gossiprec.core.config import Config
@@ -204,7 +204,3 @@ def run_membership(params: SimParams, show_progress: bool = False) -> dict[str, 
         "detect": sorted(metrics.detected.values()),
     }
     return result
-
-
-def replace_params(params: SimParams, **changes: Any) -> SimParams:
-    return replace(params, **changes)
