@@ -341,7 +341,9 @@ def test_suspicion_timeout_shrinks_with_independent_confirmations(confirmations:
     failed = [e for e in events if isinstance(e, MemberFailed)][0]
     effective = min(confirmations, k)
     timeout = remaining_suspicion(effective, k, 0.0, CFG.suspicion_min(n), CFG.suspicion_max(n))
-    # counted from the first suspicion, then o verifies for verify_timeout before declaring
+    # counted from the first suspicion; o only heard of it (it is no accuser), so it leaves the accusers
+    # verify_defer to deliver their verdict, then verifies for verify_timeout before declaring
+    timeout += CFG.verify_defer
     assert failed.at == pytest.approx(t0 + timeout + CFG.verify_timeout, abs=1e-9)
     assert failed.by == "o" and o.member("x").status == DEAD  # type: ignore[union-attr]
     # the verification: a ping to x (carrying the suspicion) and indirect requests, when the timer ran out

@@ -58,6 +58,9 @@ class Config:
     timeout(C) = max(min, max - (max - min) * log(C + 1) / log(K + 1))."""
     verify_timeout: float = 0.1
     """Before declaring a suspect dead, a node probes it itself (direct + indirect) for this long."""
+    verify_defer: float = 0.4
+    """Members that only heard of a suspicion wait this much longer than the accusers before they verify
+    it themselves; the accusers' verdict usually reaches them first (saves N probes per failure)."""
     starve_slack: float = 0.25
     """A timer that fires later than this past its deadline means this process was starved (paused,
     swapped, GC): it raises its own health score instead of accusing the peer."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Protocol
 
@@ -185,9 +186,12 @@ class _Suspicion:
     accusers: set[str] = field(default_factory=set)
     token: int = 0
     verifying: bool = False
+    deferred: bool = False
+    extra: float = 0.0
 
     def deadline(self) -> float:
-        return self.start + remaining_suspicion(len(self.accusers) - 1, self.k, 0.0, self.min_s, self.max_s)
+        total = self.start + remaining_suspicion(len(self.accusers) - 1, self.k, 0.0, self.min_s, self.max_s)
+        return total + self.extra
 
 
 @dataclass(slots=True)
@@ -264,6 +268,7 @@ class Membership:
         self._token = 0
         self._timers: list[tuple[float, int, int, object]] = []
         self._cancelled: set[int] = set()
+        self._direct: deque[tuple[float, int]] = deque()
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._focus: list[str] = []
@@ -343,7 +348,11 @@ class Membership:
         timers, cancelled = self._timers, self._cancelled
         while timers and timers[0][1] in cancelled:
             cancelled.discard(heapq.heappop(timers)[1])
-        return timers[0][0] if timers else math.inf
+        direct, probes = self._direct, self._probes
+        while direct and direct[0][1] not in probes:  # answered already
+            direct.popleft()
+        t = timers[0][0] if timers else math.inf
+        return min(t, direct[0][0]) if direct else t
 
     # ------------------------------------------------------------------ inputs from the agent
     def join(self, seed_addrs: Iterable[str], now: float) -> None:
@@ -440,6 +449,11 @@ class Membership:
     def tick(self, now: float) -> None:
         """Run every timer whose deadline is at or before ``now``."""
         self._now = now
+        direct = self._direct
+        while direct and direct[0][0] <= now:
+            when, seq = direct.popleft()
+            if not self.left:
+                self._direct_timeout(seq, now, now - when > self.config.starve_slack)
         timers, cancelled = self._timers, self._cancelled
         while timers and timers[0][0] <= now:
             when, token, kind, arg = heapq.heappop(timers)
@@ -559,7 +573,13 @@ class Membership:
             self._send_indirect(seq, now)
             self._at(now + self.awareness.scale(self.config.verify_timeout), _INDIRECT_END, seq)
         else:
-            self._probes[seq].timer = self._at(now + self.awareness.scale(self.config.probe_timeout), _DIRECT, seq)
+            # Ack deadlines of successive probes are (nearly always) increasing: a FIFO instead of the
+            # timer heap, so an answered probe costs no heap work (it is skipped when reached).
+            deadline = now + self.awareness.scale(self.config.probe_timeout)
+            if not self._direct or deadline >= self._direct[-1][0]:
+                self._direct.append((deadline, seq))
+            else:
+                self._probes[seq].timer = self._at(deadline, _DIRECT, seq)
 
     def _send_indirect(self, seq: int, now: float) -> None:
         probe = self._probes[seq]
@@ -714,6 +734,13 @@ class Membership:
             self.awareness.apply(+2)
             self._rearm_suspicion(name, now)
             return
+        if self.config.verify_defer > 0 and not susp.deferred and self.name not in susp.accusers:
+            # Only members that saw the failure themselves check first; the others give the accusers'
+            # verdict (Dead) time to arrive, so that N members do not all probe a dead node at once.
+            susp.deferred = True
+            susp.extra = self.config.verify_defer
+            self._arm(name, susp)
+            return
         if self.config.verify_timeout > 0:
             susp.verifying = True
             self._probe(name, now, verify=True)
@@ -725,6 +752,8 @@ class Membership:
         if susp is None:
             return
         susp.verifying = False
+        susp.deferred = False
+        susp.extra = 0.0
         susp.start = now
         susp.accusers = set(list(sorted(susp.accusers))[:1])
         self._arm(name, susp)

@@ -77,6 +77,7 @@ class AgreementConfig:
     retry_interval: float = 0.1
     """Coordinator re-sends Prepare/Accept to silent members this often."""
     fence_after: float = 3.0
+
     """Waiting this long without a decision (or without a live majority) fences this member."""
     hang_floor: float = 1.0
     hang_mult: float = 3.0
@@ -196,6 +197,7 @@ class Node:
         self._my_progress: tuple[int, int, int] = (-1, 0, 0)
         self._trouble_since: float | None = None
         self._last_catchup = float("-inf")
+        self._last_realert = float("-inf")
         self.counters: dict[str, int] = self.swim.counters
         if view is not None:
             self._install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
@@ -293,6 +295,8 @@ class Node:
         self._reports = {}
         self._plan_digests = {}
         self._streak = {}
+        self._my_alerts: dict[str, Alert] = {}
+
         self._ok_since: dict[str, int] = {}
         self._alerted = {}
         self._trouble_since = None
@@ -424,7 +428,12 @@ class Node:
         msg = Alert(v.epoch, v.config_id, self.name, subject, kind, reason, retract, addr, host, rack)
         if not retract:
             self._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
-        self._bcast(f"a|{self.name}|{subject}|{kind}", msg)
+        key = f"a|{self.name}|{subject}|{kind}"
+        self._bcast(key, msg)
+        if retract:
+            self._my_alerts.pop(key, None)
+        else:
+            self._my_alerts[key] = msg
         self._on_alert(msg, now)
 
     # ------------------------------------------------------------------ agreement messages
@@ -650,6 +659,13 @@ class Node:
         v = self.view
         if v is None or self.name not in v:
             return
+        if self._my_alerts and self.consensus.decided is None and now - self._last_realert >= 1.0:
+            # Gossip is best effort (a broadcast is sent a few times, then dropped); an alert that some
+            # member missed would stall the change forever, so our own alerts go out again every second
+            # until the view changes.
+            self._last_realert = now
+            for key, msg in self._my_alerts.items():
+                self._bcast(key, msg)
         live = sum(1 for m in v.members if (rec := self.swim.member(m.node)) is not None and rec.live)
         # voted but undecided: a cut was ready, yet no quorum answers (the minority side of a partition)
         pending = self.consensus.my_vote is not None and self.consensus.decided is None

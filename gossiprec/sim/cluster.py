@@ -150,8 +150,9 @@ class SimCluster:
                     node.timer_at = float("inf")  # re-armed on resume
             else:
                 payload()
-            for check in checkers:
-                check(when)
+            if checkers:
+                for check in checkers:
+                    check(when)
         self.now = max(self.now, t_end)
 
     # ------------------------------------------------------------------ faults
