@@ -70,6 +70,7 @@ ENV: dict[str, str] = {
     "log_format": "GOSSIPREC_LOG_FORMAT",
     "log_level": "GOSSIPREC_LOG_LEVEL",
     "metrics_port": "GOSSIPREC_METRICS_PORT",
+    "job": "GOSSIPREC_JOB",
 }
 """Setting field -> environment variable."""
 ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
@@ -113,6 +114,9 @@ class AgentSettings:
     """Port of the Prometheus endpoint; None: no endpoint."""
     protocol: tuple[tuple[str, Any], ...] = ()
     """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
+    job: str | None = None
+    """Job spec (TOML): the members of view 0, their ranks and the topology (see gossiprec.jobspec).
+    None: this agent joins an existing job through its seeds, as a spare."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -311,7 +315,7 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "name": _as_opt_str, "bind_host": _as_str, "port": _as_int, "advertise": _as_opt_str,
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
-    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int,
+    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "job": _as_opt_str,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 
@@ -453,6 +457,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", choices=AGENT_PROFILES, default=None, help="protocol timings (default lan)")
     g.add_argument("--cluster", default=None, help="cluster name (default gossiprec)")
     g.add_argument("--keyring", metavar="PATH", default=None, help="keyring file (see `gossiprec keys`)")
+    g.add_argument("--job", metavar="FILE", default=None,
+                   help="job spec TOML: members of view 0, ranks, topology (env GOSSIPREC_JOB)")
     g.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=None,
                    help="no encryption or authentication (trusted networks, tests)")
     g.add_argument("--control-socket", dest="control_socket", metavar="PATH", default=None,

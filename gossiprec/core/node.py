@@ -269,6 +269,26 @@ class Node:
     def leave(self, now: float) -> None:
         self.swim.leave(now)
 
+    # ------------------------------------------------------------------ the agent's view of the table
+    def join(self, seed_addrs: tuple[str, ...] | list[str], now: float) -> None:
+        """Join through seeds: SWIM push-pull, and ask them for the current view."""
+        self._now = now
+        self.swim.join(seed_addrs, now)
+        if self.view is None or self.name not in self.view:
+            for addr in seed_addrs:
+                if addr != self.addr:
+                    self.swim.send_addr(addr, ViewRequest(self.view.epoch if self.view else 0, self.name,
+                                                          self.addr), reliable=True)
+
+    def members(self) -> list[MemberInfo]:
+        return self.swim.members()
+
+    def progress(self, name: str) -> Any:
+        return self.swim.progress(name)
+
+    def health(self) -> int:
+        return self.swim.health()
+
     # ------------------------------------------------------------------ memoised pure functions
     def _overlay(self, view: View) -> Overlay:
         key = ("overlay", view.config_id, self.acfg.k)
@@ -666,7 +686,8 @@ class Node:
             self._last_realert = now
             for key, msg in self._my_alerts.items():
                 self._bcast(key, msg)
-        live = sum(1 for m in v.members if (rec := self.swim.member(m.node)) is not None and rec.live)
+        # suspects count as unreachable here: a side of a partition suspects the other within seconds
+        live = sum(1 for m in v.members if (rec := self.swim.member(m.node)) is not None and rec.status == 0)
         # voted but undecided: a cut was ready, yet no quorum answers (the minority side of a partition)
         pending = self.consensus.my_vote is not None and self.consensus.decided is None
         if live < v.majority() or pending:

@@ -52,7 +52,7 @@ from typing import Any, Callable, Coroutine, Iterable, Protocol, TypeVar
 
 from gossiprec import __version__
 from gossiprec.core.config import Config
-from gossiprec.core.membership import Membership
+from gossiprec.core.membership import MemberInfo, Membership
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
 from gossiprec.io.control import ControlServer, event_to_dict
@@ -92,12 +92,47 @@ MachineFactory = Callable[..., Machine]
 
 def build_machine(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
                   rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
-    """The machine every agent runs. Swap this one line for the agreement layer's machine.
+    """Membership alone (failure detection without agreement), for tools and tests.
 
     ``seeds`` (``host:port``, this node's own address removed) is for machines that join by
     themselves; Membership is joined by the agent's join loop through :meth:`Machine.join`.
     """
     return Membership(config, name, addr, incarnation=incarnation, rng=rng, now=now, role=role)
+
+
+def node_factory(settings: AgentSettings) -> MachineFactory:
+    """The machine agents run by default: the whole core (:class:`~gossiprec.core.node.Node`).
+
+    With a job spec (``--job``) every agent starts from the same view 0; a node not listed there, or
+    an agent started without a job spec, joins the running job through its seeds (as a spare).
+    """
+    from gossiprec.core.node import Node
+    from gossiprec.jobspec import load_view0
+
+    view0 = load_view0(settings.job) if settings.job else None
+
+    def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
+             rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
+        view = view0
+        host = rack = ""
+        if view is not None:
+            me = view.member(name)
+            if me is None:
+                view = None  # not in view 0: join as a spare
+            else:
+                if me.addr != addr:
+                    raise ConfigError(f"job spec lists {name} at {me.addr}, but this agent is reachable at "
+                                      f"{addr}; fix --advertise or the job spec")
+                role, host, rack = me.role, me.host, me.rack
+        if view is not None:
+            members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
+            return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=view, role=role,
+                        host=host, rack=rack, members=members)
+        # not in view 0: joins the running job through its seeds; the view admits it as a spare
+        return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
+                    seeds=seeds)
+
+    return make
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +235,7 @@ class Agent:
         self,
         settings: AgentSettings,
         *,
-        machine_factory: MachineFactory = build_machine,
+        machine_factory: MachineFactory | None = None,
         keyring: Keyring | None = None,
         limits: TransportLimits | None = None,
         leave_drain: float | None = None,
@@ -211,7 +246,7 @@ class Agent:
     ) -> None:
         self.settings = settings
         self.config = settings.protocol_config()
-        self.machine_factory = machine_factory
+        self.machine_factory = machine_factory if machine_factory is not None else node_factory(settings)
         self.keyring = keyring
         self.leave_drain = leave_drain if leave_drain is not None else max(0.1, 4 * self.config.gossip_interval)
         self.keyring_check_s = keyring_check_s
@@ -610,6 +645,21 @@ class Agent:
             "transport": self.transport.stats() if self.transport is not None else {},
             "control": dict(self.control.counters) if self.control is not None else {},
             "subscribers": len(self.hub),
+            **self._view_status(),
+        }
+
+    def _view_status(self) -> dict[str, Any]:
+        """The agreed view and plan, when the machine runs the agreement core."""
+        view = getattr(self.machine, "view", None)
+        if view is None:
+            return {"view": None}
+        plan = getattr(self.machine, "plan", None)
+        return {
+            "view": {"epoch": view.epoch, "config_id": view.config_id,
+                     "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in view.members],
+                     "stopped": view.stopped},
+            "fenced": getattr(self.machine, "fenced", "") or None,
+            "plan": plan.to_dict() if plan is not None else None,
         }
 
     def control_set_layout(self, layout: dict[Any, Any]) -> None:
