@@ -1,0 +1,113 @@
+"""Records and events of the membership machine: immutable data, shared by the core, the simulator
+and the agent. (Split from :mod:`gossiprec.core.membership`, which re-exports every name.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from gossiprec.core.wire import ALIVE, SUSPECT
+
+
+class RandomSource(Protocol):
+    """The subset of :class:`random.Random` the core uses (injected, never global)."""
+
+    def random(self) -> float: ...
+    def randrange(self, start: int, stop: int | None = ..., step: int = ...) -> int: ...
+    def sample(self, population, k: int): ...  # type: ignore[no-untyped-def]
+
+
+@dataclass(frozen=True, slots=True)
+class MemberInfo:
+    """Immutable: shared between the tables of many simulated nodes."""
+
+    name: str
+    addr: str
+    incarnation: int
+    status: int = ALIVE
+    role: int = 0
+
+    @property
+    def live(self) -> bool:
+        return self.status <= SUSPECT
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressInfo:
+    incarnation: int
+    version: int
+    step: int
+    phase: int
+    step_ms: int
+    seen_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    addr: str
+    payload: bytes
+    reliable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class MemberJoined:
+    name: str
+    addr: str
+    incarnation: int
+    role: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSuspected:
+    name: str
+    incarnation: int
+    by: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberAlive:
+    """A suspect refuted, or a dead/left member came back with a newer incarnation."""
+
+    name: str
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberFailed:
+    name: str
+    incarnation: int
+    by: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLeft:
+    name: str
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SelfRefuted:
+    """This node was suspected or declared dead and raised its incarnation."""
+
+    incarnation: int
+    accuser: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """Outcome of one of this node's probes (the agreement layer's observers listen to these)."""
+
+    target: str
+    ok: bool
+    at: float
+
+
+MemberEvent = (
+    MemberJoined | MemberSuspected | MemberAlive | MemberFailed | MemberLeft | SelfRefuted | ProbeResult
+)
