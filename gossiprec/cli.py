@@ -17,6 +17,7 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gossiprec.io.keyring", "add_cli"),
     ("gossiprec.io.agent", "add_cli"),
     ("gossiprec.io.launcher", "add_cli"),
+    ("gossiprec.demo", "add_cli"),
 )
 
 

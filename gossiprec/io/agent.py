@@ -267,6 +267,7 @@ class Agent:
         self.counters: dict[str, int] = {}
         self.hub = EventHub()
         self._progress = (-1, 0, 0)
+        self.trainer_state: dict[str, Any] | None = None
         self._state = "new"
         self._closing = False
         self._stack: AsyncExitStack | None = None
@@ -277,6 +278,8 @@ class Agent:
         self._pump_waiters: list[asyncio.Future[None]] = []
         self._throttle = Throttle(log)
         self._signals: list[int] = []
+        self.metrics: Any = None
+        """The Prometheus endpoint (gossiprec.io.metrics.MetricsServer) when ``metrics_port`` is set."""
 
     # ------------------------------------------------------------------ life cycle
     async def __aenter__(self) -> Agent:
@@ -324,6 +327,9 @@ class Agent:
                 tg.create_task(self._keyring_loop(), name="gossiprec-keyring")
             if seeds:
                 tg.create_task(self._join_loop(list(seeds)), name="gossiprec-join")
+            if s.metrics_port is not None:
+                from gossiprec.io.metrics import serve_agent_metrics
+                self.metrics = await serve_agent_metrics(self, stack, tg)
             if self.handle_signals:
                 self._install_signals()
             self._state = "running"
@@ -602,6 +608,15 @@ class Agent:
         m.set_progress(step, phase, step_ms)
         self._progress = (step, phase, step_ms)
 
+    def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
+                          transfer_port: int | None) -> None:
+        """The trainer's donatable state; machines without a plan (plain membership) ignore it."""
+        self.trainer_state = {"committed_step": committed_step, "inflight_step": inflight_step,
+                              "state_bytes": state_bytes, "transfer_port": transfer_port}
+        set_state = getattr(self.machine, "set_state", None)
+        if set_state is not None:
+            set_state(committed_step, inflight_step, state_bytes)
+
     def control_members(self) -> list[dict[str, Any]]:
         m = self.machine
         if m is None:
@@ -640,6 +655,7 @@ class Agent:
             "state": self._state, "leaving": self.leaving, "leave_reason": self.leave_reason,
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.started_at else 0.0,
             "layout_registered": self.layout is not None,
+            "trainer_state": self.trainer_state,
             "machine": dict(m.counters) if m is not None else {},
             "agent": dict(self.counters),
             "transport": self.transport.stats() if self.transport is not None else {},

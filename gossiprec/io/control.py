@@ -12,6 +12,8 @@ then requests, each optionally carrying an ``"id"`` (int or string) echoed in it
 ``"noreply": true`` to skip the reply on success (errors are always answered)::
 
     {"op": "report", "step": 12, "phase": "compute", "step_ms": 840}   -> machine.set_progress
+    {"op": "state", "committed_step": 12, "inflight_step": None,
+     "state_bytes": N, "transfer_port": P}                              -> machine.set_state
     {"op": "members"}                                                   -> {"members": [...]}
     {"op": "status"}                                                    -> {"status": {...}}
     {"op": "subscribe"} / {"op": "unsubscribe"}                         -> event stream on/off
@@ -143,6 +145,8 @@ class ControlBackend(Protocol):
     @property
     def node_name(self) -> str: ...
     def control_report(self, step: int, phase: int, step_ms: int) -> None: ...
+    def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
+                          transfer_port: int | None) -> None: ...
     def control_members(self) -> list[dict[str, Any]]: ...
     def control_status(self) -> dict[str, Any]: ...
     def control_set_layout(self, layout: dict[Any, Any]) -> None: ...
@@ -348,8 +352,8 @@ class ControlServer:
                 rid = req.get("id")
                 if rid is not None and not isinstance(rid, (int, str)):
                     raise ControlError("bad_request", "\"id\" must be an integer or a string")
-            except asyncio.IncompleteReadError:
-                return  # client closed
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # client closed (or exited with unread data: reset)
             except TimeoutError:
                 await self._refuse(c, None, "timeout", f"no request within {self.hello_timeout} s")
                 return
@@ -415,6 +419,19 @@ class ControlServer:
         self.backend.control_report(step, phase_i, step_ms)
         return {}
 
+    def _op_state(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
+        committed = _int_arg(req, "committed_step", 0, 2**62)
+        inflight = req.get("inflight_step")
+        if inflight is not None and (type(inflight) is not int or not committed < inflight <= 2**62):
+            raise ControlError("bad_args", f"inflight_step must be null or an integer above committed_step "
+                                           f"{committed}, got {inflight!r}")
+        size = _int_arg(req, "state_bytes", 0, 2**62)
+        port = req.get("transfer_port")
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            raise ControlError("bad_args", f"transfer_port must be null or a TCP port 1..65535, got {port!r}")
+        self.backend.control_set_state(committed, inflight, size, port)
+        return {}
+
     def _op_members(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         return {"members": self.backend.control_members()}
 
@@ -465,6 +482,7 @@ class ControlServer:
 _OPS = {
     "ping": ControlServer._op_ping,
     "report": ControlServer._op_report,
+    "state": ControlServer._op_state,
     "members": ControlServer._op_members,
     "status": ControlServer._op_status,
     "subscribe": ControlServer._op_subscribe,
@@ -564,6 +582,16 @@ class ControlClient:
             self.request("report", step=step, phase=phase, step_ms=step_ms)
         else:
             self.notify("report", step=step, phase=phase, step_ms=step_ms)
+
+    def set_state(self, committed_step: int, inflight_step: int | None = None, state_bytes: int = 0,
+                  transfer_port: int | None = None, *, wait: bool = True) -> None:
+        """Tell the agent what this rank could donate: reported to the plan of each new view."""
+        args = {"committed_step": committed_step, "inflight_step": inflight_step,
+                "state_bytes": state_bytes, "transfer_port": transfer_port}
+        if wait:
+            self.request("state", **args)
+        else:
+            self.notify("state", **args)
 
     def members(self) -> list[dict[str, Any]]:
         return list(self.request("members")["members"])
