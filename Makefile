@@ -16,10 +16,9 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# Until the end-to-end recovery demo exists, the demo is the simulator (see README).
+# A local job (agents + 4 trainer ranks + 1 hot spare) loses a rank to SIGKILL and recovers in place.
 demo: install
-	$(BIN)/python -m gossiprec sim --scenario crash --nodes 32 --duration 12
-	$(BIN)/python -m gossiprec sim --nodes 1000 --crash 10 --loss 0.01 --duration 12
+	$(BIN)/python -m gossiprec demo
 
 test: install
 	$(BIN)/python -m pytest -q -ra
