@@ -222,6 +222,11 @@ class Membership:
         out = [m for m in (self.member(n) for n in names) if m is not None]
         return sorted(out, key=lambda m: m.name)
 
+    @property
+    def n_suspect(self) -> int:
+        """Members currently under suspicion (counted in n_live)."""
+        return len(self._suspicions)
+
     def live_members(self) -> list[str]:
         return [m.name for m in self.members() if m.live]
 

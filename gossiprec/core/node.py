@@ -687,7 +687,7 @@ class Node:
             for key, msg in self._my_alerts.items():
                 self._bcast(key, msg)
         # suspects count as unreachable here: a side of a partition suspects the other within seconds
-        live = sum(1 for m in v.members if (rec := self.swim.member(m.node)) is not None and rec.status == 0)
+        live = self.swim.n_live - self.swim.n_suspect
         # voted but undecided: a cut was ready, yet no quorum answers (the minority side of a partition)
         pending = self.consensus.my_vote is not None and self.consensus.decided is None
         if live < v.majority() or pending:
@@ -704,11 +704,19 @@ class Node:
         v = self.view
         if v is None or self.name not in v:
             return
-        subjects = set(self._overlay(v).subjects(self.name))
+        ov = self._overlay(v)
+        subjects = set(ov.subjects(self.name))
+        # The frontier and the typical step time come from a sample: ourselves, our subjects and our
+        # observers (K random members each way). In a hang every healthy rank waits at the frontier, so
+        # the sample shows it; the cost stays O(K) per check instead of O(N).
+        sample = sorted({self.name} | subjects | set(ov.observers(self.name)))
         frontier = (-1, 0)
         times = []
         table: dict[str, tuple[int, int, float, float]] = {}
-        for m in v.trainers():
+        for node in sample:
+            m = v.member(node)
+            if m is None or m.role != "trainer":
+                continue
             if m.node == self.name:
                 step, phase, ms = self._my_progress
                 seen_at = now

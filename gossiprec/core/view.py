@@ -87,6 +87,7 @@ class View:
 
     config_id: str = field(default="", compare=False)
     """Hash of epoch, members, topology and stop reason (16 hex digits); computed on construction."""
+    _pos: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         body = msgpack.packb([
@@ -94,6 +95,7 @@ class View:
             self.topology.world_size, [list(g) for g in self.topology.replica_groups], self.stopped,
         ])
         object.__setattr__(self, "config_id", hashlib.sha256(body).hexdigest()[:16])
+        object.__setattr__(self, "_pos", {m.node: i for i, m in enumerate(self.members)})
 
     @property
     def nodes(self) -> tuple[str, ...]:
@@ -101,14 +103,7 @@ class View:
 
     def index(self, node: str) -> int | None:
         """Position of ``node`` in the sorted member list (its bit in vote bitmaps)."""
-        lo, hi = 0, len(self.members)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.members[mid].node < node:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo if lo < len(self.members) and self.members[lo].node == node else None
+        return self._pos.get(node)
 
     def member(self, node: str) -> ViewMember | None:
         i = self.index(node)

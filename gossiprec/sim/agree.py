@@ -53,6 +53,9 @@ class AgreeParams:
     step_time: float = 0.3
     profile: str = "lan"
     crash: int = 1
+    train: bool = True
+    """Simulate lockstep training progress (needed for hang/straggler; off in the size sweep, where the
+    committed step is fixed and only detection, agreement and the plan are measured)."""
 
     def validate(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -288,7 +291,8 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
             machine.set_progress(step, phase, int(params.step_time * 1000))
             machine.set_state(max(0, step - 1) if phase != OPTIMIZER else step - 1, None, 1 << 20)
 
-    cluster.at(third, train)
+    if params.train or sc in ("hang", "straggler"):
+        cluster.at(third, train)
     if "second" in extra:
         def watch_for_first_view() -> None:
             if 1 in checker.installs:

@@ -151,7 +151,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise GossiprecError(f"--sweep takes sizes like 16,128,1024, got {args.sweep!r}") from None
     rows = []
     for n in sizes:
-        params = _agree_params(args, scenario="crash", nodes=n, spares=min(args.spares, n - 2), crash=1)
+        params = _agree_params(args, scenario="crash", nodes=n, spares=min(args.spares, n - 2), crash=1,
+                               train=False)
         r = run_agreement(params)
         row = {k: r[k] for k in ("nodes", "seed", "agree_s", "plan_s", "views_decided", "fast_path_ratio",
                                  "invariant_violations", "wall_s", "events")}
