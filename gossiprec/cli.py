@@ -18,6 +18,8 @@ _COMMANDS: tuple[tuple[str, str], ...] = (
     ("gossiprec.io.agent", "add_cli"),
     ("gossiprec.io.launcher", "add_cli"),
     ("gossiprec.demo", "add_cli"),
+    ("gossiprec.io.ops", "add_cli"),
+    ("gossiprec.bench", "add_cli"),
 )
 
 

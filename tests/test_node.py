@@ -303,9 +303,6 @@ def test_partition_majority_removes_the_whole_minority(
         assert set(r["removed"]) == minority, seed
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a minority member whose cut never reaches H (so it never votes) and "
-                                         "whose SWIM table, probed only through its overlay subjects, still "
-                                         "lists a majority as alive, never fences")
 def test_partition_minority_fences(
         partitions: dict[int, tuple[dict[str, Any], set[str], set[str]]]) -> None:
     for seed, (r, minority, _) in partitions.items():

@@ -182,7 +182,7 @@ class Node:
                                members=members, member_order=member_order, members_live=members_live)
         self.swim.on_other = self._on_message
         self._events: list[Any] = []
-        self._timers: list[tuple[float, int, int]] = []
+        self._timers: list[tuple[float, int, int, int]] = []
         self._tok = 0
         self._now = now
         self.fenced: str = ""
@@ -220,7 +220,9 @@ class Node:
         self._drain_swim(now)
         timers = self._timers
         while timers and timers[0][0] <= now:
-            _, _, kind = heapq.heappop(timers)
+            _, _, kind, epoch = heapq.heappop(timers)
+            if kind in (_EVAL, _FALLBACK, _RESEND) and (self.view is None or epoch != self.view.epoch):
+                continue  # armed for an earlier view: that agreement is over
             if kind == _EVAL:
                 self._evaluate(now)
             elif kind == _FALLBACK:
@@ -254,8 +256,10 @@ class Node:
         return self.swim.n_live
 
     def _at(self, when: float, kind: int) -> None:
+        """Arm a timer; agreement timers belong to the epoch they were armed in."""
         self._tok += 1
-        heapq.heappush(self._timers, (when, self._tok, kind))
+        epoch = self.view.epoch if self.view is not None else -1
+        heapq.heappush(self._timers, (when, self._tok, kind, epoch))
 
     # ------------------------------------------------------------------ trainer side
     def set_progress(self, step: int, phase: int, step_ms: int) -> None:
@@ -325,6 +329,7 @@ class Node:
         self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout)
         self.consensus = Consensus(view, self.name, self._bcast, self._send_to)
         self._fallback_armed = False
+        self._resend_armed = False
         if self.name in view:
             self.swim.set_probe_targets(ov.subjects(self.name))
             # subjects that SWIM already holds suspect or dead are not in its round robin: watch them
@@ -540,8 +545,12 @@ class Node:
         self._fallback_armed = False
         if self.consensus.decided is not None or self.view is None or self.name not in self.view:
             return
+        if not self.consensus.votes and not self.consensus.proposals:
+            return  # nothing to agree on in this epoch
         self.consensus.start_round()
-        self._at(now + self.acfg.retry_interval, _RESEND)
+        if not self._resend_armed:  # one retry chain per epoch, however many rounds we start
+            self._resend_armed = True
+            self._at(now + self.acfg.retry_interval, _RESEND)
         self._fallback_armed = True
         self._at(now + self.acfg.fallback_timeout * 2 + self.rng.random() * self.acfg.fallback_jitter,
                  _FALLBACK)
@@ -551,6 +560,8 @@ class Node:
         if c.decided is None and c.my_round is not None and c.my_round[1] == self.name:
             c.resend()
             self._at(now + self.acfg.retry_interval, _RESEND)
+        else:
+            self._resend_armed = False
 
     # ------------------------------------------------------------------ catch-up and joining
     def _catch_up(self, now: float) -> None:

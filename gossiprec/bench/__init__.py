@@ -1,0 +1,21 @@
+"""Benchmarks of real processes (``gossiprec bench ...``); the simulator has its own (``gossiprec sim``).
+
+Each sub-command lives in its own module and prints one JSON report; :func:`add_cli` registers them.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``bench`` with its sub-commands (today ``agents``) to the ``gossiprec`` parser."""
+    from gossiprec.bench import agents
+
+    p = subparsers.add_parser("bench", help="benchmarks of real agent processes",
+                              description="Benchmarks of real agent processes; each prints JSON.")
+    sub = p.add_subparsers(dest="bench", metavar="BENCH")
+    agents.add_cli(sub)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    return p  # type: ignore[no-any-return]
