@@ -127,13 +127,16 @@ def test_agreement_messages_about_another_view_are_counted_not_applied() -> None
     assert node.counters["rx_other_epoch"] == 1
     assert node.consensus.votes == {}
     assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] == []
-    # a message from a later epoch: this node is behind, so it asks a peer for the current view
+    # a message from a later epoch: this node is behind, so it asks two live peers for the current view
     node.receive(encode_packet([Votes(v.epoch + 3, "0123456789abcdef", b"\x01" * 16, b"\x3f")]), 0.2)
     assert node.counters["rx_other_epoch"] == 2
     requests = [(a, m) for a, m in sent_messages(node) if isinstance(m, ViewRequest)]
-    assert len(requests) == 1
-    addr, req = requests[0]
-    assert addr in v.nodes and addr != "n0" and req.epoch == 0 and req.src == "n0"
+    assert len(requests) == 2 and requests[0][0] != requests[1][0]
+    for addr, req in requests:
+        assert addr in v.nodes and addr != "n0" and req.epoch == 0 and req.src == "n0"
+    # rate-limited: another one at once asks nobody
+    node.receive(encode_packet([Votes(v.epoch + 3, "0123456789abcdef", b"\x01" * 16, b"\x3f")]), 0.25)
+    assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] == []
 
 
 def test_alert_from_a_non_observer_does_not_count() -> None:
@@ -251,11 +254,11 @@ def test_late_spares_join() -> None:
 def test_same_params_same_result() -> None:
     p = dict(scenario="crash", nodes=10, spares=2, seed=5, duration=8.0)
     a, b = agree(**p), agree(**p)
-    a.pop("wall_s")
-    b.pop("wall_s")
+    a.pop("wall_s"); a.pop("cpu_s")
+    b.pop("wall_s"); b.pop("cpu_s")
     assert a == b
     c = agree(**{**p, "seed": 6})
-    c.pop("wall_s")
+    c.pop("wall_s"); c.pop("cpu_s")
     assert c != a  # and the seed matters
 
 

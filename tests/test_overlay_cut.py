@@ -35,7 +35,7 @@ def detector(ov: Overlay) -> CutDetector:
 
 @pytest.mark.parametrize(
     "d, h, low",
-    [(1, 1, 1), (2, 2, 1), (3, 3, 1), (4, 4, 1), (5, 5, 1), (6, 6, 1), (7, 7, 2), (8, 8, 2), (9, 9, 2),
+    [(1, 1, 1), (2, 2, 1), (3, 3, 2), (4, 4, 2), (5, 5, 2), (6, 6, 2), (7, 7, 2), (8, 8, 2), (9, 9, 2),
      (10, 9, 3)],
 )
 def test_watermark_table(d: int, h: int, low: int) -> None:

@@ -16,7 +16,7 @@ from gossiprec.sim.seeds import run_seeds
 
 
 def _strip(r: dict) -> dict:
-    return {k: v for k, v in r.items() if k not in ("wall_s", "events_per_wall_s")}
+    return {k: v for k, v in r.items() if k not in ("wall_s", "events_per_wall_s", "cpu_s", "events_per_cpu_s")}
 
 
 def test_membership_run_detects_every_crash_without_false_positives() -> None:
@@ -76,7 +76,9 @@ def test_scenario_over_seeds(scenario: str) -> None:
     if scenario in ("crash", "rack", "hang", "oneway", "flap"):
         assert s["one_view_change_ratio"] == 1.0
     if scenario in ("crash", "rack", "hang"):
+        assert s["agree_missing_runs"] == 0 and s["plan_missing_runs"] == 0, s
         assert s["agree_s_across_runs"]["max"] < 3.0
+        assert s["plan_s_across_runs"]["max"] < 3.5
 
 
 def test_split_brain_never_decides_while_split() -> None:

@@ -23,17 +23,36 @@ class _Entry:
     transmits: int = 0
 
 
+MERGE_SENDS = 3
+"""Sends a merged aggregate still has left after it grew (see :meth:`BroadcastQueue.queue`)."""
+
+
 @dataclass(slots=True)
 class BroadcastQueue:
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _order: int = 0
+    _limit: int = 8  # the retransmit limit of the latest take()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def queue(self, key: str, msg: Message) -> None:
-        """Queue ``msg`` about ``key``, replacing any older broadcast about the same key."""
+    def queue(self, key: str, msg: Message, merge: bool = False) -> None:
+        """Queue ``msg`` about ``key``, replacing any older broadcast about the same key.
+
+        ``merge``: ``msg`` is a grown aggregate of the pending one (an OR-merged bitmap): it replaces the
+        body and keeps the transmit count, lowered so that at least ``MERGE_SENDS`` sends remain for the
+        new bits. Resetting the count on every merge would make each member resend an aggregate once
+        per contributor, O(N log N) sends per member for one vote; keeping it whole would let bits that
+        arrive late die out. Every member that learns a bit forwards it at least ``MERGE_SENDS`` times and
+        every packet carries the whole union, so the bits spread epidemically.
+        """
         self._order += 1
+        old = self._entries.get(key) if merge else None
+        if old is not None:
+            old.body = encode_message(msg)
+            old.msg = msg
+            old.transmits = max(0, min(old.transmits, self._limit - MERGE_SENDS))
+            return
         self._entries[key] = _Entry(key, encode_message(msg), msg, self._order)
 
     def pending(self, key: str) -> Message | None:
@@ -46,6 +65,7 @@ class BroadcastQueue:
         ``skip`` names a key not to send (e.g. news about the very node the packet goes to is sent by
         the caller itself, first).
         """
+        self._limit = limit
         if not self._entries or budget <= 0:
             return []
         entries = sorted(self._entries.values(), key=lambda e: (e.transmits, -e.order))

@@ -12,6 +12,9 @@ short window; waiting for it to close lands them in one view change).
 
 Implicit alerts: while some subjects are stable or unstable, an observer of a subject that is itself in
 that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members).
+
+Discounted witnesses: alerts raised by an observer that is itself stable for removal do not count
+against other subjects (an isolated node accuses everyone; its own observers all accuse it).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class _Tally:
     host: str = ""
     rack: str = ""
     unstable_since: float | None = None
+    departed: bool = False  # the subject announced its own departure (graceful leave / process exit)
 
 
 @dataclass(slots=True)
@@ -37,8 +41,10 @@ class CutDetector:
     overlay: Overlay
     settle: float
     unstable_timeout: float
+    settle_departed: float = 0.03
     _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
     last_change: float = float("-inf")
+    last_departure: float = float("-inf")
 
     def alert(self, observer: str, subject: str, kind: int, retract: bool, now: float,
               addr: str = "", host: str = "", rack: str = "") -> bool:
@@ -62,6 +68,22 @@ class CutDetector:
         self.last_change = now
         return True
 
+    def departed(self, subject: str, now: float) -> bool:
+        """The subject announced that it leaves (its own authenticated word, not an observation): it is
+        stable at once, without waiting for H observers, and only a short ``settle_departed`` window
+        batches departures that come together. Returns True when this is news."""
+        if not self.overlay.observers(subject):
+            return False  # not a member of this view
+        key = (subject, REMOVE)
+        tally = self._tallies.get(key)
+        if tally is None:
+            tally = self._tallies[key] = _Tally(REMOVE)
+        if tally.departed:
+            return False
+        tally.departed = True
+        self.last_departure = now
+        return True
+
     def count(self, subject: str, kind: int = REMOVE) -> int:
         tally = self._tallies.get((subject, kind))
         return len(tally.observers) if tally else 0
@@ -75,7 +97,19 @@ class CutDetector:
         """(proposal, next time worth re-evaluating). The proposal is empty while not ready."""
         if not self._tallies:
             return [], None
-        counts: dict[tuple[str, int], int] = {k: len(t.observers) for k, t in self._tallies.items()}
+        # Witnesses on their way out do not testify: alerts from an observer that is itself stable for
+        # removal are not counted against others (a node that hears nobody accuses everyone, and is
+        # itself accused by all its observers; only it should go).
+        stable_out = {s for (s, kind), t in self._tallies.items() if kind == REMOVE and (
+            t.departed or len(t.observers) >= self._thresholds(s, kind)[0])}
+        counts: dict[tuple[str, int], int] = {}
+        for k, t in self._tallies.items():
+            if t.departed:
+                counts[k] = self._thresholds(*k)[0]
+            elif stable_out and k[1] == REMOVE and k[0] not in stable_out:
+                counts[k] = sum(1 for o in t.observers if o not in stable_out)
+            else:
+                counts[k] = len(t.observers)
         real = dict(counts)
         # Implicit alerts, to a fixpoint: an observer that is itself on its way out (at or above its L)
         # cannot alert about its subjects, so it counts as alerting for subjects that already have
@@ -118,7 +152,7 @@ class CutDetector:
                 t.unstable_since = None
         if not stable:
             return [], wake
-        settled_at = self.last_change + self.settle
+        settled_at = max(self.last_change + self.settle, self.last_departure + self.settle_departed)
         if now < settled_at:
             return [], settled_at if wake is None else min(wake, settled_at)
         if blocking:

@@ -344,9 +344,9 @@ class Membership:
         heapq.heappush(self._timers, (when, self._token, kind, arg))
         return self._token
 
-    def _broadcast(self, key: str, msg: Message) -> None:
+    def _broadcast(self, key: str, msg: Message, merge: bool = False) -> None:
         """Queue a broadcast; gossip rounds run only while something is queued."""
-        self._queue.queue(key, msg)
+        self._queue.queue(key, msg, merge)
         if not self._gossip_armed:
             self._gossip_armed = True
             self._at(self._now + self.rng.random() * self.config.gossip_interval, _GOSSIP, None)
@@ -443,10 +443,11 @@ class Membership:
         self._focus = sorted(set(names) - {self.name})
         self._focus_i = 0
 
-    def broadcast(self, key: str, msg: Message, now: float) -> None:
-        """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it."""
+    def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None:
+        """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it
+        (``merge``: keeping its transmit count, see :meth:`BroadcastQueue.queue`)."""
         self._now = now
-        self._broadcast(key, msg)
+        self._broadcast(key, msg, merge)
 
     def send_to(self, name: str, msg: Message, now: float) -> bool:
         """Send ``msg`` (plus piggyback) to a known member; False if its address is unknown."""

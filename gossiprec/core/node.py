@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping
 
 from gossiprec.core.config import Config
-from gossiprec.core.consensus import Consensus, changes_from_rows
+from gossiprec.core.consensus import FAST, Consensus, changes_from_rows
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan, StateReport
 from gossiprec.core.membership import (
@@ -49,12 +49,15 @@ from gossiprec.core.membership import (
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import JOIN, REMOVE, View
 from gossiprec.core.wire import (
-    ALERT_REASONS, DEPARTED, HUNG, JOINING, PHASES, UNREACHABLE, Accept, Accepted, Alert, Decided,
+    ALERT_REASONS, ALIVE, DEPARTED, LEFT, HUNG, JOINING, PHASES, UNREACHABLE, Accept, Accepted, Alert, Decided,
     JoinRequest, Message, PlanDigest, Prepare, Promise, Proposal, Report, ViewRequest, ViewState, Votes,
 )
 from gossiprec.errors import ProtocolError
 
 PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
+MAX_EARLY = 4096
+"""Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
+_RECOVERING = PHASE_ORDER["recovering"]
 _COMMUNICATE = PHASES.index("communicate")
 
 
@@ -69,6 +72,8 @@ class AgreementConfig:
     the longest pause that must not be fatal minus the earliest failure (1 s - 0.2 s)."""
     settle: float = 0.15
     """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
+    settle_departed: float = 0.03
+    """Settle window when the only news is members announcing their own departure (a trainer exit)."""
     unstable_timeout: float = 2.0
     """A subject between the L and H watermarks stops blocking proposals after this long."""
     fallback_timeout: float = 0.6
@@ -77,7 +82,6 @@ class AgreementConfig:
     retry_interval: float = 0.1
     """Coordinator re-sends Prepare/Accept to silent members this often."""
     fence_after: float = 3.0
-
     """Waiting this long without a decision (or without a live majority) fences this member."""
     hang_floor: float = 1.0
     hang_mult: float = 3.0
@@ -86,6 +90,11 @@ class AgreementConfig:
     """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
     catchup_interval: float = 0.3
+    reaggregate_first: float = 0.25
+    """After a view change, re-send incomplete report/plan-digest bitmaps this long after the install,
+    then at doubling intervals (at most 2 s apart) ..."""
+    reaggregate_for: float = 10.0
+    """... for this long."""
 
 
 # --- events -----------------------------------------------------------------------------------------
@@ -189,6 +198,10 @@ class Node:
         self.view: View | None = None
         self.plan: Plan | None = None
         self._reports: dict[tuple, int] = {}
+        self._reports_have = 0  # OR of every report bitmap (who has reported)
+        self._reports_need: int | None = None  # bitmap of the holders whose reports the plan needs
+        self._next_reagg = 0.0
+        self._reagg_gap = 0.0
         self._plan_digests: dict[bytes, int] = {}
         self._state: tuple[int, int | None, int] = (0, None, 0)
         self._streak: dict[str, float] = {}
@@ -197,6 +210,8 @@ class Node:
         self._my_progress: tuple[int, int, int] = (-1, 0, 0)
         self._trouble_since: float | None = None
         self._last_catchup = float("-inf")
+        self._pushed_view: dict[str, float] = {}
+        self._early: list[Message] = []
         self._last_realert = float("-inf")
         self.counters: dict[str, int] = self.swim.counters
         if view is not None:
@@ -315,8 +330,13 @@ class Node:
         self.view = view
         self._installed_at = now
         self._progress_seen = {}
+        self._pushed_view = {}
         self.plan = None
         self._reports = {}
+        self._reports_have = 0
+        self._reports_need = None
+        self._next_reagg = now + self.acfg.reaggregate_first
+        self._reagg_gap = self.acfg.reaggregate_first
         self._plan_digests = {}
         self._streak = {}
         self._my_alerts: dict[str, Alert] = {}
@@ -326,9 +346,10 @@ class Node:
         self._trouble_since = None
         ov = self._overlay(view)
         self._prev_consensus = getattr(self, "consensus", None)
-        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout)
+        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
         self.consensus = Consensus(view, self.name, self._bcast, self._send_to)
         self._fallback_armed = False
+        self._early_round = False
         self._resend_armed = False
         if self.name in view:
             self.swim.set_probe_targets(ov.subjects(self.name))
@@ -339,6 +360,11 @@ class Node:
                 if rec is None or rec.status != 0:
                     self._streak[subject] = now
             self._refocus()
+            # departures announced before this view was installed still count in it
+            for m in view.members:
+                rec = self.swim.member(m.node)
+                if rec is not None and rec.status == LEFT and m.node != self.name:
+                    self._observe_departure(m.node, now)
             if self.fenced:
                 self.fenced = ""
                 self._events.append(Unfenced(view.epoch, now))
@@ -358,6 +384,12 @@ class Node:
             assert idx is not None
             self._merge_report((committed, inflight, size), 1 << idx, now)
         self._maybe_plan(now)
+        early, self._early = self._early, []
+        for msg in early:
+            if self.view is not view:
+                break  # a replayed message moved us on again (a decision): the rest is stale
+            if getattr(msg, "epoch", None) == view.epoch:
+                self._on_message(msg, now)
 
     def _decided(self, now: float) -> None:
         d = self.consensus.decided
@@ -375,7 +407,9 @@ class Node:
 
     # ------------------------------------------------------------------ sending helpers
     def _bcast(self, key: str, msg: Message) -> None:
-        self.swim.broadcast(key, msg, self._now)
+        # bitmap aggregates (votes, state reports, plan digests) grow by merging: keep their transmit count
+        t = type(msg)
+        self.swim.broadcast(key, msg, self._now, merge=t is Votes or t is Report or t is PlanDigest)
 
     def _send_to(self, node: str, msg: Message) -> None:
         if node == self.name:
@@ -442,6 +476,11 @@ class Node:
             self._alert(subject, REMOVE, UNREACHABLE, now)
 
     def _observe_departure(self, subject: str, now: float) -> None:
+        v = self.view
+        if v is not None and self.name in v and self.cut.departed(subject, now):
+            if self._trouble_since is None:
+                self._trouble_since = now
+            self._at(now + self.cut.settle_departed, _EVAL)
         if self._is_my_subject(subject) and self._alerted.get(subject) != DEPARTED:
             self._alerted[subject] = DEPARTED
             self._alert(subject, REMOVE, DEPARTED, now)
@@ -481,7 +520,13 @@ class Node:
             return
         if epoch != v.epoch or config != v.config_id:
             if epoch > v.epoch:
+                if epoch == v.epoch + 1 and len(self._early) < MAX_EARLY:
+                    # news of the next view's first moments (reports, digests, alerts) that raced ahead of
+                    # its decision: kept and replayed once that view is installed, so nothing is lost
+                    self._early.append(msg)
                 self._catch_up(now)
+            elif epoch < v.epoch and t is Alert:
+                self._push_view(msg.observer, now)  # type: ignore[attr-defined]
             self.counters["rx_other_epoch"] = self.counters.get("rx_other_epoch", 0) + 1
             return
         if t is Alert:
@@ -517,10 +562,32 @@ class Node:
     def _after_consensus(self, now: float) -> None:
         if self.consensus.decided is not None:
             self._decided(now)
-        elif self.consensus.votes and not self._fallback_armed and self.name in (self.view or ()):
+            return
+        if not self.consensus.votes or self.name not in (self.view or ()):
+            return
+        if not self._early_round and self._hopeless_fast_coordinator() == self.name:
+            # The fast round cannot succeed: start the classic round now instead of after the timeout.
+            self._early_round = True
+            self._at(now, _FALLBACK)
+        elif not self._fallback_armed:
             self._fallback_armed = True
             self._at(now + self.acfg.fallback_timeout + self.rng.random() * self.acfg.fallback_jitter,
                      _FALLBACK)
+
+    def _hopeless_fast_coordinator(self) -> str | None:
+        """When our own vote removes so many members that the rest cannot form a fast quorum (any
+        failure in a view of 4 or fewer, or several at once in a small view), the fast round can never
+        decide. Then the first member of the view that our cut keeps is the coordinator of an immediate
+        classic round; every member with the same cut computes the same one. None: the fast round may
+        still decide (or we have not voted)."""
+        c, v = self.consensus, self.view
+        if v is None or c.my_vote is None:
+            return None
+        changes = c.proposals.get(c.my_vote) or []
+        removed = {ch.node for ch in changes if ch.kind == REMOVE}
+        if len(v) - len(removed) >= v.fast_quorum():
+            return None
+        return next((m.node for m in v.members if m.node not in removed), None)
 
     def _on_alert(self, msg: Alert, now: float) -> None:
         if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
@@ -568,12 +635,26 @@ class Node:
         if now - self._last_catchup < self.acfg.catchup_interval or self.view is None:
             return
         self._last_catchup = now
-        live = [m.node for m in self.view.members if m.node != self.name]
-        if live:
-            peer = live[self.rng.randrange(0, len(live))]
-            rec = self.swim.member(peer)
-            if rec is not None:
-                self.swim.send_addr(rec.addr, ViewRequest(self.view.epoch, self.name, self.addr))
+        # ask two members that SWIM holds alive (a random pick could be the very member that failed)
+        live = [rec for m in self.view.members if m.node != self.name
+                and (rec := self.swim.member(m.node)) is not None and rec.status == ALIVE]
+        for _ in range(min(2, len(live))):
+            rec = live.pop(self.rng.randrange(0, len(live)))
+            self.swim.send_addr(rec.addr, ViewRequest(self.view.epoch, self.name, self.addr))
+
+    def _push_view(self, node: str, now: float) -> None:
+        """A member still alerting in an older epoch missed the decision: send it the current view (at
+        most once per ``catchup_interval`` per member). Also when the decision removed it (a healed
+        minority): it learns it is out, and asks to join again."""
+        v = self.view
+        if v is None or node == self.name:
+            return
+        if now - self._pushed_view.get(node, float("-inf")) < self.acfg.catchup_interval:
+            return
+        self._pushed_view[node] = now
+        rec = self.swim.member(node)
+        if rec is not None and rec.addr:
+            self.swim.send_addr(rec.addr, ViewState(v.to_wire()), reliable=True)
 
     def _on_view_request(self, msg: ViewRequest, now: float) -> None:
         if self.view is not None and self.view.epoch >= msg.epoch:
@@ -620,6 +701,7 @@ class Node:
         if new == old:
             return
         self._reports[values] = new
+        self._reports_have |= new
         v = self.view
         assert v is not None
         committed, inflight, size = values
@@ -639,15 +721,15 @@ class Node:
         if v is None or v.basis is None or self.plan is not None or v.stopped:
             return
         holders = v.holders()
-        have = 0
-        for bits in self._reports.values():
-            have |= bits
-        need = 0
-        for h in holders:
-            idx = v.index(h)
-            assert idx is not None
-            need |= 1 << idx
-        if have & need != need:
+        need = self._reports_need
+        if need is None:  # once per view: this runs on every merged report
+            need = 0
+            for h in holders:
+                idx = v.index(h)
+                assert idx is not None
+                need |= 1 << idx
+            self._reports_need = need
+        if self._reports_have & need != need:
             return
         reports: dict[str, StateReport] = {}
         rank_of = {node: rank for rank, node in v.basis.previous_assignment}
@@ -681,6 +763,24 @@ class Node:
         if self.plan is not None and digest.hex() != self.plan.digest():
             self._events.append(PlanMismatch(v.epoch, self.plan.digest(), digest.hex(), now))
 
+    def _reaggregate(self, v: View, now: float) -> None:
+        """Anti-entropy for the aggregates: while this member lacks the plan, or not every member of the
+        view has confirmed the digest it knows, send its merged bitmaps again as fresh broadcasts (a
+        merged aggregate is sent a bounded number of times, so a late bit can miss someone)."""
+        full = (1 << len(v)) - 1
+        if self.plan is not None and all(bits == full for bits in self._plan_digests.values()):
+            return
+        self._reagg_gap = min(2.0, self._reagg_gap * 2)
+        self._next_reagg = now + self._reagg_gap
+        nbytes = (len(v) + 7) // 8
+        if v.basis is not None:
+            for (committed, inflight, size), bits in self._reports.items():
+                self.swim.broadcast(f"r|{committed}|{inflight}|{size}", Report(
+                    v.epoch, v.config_id, committed, inflight, size, bits.to_bytes(nbytes, "little")), now)
+        for digest, bits in self._plan_digests.items():
+            self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+                                                                bits.to_bytes(nbytes, "little")), now)
+
     def _on_plan_digest(self, msg: PlanDigest, now: float) -> None:
         self._merge_digest(msg.digest, int.from_bytes(msg.bitmap, "little"), now)
 
@@ -697,10 +797,15 @@ class Node:
             self._last_realert = now
             for key, msg in self._my_alerts.items():
                 self._bcast(key, msg)
+        if now >= self._next_reagg and now - self._installed_at <= self.acfg.reaggregate_for:
+            self._reaggregate(v, now)
         # suspects count as unreachable here: a side of a partition suspects the other within seconds
         live = self.swim.n_live - self.swim.n_suspect
-        # voted but undecided: a cut was ready, yet no quorum answers (the minority side of a partition)
-        pending = self.consensus.my_vote is not None and self.consensus.decided is None
+        # a vote is out (ours or a peer's) but nothing is decided: a cut was ready somewhere, yet no quorum
+        # answers (the minority side of a partition; its members do not all see a cut of their own)
+        cons = self.consensus
+        pending = cons.decided is None and (cons.my_vote is not None or bool(cons.votes) or bool(cons.proposals)
+                                            or cons.promised != FAST)
         if live < v.majority() or pending:
             if self._trouble_since is None:
                 self._trouble_since = now
@@ -714,6 +819,10 @@ class Node:
     def _check_hangs(self, now: float) -> None:
         v = self.view
         if v is None or self.name not in v:
+            return
+        if self._my_alerts or (self.consensus.votes and self.consensus.decided is None):
+            # A change is under way: every rank waits for the new view, so stalls say nothing about hangs
+            # (and an alert now would only start a second change behind the first).
             return
         ov = self._overlay(v)
         subjects = set(ov.subjects(self.name))
@@ -736,8 +845,8 @@ class Node:
                 if p is None or now - p.seen_at > 1.0:
                     continue  # stale (maybe crashed): neither frontier nor judged
                 step, phase, ms, seen_at = p.step, p.phase, p.step_ms, p.seen_at
-            if step < 0:
-                continue
+            if step < 0 or phase == _RECOVERING:
+                continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
             prev = self._progress_seen.get(m.node)
             # the stall clock never starts before this view was installed
             since = prev[2] if prev is not None and prev[:2] == (step, phase) else max(now, self._installed_at)

@@ -11,9 +11,12 @@ Watermarks, per subject with ``d`` distinct observers:
 
 - ``H = ceil(0.9 * d)``: alerts needed to propose its removal. At K = 10 this is Rapid's 9 of 10: a
   healthy node is evicted only if nine independent observers, spread over racks by the hash, all lose it.
-- ``L = max(1, min(H - 1, floor(0.3 * d)))``: from L alerts on, the subject is *unstable*, and no
-  proposal is made while any subject is unstable (for at most ``unstable_timeout``), so correlated
-  failures (a rack) accumulate into one proposal instead of a cascade of view changes.
+- ``L = max(1, min(H - 1, max(2, floor(0.3 * d))))``: from L alerts on, the subject is *unstable*, and
+  no proposal is made while any subject is unstable (for at most ``unstable_timeout``), so correlated
+  failures (a rack) accumulate into one proposal instead of a cascade of view changes. L is at least 2
+  whenever H allows it: one observer alone (say, a node whose inbound link died and that accuses
+  everyone) never makes a subject unstable, so it cannot drag healthy members into the implicit-alert
+  rule of the cut detector.
 
 Choice of K: 10 for any N > 10 (Rapid's evaluation; the probability that 9 of 10 random observers
 falsely agree is negligible, and the load per node is K probes per K probe intervals, flat in N); for
@@ -38,7 +41,7 @@ def watermarks(d: int) -> tuple[int, int]:
     if d <= 0:
         return 1, 1
     h = max(1, math.ceil(0.9 * d - 1e-9))
-    low = max(1, min(h - 1, math.floor(0.3 * d))) if h > 1 else 1
+    low = max(1, min(h - 1, max(2, math.floor(0.3 * d)))) if h > 1 else 1
     return h, low
 
 

@@ -170,6 +170,7 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
 def run_agreement(params: AgreeParams) -> dict[str, Any]:
     params.validate()
     wall0 = time.perf_counter()
+    cpu0 = time.process_time()
     cluster, names, extra = build_cluster(params)
     view0: View = extra["view0"]
     checker = AgreementChecker(cluster, params)
@@ -303,6 +304,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
 
     cluster.run_until(params.duration)
     wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
 
     # --- figures -----------------------------------------------------------------------------------
     if sc not in ("partition", "split", "straggler", "join"):
@@ -333,6 +335,7 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
         "seed": params.seed,
         "virtual_s": params.duration,
         "wall_s": round(wall, 3),
+        "cpu_s": round(cpu, 3),
         "events": cluster.events_processed,
         "agree_s": quantiles(agree),
         "plan_s": quantiles(plan),

@@ -32,7 +32,7 @@ They report agree_s (fault -> every survivor installed the view without the fail
 (fault -> identical plan everywhere), views_decided, fast_path_ratio and invariant_violations.
 --seeds N repeats a scenario over seeds 1..N; --sweep 16,128,1024 measures a one-node crash per size.
 
-The same --seed always gives the same result (wall_s aside); a failed invariant prints the seed and the
+The same --seed always gives the same result (wall_s and cpu_s aside); a failed invariant prints the seed and the
 command that replays it.
 """
 
@@ -66,7 +66,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="worker processes for --seeds (2)")
     p.add_argument("--sweep", default=None, metavar="N1,N2,...",
                    help="crash of one node at each cluster size: one JSON line per size")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress stays on stderr)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--plot", metavar="FILE.png", help="draw the detection CDF and membership size")
     p.set_defaults(func=run_cli)
     return p
@@ -106,7 +107,7 @@ def run_cli(args: argparse.Namespace) -> int:
         print(f"simulating {params.nodes} nodes for {params.duration:g} virtual s (seed {params.seed})",
               file=sys.stderr)
     try:
-        result = run_membership(params, show_progress=not args.json)
+        result = run_membership(params, show_progress=not args.quiet)
     except InvariantViolation as exc:
         print(f"INVARIANT VIOLATED: {exc}", file=sys.stderr)
         return 3
@@ -155,7 +156,7 @@ def run_sweep(args: argparse.Namespace) -> int:
                                train=False)
         r = run_agreement(params)
         row = {k: r[k] for k in ("nodes", "seed", "agree_s", "plan_s", "views_decided", "fast_path_ratio",
-                                 "invariant_violations", "wall_s", "events")}
+                                 "invariant_violations", "wall_s", "cpu_s", "events")}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.plot:

@@ -97,23 +97,35 @@ class SimCluster:
         self._push(when, ACTION, -1, action)
 
     def _flush(self, node: SimNode) -> None:
+        # The hot path of the whole simulator (once per event): locals only, heappush inlined.
         machine = node.machine
-        now = self.now
         sends = machine.take_sends()
         if sends:
+            now = self.now
             arrivals = self.network.arrivals
             index_of = self.index_of
+            heap = self._heap
+            push = heapq.heappush
+            seq = self._seq
+            src = node.index
+            total = 0
             for send in sends:
-                size = len(send.payload)
-                node.sent_msgs += 1
-                node.sent_bytes += size
+                payload = send.payload
+                size = len(payload)
+                total += size
                 dst = index_of.get(send.addr)
                 if dst is None:
                     continue
-                for t in arrivals(now, node.index, dst, size, send.reliable):
-                    self._push(t, DELIVER, dst, (send.payload, send.reliable))
+                reliable = send.reliable
+                for t in arrivals(now, src, dst, size, reliable):
+                    seq += 1
+                    push(heap, (t, seq, DELIVER, dst, (payload, reliable)))
+            self._seq = seq
+            node.sent_msgs += len(sends)
+            node.sent_bytes += total
         events = machine.take_events()
         if events:
+            now = self.now
             for obs in self.observers:
                 for ev in events:
                     obs(now, node.index, ev)
@@ -121,7 +133,7 @@ class SimCluster:
         if deadline != node.timer_at:
             node.timer_at = deadline
             if deadline != float("inf"):
-                self._push(max(deadline, now), TIMER, node.index, deadline)
+                self._push(max(deadline, self.now), TIMER, node.index, deadline)
 
     # ------------------------------------------------------------------ running
     def run_until(self, t_end: float) -> None:

@@ -93,8 +93,9 @@ class Network:
         return blocked is not None and dst in blocked
 
     def arrivals(self, now: float, src: int, dst: int, size: int, reliable: bool) -> list[float]:
-        if self.cut(src, dst):
-            return []
+        if self._blocked_groups or self._blocked:
+            if self.cut(src, dst):
+                return []
         m = self.model
         rng = self.rng
         delay = m.latency + size * m.bandwidth_delay_per_kb / 1024.0
@@ -110,7 +111,6 @@ class Network:
             return []
         if m.reorder and rng.random() < m.reorder:
             delay += rng.random() * m.reorder_delay
-        out = [now + delay]
         if m.duplicate and rng.random() < m.duplicate:
-            out.append(now + delay + rng.random() * m.reorder_delay)
-        return out
+            return [now + delay, now + delay + rng.random() * m.reorder_delay]
+        return [now + delay]

@@ -50,6 +50,11 @@ def run_seeds(base: AgreeParams, seeds: int, workers: int = 2, first_seed: int =
         "missed_seeds": [r["seed"] for r in ok if not r["removed_all_expected"]][:20],
         "healthy_removed_runs": sum(1 for r in ok if r["healthy_removed"]),
         "healthy_removed_seeds": [r["seed"] for r in ok if r["healthy_removed"]][:20],
+        # a fault was expected, yet not every survivor installed the view that removes it (or never
+        # planned): such runs have no agree_s and must not vanish from the distribution silently
+        "agree_missing_runs": sum(1 for r in ok if r["expected_removed"] and r["agree_s"]["max"] is None),
+        "plan_missing_runs": sum(1 for r in ok if r["expected_removed"] and r["plan_s"]["max"] is None),
+        "plan_s_across_runs": quantiles([r["plan_s"]["max"] for r in ok if r["plan_s"]["max"] is not None]),
         "one_view_change_ratio": round(len(one_change) / len(with_fault), 4) if with_fault else None,
         "agree_s_across_runs": quantiles(agree),
         "fast_path_ratio": round(sum(r["fast_path_ratio"] for r in ok) / max(1, len(ok)), 3),
