@@ -31,7 +31,7 @@ Rank = tuple[int, str]
 FAST: Rank = (0, "")
 
 
-def _rows(changes: list[Change]) -> tuple:
+def change_rows(changes: list[Change]) -> tuple:
     return tuple((c.node, c.kind, c.addr, c.host, c.rack) for c in changes)
 
 
@@ -86,7 +86,7 @@ class Consensus:
         if digest not in self.proposals:
             self.proposals[digest] = changes
             self.broadcast("p" + digest.hex(), Proposal(self.view.epoch, self.view.config_id, digest,
-                                                         _rows(changes)))
+                                                         change_rows(changes)))
 
     def on_proposal(self, msg: Proposal) -> None:
         changes = changes_from_rows(msg.changes)
@@ -142,7 +142,7 @@ class Consensus:
             waiting = set(self.promises)
         else:
             digest, changes = self.accept_value
-            msg = Accept(v.epoch, v.config_id, r, me, digest, _rows(changes))
+            msg = Accept(v.epoch, v.config_id, r, me, digest, change_rows(changes))
             waiting = self.accepts
         for m in v.members:
             if m.node not in waiting:
@@ -155,7 +155,7 @@ class Consensus:
             return
         self.promised = rank
         vdigest = self.accepted_digest
-        vchanges = _rows(self.proposals[vdigest]) if vdigest is not None and vdigest in self.proposals else None
+        vchanges = change_rows(self.proposals[vdigest]) if vdigest is not None and vdigest in self.proposals else None
         if vchanges is None:
             vdigest = None
         v = self.view
@@ -239,4 +239,4 @@ class Consensus:
     def _decide(self, digest: bytes, changes: list[Change], fast: bool, heard: bool = False) -> None:
         self.decided = Decision(digest, changes, fast, heard)
         v = self.view
-        self.broadcast("d", Decided(v.epoch, v.config_id, digest, _rows(changes)))
+        self.broadcast("d", Decided(v.epoch, v.config_id, digest, change_rows(changes)))

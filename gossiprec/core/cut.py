@@ -152,7 +152,11 @@ class CutDetector:
                 t.unstable_since = None
         if not stable:
             return [], wake
-        settled_at = max(self.last_change + self.settle, self.last_departure + self.settle_departed)
+        if all(t.departed or not t.observers for t in self._tallies.values()):
+            # nothing but announced departures (their observers' alerts add no news): short window
+            settled_at = self.last_departure + self.settle_departed
+        else:
+            settled_at = max(self.last_change + self.settle, self.last_departure + self.settle_departed)
         if now < settled_at:
             return [], settled_at if wake is None else min(wake, settled_at)
         if blocking:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, MutableMapping
 
 from gossiprec.core.config import Config
-from gossiprec.core.consensus import FAST, Consensus, changes_from_rows
+from gossiprec.core.consensus import FAST, Consensus, change_rows, changes_from_rows
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan, StateReport
 from gossiprec.core.membership import (
@@ -70,6 +70,9 @@ class AgreementConfig:
     alert_after: float = 0.9
     """An observer alerts after its probes of a subject failed, with no success, this long. Must exceed
     the longest pause that must not be fatal minus the earliest failure (1 s - 0.2 s)."""
+    confirm_after: float = 0.4
+    """Silence enough to confirm an alert that another observer already raised about the subject (the
+    first accusation still needs ``alert_after``, so a 1 s pause is over before anyone confirms)."""
     settle: float = 0.15
     """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
     settle_departed: float = 0.03
@@ -90,6 +93,8 @@ class AgreementConfig:
     """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
     catchup_interval: float = 0.3
+    direct_votes_max: int = 32
+    """Views up to this size also send each member's own vote to every member directly (one hop)."""
     reaggregate_first: float = 0.25
     """After a view change, re-send incomplete report/plan-digest bitmaps this long after the install,
     then at doubling intervals (at most 2 s apart) ..."""
@@ -471,7 +476,10 @@ class Node:
         if start == float("inf"):
             self._streak[subject] = now
             self._refocus()
-        elif now - start >= self.acfg.alert_after and subject not in self._alerted:
+        elif subject not in self._alerted and now - start >= (
+                self.acfg.confirm_after if self.cut.count(subject) > 0 else self.acfg.alert_after):
+            # a first accusation needs alert_after of silence; confirming another observer's alert
+            # about the same subject needs less (it takes H independent observers either way)
             self._alerted[subject] = UNREACHABLE
             self._alert(subject, REMOVE, UNREACHABLE, now)
 
@@ -590,6 +598,8 @@ class Node:
         return next((m.node for m in v.members if m.node not in removed), None)
 
     def _on_alert(self, msg: Alert, now: float) -> None:
+        if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
+            self._maybe_focus(msg.subject)  # another observer lost it: check it ourselves right away
         if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
                           msg.rack):
             if msg.observer != self.name:  # spread it on (epidemic), once per change
@@ -603,10 +613,28 @@ class Node:
             return
         changes, wake = self.cut.evaluate(now)
         if changes:
-            self.consensus.propose(changes)
+            c = self.consensus
+            voted = c.my_vote
+            c.propose(changes)
+            if voted is None and c.my_vote is not None and len(self.view) <= self.acfg.direct_votes_max:
+                self._send_vote_to_all(c.my_vote)
             self._after_consensus(now)
         elif wake is not None:
             self._at(wake, _EVAL)
+
+    def _send_vote_to_all(self, digest: bytes) -> None:
+        """Small views: our vote (with its proposal) goes straight to every member, one unicast each,
+        so the fast round takes one network hop instead of a few gossip rounds. Merged bitmaps and
+        larger views stay on gossip (N unicasts per member would be O(N^2))."""
+        v, c = self.view, self.consensus
+        assert v is not None
+        nbytes = (len(v) + 7) // 8
+        changes = c.proposals[digest]
+        proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
+        votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
+        for m in v.members:
+            if m.node != self.name:
+                self.swim.send_to(m.node, proposal, self._now, extra=(votes,))
 
     def _fallback(self, now: float) -> None:
         self._fallback_armed = False

@@ -23,9 +23,17 @@ import msgpack
 
 from gossiprec.core.election import Plan, StateReport, elect
 from gossiprec.core.topology import SPARE, TRAINER, JobTopology, Member
+from gossiprec.core.wire import MAX_MEMBERS
 from gossiprec.errors import ConfigError, ProtocolError
 
 REMOVE, JOIN = 0, 1
+MAX_EPOCH = 2**62
+
+
+def _check_world(ws: object, limit: int) -> None:
+    """A world size from the network: an int within 1..``limit`` (at most the members it lists)."""
+    if type(ws) is not int or not 1 <= ws <= min(limit, MAX_MEMBERS):
+        raise ValueError(f"world size must be an integer 1..{min(limit, MAX_MEMBERS)}, got {str(ws)[:30]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +221,16 @@ class View:
     def from_wire(cls, obj: list) -> "View":
         try:
             epoch, rows, topo, store, basis, stopped = obj
+            # Cheap bounds first: a hostile view must not make us build a huge topology (world sizes are
+            # checked against the member count before any range() is materialised).
+            if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
+                raise ValueError(f"epoch must be an integer 0..2**62, got {str(epoch)[:30]}")
+            if type(rows) not in (list, tuple) or len(rows) > MAX_MEMBERS:
+                raise ValueError("members must be a list of at most MAX_MEMBERS rows")
             ws, groups, allow_shrink, min_rep = topo
+            _check_world(ws, len(rows))
+            if basis is not None:
+                _check_world(basis[2][0], MAX_MEMBERS)
             topology = JobTopology(ws, tuple(tuple(g) for g in groups), allow_shrink, min_rep)
             members = tuple(ViewMember(*r) for r in rows)
             b = None
@@ -236,7 +253,7 @@ class View:
             ranks = sorted(m.rank for m in members if m.role == TRAINER and m.rank is not None)
             if not stopped and ranks != list(range(topology.world_size)):
                 raise ValueError(f"trainer ranks must be exactly 0..{topology.world_size - 1}")
-        except (TypeError, ValueError, IndexError, KeyError, ConfigError) as exc:
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError, ConfigError) as exc:
             raise ProtocolError(f"malformed view: {exc}") from None
         if list(view.members) != sorted(view.members, key=lambda m: m.node):
             raise ProtocolError("malformed view: members not sorted")

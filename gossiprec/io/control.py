@@ -31,7 +31,9 @@ string ``op`` (``bad_request``), anything before the handshake or a wrong versio
 ``unsupported_version``), an unknown op (``unknown_op``), no handshake within ``hello_timeout``
 (``timeout``). Bad argument values of a known op (``bad_args``) are answered and the connection stays.
 A subscriber that reads too slowly overflows its bounded queue and is disconnected (``overflow``). No
-client can raise out of the server; each connection is a task of the server's TaskGroup.
+client can raise out of the server; each connection is a task of the server's TaskGroup. A client that
+goes away mid-conversation (reset, broken pipe, not reading) is counted under ``disconnects`` and
+logged as one debug line; only a bug in the server is logged with a traceback (``errors``).
 
 :class:`ControlClient` is the blocking client for the training loop (no asyncio);
 :class:`AsyncControlClient` is the same for asyncio code and tests.
@@ -154,10 +156,22 @@ class ControlBackend(Protocol):
     def control_subscribe(self) -> EventSource: ...
 
 
+class FrameWriter(Protocol):
+    """The writing half the server needs (``asyncio.StreamWriter`` has this shape)."""
+
+    def write(self, data: bytes) -> None: ...
+    async def drain(self) -> None: ...
+    def close(self) -> None: ...
+
+
+_GONE = (OSError, TimeoutError, asyncio.IncompleteReadError)
+"""What a client going away looks like to the server (reset, broken pipe, slow reader, EOF)."""
+
+
 class _Conn:
     """One client connection: serialised writes with a timeout."""
 
-    def __init__(self, writer: asyncio.StreamWriter, write_timeout: float) -> None:
+    def __init__(self, writer: FrameWriter, write_timeout: float) -> None:
         self.writer = writer
         self.lock = asyncio.Lock()
         self.write_timeout = write_timeout
@@ -310,12 +324,21 @@ class ControlServer:
             task.add_done_callback(self._clients.discard)
 
     async def _serve(self, conn: socket.socket) -> None:
-        self._count("connections")
-        writer: asyncio.StreamWriter | None = None
-        c: _Conn | None = None
         try:
             reader, writer = await asyncio.open_unix_connection(sock=conn)
-            c = _Conn(writer, self.write_timeout)
+        except OSError as exc:
+            conn.close()
+            self._disconnected(exc)
+            return
+        await self.serve_stream(reader, writer)
+
+    async def serve_stream(self, reader: asyncio.StreamReader, writer: FrameWriter) -> None:
+        """Serve one client until it ends; never raises (but on cancellation). The accept loop calls
+        this per client; tests may pass an in-memory reader and any writer of this shape. A client
+        going away is one debug line (``disconnects``); anything else is a bug: ``errors``, traceback."""
+        self._count("connections")
+        c = _Conn(writer, self.write_timeout)
+        try:
             async with asyncio.TaskGroup() as tg:
                 try:
                     await self._session(reader, c, tg)
@@ -324,23 +347,33 @@ class ControlServer:
                         c.source.close()
                     if c.forwarder is not None:
                         c.forwarder.cancel()
-        except (OSError, TimeoutError, asyncio.IncompleteReadError):
-            self._count("disconnects")
-        except Exception:  # a bug must not take the agent down with one client
-            self._count("errors")
-            log.exception("control connection failed")
-        finally:
-            if writer is not None:
-                writer.close()
+        except _GONE as exc:
+            self._disconnected(exc)
+        except Exception as exc:  # a bug must not take the agent down with one client
+            gone, bug = exc.split(_GONE) if isinstance(exc, ExceptionGroup) else (None, exc)
+            if bug is None:
+                self._disconnected(gone)
             else:
-                conn.close()
+                self._count("errors")
+                log.error("control connection failed", exc_info=bug)
+        finally:
+            writer.close()
+
+    def _disconnected(self, exc: BaseException | None) -> None:
+        self._count("disconnects")
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        log.debug("control client went away: %s", type(exc).__name__ if exc is not None else "?")
 
     async def _session(self, reader: asyncio.StreamReader, c: _Conn, tg: asyncio.TaskGroup) -> None:
         hello = False
         while True:
             try:
-                async with asyncio.timeout(None if hello else self.hello_timeout):
+                if hello:
                     head = await reader.readexactly(_LEN)
+                else:
+                    async with asyncio.timeout(self.hello_timeout):
+                        head = await reader.readexactly(_LEN)
                 n = int.from_bytes(head, "big")
                 if n == 0 or n > self.max_frame:
                     raise ControlError("bad_frame", f"frame length {n} is outside 1..{self.max_frame}")

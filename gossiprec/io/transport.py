@@ -21,6 +21,14 @@ goes to ``on_message(payload, reliable=True)``. A connection is closed at its fi
 :attr:`Transport.rejects` (the opener's :class:`~gossiprec.io.crypto.RejectCounter`) and logged at
 most once per reason per ``log_interval`` seconds. No exception caused by a peer leaves this module.
 
+Accounting (:meth:`Transport.stats`, shown by the agent's ``status``): a *packet* is a datagram or a
+stream frame. ``tx_packets``/``tx_bytes`` count what was handed to the kernel (sealed bytes, frame
+length prefix included); ``rx_bytes`` counts every byte that arrived (datagrams, and stream bytes read),
+``rx_packets`` every datagram and stream frame that reached the opener, so that
+``rx_packets == rx_datagrams + rx_streams + rejects.total`` (accepted plus refused). ``dropped`` lists
+every loss by reason: refusals (``rx_<reason>``, see :data:`~gossiprec.io.crypto.REASONS`) and local
+drops (backpressure, sealing, resolution, capacity).
+
 Addresses are the core's ``"host:port"`` strings. IP literals are used as they are; host names are
 resolved asynchronously once and cached (a datagram to a name not yet resolved is dropped and counted).
 
@@ -47,6 +55,13 @@ from gossiprec.io.keyring import Keyring
 from gossiprec.settings import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
+
+DROP_COUNTERS = frozenset({
+    "tx_after_close", "tx_dropped_backpressure", "tx_udp_errors", "tx_bad_address", "tx_unresolved",
+    "tx_wrong_family", "tx_streams_dropped", "tx_stream_errors", "tx_seal_too_large", "tx_seal_no_key",
+    "tx_seal_exhausted", "rx_streams_refused", "rx_stream_errors", "rx_handler_errors",
+})
+"""Counters of :attr:`Transport.counters` that count a lost message (reported under ``dropped``)."""
 
 OnMessage = Callable[[bytes, bool], None]
 """``on_message(payload, reliable)``: called on the event loop for every authenticated message."""
@@ -303,6 +318,8 @@ class Transport:
             self._throttle.warn("sendto", "sendto %s failed: %s", addr, exc)
             return
         self._count("tx_datagrams")
+        self._count("tx_packets")
+        self._count("tx_bytes", len(data))
 
     def _target(self, addr: str) -> tuple[Any, ...] | None:
         cached = self._resolved.get(addr)
@@ -379,6 +396,8 @@ class Transport:
                 if writer.can_write_eof():
                     writer.write_eof()
             self._count("tx_streams")
+            self._count("tx_packets")
+            self._count("tx_bytes", len(frame))
         except SealError as exc:
             self._count("tx_seal_" + exc.reason)
             self._throttle.warn("seal_" + exc.reason, "cannot seal message to %s: %s", addr, exc)
@@ -403,6 +422,8 @@ class Transport:
     def _on_datagram(self, data: bytes, addr: Any) -> None:
         if self._closing:
             return
+        self._count("rx_packets")
+        self._count("rx_bytes", len(data))
         try:
             _, payload = self.opener.open(data)
         except OpenError as exc:
@@ -450,13 +471,19 @@ class Transport:
                     data = await reader.read(256 * 1024)
                     if not data:
                         break
-                    for payload in opener.feed(data):
+                    self._count("rx_bytes", len(data))
+                    opener.receive_data(data)
+                    # frame by frame: the frames before a bad one are delivered, the rest is not parsed
+                    while frames < self.limits.max_frames_per_stream:
+                        payload = opener.next_frame()
+                        if payload is None:
+                            break
                         frames += 1
+                        self._count("rx_packets")
                         self._count("rx_streams")
                         self._deliver(payload, True)
-                        if frames >= self.limits.max_frames_per_stream:
-                            break
         except OpenError as exc:
+            self._count("rx_packets")
             self._reject_log.note(exc, time.monotonic(), _peer(peer))
         except (OSError, TimeoutError) as exc:
             self._count("rx_stream_errors")
@@ -486,14 +513,24 @@ class Transport:
         bucket.add(task)
         task.add_done_callback(bucket.discard)
 
-    def _count(self, key: str) -> None:
-        self.counters[key] = self.counters.get(key, 0) + 1
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
 
     def stats(self) -> dict[str, Any]:
-        """Counters, refusals by reason, and what is in flight (for ``status`` and metrics)."""
+        """Counters, refusals and drops by reason, and what is in flight (for ``status`` and metrics).
+
+        ``counters`` always holds ``tx_packets``, ``tx_bytes``, ``rx_packets`` and ``rx_bytes`` (0 until
+        traffic); ``dropped`` maps every reason a message was lost to its count (see the module notes).
+        """
+        counters = {"tx_packets": 0, "tx_bytes": 0, "rx_packets": 0, "rx_bytes": 0, **self.counters}
+        rejects = dict(self.rejects)
+        dropped = {f"rx_{reason}": n for reason, n in rejects.items()}
+        dropped.update((k, v) for k, v in counters.items() if k in DROP_COUNTERS)
         return {
-            "counters": dict(self.counters),
-            "rejects": dict(self.rejects),
+            "counters": counters,
+            "rejects": rejects,
+            "dropped": dropped,
+            "dropped_total": sum(dropped.values()),
             "outbound_streams": len(self._outbound),
             "inbound_streams": len(self._inbound),
         }
