@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
 import msgpack
@@ -187,6 +188,11 @@ def message(type_id: int, *validators: Validator) -> Callable[[type], type]:
             raise TypeError(f"message type {type_id} registered twice")
         cls.TYPE = type_id  # type: ignore[attr-defined]
         cls.FIELDS = tuple(names)  # type: ignore[attr-defined]
+        getter = attrgetter(*names)
+        if len(names) == 1:
+            _ROWS[cls] = lambda msg: [type_id, getter(msg)]
+        else:
+            _ROWS[cls] = lambda msg: [type_id, *getter(msg)]
         _REGISTRY[type_id] = (cls, tuple(validators))
         _DECODERS[type_id] = _compile_decoder(cls, tuple(validators))
         return cls
@@ -202,9 +208,13 @@ class Message:
     __slots__ = ()
 
 
+_ROWS: dict[type, Callable[[Any], list]] = {}
+"""Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes tuples as arrays, so nested
+records need no conversion)."""
+
+
 def _to_list(msg: Any) -> list:
-    # msgpack writes tuples as arrays, so nested records need no conversion.
-    return [msg.TYPE, *[getattr(msg, name) for name in msg.FIELDS]]
+    return _ROWS[type(msg)](msg)
 
 
 # --- SWIM messages -------------------------------------------------------------------------------
