@@ -116,6 +116,29 @@ async def test_agent_failure_terminates_the_child(sockdir: str) -> None:
     assert launcher.proc is not None and launcher.proc.returncode == -signal.SIGTERM
 
 
+async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None:
+    from gossiprec.core.node import Fenced
+
+    # the child stops itself like a hung trainer: only SIGKILL can end it
+    code = "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)"
+    launcher = Launcher(settings(sockdir, 0), [PY, "-c", code], forward_signals=False)
+    task = asyncio.ensure_future(launcher.run())
+    try:
+        await asyncio.wait_for(launcher.started.wait(), 10)
+        assert launcher.agent is not None
+        launcher.agent.hub.publish(Fenced(3, "no quorum: cannot reach a majority of the view", time.monotonic()))
+        for _ in range(20):  # let the watcher see it
+            await asyncio.sleep(0)
+        assert launcher.proc is not None and launcher.proc.returncode is None  # not for a minority fence
+        launcher.agent.hub.publish(Fenced(4, "removed from the view", time.monotonic()))
+        assert await asyncio.wait_for(task, 10) == 128 + signal.SIGKILL
+    finally:
+        if not task.done():
+            task.cancel()
+    assert launcher.fenced == "removed from the view (epoch 4)"
+    assert launcher.agent.leave_reason is not None and "fenced" in launcher.agent.leave_reason
+
+
 # --- command line ------------------------------------------------------------------------------------
 def test_cli_hooks_parse() -> None:
     parser = argparse.ArgumentParser(prog="gossiprec")

@@ -77,14 +77,25 @@ def test_timeline_phases_from_records() -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_one_of_two_ranks_spare_takes_over_bit_identical(tmp_path: Path) -> None:
-    res = run_demo(ranks=2, steps=60, kill_at=20, hidden=32, step_ms=15.0, workdir=str(tmp_path),
-                   timeout=90.0)
+def test_demo_kill_then_hang_spares_take_over_bit_identical(tmp_path: Path) -> None:
+    # SIGKILL rank 1 at step 20: spare n2 takes it; SIGSTOP rank 0 (the first store host and the
+    # donor of the first recovery) at step 45: spare n3 takes it and n0's launcher kills the stopped
+    # trainer once n0 is out of the view
+    res = run_demo(ranks=2, steps=70, kill_at=20, hidden=32, step_ms=15.0, workdir=str(tmp_path),
+                   timeout=150.0, spares=2, hang_at=45, hang_victim=0)
     assert res["bit_identical"], res  # model, optimizer, data position and RNG, byte for byte
-    assert res["lost_steps"] == 0, res
-    assert res["final_step"] == [60], res
-    assert sorted(res["roles"].values()) == ["donor", "receiver"], res  # the spare received the state
-    assert res["transfer_bytes"] == res["state_bytes"] > 0, res
-    phases = res["phases_s"]
+    assert res["final_step"] == [70], res
+    kill, hang = res["faults"]
+    assert (kill["node"], kill["kind"], hang["node"], hang["kind"]) == ("n1", "kill", "n0", "stop"), res
+    assert res["rto_s"] == kill["rto_s"] and res["lost_steps"] == kill["lost_steps"] == 0, res
+    assert sorted(kill["roles"].values()) == ["donor", "receiver"], res  # the spare received the state
+    assert kill["transfer_bytes"] == res["state_bytes"] > 0, res
+    phases = kill["phases_s"]
     assert phases["agreed"] <= phases["planned"] <= phases["group_rebuilt"] <= phases["first_step_done"]
-    assert res["rto_s"] < 10.0, res
+    assert kill["rto_s"] < 10.0, res
+    # n3 holds rank 0 now (its plan may be superseded before the first step by the view that briefly
+    # readmits n0's agent as a spare: then n3 reloads what it received instead of receiving it)
+    assert hang["lost_steps"] == 0 and hang["assignment_after"] == {0: "n3", 1: "n2"}, res
+    # a hang is detected once the rank's step is stalled for max(1 s, 3 x median step time)
+    assert 0.9 <= hang["phases_s"]["detected"] <= hang["rto_s"] < 15.0, res
+    assert res["hung_killed_by_launcher"] == {"n0": True}, res

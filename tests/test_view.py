@@ -276,6 +276,14 @@ def test_next_without_spare_stops_when_shrink_not_allowed() -> None:
     assert v1.config_id != View(1, v1.members, v1.topology, None).config_id
 
 
+def test_next_after_a_stopped_view_stays_stopped() -> None:
+    v1 = job(4, 0, allow_shrink=False).next(remove("t2"))
+    v2 = v1.next(remove("t1") + [Change("j0", JOIN, "addr-j0")])  # used to raise inside the election
+    assert v2.epoch == 2 and v2.stopped == v1.stopped
+    assert set(v2.nodes) == {"t0", "t3", "j0"} and v2.store_node is None and v2.basis is None
+    assert View.from_wire(msgpack.unpackb(msgpack.packb(v2.to_wire()), raw=False)) == v2
+
+
 def test_next_admits_joiners_as_spares() -> None:
     v0 = job(3, 0)
     v1 = v0.next([Change("j1", JOIN, "addr-j1", "hj", "rj"), Change("j0", JOIN, "addr-j0")])

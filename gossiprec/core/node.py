@@ -92,6 +92,8 @@ class AgreementConfig:
     retract_after: int = 3
     """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
+    rejoin_after: float = 2.0
+    """A member removed from the view asks to join again (as a spare) after this long."""
     catchup_interval: float = 0.3
     direct_votes_max: int = 32
     """Views up to this size also send each member's own vote to every member directly (one hop)."""
@@ -381,7 +383,11 @@ class Node:
         if self.name not in view:
             if old is not None and self.name in old:
                 self._fence("removed from the view", now)
-            self._at(now, _JOIN)
+                # not at once: the launcher first kills a trainer that was removed as hung (and this
+                # agent leaves); a healed minority asks a little later and loses nothing
+                self._at(now + self.acfg.rejoin_after, _JOIN)
+            else:
+                self._at(now, _JOIN)
             return
         if view.basis is not None and self.name in view.holders():
             committed, inflight, size = self._state

@@ -30,10 +30,11 @@ REMOVE, JOIN = 0, 1
 MAX_EPOCH = 2**62
 
 
-def _check_world(ws: object, limit: int) -> None:
-    """A world size from the network: an int within 1..``limit`` (at most the members it lists)."""
-    if type(ws) is not int or not 1 <= ws <= min(limit, MAX_MEMBERS):
-        raise ValueError(f"world size must be an integer 1..{min(limit, MAX_MEMBERS)}, got {str(ws)[:30]}")
+def _check_world(ws: object) -> None:
+    """A world size from the network: an int within 1..MAX_MEMBERS, checked before any topology is built
+    from it (a peer must not choose how much memory ``range(world_size)`` takes)."""
+    if type(ws) is not int or not 1 <= ws <= MAX_MEMBERS:
+        raise ValueError(f"world size must be an integer 1..{MAX_MEMBERS}, got {str(ws)[:30]}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,9 +163,13 @@ class View:
             if self.index(node) is None:
                 kept.append(ViewMember(node, c.addr, SPARE, None, c.host, c.rack))
         kept.sort(key=lambda m: m.node)
+        epoch = self.epoch + 1
+        if self.stopped:
+            # the job already stopped (no replica left for some shard): membership still changes, but
+            # there is no assignment to recover from; the next view stays stopped, for the same reason
+            return View(epoch, tuple(kept), self.topology, None, None, self.stopped)
         transitional = tuple(m.as_member() for m in kept)
         prev_assignment = self.assignment()
-        epoch = self.epoch + 1
         plan = elect(epoch, transitional, prev_assignment, {}, self.topology,
                      previous_members={m.node: m.as_member() for m in self.members},
                      previous_store=self.store_node, min_stripe_bytes=1)
@@ -228,9 +233,9 @@ class View:
             if type(rows) not in (list, tuple) or len(rows) > MAX_MEMBERS:
                 raise ValueError("members must be a list of at most MAX_MEMBERS rows")
             ws, groups, allow_shrink, min_rep = topo
-            _check_world(ws, len(rows))
+            _check_world(ws)
             if basis is not None:
-                _check_world(basis[2][0], MAX_MEMBERS)
+                _check_world(basis[2][0])
             topology = JobTopology(ws, tuple(tuple(g) for g in groups), allow_shrink, min_rep)
             members = tuple(ViewMember(*r) for r in rows)
             b = None

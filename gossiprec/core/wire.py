@@ -37,8 +37,10 @@ MAX_MEMBERS = 100_000
 ALIVE, SUSPECT, DEAD, LEFT = 0, 1, 2, 3
 STATUS_NAMES = ("alive", "suspect", "dead", "left")
 
-# Training phase on the wire.
-PHASES = ("idle", "compute", "communicate", "optimizer", "checkpoint", "recovering")
+# Training phase on the wire. Order matters to hang detection (a rank stalled at a smaller (step, phase)
+# than the others is behind them): "waiting" (a rank whose collective waits on its peers, so it is
+# alive) comes after "communicate" and "optimizer", which leaves a rank frozen in either behind it.
+PHASES = ("idle", "compute", "communicate", "optimizer", "checkpoint", "recovering", "waiting")
 ROLES = ("trainer", "spare")
 
 Validator = Callable[[Any], Any]

@@ -14,11 +14,17 @@ An :class:`Agent` owns four things and moves data between them; it decides nothi
 
 The pump: every input (a message from the transport, a control request, a join) is handed to the
 machine with ``now = time.monotonic()``, then :meth:`Agent._flush` sends what the machine wants sent,
-publishes its events and, if the machine's next deadline moved earlier, wakes the timer task. The
-timer task sleeps until ``machine.next_deadline()`` (or until woken), calls ``machine.tick(now)`` and
-flushes. Inputs run synchronously in the transport's callbacks, so a packet is processed as soon as
-the event loop sees it. Anything the machine raises on an input or a tick is counted and logged (rate
-limited); nothing from the network can stop the agent.
+re-arms the timer at ``machine.next_deadline()`` if that moved (earlier or later) and publishes the
+machine's events. The timer is one event-loop callback (``loop.call_later``), not a task: when it
+fires it calls ``machine.tick(now)`` if the deadline is due and flushes, which arms it again. Inputs
+run synchronously in the transport's callbacks, so a packet is processed as soon as the event loop
+sees it. Anything the machine raises on an input or a tick is counted and logged (rate limited);
+nothing from the network can stop the agent.
+
+Idle cost: an idle agent's CPU is dominated by wake-ups (each one runs on cold caches), so the pump
+wakes only for the machine's deadlines and for packets. A deadline that moved later (an answered
+probe) re-arms the timer instead of waking for nothing, there is no per-sleep timeout/cancellation
+machinery, and the keyring check rides on the protocol timer instead of a task of its own.
 
 Life cycle: ``async with Agent(settings) as agent`` (or ``await agent.run()``, which also handles
 SIGTERM/SIGINT/SIGHUP when asked). Leaving the block, :meth:`Agent.stop` or a signal performs a
@@ -31,7 +37,8 @@ both must run in the same task, as ``async with`` does.
 
 A new process takes wall-clock milliseconds as its incarnation, so a restarted node always comes back
 newer than every record of its previous life. The keyring file is checked for changes every
-``keyring_check_s`` seconds (and reloaded on SIGHUP); a bad file keeps the keys in memory.
+``keyring_check_s`` seconds (one ``stat``, on the timer; and reloaded on SIGHUP); a bad file keeps the
+keys in memory.
 """
 
 from __future__ import annotations
@@ -271,10 +278,13 @@ class Agent:
         self._state = "new"
         self._closing = False
         self._stack: AsyncExitStack | None = None
-        self._wake = asyncio.Event()
         self._closed_evt = asyncio.Event()
         self._stop_requested = asyncio.Event()
-        self._sleeping_until = -math.inf
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        """Monotonic time the timer is armed for (inf: not armed)."""
+        self._keyring_due = math.inf
         self._pump_waiters: list[asyncio.Future[None]] = []
         self._throttle = Throttle(log)
         self._signals: list[int] = []
@@ -322,9 +332,10 @@ class Agent:
             self.control = ControlServer(self.control_path, self)
             await stack.enter_async_context(self.control)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
-            tg.create_task(self._timer_loop(), name="gossiprec-timer")
+            self._loop = asyncio.get_running_loop()
+            stack.callback(self._disarm)
             if self.keyring is not None and self.keyring.path is not None:
-                tg.create_task(self._keyring_loop(), name="gossiprec-keyring")
+                self._keyring_due = time.monotonic() + self.keyring_check_s
             if seeds:
                 tg.create_task(self._join_loop(list(seeds)), name="gossiprec-join")
             if s.metrics_port is not None:
@@ -358,7 +369,7 @@ class Agent:
         self._state = "closing"
         self._closing = True
         self._closed_evt.set()
-        self._wake.set()
+        self._disarm()
         self.hub.close_all()
         self._remove_signals()
         self._release_waiters()
@@ -390,7 +401,7 @@ class Agent:
         if self.transport is not None:
             self.transport.abort()
         self._closed_evt.set()
-        self._wake.set()
+        self._disarm()
         self._stop_requested.set()
 
     def leave_now(self, reason: str, failed: bool = False) -> None:
@@ -434,24 +445,31 @@ class Agent:
         self._flush()
 
     def _flush(self) -> None:
+        """Send what the machine wants sent, re-arm the timer, publish the machine's events."""
         m, t = self.machine, self.transport
         if m is None or t is None:
             return
         try:
-            for send in m.take_sends():
-                t.send(send.addr, send.payload, send.reliable)
+            sends = m.take_sends()
+            if sends:
+                send = t.send
+                for s in sends:
+                    send(s.addr, s.payload, s.reliable)
             events = m.take_events()
             deadline = m.next_deadline()
         except Exception:
             self._count("machine_errors")
             self._throttle.warn("flush", "machine output failed", exc_info=True)
+            self._arm(time.monotonic() + 0.01)  # retry soon; do not spin on a persistent bug
             return
-        for ev in events:
-            self.hub.publish(ev)
-            _log_event(ev)
-        self._release_waiters()
-        if deadline < self._sleeping_until:
-            self._wake.set()
+        self._arm(deadline)  # before publishing: nothing below may leave the machine without a timer
+        if events:
+            hub = self.hub
+            for ev in events:
+                hub.publish(ev)
+                _log_event(ev)
+        if self._pump_waiters:
+            self._release_waiters()
 
     def _release_waiters(self) -> None:
         if self._pump_waiters:
@@ -460,33 +478,58 @@ class Agent:
                 if not fut.done():
                     fut.set_result(None)
 
-    async def _timer_loop(self) -> None:
+    # ------------------------------------------------------------------ the timer
+    def _arm(self, deadline: float) -> None:
+        """Fire :meth:`_on_timer` at ``deadline`` (or the keyring check, if sooner); re-arm only on change."""
+        if self._keyring_due < deadline:
+            deadline = self._keyring_due
+        if deadline == self._timer_at or self._closing:
+            return
+        h = self._timer
+        if h is not None:
+            h.cancel()
+        self._timer_at = deadline
+        if deadline == math.inf:
+            self._timer = None
+            return
+        loop = self._loop
+        if loop is None:
+            self._timer = None
+            return
+        self._timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
+
+    def _disarm(self) -> None:
+        h, self._timer = self._timer, None
+        self._timer_at = math.inf
+        if h is not None:
+            h.cancel()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        if self._closing:
+            return
         m = self.machine
         assert m is not None
-        while not self._closing:
-            now = time.monotonic()
-            try:
-                deadline = m.next_deadline()
-                if deadline <= now:
-                    m.tick(now)
-            except Exception:
-                self._count("machine_errors")
-                self._throttle.warn("tick", "machine.tick raised", exc_info=True)
-                await asyncio.sleep(0.01)  # do not spin on a persistent bug
-                continue
+        now = time.monotonic()
+        try:
+            if now >= self._keyring_due:
+                self._keyring_due = now + self.keyring_check_s
+                self.reload_keyring()
+            deadline = m.next_deadline()
             if deadline <= now:
-                self._flush()
-                await asyncio.sleep(0)  # let pending I/O in between ticks
-                continue
-            self._wake.clear()
-            self._sleeping_until = deadline
-            try:
-                async with asyncio.timeout(min(deadline - now, 1.0)):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            finally:
-                self._sleeping_until = -math.inf
+                m.tick(now)
+        except Exception:
+            self._count("machine_errors")
+            self._throttle.warn("tick", "machine.tick raised", exc_info=True)
+            self._arm(now + 0.01)  # retry soon; do not spin on a persistent bug
+            return
+        if deadline > now:
+            # The loop's timers have millisecond granularity and may fire a fraction of a millisecond
+            # early; the machine has nothing to say yet, so only wait for the rest.
+            self._arm(deadline)
+            return
+        self._flush()
 
     async def _join_loop(self, seeds: list[str]) -> None:
         delay = self.join_retry_s
@@ -507,12 +550,6 @@ class Agent:
             except TimeoutError:
                 log.warning("no seed answered within %.1f s (%s); retrying", delay, ", ".join(seeds))
                 delay = min(delay * 2, 30.0)
-
-    async def _keyring_loop(self) -> None:
-        while not self._closing:
-            await self._sleep(self.keyring_check_s)
-            if not self._closing:
-                self.reload_keyring()
 
     def reload_keyring(self, force: bool = False) -> bool:
         """Reload the keyring file if it changed (or always, ``force``). Errors keep the current keys."""

@@ -81,6 +81,9 @@ OVERHEAD = HEADER_SIZE + TAG_SIZE  # 52: what sealing adds to a payload
 MAX_COUNTER = 2**63
 """Sealing refuses counter values >= this; a sender that gets there must restart (new boot id)."""
 _LEN = struct.Struct(">I")
+_TAIL = struct.Struct(">8s16sQ")  # key id, sender id, counter: the header after magic/version/kind
+_U64 = struct.Struct(">Q")
+_DATAGRAM_PREFIX = MAGIC + bytes((VERSION, KIND_DATAGRAM))  # how every sealed datagram starts
 FRAME_PREFIX_SIZE = _LEN.size
 HKDF_INFO = b"gossiprec-v1"
 
@@ -168,7 +171,7 @@ def derive_subkey(master: bytes, sender_id: bytes, cluster: bytes, kind: int) ->
 
 
 def _nonce(kind: int, counter: int) -> bytes:
-    return bytes((0, 0, 0, kind)) + counter.to_bytes(8, "big")
+    return bytes((0, 0, 0, kind)) + _U64.pack(counter)
 
 
 def _insecure_tag(cluster: bytes) -> bytes:
@@ -310,8 +313,15 @@ class _SealerCore(_Base):
         self._counter = itertools.count(start_counter)
         self._max_payload = max_payload
         self._keyset: KeySet | None = None
-        # (key id, cipher) swapped as one reference so a concurrent reader never pairs them wrongly
-        self._active: tuple[bytes, Aead | None] = (self._insecure_tag, None)
+        self._nonce_prefix = bytes((0, 0, 0, self._kind))
+        # (key id, cipher, header up to the counter) swapped as one reference so a concurrent reader
+        # never pairs them wrongly
+        self._active: tuple[bytes, Aead | None, bytes] = (self._insecure_tag, None,
+                                                          self._header_prefix(self._insecure_tag))
+
+    def _header_prefix(self, kid: bytes) -> bytes:
+        """The header's first 28 bytes (all but the counter) for packets sealed under ``kid``."""
+        return _HEADER.pack(MAGIC, VERSION, self._kind, kid, self.sender_id, 0)[:-8]
 
     def _seal(self, payload: bytes) -> bytes:
         if len(payload) > self._max_payload:
@@ -322,15 +332,16 @@ class _SealerCore(_Base):
             ks = self.keyring.keyset
             if ks is not self._keyset:
                 self._rekey(ks)
-        kid, cipher = self._active
+        _, cipher, prefix = self._active
         counter = next(self._counter)
         if counter >= MAX_COUNTER:
             raise SealError("exhausted", "nonce counter reached 2**63; restart this process to get a "
                                          "new boot id")
-        header = _HEADER.pack(MAGIC, VERSION, self._kind, kid, self.sender_id, counter)
+        c8 = _U64.pack(counter)
+        header = prefix + c8  # == _HEADER.pack(MAGIC, VERSION, kind, kid, sender_id, counter)
         if cipher is None:
             return header + payload
-        return header + cipher.encrypt(_nonce(self._kind, counter), payload, header + self._ad_suffix)
+        return header + cipher.encrypt(self._nonce_prefix + c8, payload, header + self._ad_suffix)
 
     def _rekey(self, ks: KeySet) -> None:
         primary = ks.primary
@@ -339,7 +350,8 @@ class _SealerCore(_Base):
                                       "`gossiprec keys install KEY`")
         kid = key_id(primary)
         if kid != self._active[0] or self._active[1] is None:
-            self._active = (kid, self._subkey_cipher(primary, self.sender_id, self._kind))
+            self._active = (kid, self._subkey_cipher(primary, self.sender_id, self._kind),
+                            self._header_prefix(kid))
         self._keyset = ks
 
 
@@ -466,10 +478,32 @@ class Opener(_OpenerCore):
                          rejects=rejects)
         self._subkeys: OrderedDict[tuple[bytes, bytes], Aead] = OrderedDict()
         self._windows: OrderedDict[bytes, ReplayWindow] = OrderedDict()
+        self._max_datagram = self.limits.max_datagram
         self._seen_streams: OrderedDict[bytes, None] = OrderedDict()
 
     def open(self, data: bytes) -> tuple[bytes, bytes]:
         """``(boot_id, plaintext)`` of a datagram, or raise :class:`OpenError` (and count it)."""
+        # Fast path, the steady state: a well-formed datagram from a known sender (window and subkey
+        # cached) with a fresh counter. It makes exactly the checks of the full path below, in the same
+        # order, and anything unusual (including every refusal but a bad tag) takes the full path.
+        if type(data) is bytes and not self.insecure and OVERHEAD <= len(data) <= self._max_datagram \
+                and data[:4] == _DATAGRAM_PREFIX:
+            kid, sender, counter = _TAIL.unpack_from(data, 4)
+            window = self._windows.get(sender)
+            ck = (kid, sender)
+            cipher = self._subkeys.get(ck)
+            if window is not None and cipher is not None and counter > window.highest \
+                    and kid in self.keyring.keyset.by_id:  # type: ignore[union-attr]
+                try:
+                    plaintext = cipher.decrypt(_nonce(KIND_DATAGRAM, counter), data[HEADER_SIZE:],
+                                               data[:HEADER_SIZE] + self._ad_suffix)
+                except InvalidTag:
+                    raise self._fail("auth_failed", f"tag mismatch (key {kid.hex()}): forged, corrupted, "
+                                                    "or sealed for another cluster name") from None
+                window.update(counter)
+                self._windows.move_to_end(sender)
+                self._subkeys.move_to_end(ck)
+                return sender, plaintext
         h = self._parse(data, KIND_DATAGRAM, self.limits.max_datagram)
         if self.insecure:
             return h.sender_id, bytes(data[HEADER_SIZE:])

@@ -24,6 +24,12 @@ to the child (a third one kills it with SIGKILL); the launcher exits with the ch
 SIGHUP reloads the keyring. If the agent fails while the child runs, the child is terminated
 (SIGTERM, then SIGKILL after ``kill_grace`` seconds) so that no trainer runs without its agent.
 
+Fencing: when this node is removed from the agreed view (``Fenced`` "removed from the view", or a
+``ViewInstalled`` without this node after it was a member), the others have already replaced its
+rank, so the training process must not go on: it may be hung (SIGSTOP, a stuck collective) and
+could otherwise wake up later with stale state. The launcher SIGKILLs the child's process group at
+once; the exit then makes the agent leave as above, so the node does not linger as a spare.
+
 Known limit: if the launcher itself is SIGKILLed the child keeps running (new session); the training
 library notices because the control socket closes.
 """
@@ -122,6 +128,8 @@ class Launcher:
         self.agent: Agent | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.child_exit: ChildExit | None = None
+        self.fenced: str | None = None
+        """Why the launcher killed the child because the node was removed from the view, if it did."""
         self.started = asyncio.Event()
         self._signals_seen = 0
         self._forwarded: int | None = None
@@ -144,9 +152,17 @@ class Launcher:
             log.info("training process started", extra={"fields": {"pid": proc.pid, "argv": self.argv}})
             self.started.set()
             self._install_signals(agent)
+            events = agent.subscribe()
+            watch = asyncio.create_task(self._fence_watch(agent, proc, events), name="gossiprec-fence-watch")
             try:
                 rc = await proc.wait()
             finally:
+                events.close()
+                watch.cancel()
+                try:
+                    await watch
+                except asyncio.CancelledError:
+                    pass
                 self._remove_signals(agent)
                 if proc.returncode is None:  # we are being cancelled: never leave a trainer behind
                     await asyncio.shield(self._terminate(proc))
@@ -154,7 +170,9 @@ class Launcher:
             sig = _signal_name(-rc) if rc < 0 else None
             self.child_exit = ChildExit(rc, exit_code_of(rc), sig, at, at - t0)
             what = f"training process {describe_exit(rc)}"
-            if self._forwarded is not None:
+            if self.fenced is not None:
+                agent.leave_now(f"{what}: fenced ({self.fenced})", failed=True)
+            elif self._forwarded is not None:
                 agent.leave_now(f"{what} after {signal.Signals(self._forwarded).name}")
             elif rc == 0:
                 agent.leave_now(what)
@@ -162,6 +180,34 @@ class Launcher:
                 agent.leave_now(what, failed=True)
         assert self.child_exit is not None
         return self.child_exit.exit_code
+
+    async def _fence_watch(self, agent: Agent, proc: asyncio.subprocess.Process, events: Any) -> None:
+        """SIGKILL the child's process group once this node is out of the agreed view (see the module
+        docstring); the child may be stopped or stuck, so nothing gentler is sure to work."""
+        view = getattr(agent.machine, "view", None)
+        member = view is not None and agent.name in view
+        async for ev in events:
+            name = type(ev).__name__
+            if name == "ViewInstalled":
+                if agent.name in ev.members:
+                    member = True
+                    continue
+                if not member:
+                    continue  # a joiner is outside the view until admitted
+                reason = f"removed from the view of epoch {ev.epoch}"
+            elif name == "Fenced" and str(ev.reason).startswith("removed"):
+                reason = f"{ev.reason} (epoch {ev.epoch})"
+            else:
+                continue
+            if proc.returncode is not None:
+                return
+            self.fenced = reason
+            log.warning("this node was %s: killing the training process (pid %d)", reason, proc.pid)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session and group
+            except ProcessLookupError:
+                pass
+            return
 
     async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         try:

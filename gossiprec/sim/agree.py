@@ -322,9 +322,13 @@ def run_agreement(params: AgreeParams) -> dict[str, Any]:
             per_node = checker.installs.get(last_epoch, {})
             if all(i in per_node for i in survivors):
                 agree.append(max(per_node[i] for i in survivors) - t_fault)
-            plans = checker.plans.get(last_epoch, {})
-            if plans and all(i in plans for i in survivors):
-                plan.append(max(plans[i] for i in survivors) - t_fault)
+            # the plan of that view, or of the first later one every survivor planned for (a removed
+            # node that rejoins at once can supersede the removal's view before all have planned)
+            for epoch in sorted(e for e in checker.plans if e >= last_epoch):
+                plans = checker.plans[epoch]
+                if all(i in plans for i in survivors):
+                    plan.append(max(plans[i] for i in survivors) - t_fault)
+                    break
     removed_names = set(checker.removed_at)
     healthy_removed = sorted(names[i] for i in expect_kept if names[i] in removed_names and
                              sc not in ("partition",))

@@ -4,14 +4,16 @@ Importing this package does not import torch; torch is loaded when a function th
 """
 
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
-from gossiprec.trainer.loop import RecoveryRecord, ResilientTrainer, rank_ordered_mean, transfer_key
+from gossiprec.trainer.loop import (
+    JobStopped, NoReplica, RecoveryRecord, Released, ResilientTrainer, rank_ordered_mean, transfer_key,
+)
 from gossiprec.trainer.state import (
     RNGState, Stateful, capture_state, materialize_optimizer_state, restore_state, training_state,
 )
 from gossiprec.trainer.transfer import DonorServer, fetch_state
 
 __all__ = [
-    "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "RNGState", "RecoveryRecord",
-    "ResilientTrainer", "Stateful", "capture_state", "fetch_state", "materialize_optimizer_state",
+    "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "JobStopped", "NoReplica", "RNGState",
+    "RecoveryRecord", "Released", "ResilientTrainer", "Stateful", "capture_state", "fetch_state", "materialize_optimizer_state",
     "rank_ordered_mean", "restore_state", "training_state", "transfer_key",
 ]

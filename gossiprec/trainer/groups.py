@@ -104,17 +104,28 @@ def _reduce_op(op: str) -> Any:
 
 def wait_interruptible(work: Any, abort: threading.Event, *, epoch: int, op: str,
                        poll_interval: float = 0.005, deadline: float | None = None,
-                       blocking_wait: bool = True, reason_of_abort: Callable[[], str] = lambda: "") -> None:
+                       blocking_wait: bool = True, reason_of_abort: Callable[[], str] = lambda: "",
+                       slow_after: float | None = None, on_slow: Callable[[], None] | None = None) -> None:
     """Wait for ``work`` (a ``torch.distributed.Work``) unless ``abort`` is set or ``deadline`` passes.
 
     ``blocking_wait``: wait in ``work.wait(poll_interval)`` slices (gloo: completion wakes at once);
-    otherwise poll ``work.is_completed()`` (NCCL: ``wait`` does not block the host). Raises
-    :class:`CollectiveAborted` with reason "aborted", "timeout" or "peer_failed" (backend error as cause).
+    otherwise poll ``work.is_completed()`` (NCCL: ``wait`` does not block the host). ``on_slow()`` is
+    called once, from this thread, when the work is still pending ``slow_after`` seconds in (the
+    trainer tells its agent it is alive and waiting on peers). Raises :class:`CollectiveAborted`
+    with reason "aborted", "timeout" or "peer_failed" (backend error as cause).
     """
     slice_ = timedelta(seconds=poll_interval)
     backoff = min(poll_interval, 0.0001)
+    slow_at = time.monotonic() + slow_after if on_slow is not None and slow_after is not None else None
     while True:
+        if slow_at is not None and time.monotonic() >= slow_at:
+            slow_at = None
+            assert on_slow is not None
+            on_slow()
         if abort.is_set():
+            if work.is_completed():  # done before the abort: a complete result is still good
+                _finish(work, epoch, op, None)
+                return
             why = reason_of_abort()
             raise CollectiveAborted(f"{op} of epoch {epoch} aborted by the agent"
                                     + (f": {why}" if why else ""), epoch=epoch, op=op, reason="aborted")
@@ -163,14 +174,16 @@ class PendingCollective:
     def done(self) -> bool:
         return self._done or bool(self.work.is_completed())
 
-    def wait(self) -> None:
+    def wait(self, *, slow_after: float | None = None, on_slow: Callable[[], None] | None = None) -> None:
+        """Block until done (see :func:`wait_interruptible`, also for ``slow_after`` / ``on_slow``)."""
         if self._done:
             return
         g = self.group
         try:
             wait_interruptible(self.work, g.abort_event, epoch=g.epoch, op=self.op,
                                poll_interval=g.poll_interval, deadline=self._deadline,
-                               blocking_wait=g.backend == "gloo", reason_of_abort=lambda: g.abort_reason)
+                               blocking_wait=g.backend == "gloo", reason_of_abort=lambda: g.abort_reason,
+                               slow_after=slow_after, on_slow=on_slow)
         except CollectiveAborted as exc:
             g.abort(f"{self.op} raised: {exc}")  # poison the group; keep the work referenced there
             raise
@@ -312,13 +325,15 @@ class EpochGroups:
         self._building: EpochGroup | None = None
         self._lock = threading.Lock()
 
-    def build(self, epoch: int, rank: int, world_size: int, *, store: dist.Store | None = None
-              ) -> EpochGroup:
+    def build(self, epoch: int, rank: int, world_size: int, *, store: dist.Store | None = None,
+              cancelled: Callable[[], str] | None = None) -> EpochGroup:
         """Retire the current group and build epoch ``epoch``'s (blocks until all ranks joined).
 
-        Construction runs in a helper thread; an :meth:`abort` of this epoch, or ``timeout``, makes
-        this raise :class:`CollectiveAborted` promptly and leaves the half-built group in the
-        graveyard. ``store`` replaces the shared store (e.g. the plan moved it to another host).
+        Construction runs in a helper thread; an :meth:`abort` of this epoch, ``timeout``, or
+        ``cancelled()`` returning a reason (polled every ``poll_interval``: it closes the window in
+        which an abort sent before the build began would be missed, e.g. a newer view) makes this
+        raise :class:`CollectiveAborted` promptly and leaves the half-built group in the graveyard.
+        ``store`` replaces the shared store (e.g. the plan moved it to another host).
         """
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is not in [0, {world_size})")
@@ -352,6 +367,9 @@ class EpochGroups:
         builder.start()
         deadline = time.monotonic() + self.timeout
         while not done.wait(self.poll_interval):
+            why_cancelled = cancelled() if cancelled is not None else ""
+            if why_cancelled:
+                group.abort(why_cancelled)
             if group.abort_event.is_set() or time.monotonic() >= deadline:
                 why = group.abort_reason or f"not all {world_size} ranks joined within {self.timeout:.1f}s"
                 group.abort(why)

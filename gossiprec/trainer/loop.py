@@ -47,9 +47,44 @@ address; no address needs to be gossiped and the store of a new epoch is already
 keyring); without one (``--insecure`` clusters) a key derived from the cluster name is used, which
 protects against accidents, not attackers.
 
-Limits: one replica group per plan transfer set (data parallelism; shards follow the same code);
-``checkpoint``/``stop`` plans raise :class:`RecoveryError` (``on_checkpoint`` callback is the user's
-hook); released ranks of a shrink leave after ``linger`` seconds of serving.
+**Shrink.** With no spare left and ``allow_shrink`` in the job spec, the plan drops the lost ranks'
+data-parallel columns (action ``shrink``): survivors get their new ranks and the world shrinks.
+The world size a state was last stepped in travels *with* the state (a ``gossiprec`` entry the
+trainer adds to the objects), so every rank of the new world, survivor or receiver, sees the same
+change and calls ``on_resize(old_world, new_world)`` before the next step: that is where the user
+rescales what depends on the world size (learning rate, per-rank batch); it must be deterministic.
+It always starts from the state restored at the target step (pre-resize), so when a newer view
+interrupts a recovery before its first step, the next recovery restores and calls it again.
+A survivor dropped by a shrink raises :class:`Released` (leave the job, exit 0).
+
+**No replica left.** A plan with action ``checkpoint`` (some replica group has no surviving holder)
+calls ``on_no_replica(NoReplica)`` on every rank of the new world: it loads the user's checkpoint
+into the objects and returns its step. The ranks check that they all loaded the same step (one
+all-reduce) and go on from there. Without the callback, and for a ``stop`` plan (no spare, no
+shrink), the trainer raises :class:`JobStopped`.
+
+**Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``,
+``communicate`` with the collective in flight, ``optimizer``, ``committed``) and, during a
+recovery, ``serve`` (a receiver asked this donor for state; from a donor thread) and ``fetch`` (a
+chunk arrived; from a receiving thread): for tracing and fault injection, not for long work.
+
+**Hangs.** A stopped or stuck trainer stays in its collective forever; the survivors leave theirs
+when the agents agree on a view without it (its agent reports the stalled step; see
+:mod:`gossiprec.core.node`). The hung process itself must be killed by its launcher once its node
+is out of the view (``gossiprec run`` does), so that a later SIGCONT cannot bring stale state back;
+if it wakes first, its own trainer raises :class:`~gossiprec.errors.FencedError`.
+
+The agents find the hung rank by its (step, phase) stalled behind the others'. A rank frozen
+*inside* the all-reduce reported ``communicate`` just like the peers waiting for it, and one frozen
+just after its own part completed reported ``optimizer``, ahead of them. So a rank whose collective
+is still pending ``wait_report_after`` seconds in reports phase ``waiting`` (it is alive and waits
+on peers; only when the wire protocol's PHASES lists that phase, after ``communicate`` and
+``optimizer``), which leaves the frozen rank behind in both cases. After a recovery each rank
+reports ``(target, idle)`` once its group is built, so the agents' stall clock starts afresh for
+every rank instead of at the start of a long recovery.
+
+Limits: released ranks of a shrink leave after ``linger`` seconds of serving; the step time the
+agents judge hangs by is the commit-to-commit period (``step_ms`` in reports).
 """
 
 from __future__ import annotations
@@ -62,6 +97,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.io.control import ControlClient, ControlError
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, connect_store, start_store_server
@@ -78,6 +114,44 @@ log = logging.getLogger(__name__)
 STORE_OFFSET = 1
 DONOR_OFFSET = 2
 FAILURE_EVENTS = frozenset({"MemberFailed", "MemberLeft", "AlertRaised", "MemberSuspected"})
+WAITING = "waiting"
+"""The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
+JOB_ENTRY = "gossiprec"
+"""Name of the entry the trainer adds to the registered objects (the world size of the state)."""
+
+
+class Released(RecoveryError):
+    """A shrink dropped this rank from the world: leave the job (exit 0); the others go on without it."""
+
+
+class JobStopped(RecoveryError):
+    """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
+    ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
+
+
+@dataclass(frozen=True, slots=True)
+class NoReplica:
+    """What ``on_no_replica`` is told: no survivor holds the state of ``orphan_groups`` (replica groups,
+    previous numbering), so the new world (``rank`` of ``world_size``) restarts from a checkpoint."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    orphan_groups: tuple[tuple[int, ...], ...]
+    reason: str
+
+
+class _JobState:
+    """The world size the registered state was last stepped in (a Stateful carried with the state)."""
+
+    def __init__(self) -> None:
+        self.world_size = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"world_size": self.world_size}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.world_size = int(sd["world_size"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +162,8 @@ class RecoveryRecord:
     epoch: int
     cause: str
     role: str
-    """``receiver`` (fetched state), ``survivor`` (reloaded its own snapshot) or ``donor`` (both
-    reloaded and served)."""
+    """``receiver`` (fetched state), ``survivor`` (reloaded its own snapshot), ``donor`` (both
+    reloaded and served) or ``checkpoint`` (loaded by ``on_no_replica``)."""
     rank: int
     world_size: int
     target_step: int
@@ -105,6 +179,13 @@ class RecoveryRecord:
     first_step_at: float
     bytes_received: int
     transfer_s: float
+    action: str = "resume"
+    """The plan's action: ``resume``, ``shrink`` or ``checkpoint``."""
+    previous_world_size: int = 0
+    """The world size of the state before this recovery (differs from ``world_size`` after a shrink)."""
+    previous_role: str = "trainer"
+    """``spare`` when this recovery gave a hot spare its first rank (its ``noticed_at`` is then when it
+    started waiting, not a failure)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,17 +236,34 @@ class ResilientTrainer:
     shard of data a rank reads, are computed from :attr:`rank`, not stored). ``control``: a
     connected client (default ``ControlClient.from_env()``). ``timeout``: seconds for group
     construction and a collective. ``poll_interval``: abort reaction time of a waiting collective.
-    ``on_recovered(record)``: called after each recovery's first step.
+    ``wait_report_after``: seconds a collective may wait before this rank reports itself
+    ``waiting`` (see the module docstring). ``on_recovered(record)``: called after each recovery's
+    first step. ``on_resize(old_world,
+    new_world)``: the world size changed (shrink); ``on_no_replica(NoReplica) -> step``: load the
+    user's checkpoint into the objects; ``on_phase(step, phase)``: tracing / fault-injection hook
+    (see the module docstring for all three).
     """
 
     def __init__(self, objects: Mapping[str, Stateful], *, control: ControlClient | None = None,
                  control_path: str | None = None, key: bytes | None = None, backend: str = "gloo",
                  timeout: float = 30.0, poll_interval: float = 0.002, store_offset: int = STORE_OFFSET,
                  donor_offset: int = DONOR_OFFSET, bind_host: str = "0.0.0.0", linger: float = 5.0,
-                 on_recovered: Callable[[RecoveryRecord], None] | None = None) -> None:
+                 on_recovered: Callable[[RecoveryRecord], None] | None = None,
+                 on_resize: Callable[[int, int], None] | None = None,
+                 on_no_replica: Callable[[NoReplica], int] | None = None,
+                 on_phase: Callable[[int, str], None] | None = None,
+                 wait_report_after: float = 0.25) -> None:
         if not objects:
             raise ConfigError("ResilientTrainer needs the objects that make up the training state")
-        self.objects = dict(objects)
+        if JOB_ENTRY in objects:
+            raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
+                              "rename that object")
+        self._job = _JobState()
+        self.objects: dict[str, Stateful] = {**objects, JOB_ENTRY: self._job}
+        self.on_resize = on_resize
+        self.on_no_replica = on_no_replica
+        self.on_phase = on_phase
+        self.wait_report_after = wait_report_after
         if control is None:
             control = ControlClient(control_path) if control_path else ControlClient.from_env()
         self.control = control
@@ -202,6 +300,7 @@ class ResilientTrainer:
         self._record_open: _Pending | None = None
         self._step_t0 = time.monotonic()
         self._step_ms = 0
+        self._last_commit_at: float | None = None
         self._stores: dict[tuple[str, int], Any] = {}
         self._store_server: Any = None
         self._donor: DonorServer | None = None
@@ -233,8 +332,9 @@ class ResilientTrainer:
         self._events.start()
         self.role = str(me["role"])
         if self.role == "trainer" and int(view["epoch"]) == 0:
-            self._commit_snapshot(0)
             self.rank, self.world_size, self.epoch = int(me["rank"]), self._world_of(view), 0
+            self._job.world_size = self.world_size
+            self._commit_snapshot(0)
             rank0 = next(m["node"] for m in view["members"] if m["role"] == "trainer" and m["rank"] == 0)
             self.groups = EpochGroups(self._store_for(rank0), backend=self.backend, timeout=self.timeout,
                                       poll_interval=self.poll_interval)
@@ -275,6 +375,7 @@ class ResilientTrainer:
             self._recover("view change")
         self._step_t0 = time.monotonic()
         self._report(self.step + 1, "compute")
+        self._hook(self.step + 1, "compute")
         return self.step + 1
 
     def allreduce_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False) -> bool:
@@ -311,6 +412,7 @@ class ResilientTrainer:
                 p.grad.copy_(chunk)
             offset += n
         self._report(self.step + 1, "optimizer")
+        self._hook(self.step + 1, "optimizer")
         return True
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> bool:
@@ -320,19 +422,32 @@ class ResilientTrainer:
             return False
         assert self.groups is not None and self.groups.current is not None
         try:
-            self.groups.current.allreduce(tensor, op)
+            pending = self.groups.current.allreduce(tensor, op, async_op=True)
+            assert pending is not None
+            step = self.step + 1
+            self._hook(step, "communicate")  # the collective is in flight
+            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
+            pending.wait(slow_after=self.wait_report_after, on_slow=on_slow)
             return True
         except CollectiveAborted as exc:
             self._recover(f"{exc.reason}: {exc}")
             return False
 
     def commit(self) -> int:
-        """Step ``self.step + 1`` is done (optimizer stepped): capture it; returns the new step."""
+        """Step ``self.step + 1`` is done (optimizer stepped): capture it; returns the new step.
+
+        The step time reported to the agent (what hang detection scales with) is the period between
+        two commits, so it includes data loading and anything else the loop does between steps.
+        """
         step = self.step + 1
         self._commit_snapshot(step)
-        self._step_ms = int((time.monotonic() - self._step_t0) * 1000)
+        now = time.monotonic()
+        if self._last_commit_at is not None:
+            self._step_ms = int((now - self._last_commit_at) * 1000)
+        self._last_commit_at = now
         if self._record_open is not None:
             self._close_record()
+        self._hook(step, "committed")
         return step
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
@@ -374,7 +489,12 @@ class ResilientTrainer:
             return next((s for s in self._snapshots if s.step == step), None)
 
     def _serve(self, epoch: int, step: int) -> StateSnapshot | None:
+        self._hook(step, "serve")
         return self._snapshot_at(step)
+
+    def _hook(self, step: int, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(step, phase)
 
     def _report(self, step: int, phase: str) -> None:
         try:
@@ -447,6 +567,12 @@ class ResilientTrainer:
             if e is not None and e < epoch:
                 self.groups.abort(epoch=e, reason=reason)
 
+    def _superseded(self, epoch: int) -> str:
+        """Why the group of ``epoch`` must not be built any more ("" if it may)."""
+        if self._newest_view > epoch:
+            return f"view {self._newest_view} supersedes the plan of epoch {epoch}"
+        return self._fenced or self._agent_lost
+
     def _trouble(self) -> bool:
         return self._newest_view > self.epoch or bool(self._fenced) or bool(self._agent_lost)
 
@@ -486,6 +612,7 @@ class ResilientTrainer:
         """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
         pending = self._pending or _Pending(cause, time.monotonic())
         self._pending = pending
+        self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
         self._report(self.step, "recovering")
         while True:
             plan = self._wait_plan(spare)
@@ -496,102 +623,141 @@ class ResilientTrainer:
             try:
                 if self._apply_plan(plan, pending):
                     return
+            except (FencedError, Released, JobStopped):
+                raise
             except (CollectiveAborted, GossiprecError, OSError) as exc:
-                if isinstance(exc, FencedError):
-                    raise
+                # Snapshots are copies, so a failed fetch spoils only the live tensors: whatever this
+                # rank committed can still be reloaded or served under the next plan.
                 log.warning("recovery with the plan of epoch %s failed (%s); waiting for the next plan",
                             plan["epoch"], exc)
                 self.epoch = max(self.epoch, int(plan["epoch"]))
-                self._snapshots_invalid_if_received(pending)
                 continue
-
-    def _snapshots_invalid_if_received(self, pending: _Pending) -> None:
-        if pending.fields.get("role") == "receiver" and not pending.fields.get("state_ok"):
-            # the local tensors hold a mix of old and new bytes: nothing to donate any more
-            with self._lock:
-                self._snapshots = []
-            try:
-                self.control.set_state(0, None, 0, None, wait=False)
-            except ControlError:
-                pass
 
     def _apply_plan(self, plan: dict[str, Any], pending: _Pending) -> bool:
         epoch = int(plan["epoch"])
-        action = plan["action"]
-        if action in ("stop", "checkpoint"):
-            raise RecoveryError(f"the plan of epoch {epoch} is {action!r} ({plan.get('reason')}): no replica "
-                                "holds the state to resume from; restart the job from your checkpoint")
+        action = str(plan["action"])
+        if action == "stop":
+            raise JobStopped(f"the plan of epoch {epoch} stops the job ({plan.get('reason')}); restart it "
+                             "from your checkpoint with more spares, or set allow_shrink = true in the job spec")
         assignment = {int(r): str(n) for r, n in plan["assignment"]}
         my_rank = next((r for r, n in assignment.items() if n == self.node), None)
-        target = int(plan["target_step"])
+        world = int(plan["world_size"])
         transfers = plan.get("transfers") or []
         if my_rank is None:
             if any(t["donor_node"] == self.node for t in transfers):
                 self._closed.wait(self.linger)  # released: serve the receivers for a while
             self.epoch = epoch
             if self.role == "spare":
+                self._last_recovered_at = time.monotonic()  # failures so far were handled without us
                 return False  # still a spare: wait for a later plan
-            raise RecoveryError(f"this rank was released by the plan of epoch {epoch} (shrink); leave the job")
+            raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.get('reason')}); "
+                           "leave the job (exit 0): the others go on without it")
+        if action == "checkpoint" and self.on_no_replica is None:
+            raise JobStopped(f"the plan of epoch {epoch} finds no surviving replica of some state "
+                             f"({plan.get('reason')}); pass on_no_replica= to ResilientTrainer to load your "
+                             "checkpoint in place, or restart the job from it")
+        pending.fields.update(rank=my_rank, world_size=world, action=action, previous_role=self.role,
+                              planned_at=float(plan.get("planned_at", time.monotonic())))
         mine = sorted((t for t in transfers if t["receiver_node"] == self.node), key=lambda t: int(t["offset"]))
-        self._report(target, "recovering")
-        pending.fields.update(rank=my_rank, world_size=int(plan["world_size"]), target_step=target,
-                              planned_at=float(plan.get("planned_at", time.monotonic())),
-                              lost_steps=max(0, self.step - target) if self.role == "trainer" else 0)
         nbytes, xfer_s = 0, 0.0
-        if mine:
-            pending.fields["role"] = "receiver"
-            self._refresh_addrs()
-            donors = []
-            for t in mine:
-                host, port = _host_port(self._addrs[t["donor_node"]])
-                donors.append((host, port + self.donor_offset))
-            stripes = [(int(t["offset"]), int(t["offset"]) + int(t["length"])) for t in mine]
-            target_objects = ReceiveTarget(self.objects)
-            kwargs: dict[str, Any] = {"step": target, "epoch": epoch, "timeout": max(self.timeout, 60.0),
-                                      "stall_timeout": min(self.timeout, 5.0)}
-            try:
-                stats = fetch_state(donors, self.key, target_objects, stripes=stripes, **kwargs)
-            except TransferError as exc:
-                if len(donors) == 1 or isinstance(exc, LayoutMismatch):
-                    raise
-                # donors disagree (replicas not identical) or one failed: try each alone; a dead donor
-                # also makes the agents agree on a new view, whose plan supersedes this one
-                log.warning("striped fetch failed (%s); fetching from one donor", exc)
-                stats = self._fetch_from_any(donors, target_objects, kwargs, exc)
-            nbytes, xfer_s = stats.nbytes, stats.seconds
-            pending.fields["state_ok"] = True
+        if action == "checkpoint":
+            assert self.on_no_replica is not None
+            before = self.step
+            self._job.world_size = 0  # unknown unless the checkpoint holds the trainer's own entry
+            orphans = tuple(tuple(int(r) for r in g) for g in plan.get("orphan_groups") or ())
+            target = int(self.on_no_replica(NoReplica(epoch, my_rank, world, orphans, str(plan.get("reason")))))
+            if not self._job.world_size:
+                self._job.world_size = world  # the checkpoint did not say: no resize
+            pending.fields.update(role="checkpoint", target_step=target,
+                                  lost_steps=max(0, before - target) if self.role == "trainer" else 0)
+            with self._lock:
+                self._snapshots = []  # the job's state is the checkpoint's now
+            self._commit_snapshot(target)
         else:
-            snap = self._snapshot_at(target)
-            if snap is None:
-                raise RecoveryError(f"the plan of epoch {epoch} resumes at step {target} from this rank, but "
-                                    f"it holds steps {[s.step for s in self._snapshots]}")
-            restore_state(self.objects, snap)
-            donor = any(t["donor_node"] == self.node for t in transfers)
-            pending.fields["role"] = "donor" if donor else "survivor"
+            target = int(plan["target_step"])
+            pending.fields.update(target_step=target,
+                                  lost_steps=max(0, self.step - target) if self.role == "trainer" else 0)
+            self._report(target, "recovering")
+            if mine:
+                pending.fields["role"] = "receiver"
+                stats = self._fetch(mine, target, epoch)
+                nbytes, xfer_s = stats.nbytes, stats.seconds
+                self._commit_snapshot(target)  # complete and authenticated: this rank can donate it now
+            else:
+                snap = self._snapshot_at(target)
+                if snap is None:
+                    raise RecoveryError(f"the plan of epoch {epoch} resumes at step {target} from this rank, "
+                                        f"but it holds steps {[s.step for s in self._snapshots]}")
+                restore_state(self.objects, snap)
+                donor = any(t["donor_node"] == self.node for t in transfers)
+                pending.fields["role"] = "donor" if donor else "survivor"
         pending.fields.update(state_at=time.monotonic(), bytes_received=nbytes, transfer_s=xfer_s)
         assert self.groups is not None
         self._building_epoch = epoch
         try:
-            self.groups.build(epoch, my_rank, int(plan["world_size"]),
-                              store=self._store_for(str(plan["store_node"])))
+            group = self.groups.build(epoch, my_rank, world, store=self._store_for(str(plan["store_node"])),
+                                      cancelled=lambda: self._superseded(epoch))
         finally:
             self._building_epoch = None
+        if action == "checkpoint":
+            self._check_same_step(group, target)
+        # A new (step, phase) restarts the agents' stall clock for this rank: every rank sat at
+        # (target, recovering) during the recovery, and the first to start the next step would
+        # otherwise make the others look hung at once (their value unchanged for the whole recovery).
+        self._report(target, "idle")
         pending.fields["group_at"] = time.monotonic()
-        self.epoch, self.rank, self.world_size, self.role = epoch, my_rank, int(plan["world_size"]), "trainer"
-        if mine:
-            self._commit_snapshot(target)  # a receiver can donate from now on
-        else:
-            self.step = target
+        self.epoch, self.rank, self.world_size, self.role = epoch, my_rank, world, "trainer"
+        self.step = target
+        if not mine and action != "checkpoint":
             try:
                 snap = self._snapshot_at(target)
                 self.control.set_state(target, None, snap.header.total_nbytes if snap else 0, None, wait=False)
             except ControlError:
                 pass
+        old_world = self._job.world_size
+        pending.fields["previous_world_size"] = old_world
+        if old_world and old_world != world and self.on_resize is not None:
+            self.on_resize(old_world, world)
+        self._job.world_size = world
         self._record_open, self._pending = pending, None
         self._last_recovered_at = time.monotonic()
-        log.info("recovered into epoch %d as rank %d/%d at step %d (%s)", epoch, my_rank, self.world_size,
-                 target, pending.fields["role"])
+        log.info("recovered into epoch %d as rank %d/%d at step %d (%s, %s)", epoch, my_rank, world, target,
+                 action, pending.fields["role"])
         return True
+
+    def _fetch(self, mine: list[dict[str, Any]], target: int, epoch: int) -> Any:
+        """Fetch the state at ``target`` from this rank's donors, striped as the plan says."""
+        self._refresh_addrs()
+        donors = []
+        for t in mine:
+            host, port = _host_port(self._addrs[t["donor_node"]])
+            donors.append((host, port + self.donor_offset))
+        stripes = [(int(t["offset"]), int(t["offset"]) + int(t["length"])) for t in mine]
+        target_objects = ReceiveTarget(self.objects)
+        kwargs: dict[str, Any] = {"step": target, "epoch": epoch, "timeout": max(self.timeout, 60.0),
+                                  "stall_timeout": min(self.timeout, 5.0)}
+        if self.on_phase is not None:
+            kwargs["on_progress"] = lambda _donor, _got: self._hook(target, "fetch")
+        try:
+            return fetch_state(donors, self.key, target_objects, stripes=stripes, **kwargs)
+        except TransferError as exc:
+            if len(donors) == 1 or isinstance(exc, LayoutMismatch):
+                raise
+            # donors disagree (replicas not identical) or one failed: try each alone; a dead donor
+            # also makes the agents agree on a new view, whose plan supersedes this one
+            log.warning("striped fetch failed (%s); fetching from one donor", exc)
+            return self._fetch_from_any(donors, target_objects, kwargs, exc)
+
+    def _check_same_step(self, group: Any, step: int) -> None:
+        """After a checkpoint load: every rank must have restored the same step (one all-reduce)."""
+        import torch
+
+        t = torch.tensor([step, -step], dtype=torch.int64)
+        group.allreduce(t, "max")
+        lo, hi = -int(t[1]), int(t[0])
+        if lo != hi:
+            raise JobStopped(f"the ranks restored different checkpoint steps ({lo} to {hi}): on_no_replica "
+                             "must load the same checkpoint on every rank (shared storage)")
 
     def _fetch_from_any(self, donors: list[tuple[str, int]], target: ReceiveTarget, kwargs: dict[str, Any],
                         first: TransferError) -> Any:
@@ -615,7 +781,9 @@ class ResilientTrainer:
                              noticed_at=p.noticed_at, detected_at=p.detected_at, agreed_at=p.agreed_at,
                              planned_at=f["planned_at"], group_at=f["group_at"], state_at=f["state_at"],
                              first_step_at=time.monotonic(), bytes_received=f["bytes_received"],
-                             transfer_s=f["transfer_s"])
+                             transfer_s=f["transfer_s"], action=f.get("action", "resume"),
+                             previous_world_size=f.get("previous_world_size", 0),
+                             previous_role=f.get("previous_role", "trainer"))
         self.records.append(rec)
         if self.on_recovered is not None:
             self.on_recovered(rec)
