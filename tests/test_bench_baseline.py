@@ -54,8 +54,8 @@ def test_tiny_run_reports_sane_values() -> None:
     assert tr["checkpoint_saves"]["count"] == steps // every and tr["checkpoint_saves"]["total_s"] > 0
     assert r["checkpoint_bytes"] > r["state_bytes"] * 0.9
     assert tr["resumed_from_step"] == 4 and tr["redone_steps"] == 2
-    phases = [tr["restart_phases_s"][k] for k in ("workers_started", "torch_imported", "group_initialised",
-                                                  "checkpoint_loaded")]
+    phases = [tr["restart_phases_s"][k] for k in ("workers_started", "torch_imported", "model_built",
+                                                  "group_initialised", "checkpoint_loaded")]
     assert 0 < phases[0] and phases == sorted(phases) and phases[-1] < tr["back_at_kill_step_s"]
     assert tr["event_lost_s"] == pytest.approx(tr["back_at_kill_step_s"] - tr["normal_step_s"], abs=1e-3)
     assert r["jobs"]["torchrun-kill"]["wall_s"] > r["jobs"]["torchrun"]["wall_s"] + phases[0]
@@ -108,8 +108,8 @@ def _jobs(spec: BaselineSpec, gr_dt: float, gr_kill_extra: float) -> dict[str, J
     killed = [(s, t + (gr_kill_extra if s > spec.kill_at else 0.0)) for s, t in gr]
     tk = JobResult("torchrun-kill", first=[[(1, 0.0)]], last=[_series(20.0, n, 0.1, start=41)],
                    t_kill=6.0, resumed_from=40, saves_s=[0.01] * 2,
-                   restart_s={"workers_started": 1.0, "torch_imported": 2.5, "group_initialised": 3.0,
-                              "checkpoint_loaded": 3.1})
+                   restart_s={"workers_started": 1.0, "torch_imported": 2.5, "model_built": 2.6,
+                              "group_initialised": 3.0, "checkpoint_loaded": 3.1})
     # attempt 1 commits step 61 (kill_at + 1) at 20.0 + 20 * 0.1 = 22.0: 16.0 s after the kill
     return {"plain": JobResult("plain", first=[plain], last=[plain], sha256=["a"]),
             "gossiprec": JobResult("gossiprec", first=[gr], last=[gr], sha256=["a"], state_bytes=1000),

@@ -56,8 +56,9 @@ committed step ``kill_at + 1`` (for the torchrun way after redoing the steps sin
 for gossiprec the recovery bench's RTO), minus one normal step = ``event_lost_s``, the time the
 failure cost the job. ``ratio_total`` and ``ratio_event`` are torchrun's over gossiprec's (target >=
 10); a gossiprec loss <= 0 (inside the noise) gives no ratio. The torchrun way's restart is broken
-into phases after the kill (its new workers' process start, torch imported, group initialised,
-checkpoint loaded).
+into phases after the kill, each the last of the new workers to get there: process started, torch
+imported, model and optimizer built, group initialised (rendezvous on rank 0's new TCPStore),
+checkpoint loaded.
 
 Every job writes the SHA-256 of its final state (:func:`gossiprec.trainer.state.capture_state`, the
 recovery trainer's hash): all five must agree (``final_states_identical``), which checks that the
@@ -316,6 +317,7 @@ def worker_main(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     model, opt, cursor = build(args.hidden, args.layers)
     params = [p for p in model.parameters() if p.requires_grad]
+    t_built = time.monotonic()
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     t_pg = time.monotonic()
     ckpt = Path(args.ckpt) if args.ckpt else None
@@ -356,7 +358,7 @@ def worker_main(args: argparse.Namespace) -> int:
             out.with_suffix(".t1").write_text(repr(t1))
     out.with_suffix(".json").write_text(json.dumps({
         "rank": rank, "attempt": attempt, "step": step, "commits": commits, "busy_s": busy, "saves_s": saves,
-        "resumed_from": resumed_from, "t_main": t_main, "t_torch": t_torch, "t_pg": t_pg, "t_loaded": t_loaded,
+        "resumed_from": resumed_from, "t_main": t_main, "t_torch": t_torch, "t_built": t_built, "t_pg": t_pg, "t_loaded": t_loaded,
         "state_sha256": state_sha256(model, opt, cursor, step)}))
     dist.destroy_process_group()
     return 0
@@ -449,7 +451,8 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
         res.first = [[(1, t)] for r in range(spec.ranks) if (t := _read_float(tmp / f"r{r}-a0.t1")) is not None]
         res.resumed_from = min(int(o["resumed_from"]) for o in outs)
         res.restart_s = {k: _r(max(float(o[key]) for o in outs) - res.t_kill) for k, key in (
-            ("workers_started", "t_main"), ("torch_imported", "t_torch"), ("group_initialised", "t_pg"),
+            ("workers_started", "t_main"), ("torch_imported", "t_torch"), ("model_built", "t_built"),
+            ("group_initialised", "t_pg"),
             ("checkpoint_loaded", "t_loaded"))}
     else:
         res.first = res.last

@@ -207,6 +207,8 @@ class Node:
         self._reports: dict[tuple, int] = {}
         self._reports_have = 0  # OR of every report bitmap (who has reported)
         self._reports_need: int | None = None  # bitmap of the holders whose reports the plan needs
+        self._holders: list[str] = []
+        self._plan_hex = ""
         self._next_reagg = 0.0
         self._reagg_gap = 0.0
         self._plan_digests: dict[bytes, int] = {}
@@ -695,6 +697,10 @@ class Node:
             self.swim.send_addr(msg.src_addr, ViewState(self.view.to_wire()), reliable=True)
 
     def _on_view_state(self, msg: ViewState, now: float) -> None:
+        epoch = msg.view[0] if isinstance(msg.view, (list, tuple)) and msg.view else None
+        if self.view is not None and type(epoch) is int and epoch <= self.view.epoch:
+            self.counters["rx_stale_view"] = self.counters.get("rx_stale_view", 0) + 1
+            return  # not news: skip the O(N) parse (after a change many members push the same view)
         try:
             view = View.from_wire(msg.view)
         except ProtocolError:
@@ -754,11 +760,11 @@ class Node:
         v = self.view
         if v is None or v.basis is None or self.plan is not None or v.stopped:
             return
-        holders = v.holders()
         need = self._reports_need
         if need is None:  # once per view: this runs on every merged report
+            self._holders = v.holders()
             need = 0
-            for h in holders:
+            for h in self._holders:
                 idx = v.index(h)
                 assert idx is not None
                 need |= 1 << idx
@@ -768,7 +774,7 @@ class Node:
         reports: dict[str, StateReport] = {}
         rank_of = {node: rank for rank, node in v.basis.previous_assignment}
         for (committed, inflight, size), bits in sorted(self._reports.items(), key=repr):
-            for h in holders:
+            for h in self._holders:
                 idx = v.index(h)
                 if idx is not None and bits >> idx & 1 and h not in reports:
                     reports[h] = StateReport(h, rank_of.get(h), max(0, committed), inflight, size)
@@ -778,8 +784,9 @@ class Node:
         if plan is None:
             plan = self.memo[key] = v.plan(reports)
         self.plan = plan
-        digest = bytes.fromhex(plan.digest())
-        self._events.append(PlanReady(v.epoch, plan.digest(), plan, now))
+        self._plan_hex = plan.digest()
+        digest = bytes.fromhex(self._plan_hex)
+        self._events.append(PlanReady(v.epoch, self._plan_hex, plan, now))
         idx = v.index(self.name)
         if idx is not None:
             self._merge_digest(digest, 1 << idx, now)
@@ -794,8 +801,8 @@ class Node:
         assert v is not None
         self._bcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
                                                     new.to_bytes((len(v) + 7) // 8, "little")))
-        if self.plan is not None and digest.hex() != self.plan.digest():
-            self._events.append(PlanMismatch(v.epoch, self.plan.digest(), digest.hex(), now))
+        if self.plan is not None and digest.hex() != self._plan_hex:
+            self._events.append(PlanMismatch(v.epoch, self._plan_hex, digest.hex(), now))
 
     def _reaggregate(self, v: View, now: float) -> None:
         """Anti-entropy for the aggregates: while this member lacks the plan, or not every member of the
