@@ -34,6 +34,7 @@ tries to rejoin through the majority's members.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import statistics
 from dataclasses import dataclass, field
@@ -685,16 +686,30 @@ class Node:
         v = self.view
         if v is None or node == self.name:
             return
+        # Stale alerts are gossiped to everyone; if everyone pushed an O(N) view to each stale sender,
+        # a large view change would cost O(N^2). A deterministic pseudo-random ~2K members push.
+        pushers = 2 * self.acfg.k
+        if len(v) > pushers and hashlib.blake2b(f"{node}|{self.name}".encode(), digest_size=4).digest()[0] \
+                * len(v) >= pushers * 256:
+            return
         if now - self._pushed_view.get(node, float("-inf")) < self.acfg.catchup_interval:
             return
         self._pushed_view[node] = now
         rec = self.swim.member(node)
         if rec is not None and rec.addr:
-            self.swim.send_addr(rec.addr, ViewState(v.to_wire()), reliable=True)
+            self.swim.send_addr(rec.addr, ViewState(self._view_wire(v)), reliable=True)
+
+    def _view_wire(self, v: View) -> list:
+        """The wire form of a view, built once per view (shared through the memo)."""
+        key = ("wire", v.config_id)
+        w = self.memo.get(key)
+        if w is None:
+            w = self.memo[key] = v.to_wire()
+        return w  # type: ignore[no-any-return]
 
     def _on_view_request(self, msg: ViewRequest, now: float) -> None:
         if self.view is not None and self.view.epoch >= msg.epoch:
-            self.swim.send_addr(msg.src_addr, ViewState(self.view.to_wire()), reliable=True)
+            self.swim.send_addr(msg.src_addr, ViewState(self._view_wire(self.view)), reliable=True)
 
     def _on_view_state(self, msg: ViewState, now: float) -> None:
         epoch = msg.view[0] if isinstance(msg.view, (list, tuple)) and msg.view else None
@@ -726,7 +741,7 @@ class Node:
         if v is None or self.name not in v:
             return
         if msg.epoch != v.epoch or msg.node in v:
-            self.swim.send_addr(msg.addr, ViewState(v.to_wire()), reliable=True)
+            self.swim.send_addr(msg.addr, ViewState(self._view_wire(v)), reliable=True)
             return
         if self.name in self._overlay(v).joiner_observers(msg.node):
             key = f"join:{msg.node}"
