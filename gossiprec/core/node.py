@@ -45,7 +45,8 @@ from gossiprec.core.consensus import FAST, Consensus, change_rows, changes_from_
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan, StateReport
 from gossiprec.core.membership import (
-    MemberFailed, MemberInfo, MemberLeft, Membership, MemberSuspected, ProbeResult, RandomSource, Send,
+    MemberFailed, MemberInfo, MemberJoined, MemberLeft, Membership, MemberSuspected, ProbeResult, RandomSource,
+    Send,
 )
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import JOIN, REMOVE, View
@@ -222,6 +223,7 @@ class Node:
         self._last_catchup = float("-inf")
         self._pushed_view: dict[str, float] = {}
         self._early: list[Message] = []
+        self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
         self.counters: dict[str, int] = self.swim.counters
         if view is not None:
@@ -371,10 +373,10 @@ class Node:
                     self._streak[subject] = now
             self._refocus()
             # departures announced before this view was installed still count in it
-            for m in view.members:
-                rec = self.swim.member(m.node)
-                if rec is not None and rec.status == LEFT and m.node != self.name:
-                    self._observe_departure(m.node, now)
+            for node in sorted(self._departed):
+                rec = self.swim.member(node)
+                if node in view and node != self.name and rec is not None and rec.status == LEFT:
+                    self._observe_departure(node, now)
             if self.fenced:
                 self.fenced = ""
                 self._events.append(Unfenced(view.epoch, now))
@@ -446,7 +448,10 @@ class Node:
                 # observer that has not alerted yet must keep checking for itself
                 self._maybe_focus(ev.name)
             elif t is MemberLeft:
+                self._departed.add(ev.name)
                 self._observe_departure(ev.name, now)
+            elif t is MemberJoined:
+                self._departed.discard(ev.name)  # back with a new incarnation
             self._events.append(ev)
 
     def _is_my_subject(self, subject: str) -> bool:
@@ -776,30 +781,38 @@ class Node:
         if v is None or v.basis is None or self.plan is not None or v.stopped:
             return
         need = self._reports_need
-        if need is None:  # once per view: this runs on every merged report
-            self._holders = v.holders()
-            need = 0
-            for h in self._holders:
-                idx = v.index(h)
-                assert idx is not None
-                need |= 1 << idx
+        if need is None:  # once per view (this runs on every merged report); shared through the memo
+            nkey = ("need", v.config_id)
+            got = self.memo.get(nkey)
+            if got is None:
+                holders = v.holders()
+                need = 0
+                for h in holders:
+                    idx = v.index(h)
+                    assert idx is not None
+                    need |= 1 << idx
+                got = self.memo[nkey] = (holders, need)
+            self._holders, need = got
             self._reports_need = need
         if self._reports_have & need != need:
             return
-        reports: dict[str, StateReport] = {}
-        rank_of = {node: rank for rank, node in v.basis.previous_assignment}
-        for (committed, inflight, size), bits in sorted(self._reports.items(), key=repr):
-            for h in self._holders:
-                idx = v.index(h)
-                if idx is not None and bits >> idx & 1 and h not in reports:
-                    reports[h] = StateReport(h, rank_of.get(h), max(0, committed), inflight, size)
-        key = ("plan", v.config_id, tuple(sorted((n, r.committed_step, r.inflight_step, r.state_bytes)
-                                                  for n, r in reports.items())))
-        plan = self.memo.get(key)
-        if plan is None:
-            plan = self.memo[key] = v.plan(reports)
+        # The plan is a pure function of the view and the holders' reports, which the report bitmaps
+        # (masked to the holders) determine: that is the memo key, O(distinct reports), not O(N).
+        key = ("plan", v.config_id, tuple(sorted(
+            ((vals, bits & need) for vals, bits in self._reports.items() if bits & need), key=repr)))
+        got = self.memo.get(key)
+        if got is None:
+            reports: dict[str, StateReport] = {}
+            rank_of = {node: rank for rank, node in v.basis.previous_assignment}
+            for (committed, inflight, size), bits in sorted(self._reports.items(), key=repr):
+                for h in self._holders:
+                    idx = v.index(h)
+                    if idx is not None and bits >> idx & 1 and h not in reports:
+                        reports[h] = StateReport(h, rank_of.get(h), max(0, committed), inflight, size)
+            plan = v.plan(reports)
+            got = self.memo[key] = (plan, plan.digest())
+        plan, self._plan_hex = got
         self.plan = plan
-        self._plan_hex = plan.digest()
         digest = bytes.fromhex(self._plan_hex)
         self._events.append(PlanReady(v.epoch, self._plan_hex, plan, now))
         idx = v.index(self.name)
