@@ -39,7 +39,9 @@ def test_tiny_run_reports_sane_values() -> None:
     step = step_ms / 1000
     for name, job in r["jobs"].items():
         assert job["wall_s"] >= (steps - 1) * step * 0.95, name  # paced: no job can be faster
-        assert job["startup_s"] > 0 and len(job["state_sha256"]) == 1
+        # start-up is sampled by polling step files: a fast job can finish its first step between polls
+        assert job["startup_s"] is None or job["startup_s"] > 0, name
+        assert len(job["state_sha256"]) == 1, name
     # overhead: both series are the job's paced steps after the warm-up
     ov = r["overhead"]
     for key in ("plain_step_s", "gossiprec_step_s"):

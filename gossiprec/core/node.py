@@ -875,11 +875,16 @@ class Node:
         cons = self.consensus
         pending = cons.decided is None and (cons.my_vote is not None or bool(cons.votes) or bool(cons.proposals)
                                             or cons.promised != FAST)
-        if live < v.majority() or pending:
+        # every subject we watch is unreachable from here: most likely we are the one cut off (a node
+        # that hears nobody; Lifeguard keeps such a node from suspecting, so SWIM's count stays high)
+        subjects = self._overlay(v).subjects(self.name)
+        cut_off = len(subjects) >= 2 and all(self._alerted.get(x) == UNREACHABLE for x in subjects)
+        if live < v.majority() or pending or cut_off:
             if self._trouble_since is None:
                 self._trouble_since = now
             elif now - self._trouble_since >= self.acfg.fence_after:
                 self._fence("no quorum: cannot reach a majority of the view" if live < v.majority()
+                            else "cut off: no subject answers" if cut_off
                             else "no decision within fence_after", now)
         else:
             self._trouble_since = None

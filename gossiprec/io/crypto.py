@@ -25,7 +25,10 @@ window, then the AEAD tag. Only a packet that authenticates updates the replay s
 so forged traffic costs one HKDF and one failed decryption each and can evict nothing. Refusals
 raise :class:`OpenError` (a :class:`~gossiprec.errors.SecurityError`) whose ``reason`` is one of
 :data:`REASONS`; the opener counts them in a :class:`RejectCounter` and :class:`RejectLog`
-rate-limits the log lines.
+rate-limits the log lines. The steady state (a known sender, its subkey cached, a fresh counter) makes
+the same checks in one short pass; anything else takes the step-by-step path. Sealing keeps the header
+up to the counter and the nonce prefix precomputed. Both run for every datagram, on cold caches when
+the agent is idle, so their Python part is kept short; the AES-GCM call itself costs about as much.
 
 Replay protection for datagrams is the IPsec/WireGuard sliding window: per sender id, the highest
 counter seen and a bitmap of the ``window`` counters below it; duplicates and counters older than the
