@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,30 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from gossiprec.bench.agents import free_ports
 from gossiprec.errors import GossiprecError
 from gossiprec.io.control import ControlClient
 
 N = 16
 SPARES = 2
-
-
-def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    while len(ports) < n:
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        t.bind(("127.0.0.1", 0))
-        port = t.getsockname()[1]
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("127.0.0.1", port))
-        except OSError:
-            t.close()
-            continue
-        socks += [t, u]
-        ports.append(port)
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _status(path: str) -> dict:
@@ -60,7 +41,7 @@ def _wait(pred, timeout: float, what: str):  # type: ignore[no-untyped-def]
 
 @pytest.mark.slow
 def test_sigkill_one_of_16_agents_all_survivors_install_the_same_view(tmp_path: Path) -> None:
-    ports = _free_ports(N)
+    ports = free_ports(N)
     names = [f"a{i:02d}" for i in range(N)]
     lines = ['[job]', 'topology = "ddp"', 'allow_shrink = true', '']
     for i, (name, port) in enumerate(zip(names, ports)):

@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 
+from gossiprec.bench.agents import free_ports
 from gossiprec.cli import build_parser
 from gossiprec.cli import main as cli_main
 from gossiprec.core.membership import MemberFailed, MemberLeft, MemberSuspected
@@ -48,26 +49,6 @@ def workdir() -> Iterator[str]:
     d = tempfile.mkdtemp(prefix="grs", dir="/tmp")  # Unix socket paths must stay short
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` ports free for both UDP and TCP on 127.0.0.1 (an agent binds both to one port)."""
-    socks, ports = [], []
-    while len(ports) < n:
-        t = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        t.bind(("127.0.0.1", 0))
-        port = t.getsockname()[1]
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            u.bind(("127.0.0.1", port))
-        except OSError:
-            t.close()
-            continue
-        socks += [t, u]
-        ports.append(port)
-    for s in socks:
-        s.close()
-    return ports
 
 
 class _RelayUdp(asyncio.DatagramProtocol):
