@@ -23,7 +23,7 @@ from gossiprec.io import agent as agent_mod
 from gossiprec.io import launcher as launcher_mod
 from gossiprec.io.agent import Agent
 from gossiprec.io.control import ControlClient
-from gossiprec.io.launcher import Launcher, describe_exit, exit_code_of
+from gossiprec.io.launcher import Launcher, child_environment, describe_exit, exit_code_of
 from gossiprec.settings import AgentSettings
 
 FAST = (("suspicion_floor", 0.5),)
@@ -53,7 +53,7 @@ def test_exit_code_convention() -> None:
 
 async def test_child_gets_coordinates_and_its_exit_code_passes_through(sockdir: str) -> None:
     code = ("import json, os, sys\n"
-            "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith('GOSSIPREC_')}))\n"
+            "print(json.dumps({k: v for k, v in os.environ.items() if k.startswith(('GOSSIPREC_', 'THP_'))}))\n"
             "sys.exit(7)\n")
     env = {"PATH": os.environ.get("PATH", ""), "GOSSIPREC_RANK": "99"}
     launcher = Launcher(settings(sockdir, 0, role="spare"), [PY, "-c", code], forward_signals=False,
@@ -62,8 +62,10 @@ async def test_child_gets_coordinates_and_its_exit_code_passes_through(sockdir: 
     assert launcher.proc is not None and launcher.proc.stdout is not None
     seen = json.loads(await launcher.proc.stdout.read())
     assert seen == {"GOSSIPREC_CONTROL": f"{sockdir}/n0.sock", "GOSSIPREC_NODE": "n0",
-                    "GOSSIPREC_ROLE": "spare", "GOSSIPREC_CLUSTER": "gossiprec"}  # stale RANK removed
+                    "GOSSIPREC_ROLE": "spare", "GOSSIPREC_CLUSTER": "gossiprec",  # stale RANK removed
+                    "THP_MEM_ALLOC_ENABLE": "1"}  # huge pages for torch's CPU allocator by default
     assert launcher.agent is not None and launcher.agent.leave_reason == "training process exited with code 7"
+    assert child_environment(launcher.agent, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 async def test_missing_command_gives_127(sockdir: str) -> None:

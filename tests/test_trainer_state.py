@@ -21,6 +21,7 @@ from gossiprec.trainer.state import (
     ReceiveTarget,
     RNGState,
     StateHeader,
+    capture_deferred,
     capture_state,
     materialize_optimizer_state,
     pack_header,
@@ -146,8 +147,24 @@ def test_rng_state_continues_the_same_streams() -> None:
     b = draw()
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
     py = snap.header.trees["rng"]["python"]
-    assert isinstance(py, list) and isinstance(py[1], list) and len(py[1]) == 625
+    assert isinstance(py, list) and isinstance(py[1], bytes) and len(py[1]) == 625 * 4  # one value, not 625
     assert ("numpy" in snap.header.trees["rng"]) == (np is not None)
+    if np is not None:
+        assert isinstance(snap.header.trees["rng"]["numpy"]["keys"], bytes)
+
+
+def test_rng_state_loads_the_older_list_form() -> None:
+    random.seed(3)
+    version, internal, gauss = random.getstate()
+    expected = random.random()
+    random.seed(4)
+    sd = RNGState(numpy=False).state_dict()
+    sd["python"] = [version, list(internal), gauss]  # what snapshots held before the bytes form
+    RNGState(numpy=False).load_state_dict(sd)
+    assert random.random() == expected
+    sd["python"] = [version, b"\x00" * 7, gauss]
+    with pytest.raises(TransferError, match="RNG state does not fit"):
+        RNGState(numpy=False).load_state_dict(sd)
 
 
 def test_header_is_plain_msgpack_and_round_trips() -> None:
@@ -287,3 +304,105 @@ def test_capture_can_reuse_an_older_snapshots_memory() -> None:
     fresh = capture_state(objects, step=2)
     assert second.header == fresh.header  # same bytes, so same crc32s
     assert all(torch.equal(a, b) for a, b in zip(second.tensors, fresh.tensors, strict=True))
+
+
+def _late_ptrs(model: torch.nn.Module, opt: torch.optim.Optimizer) -> set[int]:
+    ptrs = {p.data_ptr() for p in model.parameters()}
+    for st in opt.state.values():
+        ptrs.update(v.data_ptr() for v in st.values() if isinstance(v, torch.Tensor))
+    return ptrs
+
+
+def test_deferred_capture_equals_a_full_copy_once_run() -> None:
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    objects = training_state(model, opt, sched, data)
+    reference = capture_state(objects, step=1, checksum=False)
+    snap, deferred = capture_deferred(objects, step=1, defer=_late_ptrs(model, opt))
+    # parameters and optimizer moments wait; BatchNorm's running stats (changed by a forward pass) do not
+    assert deferred.pairs and all(not n.startswith("model/1.running") for n in deferred.names)
+    assert any(n.startswith("optimizer/state/") for n in deferred.names)
+    assert deferred.nbytes < snap.header.total_nbytes
+    model(torch.randn(6, 8)).sum().backward()  # the next step's forward/backward: sources unchanged
+    deferred.run()
+    assert deferred.modified() == []
+    assert snap.header == reference.header
+    assert snap.payload() == reference.payload()
+
+
+def test_deferred_capture_reports_sources_changed_before_the_copy() -> None:
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    objects = training_state(model, opt, sched, data)
+    snap, deferred = capture_deferred(objects, step=1, defer=_late_ptrs(model, opt))
+    train_step(model, opt, sched, data)  # the optimizer ran before the copy: the snapshot would be torn
+    changed = deferred.modified()
+    assert "model/0.weight" in changed and any(n.endswith("exp_avg") for n in changed)
+    with pytest.raises(ConfigError, match="checksum"):
+        capture_deferred(objects, step=2, checksum=True, defer=_late_ptrs(model, opt))
+
+
+class _StubControl:
+    """The few ControlClient calls a trainer makes while committing (no agent needed)."""
+
+    path = "/nonexistent"
+    node = "n0"
+
+    def __init__(self) -> None:
+        self.states: list[int] = []
+
+    def set_state(self, step: int, *_: Any, wait: bool = False) -> None:
+        self.states.append(step)
+
+    def report(self, *_: Any, wait: bool = False) -> None:
+        pass
+
+
+def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot() -> None:
+    from gossiprec.errors import RecoveryError
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    control = _StubControl()
+    rt = ResilientTrainer(training_state(model, opt, sched, data), control=control)  # type: ignore[arg-type]
+    rt._commit_snapshot(1)
+    rt._late = rt._late_tensors(list(model.parameters()))  # what allreduce_gradients sets
+    train_step(model, opt, sched, data)
+    rt._commit_snapshot(2)  # parameters and moments are copied by the background thread
+    expected = capture_state(rt.objects, step=2, checksum=False)
+    snap = rt._snapshot_at(2)  # waits for the copy
+    assert snap is not None and snap.payload() == expected.payload()
+    assert control.states == [1, 2]
+
+    train_step(model, opt, sched, data)
+    rt._commit_snapshot(3)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # a loop changing a parameter before the next allreduce_gradients
+    with pytest.raises(RecoveryError, match="background_snapshot=False"):
+        rt._settle_snapshot()
+    assert [s.step for s in rt._snapshots] == [2] and not rt.background_snapshot
+    rt.close()
+
+
+def test_restore_skips_only_tensors_unchanged_since_the_capture() -> None:
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    objects = training_state(model, opt, sched, data)
+    snap = capture_state(objects, step=1, checksum=False)
+    late = _late_ptrs(model, opt)
+    late_bytes = sum(s.nbytes for s, (ptr, _) in zip(snap.header.tensors, snap.sources) if ptr in late)
+    assert 0 < late_bytes < snap.header.total_nbytes
+    # nothing changed: only the tensors outside `unchanged` (buffers, RNG) are copied
+    assert restore_state(objects, snap, unchanged=late) == snap.header.total_nbytes - late_bytes
+    snap = capture_state(objects, step=1, checksum=False)  # load_state_dict moved the parameters' versions
+    expected = snap.payload()
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # through torch: its version moves, so it must be copied back
+    copied = restore_state(objects, snap, unchanged=late)
+    assert copied == snap.header.total_nbytes - late_bytes + model[0].weight.numel() * 4
+    assert capture_state(objects, step=1, checksum=False).payload() == expected
+    # bytes written behind torch's back are invisible to versions: that is why callers pass nothing then
+    tensor_bytes(model[0].bias.data)[:4] = b"\xff\xff\xff\xff"
+    assert restore_state(objects, snap) == snap.header.total_nbytes
+    assert capture_state(objects, step=1, checksum=False).payload() == expected

@@ -91,6 +91,7 @@ from gossiprec.bench.recovery import (
     LAYERS, WARMUP, RecoverySpec, TrialResult, _write_job, hidden_for_state, run_trial, state_params,
 )
 from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.io.launcher import THP_VAR
 
 OVERHEAD_TARGET = 0.01
 """The issue's target: gossiprec's step time <= (1 + this) x the plain loop's."""
@@ -370,7 +371,9 @@ def worker_main(args: argparse.Namespace) -> int:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GOSSIPREC_", "TORCHELASTIC_"))}
-    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # every kind of job gets the allocator setting `gossiprec run` gives its child (launcher.THP_VAR),
+    # so that the plain and torchrun jobs are not slower for a reason unrelated to recovery
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", THP_VAR: env.get(THP_VAR, "1")}
 
 
 def _read_int(path: Path) -> int:

@@ -262,6 +262,8 @@ class TrialResult:
     startup_s: float | None = None
     loadavg_1m: float | None = None
     """The machine's 1-minute load average at the kill (other work on the machine skews the figures)."""
+    per_rank: list[dict[str, Any]] = field(default_factory=list)
+    """Each recovered rank's own timeline (seconds after the kill) and role, for finding the slow one."""
     notes: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -367,6 +369,10 @@ def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float,
     res.transfer_bytes = int(tl.get("transfer_bytes") or 0)
     res.roles = {str(k): v for k, v in (tl.get("roles") or {}).items()}
     res.state_bytes = int(outs[0]["state_bytes"])
+    res.per_rank = [{"rank": r["rank"], "role": r["role"], "transfer_s": round(r["transfer_s"], 4),
+                     **{k.removesuffix("_at"): round(r[k] - t_kill, 4)
+                        for k in ("planned_at", "state_at", "group_at", "first_step_at")}}
+                    for o in outs for r in o["records"][:1]]
     res.final_step = sorted({int(o["step"]) for o in outs})
     res.replicas_identical = len({o["state_sha256"] for o in outs}) == 1
     gaps = [g for g in (normal_step_s(o["commits"], t_kill) for o in outs) if g is not None]

@@ -11,6 +11,7 @@ the agent's coordinates in its environment:
     GOSSIPREC_RANK     the training rank, when known (removed from the environment otherwise)
     GOSSIPREC_ROLE     ``trainer`` or ``spare``
     GOSSIPREC_CLUSTER  the cluster name
+    THP_MEM_ALLOC_ENABLE=1  unless already set: huge pages for PyTorch's CPU tensors (see THP_VAR)
 
 It then awaits the child (``proc.wait()``, i.e. the event loop's child watcher), so the child's exit
 is noticed at once, whatever the cause. The exit is an alarm: the agent broadcasts its own departure
@@ -87,9 +88,19 @@ def describe_exit(returncode: int) -> str:
     return f"was killed by {_signal_name(-returncode)}"
 
 
+THP_VAR = "THP_MEM_ALLOC_ENABLE"
+"""PyTorch's switch for transparent huge pages in its CPU allocator (large tensors 2 MiB-aligned and
+``madvise(MADV_HUGEPAGE)``). The launcher turns it on for the child unless the environment sets it: the
+kernel tears a killed process's memory down before its parent can see it exit, and with 4 KiB pages that
+took 80-100 ms for a 400 MB trainer here against 31-38 ms with huge pages, i.e. detection latency of a
+crashed trainer. It also makes page faults on large tensors (gradients, snapshots) cheaper."""
+
+
 def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
-    """The training process's environment: ``base`` plus the agent's coordinates."""
+    """The training process's environment: ``base`` plus the agent's coordinates (and
+    :data:`THP_VAR` = 1 unless ``base`` sets it)."""
     env = dict(base)
+    env.setdefault(THP_VAR, "1")
     s = agent.settings
     env[ENV["control_socket"]] = agent.control_path
     env[ENV["name"]] = agent.name

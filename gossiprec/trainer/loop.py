@@ -17,6 +17,13 @@ Theory of operation
 
 **Commit point.** Step ``s`` is committed on a rank when its optimizer step has finished and
 :meth:`commit` has captured the registered objects into a snapshot (a copy, into a reused buffer).
+The bulk of that copy, the parameters handed to :meth:`allreduce_gradients` and the optimizer's state,
+runs on a background thread while step ``s + 1`` computes: only the optimizer step changes those
+tensors, and :meth:`allreduce_gradients` waits for the copy before it returns. Each source's in-place
+version counter is checked then, so a loop that changes parameters between :meth:`commit` and
+:meth:`allreduce_gradients` gets a clear error instead of a torn snapshot (``background_snapshot=False``
+copies everything inside :meth:`commit`). Everything else (buffers a forward pass updates, RNG, data
+position) is copied inside :meth:`commit`.
 Before that, a failure rolls this rank back to ``s - 1`` (its live objects are reloaded from the
 snapshot, so RNG and data position consumed by the interrupted step are undone). The last *two*
 snapshots are kept, because the agent's state report of a new view can lag one commit behind the
@@ -102,7 +109,7 @@ from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryE
 from gossiprec.io.control import ControlClient, ControlError
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, connect_store, start_store_server
 from gossiprec.trainer.state import (
-    LayoutMismatch, ReceiveTarget, StateSnapshot, Stateful, capture_state, restore_state,
+    DeferredCopies, LayoutMismatch, ReceiveTarget, StateSnapshot, Stateful, capture_deferred, restore_state,
 )
 from gossiprec.trainer.transfer import DonorServer, fetch_state
 
@@ -228,6 +235,59 @@ def _host_port(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _Copier:
+    """One daemon thread that finishes a commit's deferred tensor copies while the next step computes.
+
+    :meth:`submit` hands over one :class:`DeferredCopies` (the previous one must be waited for);
+    :meth:`wait` blocks until it is done and returns it (None when nothing was pending). Thread-safe:
+    the main thread and donor threads may wait at the same time.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._job: DeferredCopies | None = None
+        self._running = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: DeferredCopies) -> None:
+        with self._cv:
+            assert self._job is None and not self._running, "wait() for the previous copies first"
+            self._job, self._running, self._error = job, True, None
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def wait(self, take: bool = True) -> DeferredCopies | None:
+        """Block until the copies are done; ``take`` hands the job over (else it stays for the owner)."""
+        with self._cv:
+            while self._running:
+                self._cv.wait()
+            job = self._job
+            if take:
+                self._job = None
+            if self._error is not None:
+                raise RecoveryError(f"snapshot copy failed: {self._error}") from self._error
+            return job
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._running:
+                    self._cv.wait()
+                job = self._job
+            assert job is not None
+            try:
+                job.run()
+            except BaseException as exc:  # reported to whoever waits
+                with self._cv:
+                    self._error = exc
+            with self._cv:
+                self._running = False
+                self._cv.notify_all()
+
+
 class ResilientTrainer:
     """Wraps one rank's training loop; see the module docstring for the calls and their contract.
 
@@ -241,7 +301,9 @@ class ResilientTrainer:
     first step. ``on_resize(old_world,
     new_world)``: the world size changed (shrink); ``on_no_replica(NoReplica) -> step``: load the
     user's checkpoint into the objects; ``on_phase(step, phase)``: tracing / fault-injection hook
-    (see the module docstring for all three).
+    (see the module docstring for all three). ``background_snapshot``: copy the parameters and
+    optimizer state of a commit while the next step computes (see the module docstring); False copies
+    everything inside :meth:`commit`.
     """
 
     def __init__(self, objects: Mapping[str, Stateful], *, control: ControlClient | None = None,
@@ -252,7 +314,7 @@ class ResilientTrainer:
                  on_resize: Callable[[int, int], None] | None = None,
                  on_no_replica: Callable[[NoReplica], int] | None = None,
                  on_phase: Callable[[int, str], None] | None = None,
-                 wait_report_after: float = 0.25) -> None:
+                 wait_report_after: float = 0.25, background_snapshot: bool = True) -> None:
         if not objects:
             raise ConfigError("ResilientTrainer needs the objects that make up the training state")
         if JOB_ENTRY in objects:
@@ -264,6 +326,17 @@ class ResilientTrainer:
         self.on_no_replica = on_no_replica
         self.on_phase = on_phase
         self.wait_report_after = wait_report_after
+        self.background_snapshot = background_snapshot
+        self._copier = _Copier()
+        self._late: frozenset[int] = frozenset()
+        self._unchanged: frozenset[int] = frozenset()
+        self._live_dirty = False
+        """A fetch wrote into the live tensors (outside torch, no version bump) since the last capture."""
+        self._pool: list[StateSnapshot] = []
+        """Snapshot buffers nothing refers to (a spare's, allocated while it waits): reused by commits."""
+        self._owner = threading.get_ident()
+        """The thread that runs the loop (the only one that checks and takes finished snapshot copies)."""
+        """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`_commit_snapshot`)."""
         if control is None:
             control = ControlClient(control_path) if control_path else ControlClient.from_env()
         self.control = control
@@ -306,6 +379,7 @@ class ResilientTrainer:
         self._donor: DonorServer | None = None
         self._events: threading.Thread | None = None
         self._closed = threading.Event()
+        self._presealing = threading.Event()
         self._addrs: dict[str, str] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -346,6 +420,9 @@ class ResilientTrainer:
             self.epoch = int(view["epoch"])
             self.groups = EpochGroups(self._store_server, backend=self.backend, timeout=self.timeout,
                                       poll_interval=self.poll_interval)
+            # a hot spare maps the memory of its two future snapshots now: its first commits after
+            # taking a rank then copy into warm buffers instead of page-faulting on the critical path
+            self._pool = [capture_deferred(self.objects, step=0, checksum=False)[0] for _ in range(2)]
             self._report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
@@ -411,6 +488,9 @@ class ResilientTrainer:
             else:
                 p.grad.copy_(chunk)
             offset += n
+        self._settle_snapshot()  # the optimizer step comes next: the last commit's copies must be done
+        if self.background_snapshot:
+            self._late = self._late_tensors(plist)
         self._report(self.step + 1, "optimizer")
         self._hook(self.step + 1, "optimizer")
         return True
@@ -467,16 +547,35 @@ class ResilientTrainer:
             os._exit(exit_code)
 
     def close(self) -> None:
+        try:
+            self._copier.wait(take=threading.get_ident() == self._owner)
+        except RecoveryError:
+            pass
         self._closed.set()
         if self._donor is not None:
             self._donor.close(timeout=0.5)
 
     # ------------------------------------------------------------------ commit and serve
     def _commit_snapshot(self, step: int) -> None:
-        reuse = self._snapshots[0] if len(self._snapshots) >= 2 else None
-        snap = capture_state(self.objects, step=step, copy=True, checksum=False, reuse=reuse)
+        """Capture the objects as step ``step``, into the older snapshot's buffers.
+
+        The tensors in :attr:`_late` (parameters handed to :meth:`allreduce_gradients` and optimizer
+        state: only ``optimizer.step()`` changes them) are copied by a background thread, which the next
+        :meth:`allreduce_gradients` waits for before it returns, i.e. before the next optimizer step.
+        Everything else (buffers a forward pass updates, RNG, data position) is copied here.
+        """
+        self._settle_snapshot()
+        if len(self._snapshots) >= 2:
+            reuse: StateSnapshot | None = self._snapshots[0]
+        else:
+            reuse = self._pool.pop() if self._pool else None
+        snap, deferred = capture_deferred(self.objects, step=step, copy=True, checksum=False, reuse=reuse,
+                                          defer=self._late)
+        self._live_dirty = False
         with self._lock:
             self._snapshots = [*self._snapshots[-1:], snap]
+        if deferred.pairs:
+            self._copier.submit(deferred)
         self.step = step
         try:
             self.control.set_state(step, None, snap.header.total_nbytes, self._donor.port if self._donor else None,
@@ -485,8 +584,38 @@ class ResilientTrainer:
             self._agent_lost = str(exc)
 
     def _snapshot_at(self, step: int) -> StateSnapshot | None:
+        self._settle_snapshot(main=threading.get_ident() == self._owner)
         with self._lock:
             return next((s for s in self._snapshots if s.step == step), None)
+
+    def _settle_snapshot(self, main: bool = True) -> None:
+        """Wait for the last commit's background copies; refuse a snapshot whose sources changed."""
+        done = self._copier.wait(take=main)
+        if done is None or not main:
+            return
+        changed = done.modified()
+        if changed:
+            with self._lock:
+                self._snapshots = self._snapshots[:-1]  # torn: holds parts of two steps
+            self._late = frozenset()
+            self.background_snapshot = False
+            raise RecoveryError(
+                f"{len(changed)} tensor(s) of the step-{self.step} snapshot were modified in place before "
+                f"the optimizer step ({', '.join(changed[:3])}): with background_snapshot=True only the "
+                "optimizer step, after allreduce_gradients(), may change parameters and optimizer state; "
+                "pass background_snapshot=False to ResilientTrainer")
+
+    def _late_tensors(self, params: list[torch.Tensor]) -> frozenset[int]:
+        """``data_ptr()`` of ``params`` and of every optimizer state tensor among the objects."""
+        import torch
+
+        ptrs = {p.data_ptr() for p in params}
+        for obj in self.objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                for st in obj.state.values():
+                    ptrs.update(v.data_ptr() for v in st.values()
+                                if isinstance(v, torch.Tensor) and v.device.type == "cpu")
+        return frozenset(ptrs)
 
     def _serve(self, epoch: int, step: int) -> StateSnapshot | None:
         self._hook(step, "serve")
@@ -544,6 +673,7 @@ class ResilientTrainer:
                     self._last_view_at = float(ev.get("at", now))
                 self._lock.notify_all()
             self._abort_older_than(epoch, f"view {epoch} installed")
+            self._preseal()
         elif kind == "PlanReady":
             plan = ev.get("plan")
             if isinstance(plan, dict):
@@ -558,6 +688,29 @@ class ResilientTrainer:
                 self._lock.notify_all()
             if self.groups is not None:
                 self.groups.abort(reason=f"fenced: {self._fenced}")
+
+    def _preseal(self) -> None:
+        """Seal the newest snapshot for serving in the background: a view change usually makes this
+        rank a donor of its last committed step, and sealing on the receiver's first request would put
+        the GMAC pass on the recovery's critical path."""
+        donor = self._donor
+        if donor is None or self._presealing.is_set():
+            return
+        self._presealing.set()
+
+        def seal() -> None:
+            try:
+                self._copier.wait(take=False)  # the newest snapshot may still be being copied
+                with self._lock:
+                    snap = self._snapshots[-1] if self._snapshots else None
+                if snap is not None:
+                    donor.preseal(snap)
+            except GossiprecError as exc:
+                log.debug("presealing failed: %s", exc)
+            finally:
+                self._presealing.clear()
+
+        threading.Thread(target=seal, name="gossiprec-preseal", daemon=True).start()
 
     def _abort_older_than(self, epoch: int, reason: str) -> None:
         """Abort the current group and a group being built, when they belong to an epoch < ``epoch``."""
@@ -612,6 +765,11 @@ class ResilientTrainer:
         """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
         pending = self._pending or _Pending(cause, time.monotonic())
         self._pending = pending
+        self._settle_snapshot()  # before anything (a fetch, a checkpoint load) writes into the live tensors
+        # parameters and optimizer state only the optimizer step changes: a reload may skip those whose
+        # version counter did not move since the snapshot (unless a fetch wrote bytes behind torch's back)
+        self._unchanged = frozenset() if self._live_dirty else self._late
+        self._late = frozenset()  # fetches and reloads may move tensors: the next commit copies all
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
         self._report(self.step, "recovering")
         while True:
@@ -671,7 +829,7 @@ class ResilientTrainer:
             pending.fields.update(role="checkpoint", target_step=target,
                                   lost_steps=max(0, before - target) if self.role == "trainer" else 0)
             with self._lock:
-                self._snapshots = []  # the job's state is the checkpoint's now
+                self._pool, self._snapshots = self._snapshots, []  # the job's state is the checkpoint's now
             self._commit_snapshot(target)
         else:
             target = int(plan["target_step"])
@@ -680,6 +838,7 @@ class ResilientTrainer:
             self._report(target, "recovering")
             if mine:
                 pending.fields["role"] = "receiver"
+                self._live_dirty, self._unchanged = True, frozenset()  # bytes land behind torch's back
                 stats = self._fetch(mine, target, epoch)
                 nbytes, xfer_s = stats.nbytes, stats.seconds
                 self._commit_snapshot(target)  # complete and authenticated: this rank can donate it now
@@ -688,7 +847,8 @@ class ResilientTrainer:
                 if snap is None:
                     raise RecoveryError(f"the plan of epoch {epoch} resumes at step {target} from this rank, "
                                         f"but it holds steps {[s.step for s in self._snapshots]}")
-                restore_state(self.objects, snap)
+                copied = restore_state(self.objects, snap, unchanged=self._unchanged)
+                log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
                 donor = any(t["donor_node"] == self.node for t in transfers)
                 pending.fields["role"] = "donor" if donor else "survivor"
         pending.fields.update(state_at=time.monotonic(), bytes_received=nbytes, transfer_s=xfer_s)

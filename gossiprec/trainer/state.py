@@ -40,10 +40,11 @@ import bisect
 import ctypes
 import random
 import re
+import struct
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgpack
 
@@ -395,6 +396,9 @@ class StateSnapshot:
 
     header: StateHeader
     tensors: tuple[torch.Tensor, ...]
+    sources: tuple[tuple[int, int], ...] = ()
+    """``(data_ptr, in-place version)`` of each copied source tensor at capture (empty when not copied):
+    :func:`restore_state` skips tensors that still hold exactly these bytes."""
 
     @property
     def step(self) -> int:
@@ -423,6 +427,46 @@ def capture_state(objects: Mapping[str, Stateful], *, step: int, copy: bool = Tr
     The old snapshot is invalid afterwards (a server still serving it would send bytes that no
     longer match their seal, which receivers refuse).
     """
+    snap, deferred = capture_deferred(objects, step=step, copy=copy, checksum=checksum, reuse=reuse)
+    assert not deferred.pairs
+    return snap
+
+
+@dataclass(slots=True)
+class DeferredCopies:
+    """Tensor copies :func:`capture_deferred` left to the caller: ``dst.copy_(src)`` for each pair.
+
+    ``versions`` are the sources' in-place version counters at capture: :meth:`check` tells whether any
+    source was modified before its copy finished (the snapshot would then mix two steps).
+    """
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    names: list[str]
+    versions: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() * d.element_size() for d, _ in self.pairs)
+
+    def run(self) -> None:
+        for dst, src in self.pairs:
+            dst.copy_(src)
+
+    def modified(self) -> list[str]:
+        """Names of the sources whose version counter moved since capture."""
+        return [n for n, (_, src), v in zip(self.names, self.pairs, self.versions, strict=True)
+                if src._version != v]
+
+
+def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool = True,
+                     checksum: bool = False, reuse: StateSnapshot | None = None,
+                     defer: Container[int] = ()) -> tuple[StateSnapshot, DeferredCopies]:
+    """:func:`capture_state`, except that the copies of contiguous CPU tensors whose ``data_ptr()`` is in
+    ``defer`` are not made: the snapshot holds their (uninitialised or stale) destination tensors and
+    :class:`DeferredCopies` says what to copy. The snapshot is valid once ``run()`` has returned, and
+    only if no source changed before that (``modified()`` is empty). ``checksum`` needs the bytes, so
+    it cannot be combined with deferred tensors.
+    """
     import torch
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -433,13 +477,26 @@ def capture_state(objects: Mapping[str, Stateful], *, step: int, copy: bool = Tr
         spare = list(reuse.tensors)
     tensors: list[torch.Tensor] = []
     specs: list[TensorSpec] = []
+    sources: list[tuple[int, int]] = []
+    deferred = DeferredCopies([], [], [])
     offset = 0
     for (name, t), old in zip(found, spare, strict=True):
         if t.layout != torch.strided:
             raise ConfigError(f"tensor {name} has layout {t.layout}; only dense tensors can be "
                               "transferred (convert sparse tensors in state_dict())")
         src = t.detach()
-        if old is not None and old.dtype == src.dtype and old.shape == src.shape:
+        later = (copy and defer and src.device.type == "cpu" and src.is_contiguous()
+                 and src.data_ptr() in defer)
+        if later:
+            if checksum:
+                raise ConfigError("checksum=True needs every tensor's bytes at capture; defer nothing")
+            if old is None or old.dtype != src.dtype or old.shape != src.shape:
+                old = torch.empty_like(src, memory_format=torch.contiguous_format)
+            deferred.pairs.append((old, src))
+            deferred.names.append(name)
+            deferred.versions.append(t._version)
+            payload_t = old
+        elif old is not None and old.dtype == src.dtype and old.shape == src.shape:
             payload_t = old.copy_(src)
         elif src.device.type != "cpu":
             payload_t = src.to("cpu").contiguous()
@@ -452,10 +509,11 @@ def capture_state(objects: Mapping[str, Stateful], *, step: int, copy: bool = Tr
         specs.append(TensorSpec(name, dtype_name(payload_t.dtype), tuple(payload_t.shape), offset,
                                 nbytes, crc))
         tensors.append(payload_t)
+        sources.append((src.data_ptr(), t._version))
         offset += nbytes
     header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
                          checksum="crc32" if checksum else "none")
-    return StateSnapshot(header=header, tensors=tuple(tensors))
+    return StateSnapshot(header=header, tensors=tuple(tensors), sources=tuple(sources) if copy else ()), deferred
 
 
 # --------------------------------------------------------------------------------------------------
@@ -542,17 +600,22 @@ class BoundTarget:
             self._views = [tensor_bytes(t) for t in self.tensors]
         return self._views
 
-    def write_payload(self, payload: bytes | bytearray | memoryview | Iterable[memoryview]) -> None:
-        """Copy a whole payload (one buffer, or the donor's views in order) into the destinations."""
+    def write_payload(self, payload: bytes | bytearray | memoryview | Iterable[memoryview],
+                      skip: Container[int] = ()) -> None:
+        """Copy a whole payload (one buffer, or one view per tensor in header order, e.g. a snapshot's
+        :meth:`StateSnapshot.views`) into the destinations, leaving out the tensor indices in ``skip``."""
         if isinstance(payload, (bytes, bytearray, memoryview)):
-            chunks = [memoryview(payload).cast("B")]
+            flat = memoryview(payload).cast("B")
+            if len(flat) != self.header.total_nbytes:
+                raise TransferError(f"payload is {len(flat)} bytes, header says {self.header.total_nbytes}")
+            pieces = [flat[s.offset:s.offset + s.nbytes] for s in self.header.tensors]
         else:
-            chunks = [memoryview(p).cast("B") for p in payload]
-        flat = chunks[0] if len(chunks) == 1 else memoryview(b"".join(chunks))
-        if len(flat) != self.header.total_nbytes:
-            raise TransferError(f"payload is {len(flat)} bytes, header says {self.header.total_nbytes}")
-        for spec, view in zip(self.header.tensors, self.views(), strict=True):
-            view[:] = flat[spec.offset:spec.offset + spec.nbytes]
+            pieces = [memoryview(p).cast("B") for p in payload]
+            if [len(p) for p in pieces] != [s.nbytes for s in self.header.tensors]:
+                raise TransferError("payload views do not match the header's tensors (count or sizes)")
+        for i, (piece, view) in enumerate(zip(pieces, self.views(), strict=True)):
+            if i not in skip:
+                view[:] = piece
 
     def verify(self) -> None:
         """Check every tensor's crc32 against the header (no-op for ``checksum='none'``)."""
@@ -576,18 +639,32 @@ def prepare_receive(objects: Mapping[str, Stateful], *, pin_memory: bool = False
     return ReceiveTarget(objects, pin_memory=pin_memory)
 
 
-def restore_state(objects: Mapping[str, Stateful], snapshot: StateSnapshot | tuple[bytes, bytes]) -> None:
-    """Load a snapshot (or ``(packed header, payload)``) into ``objects`` in memory, verifying it."""
+def restore_state(objects: Mapping[str, Stateful], snapshot: StateSnapshot | tuple[bytes, bytes], *,
+                  unchanged: Container[int] = ()) -> int:
+    """Load a snapshot (or ``(packed header, payload)``) into ``objects`` in memory, verifying it.
+
+    ``unchanged``: ``data_ptr()`` s of live tensors the caller knows were written only through torch
+    since the snapshot was captured (nothing wrote their bytes directly, e.g. a fetch). Such a tensor
+    whose pointer and in-place version counter still equal the snapshot's record of its source holds
+    the snapshot's bytes already, and is not copied. Returns the number of bytes copied.
+    """
     if isinstance(snapshot, StateSnapshot):
         header, payload = snapshot.header, snapshot.views()
         bound = ReceiveTarget(objects).bind(header)
-        bound.write_payload(payload)
+        skip: set[int] = set()
+        if unchanged and snapshot.sources:
+            skip = {i for i, (dst, (ptr, version)) in enumerate(zip(bound.tensors, snapshot.sources, strict=True))
+                    if ptr in unchanged and dst.data_ptr() == ptr and dst._version == version}
+        bound.write_payload(payload, skip)
+        copied = sum(s.nbytes for i, s in enumerate(header.tensors) if i not in skip)
     else:
         header = unpack_header(snapshot[0])
         bound = ReceiveTarget(objects).bind(header)
         bound.write_payload(snapshot[1])
+        copied = header.total_nbytes
     bound.verify()
     bound.apply()
+    return copied
 
 
 # --------------------------------------------------------------------------------------------------
@@ -634,8 +711,9 @@ class RNGState:
     """The process's random generators as a :class:`Stateful`.
 
     ``state_dict()`` holds ``torch`` (CPU generator state, a uint8 tensor), ``cuda`` (one tensor per
-    device, when CUDA is available), ``python`` (``random.getstate()`` as lists) and ``numpy`` (the
-    legacy global ``np.random`` state, when numpy is importable). Pass ``cuda``/``numpy`` explicitly to
+    device, when CUDA is available), ``python`` (``random.getstate()``, its 625 words as
+    little-endian bytes) and ``numpy`` (the legacy global ``np.random`` state, keys as little-endian
+    bytes, when numpy is importable). Pass ``cuda``/``numpy`` explicitly to
     force the layout, e.g. when donors and receivers differ in what is installed.
     """
 
@@ -655,15 +733,17 @@ class RNGState:
         import torch
 
         version, internal, gauss = random.getstate()
+        # the Mersenne Twister's 625 words travel as one little-endian bytes value, not 625 ints:
+        # walking them on every commit cost ~2.5 ms
         sd: dict[str, Any] = {"torch": torch.get_rng_state(),
-                              "python": [version, list(internal), gauss]}
+                              "python": [version, _pack_words(internal), gauss]}
         if self.cuda:
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
         if self.numpy:
             import numpy as np
 
             algo, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-            sd["numpy"] = {"algo": str(algo), "keys": [int(k) for k in keys], "pos": int(pos),
+            sd["numpy"] = {"algo": str(algo), "keys": np.asarray(keys, dtype="<u4").tobytes(), "pos": int(pos),
                            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
         return sd
 
@@ -673,18 +753,34 @@ class RNGState:
         try:
             torch.set_rng_state(state_dict["torch"])
             version, internal, gauss = state_dict["python"]
-            random.setstate((version, tuple(internal), gauss))
+            random.setstate((version, _unpack_words(internal), gauss))
             if self.cuda:
                 torch.cuda.set_rng_state_all(state_dict["cuda"])
             if self.numpy:
                 import numpy as np
 
                 st = state_dict["numpy"]
-                np.random.set_state((st["algo"], np.asarray(st["keys"], dtype=np.uint32), st["pos"],
-                                     st["has_gauss"], st["cached_gaussian"]))
-        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                keys = st["keys"]
+                keys = (np.frombuffer(keys, dtype="<u4").astype(np.uint32) if isinstance(keys, bytes)
+                        else np.asarray(keys, dtype=np.uint32))
+                np.random.set_state((st["algo"], keys, st["pos"], st["has_gauss"], st["cached_gaussian"]))
+        except (KeyError, TypeError, ValueError, RuntimeError, struct.error) as exc:
             raise TransferError(f"RNG state does not fit this process ({exc}); donor and receiver must "
                                 "agree on CUDA and numpy being present") from exc
+
+
+def _pack_words(words: Sequence[int]) -> bytes:
+    """Python ``random``'s internal state (32-bit words) as little-endian bytes."""
+    return struct.pack(f"<{len(words)}I", *words)
+
+
+def _unpack_words(data: bytes | Sequence[int]) -> tuple[int, ...]:
+    """Inverse of :func:`_pack_words`; also takes the list form older snapshots used."""
+    if isinstance(data, (bytes, bytearray)):
+        if len(data) % 4:
+            raise ValueError(f"python RNG state of {len(data)} bytes is not whole 32-bit words")
+        return struct.unpack(f"<{len(data) // 4}I", data)
+    return tuple(data)
 
 
 def training_state(model: Any, optimizer: Any, scheduler: Any = None, data: Any = None, *,

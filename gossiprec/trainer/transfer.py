@@ -424,6 +424,11 @@ class DonorServer:
                 self._threads.discard(threading.current_thread())
             conn.close()
 
+    def preseal(self, snapshot: StateSnapshot) -> None:
+        """Seal ``snapshot`` now (blocking; call it from a spare thread), so that a receiver's first
+        request does not wait for the GMAC pass over the whole payload (~20 ms per 100 MB here)."""
+        self._sealed(snapshot)
+
     def _sealed(self, served: SealedState | StateSnapshot) -> SealedState:
         if isinstance(served, SealedState):
             return served
