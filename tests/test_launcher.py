@@ -253,3 +253,15 @@ def test_run_process_forwards_sigterm_and_exits_like_the_child(sockdir: str, chi
         assert proc.wait(15) == expected
     finally:
         stop(proc)
+
+
+def test_cli_command_owners_are_complete_and_an_agent_imports_no_tooling() -> None:
+    from gossiprec.cli import _OWNER, build_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == set(_OWNER)
+    code = ("import sys; from gossiprec.cli import build_parser; build_parser('agent'); build_parser('run');"
+            "print(sorted({m.split('.')[0] + '.' + m.split('.')[1] if m.startswith('gossiprec.') else m"
+            " for m in sys.modules if m.startswith(('gossiprec.sim', 'gossiprec.bench', 'gossiprec.demo', 'torch'))}))")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"

@@ -56,6 +56,7 @@ from gossiprec.settings import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 
+_HOT_COUNTERS = ("tx_datagrams", "tx_packets", "tx_bytes", "rx_packets", "rx_bytes", "rx_datagrams")
 DROP_COUNTERS = frozenset({
     "tx_after_close", "tx_dropped_backpressure", "tx_udp_errors", "tx_bad_address", "tx_unresolved",
     "tx_wrong_family", "tx_streams_dropped", "tx_stream_errors", "tx_seal_too_large", "tx_seal_no_key",
@@ -161,7 +162,9 @@ class Transport:
         self.requested_port = port
         self.port = 0
         self.on_message = on_message
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, int] = dict.fromkeys(_HOT_COUNTERS, 0)
+        """Counters by name; the per-datagram ones exist from the start (incremented in place, the
+        hot path of an idle agent)."""
         self._reject_log = RejectLog(log, self.limits.log_interval)
         self._throttle = Throttle(log, self.limits.log_interval)
         self._udp: asyncio.DatagramTransport | None = None
@@ -317,9 +320,10 @@ class Transport:
             self._count("tx_udp_errors")
             self._throttle.warn("sendto", "sendto %s failed: %s", addr, exc)
             return
-        self._count("tx_datagrams")
-        self._count("tx_packets")
-        self._count("tx_bytes", len(data))
+        c = self.counters
+        c["tx_datagrams"] += 1
+        c["tx_packets"] += 1
+        c["tx_bytes"] += len(data)
 
     def _target(self, addr: str) -> tuple[Any, ...] | None:
         cached = self._resolved.get(addr)
@@ -422,14 +426,15 @@ class Transport:
     def _on_datagram(self, data: bytes, addr: Any) -> None:
         if self._closing:
             return
-        self._count("rx_packets")
-        self._count("rx_bytes", len(data))
+        c = self.counters
+        c["rx_packets"] += 1
+        c["rx_bytes"] += len(data)
         try:
             _, payload = self.opener.open(data)
         except OpenError as exc:
             self._reject_log.note(exc, time.monotonic(), _peer(addr))
             return
-        self._count("rx_datagrams")
+        c["rx_datagrams"] += 1
         self._deliver(payload, False)
 
     def _deliver(self, payload: bytes, reliable: bool) -> None:
