@@ -118,3 +118,33 @@ def test_cli_json_has_the_documented_keys() -> None:
     for key in ("agree_s", "views_decided", "invariant_violations", "fast_path_ratio", "plan_s"):
         assert key in r
     assert r["views_decided"] == 1 and r["invariant_violations"] == 0
+
+
+def test_calendar_queue_pops_in_time_then_push_order() -> None:
+    """The event queue must order exactly like one heap of (time, seq): across buckets, within a bucket,
+    for equal times (push order), for entries pushed into the current bucket, and for infinite times."""
+    from gossiprec.sim.cluster import SimCluster
+
+    class Idle:
+        def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
+        def tick(self, now: float) -> None: ...
+        def next_deadline(self) -> float: return float("inf")
+        def take_sends(self) -> list: return []
+        def take_events(self) -> list: return []
+
+    cluster = SimCluster(2, lambda *a: Idle(), seed=1)
+    seen: list[tuple[float, str]] = []
+    times = [0.5, 0.0004, 2.0, 0.0004, 0.0011, 0.00099, 7.25, 0.5, 1e-9]
+    for i, t in enumerate(times):
+        cluster.at(t, lambda t=t, i=i: seen.append((t, f"a{i}")))
+    # pushed while running, into the bucket being drained and just behind the clock's bucket
+    cluster.at(0.0005, lambda: cluster.at(0.0006, lambda: seen.append((0.0006, "late"))))
+    cluster.at(float("inf"), lambda: seen.append((float("inf"), "never")))
+    assert cluster.pending() == len(times) + 2
+    cluster.run_until(1.0)
+    assert cluster.events_processed == 9
+    cluster.run_until(10.0)
+    expected = sorted([(t, i) for i, t in enumerate(times)] + [(0.0006, 99)])
+    assert [t for t, _ in seen] == [t for t, _ in expected]
+    assert [name for _, name in seen] == [("late" if i == 99 else f"a{i}") for _, i in expected]
+    assert cluster.pending() == 1 and cluster.now == 10.0  # the infinite one never runs

@@ -557,3 +557,25 @@ def test_skip_key_is_not_sent_and_keeps_its_count() -> None:
     assert len(q) == 1 and q.pending("b") == _s("b")
     q.clear()
     assert len(q) == 0
+
+
+# --- the decode cache of gossip messages (a speed-up that must not change what decodes) -----------
+def test_cached_decode_returns_the_same_message_and_still_refuses_lookalikes() -> None:
+    msg = Suspect("n5", 2, "n1")
+    first = decode_packet(encode_packet([msg]), MTU)[0]
+    again = decode_packet(encode_packet([Ping(1, "n2", "n1", ""), msg]), MTU)[1]
+    assert first == again == msg
+    assert again is first  # served from the cache
+    # equal as tuples (2 == 2.0 == True) but of the wrong type: refused exactly as without a cache
+    assert refused(packet([6, "n5", 2.0, "n1"])) == "bad_field"
+    assert refused(packet([6, "n5", True, "n1"])) == "bad_field"
+    assert refused(packet([6, "n5", [2], "n1"])) == "bad_field"  # unhashable: full validation
+    alert = wire.Alert(3, "cfg", "n1", "n2", 0, 0, True, "", "", "")
+    assert decode_packet(encode_packet([alert]), MTU) == [alert]
+    assert refused(packet([20, 3, "cfg", "n1", "n2", 0, 0, 1, "", "", ""])) == "bad_field"  # 1 is not True
+
+
+def test_decode_cache_is_bounded() -> None:
+    for i in range(wire.CACHE_MAX + 10):
+        decode_packet(encode_packet([Dead(f"n{i}", 1, "x")]), MTU)
+    assert 0 < len(wire._CACHE) <= wire.CACHE_MAX

@@ -10,6 +10,7 @@ Entries sent the fewest times go first, newest first among equals, so fresh news
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from gossiprec.core.wire import Message, encode_message
 
@@ -21,6 +22,11 @@ class _Entry:
     msg: Message
     order: int
     transmits: int = 0
+    newness: int = 0
+    """``-order``: the sort key (transmits, newness) puts the fewest sends first, newest first among equals."""
+
+
+_SORT_KEY = attrgetter("transmits", "newness")
 
 
 MERGE_SENDS = 3
@@ -53,7 +59,7 @@ class BroadcastQueue:
             old.msg = msg
             old.transmits = max(0, min(old.transmits, self._limit - MERGE_SENDS))
             return
-        self._entries[key] = _Entry(key, encode_message(msg), msg, self._order)
+        self._entries[key] = _Entry(key, encode_message(msg), msg, self._order, 0, -self._order)
 
     def pending(self, key: str) -> Message | None:
         entry = self._entries.get(key)
@@ -68,7 +74,7 @@ class BroadcastQueue:
         self._limit = limit
         if not self._entries or budget <= 0:
             return []
-        entries = sorted(self._entries.values(), key=lambda e: (e.transmits, -e.order))
+        entries = sorted(self._entries.values(), key=_SORT_KEY)
         out: list[bytes] = []
         for entry in entries:
             size = len(entry.body)

@@ -42,7 +42,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol
 
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
@@ -251,13 +251,19 @@ class Membership:
 
     def next_deadline(self) -> float:
         timers, cancelled = self._timers, self._cancelled
-        while timers and timers[0][1] in cancelled:
-            cancelled.discard(heapq.heappop(timers)[1])
-        direct, probes = self._direct, self._probes
-        while direct and direct[0][1] not in probes:  # answered already
-            direct.popleft()
+        if cancelled:
+            while timers and timers[0][1] in cancelled:
+                cancelled.discard(heapq.heappop(timers)[1])
+        direct = self._direct
+        if direct:
+            probes = self._probes
+            while direct and direct[0][1] not in probes:  # answered already
+                direct.popleft()
         t = timers[0][0] if timers else math.inf
-        return min(t, direct[0][0]) if direct else t
+        if direct:
+            d = direct[0][0]
+            return d if d < t else t  # min(t, d), which returns t on a tie
+        return t
 
     # ------------------------------------------------------------------ inputs from the agent
     def join(self, seed_addrs: Iterable[str], now: float) -> None:
@@ -309,8 +315,14 @@ class Membership:
         self._now = now
         if self.left:
             return
+        handlers = _HANDLERS
         for msg in msgs:
-            self.handle(msg, now)
+            # the same dispatch as handle(), by a table: Suspect/Dead/Alive rumours arrive in bulk
+            h = handlers.get(type(msg))
+            if h is not None:
+                h(self, msg, now)
+            else:
+                self.handle(msg, now)
 
     def handle(self, msg: Message, now: float) -> None:
         """Process one decoded message."""
@@ -586,7 +598,11 @@ class Membership:
             if msg.incarnation > self.incarnation and not self.left:
                 self._refute(msg.incarnation, "alive-conflict", now)
             return
-        cur = self.member(msg.name)
+        cur = self._own.get(msg.name)  # member(), inlined
+        if cur is None:
+            cur = self._base.get(msg.name)
+        elif cur is _GONE:
+            cur = None
         if cur is not None and msg.incarnation <= cur.incarnation:
             return
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
@@ -603,9 +619,12 @@ class Membership:
             if not self.left and msg.incarnation >= self.incarnation:  # older rumours: already refuted
                 self._refute(msg.incarnation, msg.src, now)
             return
-        cur = self.member(msg.name)
-        if cur is None or not cur.live or msg.incarnation < cur.incarnation:
-            return
+        # member() and MemberInfo.live, inlined: most Suspects are repeats of news already known
+        cur = self._own.get(msg.name)
+        if cur is None:
+            cur = self._base.get(msg.name)
+        if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
+            return  # unknown, or dead/left (the reaped marker _GONE is DEAD), or older news
         susp = self._suspicions.get(msg.name)
         if cur.status == SUSPECT and susp is not None and msg.incarnation == cur.incarnation:
             if msg.src in susp.accusers or len(susp.accusers) > susp.k:
@@ -675,8 +694,10 @@ class Membership:
             if not self.left and msg.incarnation >= self.incarnation:
                 self._refute(msg.incarnation, msg.src, now)
             return
-        cur = self.member(msg.name)
-        if cur is None or not cur.live or msg.incarnation < cur.incarnation:
+        cur = self._own.get(msg.name)  # member() and MemberInfo.live, inlined as in _on_suspect
+        if cur is None:
+            cur = self._base.get(msg.name)
+        if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
         self._set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
@@ -830,7 +851,7 @@ class Membership:
         return out
 
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
-        parts = [encode_message(m) for m in msgs]
+        parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             if self._progress_names or self._my_progress.version:
                 parts.extend(encode_message(m) for m in self._progress_piggyback())
@@ -847,3 +868,11 @@ class Membership:
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
+
+
+_HANDLERS: dict[type, Callable[[Membership, Any, float], None]] = {
+    Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership._on_alive,
+    Suspect: Membership._on_suspect, Dead: Membership._on_dead, Progress: Membership._on_progress,
+    IndirectPing: Membership._on_indirect, PushPull: Membership._on_pushpull,
+}
+"""The dispatch of :meth:`Membership.handle` as a table (the other types still go through ``handle``)."""

@@ -150,6 +150,14 @@ MILLIS = _uint(2**31 - 1)
 _REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
 _DECODERS: dict[int, Callable[[list], Any]] = {}
 
+_CACHE: dict[tuple, Any] = {}
+"""Decoded gossip messages by field values (see :func:`_cached_decoder`); shared by every machine in the
+process, cleared whenever it reaches :data:`CACHE_MAX` entries."""
+CACHE_MAX = 1 << 16
+_CACHED_TYPES = frozenset((5, 6, 7, 8, 20))
+"""Alive, Suspect, Dead, Progress, Alert: broadcasts, which every member receives many times over (the
+same bytes, piggybacked on many packets). Other types are unique per packet (sequence numbers) or large."""
+
 
 def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[list], Any]:
     """Generate a straight-line decoder for one message type.
@@ -179,6 +187,44 @@ def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[
     return env["decode"]  # type: ignore[no-any-return]
 
 
+def _cached_decoder(decode: Callable[[list], Any], validators: tuple[Validator, ...]) -> Callable[[list], Any]:
+    """Wrap ``decode`` with a lookup in :data:`_CACHE`, keyed by the tuple of the item's values.
+
+    Equal tuples can still differ in type (``1 == 1.0 == True``), so a hit counts only when every field
+    that must be an integer (or a boolean) has exactly that type; the other field kinds (text) compare
+    equal only to values of their own type. Anything else, and every miss, goes through ``decode``, which
+    validates in full; only messages it accepted are stored. The result equals ``decode(item)`` for every
+    input (decoded messages are immutable, so sharing one object is safe).
+    """
+    checks = []
+    for i, check in enumerate(validators, start=1):
+        cond = getattr(check, "inline", None)
+        if cond is None or not cond.startswith("type({v}) is not "):
+            raise TypeError("only messages whose every field has an inline check can be cached")
+        kind = cond.split()[3]
+        if kind in ("int", "bool"):
+            checks.append(f"type(item[{i}]) is {kind}")
+    hit = " and ".join(checks) or "True"
+    src = f"""
+def decode_cached(item):
+    try:
+        key = tuple(item)
+        msg = cache_get(key)
+    except TypeError:  # an unhashable value (a list): not a valid message of this type
+        return decode(item)
+    if msg is not None and {hit}:
+        return msg
+    msg = decode(item)
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = msg
+    return msg
+"""
+    env: dict[str, Any] = {"decode": decode, "cache": _CACHE, "cache_get": _CACHE.get, "limit": CACHE_MAX}
+    exec(src, env)  # noqa: S102 - generated from our own field specs, no outside input
+    return env["decode_cached"]  # type: ignore[no-any-return]
+
+
 def message(type_id: int, *validators: Validator) -> Callable[[type], type]:
     """Class decorator: register a frozen dataclass as wire message ``type_id`` with field validators."""
 
@@ -196,7 +242,10 @@ def message(type_id: int, *validators: Validator) -> Callable[[type], type]:
         else:
             _ROWS[cls] = lambda msg: [type_id, *getter(msg)]
         _REGISTRY[type_id] = (cls, tuple(validators))
-        _DECODERS[type_id] = _compile_decoder(cls, tuple(validators))
+        decoder = _compile_decoder(cls, tuple(validators))
+        if type_id in _CACHED_TYPES:
+            decoder = _cached_decoder(decoder, tuple(validators))
+        _DECODERS[type_id] = decoder
         return cls
 
     return register
@@ -318,11 +367,12 @@ class PushPull(Message):
 
 # --- codec ---------------------------------------------------------------------------------------
 _packer = msgpack.Packer(use_bin_type=True)
+_pack = _packer.pack
 
 
 def encode_message(msg: Message) -> bytes:
     """One message as a standalone msgpack body (used for sizing and for streams)."""
-    return _packer.pack(_to_list(msg))
+    return _pack(_ROWS[type(msg)](msg))
 
 
 def encode_packet(msgs: Sequence[Message]) -> bytes:
@@ -330,12 +380,17 @@ def encode_packet(msgs: Sequence[Message]) -> bytes:
     return _packer.pack([PROTOCOL_VERSION, [_to_list(m) for m in msgs]])
 
 
+_HEADS = tuple(bytes((0x92, PROTOCOL_VERSION, 0x90 | n)) for n in range(16))
+"""Packet heads for 0..15 messages (a fixarray)."""
+
+
 def encode_parts(parts: Iterable[bytes]) -> bytes:
     """A compound packet from pre-encoded message bodies (see :func:`encode_message`)."""
-    parts = list(parts)
+    if type(parts) is not list:
+        parts = list(parts)
     n = len(parts)
     if n < 16:
-        head = bytes((0x92, PROTOCOL_VERSION, 0x90 | n))
+        head = _HEADS[n]
     else:
         head = bytes((0x92, PROTOCOL_VERSION, 0xDC)) + n.to_bytes(2, "big")
     return head + b"".join(parts)
@@ -380,7 +435,18 @@ def decode_packet(data: bytes, max_size: int) -> list[Message]:
     body = obj[1]
     if type(body) is not list or not body:
         raise DecodeError("malformed", "no messages")
-    return [_decode_one(m) for m in body]
+    # _decode_one, inlined (the hot path of every receive)
+    decoders = _DECODERS
+    out = []
+    for item in body:
+        if type(item) is not list or not item:
+            raise DecodeError("bad_message", "message is not a non-empty list")
+        tid = item[0]
+        decoder = decoders.get(tid) if type(tid) is int else None
+        if decoder is None:
+            raise DecodeError("unknown_type", repr(tid)[:20])
+        out.append(decoder(item))
+    return out
 
 
 # --- agreement messages (views, alerts, votes, Paxos fallback, reports) ---------------------------

@@ -4,7 +4,8 @@ What it does: runs N copies of the very same core state machine in one process, 
 with one seeded :class:`random.Random` from which every other random choice derives (the network's and
 each node's). Same seed, same events, same output, byte for byte.
 
-Event loop: a heap of ``(time, seq, kind, node, payload)``. A delivery calls ``receive`` on the
+Event loop: a calendar queue of ``(time, seq, kind, node, payload)`` entries, popped in ``(time, seq)``
+order exactly as one heap would (see :meth:`SimCluster._push`). A delivery calls ``receive`` on the
 destination; a timer calls ``tick``; after either, the node's outgoing sends become future deliveries
 (through :class:`~gossiprec.sim.network.Network`), its events go to the observers (metrics, invariant
 checkers) and its next deadline is (re)scheduled. Faults are events too: crash (the node stops, its
@@ -20,14 +21,20 @@ the command that replays it.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from gossiprec.sim.network import Network, NetworkModel
 
-DELIVER, TIMER, ACTION = 0, 1, 2
+DELIVER, TIMER, ACTION, DELIVER_RELIABLE = 0, 1, 2, 3
 UP, CRASHED, PAUSED = "up", "crashed", "paused"
+INF = math.inf
+BUCKETS_PER_S = 1000.0
+"""Width of a calendar-queue bucket: 1 ms of virtual time (a LAN round trip is ~0.5 ms)."""
+_FAR = 1 << 62
+"""Bucket of an infinite (or otherwise unbucketable) time: after every finite one."""
 
 
 class Machine(Protocol):
@@ -48,7 +55,7 @@ class SimNode:
     name: str
     machine: Machine
     state: str = UP
-    timer_at: float = float("inf")
+    timer_at: float = INF
     backlog: list[tuple[float, bytes, bool]] = field(default_factory=list)
     sent_msgs: int = 0
     sent_bytes: int = 0
@@ -73,7 +80,15 @@ class SimCluster:
         self.network = Network(model or NetworkModel(), random.Random(self.rng.getrandbits(64)))
         self.now = 0.0
         self.events_processed = 0
-        self._heap: list[tuple[float, int, int, int, Any]] = []
+        # Calendar queue: ``_near`` is a heap of every entry whose bucket (int(time * BUCKETS_PER_S)) is at
+        # most ``_cur``; later entries wait unsorted in ``_buckets`` (bucket -> list), whose keys are in the
+        # heap ``_bucket_heap``. A bucket is heapified into ``_near`` when the clock reaches it. Buckets are
+        # monotonic in time, so this pops in exactly (time, seq) order, like one big heap, but each pop
+        # works on a small, recently touched heap (10,000 nodes keep ~10,000 timers pending).
+        self._near: list[tuple[float, int, int, int, Any]] = []
+        self._cur = -1
+        self._buckets: dict[int, list[tuple[float, int, int, int, Any]]] = {}
+        self._bucket_heap: list[int] = []
         self._seq = 0
         self.factory = factory
         self.names = names or [f"n{i}" for i in range(n)]
@@ -90,7 +105,35 @@ class SimCluster:
     # ------------------------------------------------------------------ scheduling
     def _push(self, when: float, kind: int, node: int, payload: Any) -> None:
         self._seq += 1
-        heapq.heappush(self._heap, (when, self._seq, kind, node, payload))
+        entry = (when, self._seq, kind, node, payload)
+        try:
+            b = int(when * BUCKETS_PER_S)
+        except (OverflowError, ValueError):
+            b = _FAR
+        if b <= self._cur:
+            heapq.heappush(self._near, entry)
+            return
+        bucket = self._buckets.get(b)
+        if bucket is None:
+            self._buckets[b] = [entry]
+            heapq.heappush(self._bucket_heap, b)
+        else:
+            bucket.append(entry)
+
+    def _advance(self) -> bool:
+        """Move the next non-empty bucket into the (empty) near heap; False when nothing is pending."""
+        if not self._bucket_heap:
+            return False
+        b = heapq.heappop(self._bucket_heap)
+        near = self._buckets.pop(b)
+        heapq.heapify(near)
+        self._near = near
+        self._cur = b
+        return True
+
+    def pending(self) -> int:
+        """Entries (deliveries, timers, actions) waiting in the queue."""
+        return len(self._near) + sum(len(b) for b in self._buckets.values())
 
     def at(self, when: float, action: Callable[[], None]) -> None:
         """Run ``action`` at virtual time ``when`` (fault injection, measurements)."""
@@ -104,7 +147,9 @@ class SimCluster:
             now = self.now
             arrivals = self.network.arrivals
             index_of = self.index_of
-            heap = self._heap
+            near = self._near
+            cur = self._cur
+            buckets = self._buckets
             push = heapq.heappush
             seq = self._seq
             src = node.index
@@ -117,9 +162,19 @@ class SimCluster:
                 if dst is None:
                     continue
                 reliable = send.reliable
+                kind = DELIVER_RELIABLE if reliable else DELIVER
                 for t in arrivals(now, src, dst, size, reliable):
                     seq += 1
-                    push(heap, (t, seq, DELIVER, dst, (payload, reliable)))
+                    b = int(t * BUCKETS_PER_S)  # _push, inlined (arrival times are finite)
+                    if b <= cur:
+                        push(near, (t, seq, kind, dst, payload))
+                    else:
+                        bucket = buckets.get(b)
+                        if bucket is None:
+                            buckets[b] = [(t, seq, kind, dst, payload)]
+                            push(self._bucket_heap, b)
+                        else:
+                            bucket.append((t, seq, kind, dst, payload))
             self._seq = seq
             node.sent_msgs += len(sends)
             node.sent_bytes += total
@@ -132,39 +187,56 @@ class SimCluster:
         deadline = machine.next_deadline()
         if deadline != node.timer_at:
             node.timer_at = deadline
-            if deadline != float("inf"):
-                self._push(max(deadline, self.now), TIMER, node.index, deadline)
+            if deadline != INF:
+                now = self.now
+                self._push(deadline if deadline > now else now, TIMER, node.index, deadline)
 
     # ------------------------------------------------------------------ running
     def run_until(self, t_end: float) -> None:
-        heap = self._heap
         nodes = self.nodes
         checkers = self.checkers
+        flush = self._flush
         pop = heapq.heappop
-        while heap and heap[0][0] <= t_end:
-            when, _, kind, idx, payload = pop(heap)
-            self.now = when
-            self.events_processed += 1
-            if kind == DELIVER:
-                node = nodes[idx]
-                if node.state is UP:
-                    node.machine.receive(payload[0], when, payload[1])
-                    self._flush(node)
-                elif node.state is PAUSED:
-                    node.backlog.append((when, payload[0], payload[1]))
-            elif kind == TIMER:
-                node = nodes[idx]
-                if node.state is UP and payload == node.timer_at:
-                    node.timer_at = float("inf")
-                    node.machine.tick(when)
-                    self._flush(node)
-                elif node.state is PAUSED and payload == node.timer_at:
-                    node.timer_at = float("inf")  # re-armed on resume
-            else:
-                payload()
-            if checkers:
-                for check in checkers:
-                    check(when)
+        near = self._near
+        processed = self.events_processed
+        try:
+            while True:
+                if not near:
+                    if not self._advance():
+                        break
+                    near = self._near
+                if near[0][0] > t_end:
+                    break
+                when, _, kind, idx, payload = pop(near)
+                self.now = when
+                processed += 1
+                if kind == DELIVER or kind == DELIVER_RELIABLE:
+                    node = nodes[idx]
+                    state = node.state
+                    if state is UP:
+                        node.machine.receive(payload, when, kind == DELIVER_RELIABLE)
+                        flush(node)
+                    elif state is PAUSED:
+                        node.backlog.append((when, payload, kind == DELIVER_RELIABLE))
+                elif kind == TIMER:
+                    node = nodes[idx]
+                    if payload == node.timer_at:
+                        state = node.state
+                        if state is UP:
+                            node.timer_at = INF
+                            node.machine.tick(when)
+                            flush(node)
+                        elif state is PAUSED:
+                            node.timer_at = INF  # re-armed on resume
+                else:
+                    self.events_processed = processed  # visible to the action
+                    payload()
+                    near = self._near
+                if checkers:
+                    for check in checkers:
+                        check(when)
+        finally:
+            self.events_processed = processed
         self.now = max(self.now, t_end)
 
     # ------------------------------------------------------------------ faults
@@ -175,7 +247,7 @@ class SimCluster:
         node.state = CRASHED
         node.crashed_at = self.now
         node.backlog.clear()
-        node.timer_at = float("inf")
+        node.timer_at = INF
 
     def pause(self, idx: int, duration: float) -> None:
         node = self.nodes[idx]
@@ -195,7 +267,7 @@ class SimCluster:
         for _, data, reliable in backlog:
             node.machine.receive(data, self.now, reliable)
         node.machine.tick(self.now)
-        node.timer_at = float("inf")
+        node.timer_at = INF
         self._flush(node)
 
     def restart(self, idx: int, incarnation: int | None = None) -> None:
@@ -205,7 +277,7 @@ class SimCluster:
         node.incarnation = inc
         node.state = UP
         node.backlog.clear()
-        node.timer_at = float("inf")
+        node.timer_at = INF
         node.machine = self.factory(idx, self.now, inc, random.Random(self.rng.getrandbits(64)))
         self._flush(node)
 
