@@ -390,30 +390,9 @@ def trainer_main(args: argparse.Namespace) -> int:
 
 def _free_port_block(n: int, width: int = 3) -> list[int]:
     """``n`` ports p such that TCP p..p+width-1 and UDP p are free (agent, store, donor)."""
-    ports: list[int] = []
-    while len(ports) < n:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        base = s.getsockname()[1]
-        s.close()
-        if base + width >= 65535 or any(abs(base - p) < width + 1 for p in ports):
-            continue
-        held: list[socket.socket] = []
-        try:
-            for i in range(width):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                held.append(t)
-            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            u.bind(("127.0.0.1", base))
-            held.append(u)
-            ports.append(base)
-        except OSError:
-            pass
-        finally:
-            for h in held:
-                h.close()
-    return ports
+    from gossiprec.bench.agents import free_ports
+
+    return free_ports(n, width)
 
 
 def _read_int(path: Path) -> int:

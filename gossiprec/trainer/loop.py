@@ -121,6 +121,9 @@ log = logging.getLogger(__name__)
 STORE_OFFSET = 1
 DONOR_OFFSET = 2
 FAILURE_EVENTS = frozenset({"MemberFailed", "MemberLeft", "AlertRaised", "MemberSuspected"})
+CONTROL_TIMEOUT = 30.0
+"""Seconds a trainer waits for its agent's reply to a request (the state and report messages of every
+step are not requests: they never wait). A dead agent closes the socket, which fails at once."""
 WAITING = "waiting"
 """The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
 JOB_ENTRY = "gossiprec"
@@ -338,7 +341,10 @@ class ResilientTrainer:
         """The thread that runs the loop (the only one that checks and takes finished snapshot copies)."""
         """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`_commit_snapshot`)."""
         if control is None:
-            control = ControlClient(control_path) if control_path else ControlClient.from_env()
+            # generous: when a whole job starts at once on few cores (every rank importing torch beside
+            # its agent), an agent may take many seconds to answer its first request
+            control = (ControlClient(control_path, timeout=CONTROL_TIMEOUT) if control_path
+                       else ControlClient.from_env(timeout=CONTROL_TIMEOUT))
         self.control = control
         self._control_path = control.path
         self.node: str = str(control.node)
@@ -634,7 +640,7 @@ class ResilientTrainer:
     # ------------------------------------------------------------------ agent events
     def _follow_events(self) -> None:
         try:
-            client = ControlClient(self._control_path)
+            client = ControlClient(self._control_path, timeout=CONTROL_TIMEOUT)
             client.subscribe()
         except ControlError as exc:
             self._set_lost(f"cannot follow the agent's events: {exc}")
