@@ -47,6 +47,11 @@ from gossiprec.errors import ConfigError
 
 DEFAULT_PORT = 7980
 """UDP and TCP port of the agent (both protocols share the number)."""
+AGENT_STARTUP_GRACE = 30.0
+"""Seconds an agent waits before probing a view-0 member it has not heard from yet (see the core's
+``Config.startup_grace``). Measured: 17 ranks starting on 2 cores, the last agents came up ~10 s after the
+first; without a grace their peers suspected them, raised alerts that could not be decided under that
+load, and fenced the whole cluster before training began."""
 ROLES = ("trainer", "spare")
 AGENT_PROFILES = ("lan", "wan")
 LOG_FORMATS = ("json", "text")
@@ -182,8 +187,11 @@ class AgentSettings:
             raise ConfigError("invalid agent settings:\n  " + "\n  ".join(problems))
 
     def protocol_config(self) -> Config:
-        """The core's frozen :class:`Config` for these settings."""
-        return Config.profile(self.profile, cluster=self.cluster, **dict(self.protocol))
+        """The core's frozen :class:`Config` for these settings. An agent gets ``startup_grace`` =
+        :data:`AGENT_STARTUP_GRACE` unless the ``[protocol]`` table sets it: a job's agents start one by
+        one, and none should be judged before it had the time to come up."""
+        return Config.profile(self.profile, cluster=self.cluster,
+                              **{"startup_grace": AGENT_STARTUP_GRACE, **dict(self.protocol)})
 
     def seed_addrs(self) -> tuple[str, ...]:
         """Seeds normalised to ``host:port``."""

@@ -23,6 +23,7 @@ from gossiprec.io import agent as agent_mod
 from gossiprec.io import launcher as launcher_mod
 from gossiprec.io.agent import Agent
 from gossiprec.io.control import ControlClient
+from gossiprec.errors import ConfigError
 from gossiprec.io.launcher import Launcher, child_environment, describe_exit, exit_code_of
 from gossiprec.settings import AgentSettings
 
@@ -66,6 +67,21 @@ async def test_child_gets_coordinates_and_its_exit_code_passes_through(sockdir: 
                     "THP_MEM_ALLOC_ENABLE": "1"}  # huge pages for torch's CPU allocator by default
     assert launcher.agent is not None and launcher.agent.leave_reason == "training process exited with code 7"
     assert child_environment(launcher.agent, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+async def test_child_runs_below_the_agent_cpu_priority(sockdir: str) -> None:
+    code = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = []
+    for nice in (5, 0):
+        launcher = Launcher(settings(sockdir, 0), [PY, "-c", code], forward_signals=False, child_nice=nice,
+                            child_kwargs={"stdout": asyncio.subprocess.PIPE})
+        assert await launcher.run() == 0
+        assert launcher.proc is not None and launcher.proc.stdout is not None
+        seen.append(int(await launcher.proc.stdout.read()))
+    assert seen == [min(19, base + 5), base]
+    with pytest.raises(ConfigError, match="trainer-nice"):
+        Launcher(settings(sockdir, 0), [PY], child_nice=20)
 
 
 async def test_missing_command_gives_127(sockdir: str) -> None:

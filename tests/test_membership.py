@@ -820,3 +820,23 @@ def test_member_reaped_and_rejoined_is_probed_as_often_as_the_others() -> None:
     targets = [m.target for _, m in pump.sent(Ping, "o", since=t)]
     counts = {n: targets.count(n) for n in ("x", "y")}
     assert abs(counts["x"] - counts["y"]) <= 2, f"o's probes per member over 4 s: {counts}"
+
+
+def test_startup_grace_spares_members_not_heard_from_yet() -> None:
+    from dataclasses import replace
+
+    cfg = replace(CFG, startup_grace=5.0)
+    o = Membership(cfg, "o", addr("o"), incarnation=1, rng=random.Random(3), now=0.0,
+                   members=table(["o", "x", "y"]))
+    run_alone(o, 0.05)
+    deliver(o, 0.05, Ping(7, "o", "y", addr("y")))  # y's agent is up: it pinged us
+    sends: list[tuple[float, str, Message]] = []
+    events = run_alone(o, 4.9, sends=sends)
+    pinged = {m.target for _, _, m in sends if isinstance(m, Ping)}
+    assert pinged == {"y"}  # x, never heard from, is neither probed nor suspected during the grace
+    assert not [e for e in events if isinstance(e, (MemberSuspected, MemberFailed)) and e.name == "x"]
+    sends.clear()
+    events = run_alone(o, 9.0, sends=sends)
+    assert "x" in {m.target for _, _, m in sends if isinstance(m, Ping)}  # grace over: probed like anyone
+    with pytest.raises(ConfigError, match="startup_grace"):
+        Config(startup_grace=-1.0)

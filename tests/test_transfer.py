@@ -143,8 +143,30 @@ def test_default_stripes_and_lazy_sealing(donor_objects: dict[str, Any]) -> None
     with serve(snap, chunk_size=4096) as d1, serve(snap, chunk_size=4096) as d2, \
             serve(snap, chunk_size=4096) as d3:
         stats = fetch_state([(LOCAL, d.port) for d in (d1, d2, d3)], KEY, target, step=3, epoch=0)
+        # each donor tagged only the chunks of its own stripe, and only once
+        seals = [d._last_seal for d in (d1, d2, d3)]
+        assert all(s is not None for s in seals)
+        tagged = [{g for g, t in enumerate(s._tags) if t is not None} for s in seals]  # type: ignore[union-attr]
+        n_chunks = len(seals[0].chunks)  # type: ignore[union-attr]
+        assert all(tagged) and set.union(*tagged) == set(range(n_chunks))
+        assert sum(len(t) for t in tagged) == n_chunks  # disjoint: no chunk tagged twice
     assert_same_state(donor_objects, objects)
     assert len(stats.donors) == 3
+
+
+def test_prepared_stripe_is_tagged_before_the_request(donor_objects: dict[str, Any]) -> None:
+    snap = capture_state(donor_objects, step=3)
+    objects, target = spare()
+    total = target.total_nbytes
+    with serve(snap, chunk_size=4096) as d:
+        d.prepare(snap, [(0, total // 2)])
+        seal = d._last_seal
+        assert seal is not None and seal.snapshot is snap
+        first = {g for g, t in enumerate(seal._tags) if t is not None}
+        assert first == set(seal.stripe(0, total // 2)) and len(first) < len(seal.chunks)
+        fetch_state([(LOCAL, d.port)], KEY, target, step=3, epoch=0)
+        assert d._last_seal is seal  # the same lazy seal served the request: the prepared tags were used
+    assert_same_state(donor_objects, objects)
 
 
 def test_corrupted_byte_in_transit_is_refused(donor_objects: dict[str, Any]) -> None:

@@ -61,6 +61,12 @@ class Config:
     verify_defer: float = 0.4
     """Members that only heard of a suspicion wait this much longer than the accusers before they verify
     it themselves; the accusers' verdict usually reaches them first (saves N probes per failure)."""
+    startup_grace: float = 0.0
+    """Seconds after this node starts during which members it has never heard from (no ping, ack or
+    Alive of theirs received) are neither probed nor suspected: the members of a job's view 0 start one
+    by one, and on a saturated machine the last agents come up many seconds after the first. Such a
+    member is probed normally once heard from, or once the grace ends. 0 in the core's profiles (the
+    simulator starts every node at once); agents use ``AgentSettings.startup_grace`` (30 s)."""
     starve_slack: float = 0.25
     """A timer that fires later than this past its deadline means this process was starved (paused,
     swapped, GC): it raises its own health score instead of accusing the peer."""
@@ -98,6 +104,8 @@ class Config:
             "probe_interval", "probe_timeout", "indirect_timeout", "suspicion_mult", "suspicion_floor",
             "verify_timeout", "gossip_interval", "pushpull_interval", "starve_slack",
         )
+        if not (isinstance(self.startup_grace, (int, float)) and self.startup_grace >= 0):
+            problems.append(f"startup_grace must be >= 0 s, got {self.startup_grace!r}")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:

@@ -185,6 +185,9 @@ class Membership:
         self._sends: list[Send] = []
         self._events: list[MemberEvent] = []
         self.counters: dict[str, int] = {}
+        self._grace_until = now + config.startup_grace
+        self._heard: set[str] | None = set() if config.startup_grace > 0 else None
+        """Members heard from directly or by an Alive of theirs, while the startup grace lasts (else None)."""
         jitter = rng.random()
         self._at(now + jitter * config.probe_interval, _PROBE, None)
         known = self._base.get(name)
@@ -435,6 +438,11 @@ class Membership:
                 continue
             rec = self.member(name)
             if rec is not None and rec.live:
+                heard = self._heard
+                if heard is not None and name not in heard:
+                    if self._now < self._grace_until:
+                        continue  # a view-0 member whose agent may not be up yet: not judged yet
+                    self._heard = None  # grace over: everyone is probed from now on
                 return name
         return None
 
@@ -549,11 +557,15 @@ class Membership:
         if msg.target != self.name:
             self._count("rx_misdirected_ping")
             return
+        if self._heard is not None:
+            self._heard.add(msg.src)
         ack = Ack(msg.seq, self.name, self.incarnation, self._my_progress.step, self._my_progress.phase,
                   self._my_progress.step_ms)
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
+        if self._heard is not None:
+            self._heard.add(msg.src)
         relay = self._relays.get(msg.seq)
         if relay is not None:
             if not relay.done:
@@ -598,6 +610,8 @@ class Membership:
             if msg.incarnation > self.incarnation and not self.left:
                 self._refute(msg.incarnation, "alive-conflict", now)
             return
+        if self._heard is not None:
+            self._heard.add(msg.name)
         cur = self._own.get(msg.name)  # member(), inlined
         if cur is None:
             cur = self._base.get(msg.name)

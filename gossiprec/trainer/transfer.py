@@ -26,9 +26,13 @@ directly, always ``HKDF(cluster key, salt, "gossiprec-xfer-v1" + label + context
 * :func:`seal_state` cuts the payload into chunks (:func:`plan_chunks`: at most ``chunk_size`` bytes,
   never across a tensor boundary, so each chunk is one contiguous piece of one destination tensor)
   and tags chunk ``g`` under the snapshot key (salt = 16 random bytes per seal, label "state",
-  nonce = g). Sealing once, when the donor commits, takes the crypto off the transfer's critical path:
-  the donor then only calls ``sendall``. The tags are the per-chunk checksums: computed where the
-  state was captured, verified where it lands, keyed, and faster than crc32.
+  nonce = g). Sealing ahead of time takes the crypto off the transfer's critical path: the donor
+  then only calls ``sendall``. A donor handed a raw snapshot wraps it in a :class:`LazySeal`, which
+  tags only the chunks receivers ask for, each once: when several donors stripe one transfer, each
+  tags its own stripe (presealing the whole state on every survivor at a view change cost each of
+  them a full GMAC pass while the transfer ran, on a machine with fewer cores than processes). The
+  tags are the per-chunk checksums: computed where the state was captured, verified where it lands,
+  keyed, and faster than crc32.
 * The response header carries the seal salt and the stripe's tags and is tagged under
   ``salt = transfer id + donor salt`` (label "response", nonce 0). The receiver draws a fresh random
   transfer id per fetch, so a recorded old header cannot be replayed into a new transfer; chunks are
@@ -237,6 +241,51 @@ class SealedState:
     def step(self) -> int:
         return self.snapshot.step
 
+    def tags_for(self, sel: range) -> bytes:
+        """The tags of chunks ``sel`` (contiguous chunk indices), concatenated."""
+        return self.tags[sel.start * TAG_SIZE:sel.stop * TAG_SIZE]
+
+
+class LazySeal:
+    """A snapshot whose chunks are tagged on first demand, each once (what a donor makes of a raw
+    snapshot): a donor serving one stripe of several tags only that stripe, so the GMAC work of a
+    striped transfer is split among its donors instead of repeated by each. Thread-safe."""
+
+    def __init__(self, snapshot: StateSnapshot, key: bytes, chunk_size: int, context: bytes = b"") -> None:
+        if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
+            raise ConfigError(f"chunk_size must be in [{MIN_CHUNK}, {MAX_CHUNK}], got {chunk_size}")
+        self.snapshot = snapshot
+        self.salt = os.urandom(ID_SIZE)
+        self.chunk_size = chunk_size
+        self.chunks = tuple(plan_chunks(snapshot.header.tensors, 0, snapshot.header.total_nbytes, chunk_size))
+        self._aead = derive_aead(key, self.salt, b"state", context)
+        self._tags: list[bytes | None] = [None] * len(self.chunks)
+        self._views: list[memoryview] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        return self.snapshot.step
+
+    def tags_for(self, sel: range) -> bytes:
+        """Tag the chunks of ``sel`` not tagged yet, then return their tags concatenated. A second
+        caller for the same chunks waits for the first instead of tagging them again."""
+        tags = self._tags
+        if any(tags[g] is None for g in sel):
+            with self._lock:
+                if self._views is None:
+                    self._views = self.snapshot.views()
+                views, encrypt = self._views, self._aead.encrypt
+                for g in sel:
+                    if tags[g] is None:
+                        ti, lo, hi = self.chunks[g]
+                        tags[g] = encrypt(_nonce(g), b"", views[ti][lo:hi])
+        return b"".join(tags[g] for g in sel)  # type: ignore[misc]
+
+    def stripe(self, start: int, end: int) -> range:
+        """Indices of the chunks a request for bytes ``[start, end)`` is served."""
+        return select_chunks(self.chunks, self.snapshot.header.tensors, start, end)
+
 
 def seal_state(snapshot: StateSnapshot, key: bytes, *, chunk_size: int = DEFAULT_CHUNK,
                context: bytes = b"") -> SealedState:
@@ -290,7 +339,7 @@ class DonorServer:
     """Serves byte ranges of this process's committed state to receivers, one thread per connection.
 
     ``state_provider(epoch, step)`` returns the state to serve: a :class:`SealedState` (best: sealed
-    at commit time) or a plain snapshot, which the server seals on first request (``chunk_size``) and
+    at commit time) or a plain snapshot, whose requested chunks the server tags on demand (``chunk_size``) and
     reuses while the provider returns that same object. It is called once per request and may refuse
     by returning None or raising a GossiprecError (its message goes back to the receiver). The server
     itself refuses when the state's step differs from the requested one. The snapshot's tensors must
@@ -303,7 +352,7 @@ class DonorServer:
         _check_key(key)
         self._chunk_size = chunk_size
         self._seal_lock = threading.Lock()
-        self._last_seal: SealedState | None = None
+        self._last_seal: LazySeal | None = None
         self._provider = state_provider
         self._key = bytes(key)
         self._context = context
@@ -424,25 +473,27 @@ class DonorServer:
                 self._threads.discard(threading.current_thread())
             conn.close()
 
-    def preseal(self, snapshot: StateSnapshot) -> None:
-        """Seal ``snapshot`` now (blocking; call it from a spare thread), so that a receiver's first
-        request does not wait for the GMAC pass over the whole payload (~20 ms per 100 MB here)."""
-        self._sealed(snapshot)
+    def prepare(self, snapshot: StateSnapshot, ranges: Sequence[tuple[int, int]]) -> None:
+        """Tag the chunks of byte ranges ``ranges`` of ``snapshot`` now (blocking: call it from a spare
+        thread as soon as a plan names this donor), so that the receivers' requests find them ready."""
+        seal = self._sealed(snapshot)
+        assert isinstance(seal, LazySeal)
+        for start, end in ranges:
+            seal.tags_for(seal.stripe(start, end))
 
-    def _sealed(self, served: SealedState | StateSnapshot) -> SealedState:
+    def _sealed(self, served: SealedState | StateSnapshot) -> SealedState | LazySeal:
         if isinstance(served, SealedState):
             return served
-        with self._seal_lock:  # a raw snapshot is sealed once, on first request
+        with self._seal_lock:  # one lazy seal per raw snapshot: its chunks are tagged as requested
             if self._last_seal is None or self._last_seal.snapshot is not served:
-                self._last_seal = seal_state(served, self._key, chunk_size=self._chunk_size,
-                                             context=self._context)
+                self._last_seal = LazySeal(served, self._key, self._chunk_size, self._context)
             return self._last_seal
 
     def _respond(self, conn: socket.socket, tid: bytes, req: TransferRequest, peer: str) -> None:
         salt = os.urandom(ID_SIZE)
         aead = derive_aead(self._key, tid + salt, b"response", self._context)
         refusal: str | None = None
-        sealed: SealedState | None = None
+        sealed: SealedState | LazySeal | None = None
         try:
             served = self._provider(req.epoch, req.step)
             if served is None:
@@ -468,7 +519,7 @@ class DonorServer:
         header = sealed.snapshot.header
         sel = select_chunks(sealed.chunks, header.tensors, req.start, req.end)
         body: dict[str, Any] = {**req.to_wire(), "chunk": sealed.chunk_size, "salt": sealed.salt,
-                "tags": sealed.tags[sel.start * TAG_SIZE:sel.stop * TAG_SIZE], "state": header.to_wire()}
+                "tags": sealed.tags_for(sel), "state": header.to_wire()}
         _send_frame(conn, aead, KIND_OK, salt, msgpack.packb(body, use_bin_type=True))
         views = sealed.snapshot.views()
         sent = 0
