@@ -332,6 +332,7 @@ class ResilientTrainer:
         self.background_snapshot = background_snapshot
         self._copier = _Copier()
         self._late: frozenset[int] = frozenset()
+        """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`_commit_snapshot`)."""
         self._unchanged: frozenset[int] = frozenset()
         self._live_dirty = False
         """A fetch wrote into the live tensors (outside torch, no version bump) since the last capture."""
@@ -339,7 +340,6 @@ class ResilientTrainer:
         """Snapshot buffers nothing refers to (a spare's, allocated while it waits): reused by commits."""
         self._owner = threading.get_ident()
         """The thread that runs the loop (the only one that checks and takes finished snapshot copies)."""
-        """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`_commit_snapshot`)."""
         if control is None:
             # generous: when a whole job starts at once on few cores (every rank importing torch beside
             # its agent), an agent may take many seconds to answer its first request
