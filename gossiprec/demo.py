@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from gossiprec.bench.agents import free_ports
 from gossiprec.errors import ConfigError, GossiprecError
 
 if TYPE_CHECKING:
@@ -388,13 +389,6 @@ def trainer_main(args: argparse.Namespace) -> int:
 # the orchestrator
 
 
-def _free_port_block(n: int, width: int = 3) -> list[int]:
-    """``n`` ports p such that TCP p..p+width-1 and UDP p are free (agent, store, donor)."""
-    from gossiprec.bench.agents import free_ports
-
-    return free_ports(n, width)
-
-
 def _read_int(path: Path) -> int:
     try:
         return int(path.read_text() or -1)
@@ -470,7 +464,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     unknown = {f.node for f in faults} - set(names)
     if unknown:
         raise ConfigError(f"faults name unknown nodes {sorted(unknown)}; nodes are {names}")
-    ports = _free_port_block(len(names))
+    ports = free_ports(len(names), width=3)  # agent, store, donor
     if tp_pp < 1 or ranks % tp_pp:
         raise ConfigError(f"tp_pp must divide ranks ({ranks}), got {tp_pp}")
     topology = ['topology = "ddp"'] if tp_pp == 1 else ['topology = "grid"', f"dp = {ranks // tp_pp}",

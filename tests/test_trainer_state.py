@@ -367,7 +367,7 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot() -> None
     control = _StubControl()
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=control)  # type: ignore[arg-type]
     rt._commit_snapshot(1)
-    rt._late = rt._late_tensors(list(model.parameters()))  # what allreduce_gradients sets
+    rt._update_late(list(model.parameters()))  # what allreduce_gradients does
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)  # parameters and moments are copied by the background thread
     expected = capture_state(rt.objects, step=2, checksum=False)
@@ -406,3 +406,26 @@ def test_restore_skips_only_tensors_unchanged_since_the_capture() -> None:
     tensor_bytes(model[0].bias.data)[:4] = b"\xff\xff\xff\xff"
     assert restore_state(objects, snap) == snap.header.total_nbytes
     assert capture_state(objects, step=1, checksum=False).payload() == expected
+
+
+def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    rt = ResilientTrainer(training_state(model, opt, rng=False), control=_StubControl())  # type: ignore[arg-type]
+    params = list(model.parameters())
+    rt._update_late(params)
+    first = rt._late
+    assert first == {p.data_ptr() for p in params}  # no optimizer state yet
+    rt._update_late(params)
+    assert rt._late is first  # same key: not rebuilt on the training step's path
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()  # creates the moments: the key moves
+    rt._update_late(params)
+    moments = {v.data_ptr() for st in opt.state.values() for v in st.values()}
+    assert rt._late == first | moments and rt._late is not first
+    rt._late = frozenset()  # what a recovery does
+    rt._update_late(params)
+    assert rt._late == first | moments
+    rt.close()

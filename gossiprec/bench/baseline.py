@@ -481,13 +481,13 @@ def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
 
 def run_gossiprec_job(spec: BaselineSpec, name: str, tmp: Path, say: Callable[[str], None]) -> JobResult:
     """One failure-free gossiprec job: ``ranks`` recovery-bench trainers + 1 hot spare under agents."""
-    from gossiprec.demo import _free_port_block
+    from gossiprec.bench.agents import free_ports
     from gossiprec.io.keyring import Keyring, decode_key, generate_key
 
     tmp.mkdir(parents=True, exist_ok=True)
     res = JobResult(name, loadavg=[round(os.getloadavg()[0], 2)])
     names = [f"n{i}" for i in range(spec.ranks + 1)]
-    ports = _free_port_block(len(names))
+    ports = free_ports(len(names), width=3)
     _write_job(tmp, names, ports, spec.ranks)
     Keyring([decode_key(generate_key())]).save(tmp / "keyring.json")
     env = {**_env(), "GOSSIPREC_KEYRING": str(tmp / "keyring.json")}

@@ -279,14 +279,15 @@ def _write_job(tmp: Path, names: Sequence[str], ports: Sequence[int], ranks: int
 
 def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], None]) -> TrialResult:
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
-    from gossiprec.demo import _free_port_block, _read_int, _timeline
+    from gossiprec.bench.agents import free_ports
+    from gossiprec.demo import _read_int, _timeline
     from gossiprec.io.keyring import Keyring, decode_key, generate_key
     from gossiprec.trainer.transfer import loopback_tcp_baseline
 
     tmp.mkdir(parents=True, exist_ok=True)
     ranks = spec.ranks
     names = [f"n{i}" for i in range(ranks + spec.spares)]
-    ports = _free_port_block(len(names))
+    ports = free_ports(len(names), width=3)
     _write_job(tmp, names, ports, ranks)
     Keyring([decode_key(generate_key())]).save(tmp / "keyring.json")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "GOSSIPREC_KEYRING": str(tmp / "keyring.json"),

@@ -333,6 +333,9 @@ class ResilientTrainer:
         self._copier = _Copier()
         self._late: frozenset[int] = frozenset()
         """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`_commit_snapshot`)."""
+        self._late_for: tuple[Any, ...] = ()
+        """The key :attr:`_late` was computed for (see :meth:`_update_late`)."""
+        self._optimizers: list[Any] | None = None
         self._unchanged: frozenset[int] = frozenset()
         self._live_dirty = False
         """A fetch wrote into the live tensors (outside torch, no version bump) since the last capture."""
@@ -495,7 +498,7 @@ class ResilientTrainer:
             offset += n
         self._settle_snapshot()  # the optimizer step comes next: the last commit's copies must be done
         if self.background_snapshot:
-            self._late = self._late_tensors(plist)
+            self._update_late(plist)
         self._report(self.step + 1, "optimizer")
         self._hook(self.step + 1, "optimizer")
         return True
@@ -609,6 +612,18 @@ class ResilientTrainer:
                 f"the optimizer step ({', '.join(changed[:3])}): with background_snapshot=True only the "
                 "optimizer step, after allreduce_gradients(), may change parameters and optimizer state; "
                 "pass background_snapshot=False to ResilientTrainer")
+
+    def _update_late(self, params: list[torch.Tensor]) -> None:
+        """Set :attr:`_late` for ``params``; on the training step's path, so it is rebuilt only when a
+        cheap key moves (other parameters, optimizer state created or reloaded) or a recovery cleared it."""
+        if self._optimizers is None:
+            import torch
+
+            self._optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        key = (len(params), id(params[0]) if params else 0, id(params[-1]) if params else 0,
+               tuple((id(o.state), len(o.state)) for o in self._optimizers))
+        if not self._late or key != self._late_for:
+            self._late, self._late_for = self._late_tensors(params), key
 
     def _late_tensors(self, params: list[torch.Tensor]) -> frozenset[int]:
         """``data_ptr()`` of ``params`` and of every optimizer state tensor among the objects."""

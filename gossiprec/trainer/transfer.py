@@ -294,14 +294,9 @@ def seal_state(snapshot: StateSnapshot, key: bytes, *, chunk_size: int = DEFAULT
     Do it when the state is committed, not when a receiver asks: the transfer then costs the donor no
     crypto. The snapshot must not change afterwards (receivers would refuse the changed chunks).
     """
-    if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
-        raise ConfigError(f"chunk_size must be in [{MIN_CHUNK}, {MAX_CHUNK}], got {chunk_size}")
-    salt = os.urandom(ID_SIZE)
-    aead = derive_aead(key, salt, b"state", context)
-    chunks = plan_chunks(snapshot.header.tensors, 0, snapshot.header.total_nbytes, chunk_size)
-    views = snapshot.views()
-    tags = b"".join(aead.encrypt(_nonce(g), b"", views[ti][lo:hi]) for g, (ti, lo, hi) in enumerate(chunks))
-    return SealedState(snapshot, salt, chunk_size, tuple(chunks), tags)
+    seal = LazySeal(snapshot, key, chunk_size, context)
+    tags = seal.tags_for(range(len(seal.chunks)))
+    return SealedState(snapshot, seal.salt, chunk_size, seal.chunks, tags)
 
 
 def _check_stripes(stripes: Sequence[tuple[int, int]], total: int, n: int) -> None:
