@@ -23,7 +23,8 @@ def test_one_kill_trial_reports_sane_values() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GOSSIPREC_")}
     out = subprocess.run(
         [sys.executable, "-m", "gossiprec.bench.recovery", "--ranks", "2", "--hidden", "16", "--trials", "1",
-         "--step-ms", "30", "--kill-at", "5", "--post-steps", "2", "--trial-timeout", "90", "--json"],
+         "--step-ms", "30", "--kill-at", "5", "--post-steps", "2", "--trial-timeout", "90", "--json",
+         "--agent-log-level", "info"],  # a failed trial keeps its logs: with every agent event in them
         capture_output=True, text=True, timeout=150, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
