@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from gossiprec.core.config import Config
+from gossiprec.core.node import AgreementConfig
 from gossiprec.errors import ConfigError
 
 DEFAULT_PORT = 7980
@@ -179,6 +180,7 @@ class AgentSettings:
         if self.profile in AGENT_PROFILES and self.cluster:
             try:
                 self.protocol_config()
+                self.agreement_config()
             except (ConfigError, TypeError) as exc:
                 bad("protocol", str(exc))
         elif not self.cluster:
@@ -190,8 +192,12 @@ class AgentSettings:
         """The core's frozen :class:`Config` for these settings. An agent gets ``startup_grace`` =
         :data:`AGENT_STARTUP_GRACE` unless the ``[protocol]`` table sets it: a job's agents start one by
         one, and none should be judged before it had the time to come up."""
-        return Config.profile(self.profile, cluster=self.cluster,
-                              **{"startup_grace": AGENT_STARTUP_GRACE, **dict(self.protocol)})
+        over = {k: v for k, v in self.protocol if k not in _AGREEMENT_FIELDS}
+        return Config.profile(self.profile, cluster=self.cluster, **{"startup_grace": AGENT_STARTUP_GRACE, **over})
+
+    def agreement_config(self) -> AgreementConfig:
+        """The agreement layer's parameters: defaults with the ``[protocol]`` table's agreement fields."""
+        return AgreementConfig(**{k: v for k, v in self.protocol if k in _AGREEMENT_FIELDS})
 
     def seed_addrs(self) -> tuple[str, ...]:
         """Seeds normalised to ``host:port``."""
@@ -326,13 +332,16 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "job": _as_opt_str,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
+_AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
+"""The ``[protocol]`` table (and ``--protocol``) takes the fields of both :class:`Config` (detection) and
+:class:`AgreementConfig` (agreement, hang detection: ``hang_floor``, ``hang_mult``, ``fence_after``...)."""
 
 
 def _protocol_value(name: str, v: Any, where: str) -> Any:
-    if name not in _CONFIG_FIELDS:
-        known = ", ".join(sorted(_CONFIG_FIELDS))
+    if name not in _CONFIG_FIELDS and name not in _AGREEMENT_FIELDS:
+        known = ", ".join(sorted([*_CONFIG_FIELDS, *_AGREEMENT_FIELDS]))
         raise ConfigError(f"{where}: unknown protocol setting {name!r}; known: {known}")
-    default = getattr(Config(), name)
+    default = getattr(Config() if name in _CONFIG_FIELDS else AgreementConfig(), name)
     if isinstance(default, bool):
         return _as_bool(v, where)
     if isinstance(default, int):

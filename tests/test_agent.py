@@ -290,6 +290,31 @@ def test_settings_report_every_bad_value_with_its_source(tmp_path: Path) -> None
         AgentSettings(insecure=True, protocol=(("suspicion_floor", -1.0),))
 
 
+def test_protocol_table_sets_agreement_fields_too(tmp_path: Path) -> None:
+    toml = tmp_path / "agent.toml"
+    toml.write_text('insecure = true\n[protocol]\nprobe_interval = 0.2\nhang_floor = 0.5\nevict_stragglers = true\n')
+    s = settings_from_args(parse(["--protocol", "fence_after=5", "--protocol", "k=6"]),
+                           {"GOSSIPREC_CONFIG": str(toml)})
+    agreement = s.agreement_config()
+    assert (agreement.hang_floor, agreement.evict_stragglers, agreement.fence_after, agreement.k) == (0.5, True, 5.0, 6)
+    assert agreement.hang_mult == 3.0  # untouched fields keep their defaults
+    assert s.protocol_config().probe_interval == 0.2  # and the detection fields still reach Config
+    with pytest.raises(ConfigError, match="hang_floor must be a finite number >= 0"):
+        settings_from_args(parse(["--insecure", "--protocol", "hang_floor=-1"]), {})
+    with pytest.raises(ConfigError, match="hang_floor must be > 0"):
+        settings_from_args(parse(["--insecure", "--protocol", "hang_floor=0"]), {})
+    with pytest.raises(ConfigError, match="k must be an integer >= 1"):
+        settings_from_args(parse(["--insecure", "--protocol", "k=0"]), {})
+    # the agent's machine (joining without a job spec here) runs with exactly these parameters
+    import random
+
+    from gossiprec.io.agent import node_factory
+
+    machine = node_factory(s)(s.protocol_config(), "n1", "127.0.0.1:1", incarnation=1, role="spare", now=0.0,
+                              rng=random.Random(1), seeds=())
+    assert machine.acfg == agreement
+
+
 def test_settings_default_keyring_and_addresses(tmp_path: Path) -> None:
     keyring = tmp_path / "gossiprec" / "keyring.json"
     keyring.parent.mkdir()

@@ -23,9 +23,10 @@ from gossiprec.core.membership import MemberInfo
 from gossiprec.core.node import AlertRaised, Node
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.topology import JobTopology
-from gossiprec.core.view import REMOVE, View, ViewMember
+from gossiprec.core.consensus import change_rows
+from gossiprec.core.view import REMOVE, Change, View, ViewMember, changes_digest
 from gossiprec.core.wire import (
-    UNREACHABLE, Alert, Dead, Votes, ViewRequest, ViewState, decode_packet, encode_packet,
+    UNREACHABLE, Alert, Dead, Decided, Votes, ViewDelta, ViewRequest, ViewState, decode_packet, encode_packet,
 )
 from gossiprec.sim.agree import AgreeParams, run_agreement
 from gossiprec.sim.network import Network
@@ -137,6 +138,57 @@ def test_agreement_messages_about_another_view_are_counted_not_applied() -> None
     # rate-limited: another one at once asks nobody
     node.receive(encode_packet([Votes(v.epoch + 3, "0123456789abcdef", b"\x01" * 16, b"\x3f")]), 0.25)
     assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] == []
+
+
+def _decide(node: Node, changes: list[Change], now: float) -> None:
+    """Feed ``node`` the decision of its current view (as a peer's Decided message would)."""
+    v = node.view
+    assert v is not None
+    msg = Decided(v.epoch, v.config_id, changes_digest(v.epoch, v.config_id, changes), change_rows(changes))
+    node.receive(encode_packet([msg]), now)
+
+
+def test_a_member_behind_catches_up_by_delta_not_by_the_full_view() -> None:
+    v0 = view0()
+    ahead, behind = make_node("n1", v0), make_node("n0", v0)
+    _decide(ahead, [Change("n5", REMOVE)], 0.1)
+    _decide(ahead, [Change("n4", REMOVE)], 0.2)
+    assert ahead.view is not None and ahead.view.epoch == 2
+    ahead.take_sends()
+    ahead.receive(encode_packet([ViewRequest(0, v0.config_id, "n0", "n0")]), 0.3)
+    replies = [m for a, m in sent_messages(ahead) if a == "n0"]
+    assert len(replies) == 1 and isinstance(replies[0], ViewDelta), replies
+    delta = replies[0]
+    assert (delta.epoch, delta.config, len(delta.steps)) == (0, v0.config_id, 2)
+    behind.take_events()
+    behind.receive(encode_packet([delta]), 0.4, reliable=True)
+    assert behind.view is not None and behind.view == ahead.view
+    assert behind.view.config_id == ahead.view.config_id
+    installed = [e for e in behind.take_events() if type(e).__name__ == "ViewInstalled"]
+    assert [(e.epoch, e.removed) for e in installed] == [(2, ("n4",))]
+    # the same delta again is stale news; a member it does not lead from gets nothing
+    behind.receive(encode_packet([delta]), 0.5, reliable=True)
+    assert behind.counters["rx_stale_view"] == 1 and behind.view.epoch == 2
+    # a requester on an epoch we hold no history for (here: a joiner, config "") gets the full view
+    ahead.receive(encode_packet([ViewRequest(0, "", "n9", "n9")]), 0.6)
+    replies = [m for a, m in sent_messages(ahead) if a == "n9"]
+    assert len(replies) == 1 and isinstance(replies[0], ViewState)
+    assert View.from_wire(replies[0].view) == ahead.view
+    # a member already up to date is sent nothing
+    ahead.receive(encode_packet([ViewRequest(2, ahead.view.config_id, "n0", "n0")]), 0.7)
+    assert [m for a, m in sent_messages(ahead) if a == "n0"] == []
+
+
+def test_a_delta_that_does_not_reproduce_its_config_id_is_refused() -> None:
+    v0 = view0()
+    node = make_node("n0", v0)
+    rows = change_rows([Change("n5", REMOVE)])
+    forged = ViewDelta(0, v0.config_id, (("0123456789abcdef", rows),))
+    node.receive(encode_packet([forged]), 0.1, reliable=True)
+    assert node.counters["rx_bad_view"] == 1 and node.view is v0
+    true_next = v0.next([Change("n5", REMOVE)])
+    node.receive(encode_packet([ViewDelta(0, v0.config_id, ((true_next.config_id, rows),))]), 0.2, reliable=True)
+    assert node.view == true_next
 
 
 def test_alert_from_a_non_observer_does_not_count() -> None:

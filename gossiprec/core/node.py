@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, MutableMapping
 
 from gossiprec.core.config import Config
@@ -49,12 +49,13 @@ from gossiprec.core.membership import (
     Send,
 )
 from gossiprec.core.overlay import Overlay
-from gossiprec.core.view import JOIN, REMOVE, View
+from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
 from gossiprec.core.wire import (
     ALERT_REASONS, ALIVE, DEPARTED, LEFT, HUNG, JOINING, PHASES, UNREACHABLE, Accept, Accepted, Alert, Decided,
-    JoinRequest, Message, PlanDigest, Prepare, Promise, Proposal, Report, ViewRequest, ViewState, Votes,
+    JoinRequest, Message, PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
+    MAX_DELTA_STEPS,
 )
-from gossiprec.errors import ProtocolError
+from gossiprec.errors import ConfigError, ProtocolError
 
 PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
 MAX_EARLY = 4096
@@ -104,6 +105,25 @@ class AgreementConfig:
     then at doubling intervals (at most 2 s apart) ..."""
     reaggregate_for: float = 10.0
     """... for this long."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool):
+                if type(value) is not bool:
+                    problems.append(f"{f.name} must be true or false, got {value!r}")
+            elif f.type in ("int", int):
+                least = 0 if f.name == "direct_votes_max" else 1
+                if type(value) is not int or value < least:
+                    problems.append(f"{f.name} must be an integer >= {least}, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                    or value == float("inf"):
+                problems.append(f"{f.name} must be a finite number >= 0, got {value!r}")
+        if not problems and self.hang_floor <= 0:
+            problems.append(f"hang_floor must be > 0 s, got {self.hang_floor!r}")
+        if problems:
+            raise ConfigError("invalid agreement settings: " + "; ".join(problems))
 
 
 # --- events -----------------------------------------------------------------------------------------
@@ -222,6 +242,12 @@ class Node:
         self._trouble_since: float | None = None
         self._last_catchup = float("-inf")
         self._pushed_view: dict[str, float] = {}
+        self._subjects: tuple[str, ...] = ()
+        self._subject_set: frozenset[str] = frozenset()
+        self._hang_sample: list[str] = []
+        self._history: dict[tuple[int, str], tuple[str, tuple]] = {}
+        """(epoch, config id) of a view we held -> (config id of its successor, the agreed change rows):
+        what a :class:`ViewDelta` replays for a member still holding that view (last few only)."""
         self._early: list[Message] = []
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
@@ -230,7 +256,7 @@ class Node:
             self._install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
         else:
             for addr_ in seeds:
-                self.swim.send_addr(addr_, ViewRequest(0, name, addr), reliable=True)
+                self.swim.send_addr(addr_, ViewRequest(0, "", name, addr), reliable=True)
             self.swim.join(seeds, now)
             self._at(now + self.acfg.join_retry, _JOIN)
         self._at(now + 0.5, _WATCH)
@@ -308,8 +334,7 @@ class Node:
         if self.view is None or self.name not in self.view:
             for addr in seed_addrs:
                 if addr != self.addr:
-                    self.swim.send_addr(addr, ViewRequest(self.view.epoch if self.view else 0, self.name,
-                                                          self.addr), reliable=True)
+                    self.swim.send_addr(addr, self._view_request(), reliable=True)
 
     def members(self) -> list[MemberInfo]:
         return self.swim.members()
@@ -357,6 +382,13 @@ class Node:
         self._alerted = {}
         self._trouble_since = None
         ov = self._overlay(view)
+        mine = self.name in view
+        self._subjects = ov.subjects(self.name) if mine else ()
+        self._subject_set = frozenset(self._subjects)
+        # the hang check's sample: ourselves, our subjects and our observers (K random members each way),
+        # trainers only; fixed for the view, so each check costs O(K) without rebuilding it
+        sample = sorted({self.name} | self._subject_set | set(ov.observers(self.name))) if mine else []
+        self._hang_sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
         self._prev_consensus = getattr(self, "consensus", None)
         self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
         self.consensus = Consensus(view, self.name, self._bcast, self._send_to)
@@ -394,7 +426,7 @@ class Node:
             else:
                 self._at(now, _JOIN)
             return
-        if view.basis is not None and self.name in view.holders():
+        if view.basis is not None and view.is_holder(self.name):
             committed, inflight, size = self._state
             idx = view.index(self.name)
             assert idx is not None
@@ -411,6 +443,7 @@ class Node:
         d = self.consensus.decided
         assert d is not None and self.view is not None
         nv = self._next_view(self.view, d.digest, d.changes)
+        self._remember(self.view, nv, change_rows(d.changes))
         removed = tuple(c.node for c in d.changes if c.kind == REMOVE)
         joined = tuple(c.node for c in d.changes if c.kind == JOIN)
         self._install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
@@ -455,8 +488,7 @@ class Node:
             self._events.append(ev)
 
     def _is_my_subject(self, subject: str) -> bool:
-        v = self.view
-        return v is not None and self.name in v and subject in self._overlay(v).subjects(self.name)
+        return subject in self._subject_set
 
     def _maybe_focus(self, subject: str) -> None:
         if self._is_my_subject(subject) and subject not in self._streak:
@@ -531,6 +563,9 @@ class Node:
         if t is ViewState:
             self._on_view_state(msg, now)  # type: ignore[arg-type]
             return
+        if t is ViewDelta:
+            self._on_view_delta(msg, now)  # type: ignore[arg-type]
+            return
         if t is JoinRequest:
             self._on_join_request(msg, now)  # type: ignore[arg-type]
             return
@@ -548,7 +583,7 @@ class Node:
                     self._early.append(msg)
                 self._catch_up(now)
             elif epoch < v.epoch and t is Alert:
-                self._push_view(msg.observer, now)  # type: ignore[attr-defined]
+                self._push_view(msg.observer, epoch, config, now)  # type: ignore[attr-defined]
             self.counters["rx_other_epoch"] = self.counters.get("rx_other_epoch", 0) + 1
             return
         if t is Alert:
@@ -677,14 +712,47 @@ class Node:
         if now - self._last_catchup < self.acfg.catchup_interval or self.view is None:
             return
         self._last_catchup = now
-        # ask two members that SWIM holds alive (a random pick could be the very member that failed)
-        live = [rec for m in self.view.members if m.node != self.name
-                and (rec := self.swim.member(m.node)) is not None and rec.status == ALIVE]
-        for _ in range(min(2, len(live))):
-            rec = live.pop(self.rng.randrange(0, len(live)))
-            self.swim.send_addr(rec.addr, ViewRequest(self.view.epoch, self.name, self.addr))
+        # ask two members that SWIM holds alive (a random pick could be the very member that failed);
+        # random draws, not a scan of the view: O(1) per catch-up, not O(N)
+        members = self.view.members
+        asked: set[str] = set()
+        for _ in range(4 * len(members) if len(members) <= 16 else 32):
+            m = members[self.rng.randrange(0, len(members))]
+            if m.node == self.name or m.node in asked:
+                continue
+            rec = self.swim.member(m.node)
+            if rec is None or rec.status != ALIVE:
+                continue
+            asked.add(m.node)
+            self.swim.send_addr(rec.addr, self._view_request())
+            if len(asked) == 2:
+                break
 
-    def _push_view(self, node: str, now: float) -> None:
+    def _view_request(self) -> ViewRequest:
+        v = self.view
+        return ViewRequest(v.epoch if v else 0, v.config_id if v else "", self.name, self.addr)
+
+    def _remember(self, old: View, new: View, rows: tuple) -> None:
+        self._history[(old.epoch, old.config_id)] = (new.config_id, rows)
+        while len(self._history) > MAX_DELTA_STEPS:
+            del self._history[next(iter(self._history))]
+
+    def _view_news(self, epoch: int, config: str) -> ViewDelta | ViewState:
+        """What brings a member holding view (epoch, config) up to ours: the change sets since, when we
+        remember them all, else the full view."""
+        v = self.view
+        assert v is not None
+        steps = []
+        key = (epoch, config)
+        while key != (v.epoch, v.config_id):
+            step = self._history.get(key)
+            if step is None:
+                return ViewState(self._view_wire(v))
+            steps.append(step)
+            key = (key[0] + 1, step[0])
+        return ViewDelta(epoch, config, tuple(steps))
+
+    def _push_view(self, node: str, epoch: int, config: str, now: float) -> None:
         """A member still alerting in an older epoch missed the decision: send it the current view (at
         most once per ``catchup_interval`` per member). Also when the decision removed it (a healed
         minority): it learns it is out, and asks to join again."""
@@ -702,7 +770,7 @@ class Node:
         self._pushed_view[node] = now
         rec = self.swim.member(node)
         if rec is not None and rec.addr:
-            self.swim.send_addr(rec.addr, ViewState(self._view_wire(v)), reliable=True)
+            self.swim.send_addr(rec.addr, self._view_news(epoch, config), reliable=True)
 
     def _view_wire(self, v: View) -> list:
         """The wire form of a view, built once per view (shared through the memo)."""
@@ -713,8 +781,34 @@ class Node:
         return w  # type: ignore[no-any-return]
 
     def _on_view_request(self, msg: ViewRequest, now: float) -> None:
-        if self.view is not None and self.view.epoch >= msg.epoch:
-            self.swim.send_addr(msg.src_addr, ViewState(self._view_wire(self.view)), reliable=True)
+        v = self.view
+        if v is not None and (v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config)):
+            # (a joiner sends an empty config: no history matches it, so it gets the full view)
+            self.swim.send_addr(msg.src_addr, self._view_news(msg.epoch, msg.config), reliable=True)
+
+    def _on_view_delta(self, msg: ViewDelta, now: float) -> None:
+        v = self.view
+        if v is None or msg.epoch != v.epoch or msg.config != v.config_id or not msg.steps:
+            self.counters["rx_stale_view"] = self.counters.get("rx_stale_view", 0) + 1
+            return
+        views = [v]
+        for config, rows in msg.steps:
+            prev = views[-1]
+            changes = changes_from_rows(rows)
+            try:
+                nv = self._next_view(prev, changes_digest(prev.epoch, prev.config_id, changes), changes)
+            except (ProtocolError, ConfigError, ValueError):
+                nv = None
+            if nv is None or nv.config_id != config:
+                self.counters["rx_bad_view"] = self.counters.get("rx_bad_view", 0) + 1
+                return
+            views.append(nv)
+        for (_, rows), old, new in zip(msg.steps, views, views[1:]):
+            self._remember(old, new, rows)
+        last = changes_from_rows(msg.steps[-1][1])
+        self._install(views[-1], now, fast=False, decided_here=False,
+                      removed=tuple(c.node for c in last if c.kind == REMOVE),
+                      joined=tuple(c.node for c in last if c.kind == JOIN))
 
     def _on_view_state(self, msg: ViewState, now: float) -> None:
         epoch = msg.view[0] if isinstance(msg.view, (list, tuple)) and msg.view else None
@@ -746,7 +840,7 @@ class Node:
         if v is None or self.name not in v:
             return
         if msg.epoch != v.epoch or msg.node in v:
-            self.swim.send_addr(msg.addr, ViewState(self._view_wire(v)), reliable=True)
+            self.swim.send_addr(msg.addr, ViewState(self._view_wire(v)), reliable=True)  # a joiner: all of it
             return
         if self.name in self._overlay(v).joiner_observers(msg.node):
             key = f"join:{msg.node}"
@@ -877,7 +971,7 @@ class Node:
                                             or cons.promised != FAST)
         # every subject we watch is unreachable from here: most likely we are the one cut off (a node
         # that hears nobody; Lifeguard keeps such a node from suspecting, so SWIM's count stays high)
-        subjects = self._overlay(v).subjects(self.name)
+        subjects = self._subjects
         cut_off = len(subjects) >= 2 and all(self._alerted.get(x) == UNREACHABLE for x in subjects)
         if live < v.majority() or pending or cut_off:
             if self._trouble_since is None:
@@ -898,41 +992,35 @@ class Node:
             # A change is under way: every rank waits for the new view, so stalls say nothing about hangs
             # (and an alert now would only start a second change behind the first).
             return
-        ov = self._overlay(v)
-        subjects = set(ov.subjects(self.name))
         # The frontier and the typical step time come from a sample: ourselves, our subjects and our
         # observers (K random members each way). In a hang every healthy rank waits at the frontier, so
         # the sample shows it; the cost stays O(K) per check instead of O(N).
-        sample = sorted({self.name} | subjects | set(ov.observers(self.name)))
         frontier = (-1, 0)
         times = []
         table: dict[str, tuple[int, int, float, float]] = {}
-        for node in sample:
-            m = v.member(node)
-            if m is None or m.role != "trainer":
-                continue
-            if m.node == self.name:
+        for node in self._hang_sample:
+            if node == self.name:
                 step, phase, ms = self._my_progress
                 seen_at = now
             else:
-                p = self.swim.progress(m.node)
+                p = self.swim.progress(node)
                 if p is None or now - p.seen_at > 1.0:
                     continue  # stale (maybe crashed): neither frontier nor judged
                 step, phase, ms, seen_at = p.step, p.phase, p.step_ms, p.seen_at
             if step < 0 or phase == _RECOVERING:
                 continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
-            prev = self._progress_seen.get(m.node)
+            prev = self._progress_seen.get(node)
             # the stall clock never starts before this view was installed
             since = prev[2] if prev is not None and prev[:2] == (step, phase) else max(now, self._installed_at)
-            self._progress_seen[m.node] = (step, phase, since)
-            table[m.node] = (step, phase, since, seen_at)
+            self._progress_seen[node] = (step, phase, since)
+            table[node] = (step, phase, since, seen_at)
             if ms > 0:
                 times.append(ms)
             frontier = max(frontier, (step, phase))
         if frontier[0] < 0 or not times:
             return
         threshold = max(self.acfg.hang_floor, self.acfg.hang_mult * statistics.median(times) / 1000.0)
-        for s in sorted(subjects):
+        for s in sorted(self._subject_set):
             row = table.get(s)
             if row is None:
                 continue

@@ -97,6 +97,8 @@ class View:
     config_id: str = field(default="", compare=False)
     """Hash of epoch, members, topology and stop reason (16 hex digits); computed on construction."""
     _pos: dict = field(default_factory=dict, compare=False, repr=False)
+    _nodes: tuple = field(default=(), compare=False, repr=False)
+    _holders: frozenset | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         body = msgpack.packb([
@@ -105,10 +107,11 @@ class View:
         ])
         object.__setattr__(self, "config_id", hashlib.sha256(body).hexdigest()[:16])
         object.__setattr__(self, "_pos", {m.node: i for i, m in enumerate(self.members)})
+        object.__setattr__(self, "_nodes", tuple(m.node for m in self.members))
 
     @property
     def nodes(self) -> tuple[str, ...]:
-        return tuple(m.node for m in self.members)
+        return self._nodes
 
     def index(self, node: str) -> int | None:
         """Position of ``node`` in the sorted member list (its bit in vote bitmaps)."""
@@ -199,11 +202,17 @@ class View:
 
     def holders(self) -> list[str]:
         """Nodes whose state report the plan needs: survivors that held a rank in the previous view."""
-        if self.basis is None:
-            return []
-        prev = dict(self.basis.previous_assignment)
-        mine = set(self.nodes)
-        return sorted(node for node in prev.values() if node in mine)
+        return sorted(self._holder_set())
+
+    def is_holder(self, node: str) -> bool:
+        return node in self._holder_set()
+
+    def _holder_set(self) -> frozenset:
+        if self._holders is None:
+            pos = self._pos
+            held = () if self.basis is None else self.basis.previous_assignment
+            object.__setattr__(self, "_holders", frozenset(node for _, node in held if node in pos))
+        return self._holders  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ wire form
     def to_wire(self) -> list:

@@ -555,10 +555,13 @@ class Accepted(Message):
     acceptor: str
 
 
-@message(28, EPOCH, NAME, ADDR)
+@message(28, EPOCH, _text(32, allow_empty=True), NAME, ADDR)
 @dataclass(frozen=True, slots=True)
 class ViewRequest(Message):
+    """Catch-up: ``src`` holds view (``epoch``, ``config``) (``config`` empty: none yet) and asks for news."""
+
     epoch: int
+    config: str
     src: str
     src_addr: str
 
@@ -574,6 +577,23 @@ def _any_view(v: Any) -> Any:
 @dataclass(frozen=True, slots=True)
 class ViewState(Message):
     view: list
+
+
+MAX_DELTA_STEPS = 16
+"""Longest chain of view changes a :class:`ViewDelta` carries (a member further behind gets the full view)."""
+
+
+@message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS))
+@dataclass(frozen=True, slots=True)
+class ViewDelta(Message):
+    """Catch-up for a member that holds view (``epoch``, ``config``): the change sets that lead from it to
+    the sender's view, each with the config id it must produce. O(changes) instead of the O(N) full
+    :class:`ViewState`; the receiver recomputes every step (the transition is a pure function) and
+    refuses the delta when a config id differs."""
+
+    epoch: int
+    config: str
+    steps: tuple
 
 
 @message(30, NAME, ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True), EPOCH)

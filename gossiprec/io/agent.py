@@ -123,6 +123,7 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
     from gossiprec.jobspec import load_view0
 
     view0 = load_view0(settings.job) if settings.job else None
+    agreement = settings.agreement_config()
 
     def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
              rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
@@ -140,10 +141,10 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
         if view is not None:
             members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
             return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=view, role=role,
-                        host=host, rack=rack, members=members)
+                        host=host, rack=rack, members=members, agreement=agreement)
         # not in view 0: joins the running job through its seeds; the view admits it as a spare
         return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
-                    seeds=seeds)
+                    seeds=seeds, agreement=agreement)
 
     return make
 

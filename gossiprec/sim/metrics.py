@@ -4,6 +4,8 @@ load per node. Pure bookkeeping fed by the cluster's event stream."""
 from __future__ import annotations
 
 import math
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -86,3 +88,18 @@ class DetectionMetrics:
             "false_positives": len(false_pos),
             "false_positive_nodes": [self.names[i] for i in false_pos[:20]],
         }
+
+
+@dataclass(slots=True)
+class Progress:
+    """Prints a line to stderr every tenth of the virtual duration (off with --quiet)."""
+
+    enabled: bool
+    started: float = field(default_factory=time.perf_counter)
+
+    def __call__(self, cluster: Any, t: float, total: float) -> None:
+        if self.enabled:
+            wall = time.perf_counter() - self.started
+            rate = cluster.events_processed / wall if wall > 0 else 0.0
+            print(f"  t={t:7.1f}/{total:.0f} virtual s  events={cluster.events_processed:,}  "
+                  f"{rate:,.0f} events/s  wall={wall:.1f}s", file=sys.stderr, flush=True)

@@ -7,16 +7,15 @@
 from __future__ import annotations
 
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from gossiprec.core.config import Config
 from gossiprec.core.membership import MemberInfo, Membership
 from gossiprec.errors import ConfigError, InvariantViolation
 from gossiprec.sim.cluster import SimCluster
-from gossiprec.sim.metrics import DetectionMetrics
+from gossiprec.sim.metrics import DetectionMetrics, Progress
 from gossiprec.sim.network import NetworkModel
 
 
@@ -87,21 +86,6 @@ def membership_factory(params: SimParams, config: Config, names: list[str]) -> C
         return m
 
     return make
-
-
-@dataclass(slots=True)
-class Progress:
-    """Prints a line to stderr every tenth of the virtual duration (not with --json)."""
-
-    enabled: bool
-    started: float = field(default_factory=time.perf_counter)
-
-    def __call__(self, cluster: SimCluster, t: float, total: float) -> None:
-        if self.enabled:
-            wall = time.perf_counter() - self.started
-            rate = cluster.events_processed / wall if wall > 0 else 0.0
-            print(f"  t={t:7.1f}/{total:.0f} virtual s  events={cluster.events_processed:,}  "
-                  f"{rate:,.0f} events/s  wall={wall:.1f}s", file=sys.stderr, flush=True)
 
 
 def run_membership(params: SimParams, show_progress: bool = False) -> dict[str, Any]:

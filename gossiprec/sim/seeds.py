@@ -59,4 +59,6 @@ def run_seeds(base: AgreeParams, seeds: int, workers: int = 2, first_seed: int =
         "agree_s_across_runs": quantiles(agree),
         "fast_path_ratio": round(sum(r["fast_path_ratio"] for r in ok) / max(1, len(ok)), 3),
         "fenced_runs": sum(1 for r in ok if r["fenced"]),
+        "cpu_s_total": round(sum(r["cpu_s"] for r in ok), 3),
+        "events_total": sum(r["events"] for r in ok),
     }
