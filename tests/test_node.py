@@ -191,6 +191,42 @@ def test_a_delta_that_does_not_reproduce_its_config_id_is_refused() -> None:
     assert node.view == true_next
 
 
+def test_hang_alert_comes_when_the_threshold_passes_counted_from_first_hearing() -> None:
+    """The stall clock of a lagging rank starts when its (step, phase) was first heard, and the alert is
+    raised the moment ``hang_floor`` has passed since then, not at a later watchdog round."""
+    from gossiprec.core.node import AgreementConfig
+    from gossiprec.core.wire import PHASES, Progress
+
+    v = view0()
+    base = {n: MemberInfo(n, n, 1) for n in v.nodes}
+    # unreachable-alerts out of the way: nobody answers this node's probes in a hand-driven test
+    acfg = AgreementConfig(alert_after=60.0, confirm_after=60.0, fence_after=60.0)
+    node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v, members=base,
+                member_order=v.nodes, agreement=acfg)
+    compute, communicate = PHASES.index("compute"), PHASES.index("communicate")
+    node.set_progress(5, communicate, 100)
+    t, version, alerts = 0.0, 0, []
+    while t < 2.0:
+        version += 1
+        # everyone but n5 waits in the step-5 all-reduce; n5 is stuck computing step 5, heard from t=0.1 on
+        msgs = [Progress(n, 1, version, 5, communicate, 100) for n in ("n1", "n2", "n3", "n4")]
+        if t >= 0.1:
+            msgs.append(Progress("n5", 1, version, 5, compute, 100))
+        node.receive(encode_packet(msgs), t)
+        step_end = round(t + 0.05, 6)
+        while node.next_deadline() <= step_end:
+            at = node.next_deadline()
+            node.tick(at)
+            node.take_sends()
+            alerts += [(at, e) for e in node.take_events() if isinstance(e, AlertRaised)]
+        t = step_end
+    hung = [(at, e.subject) for at, e in alerts if e.reason == "hung"]
+    assert hung and hung[0][1] == "n5", alerts
+    # threshold = max(hang_floor 1 s, 3 x 100 ms): due at 0.1 + 1.0; the watchdog alone runs at 0.5 + k/4
+    assert hung[0][0] == pytest.approx(1.1, abs=1e-6), hung
+    assert {s for _, s in hung} == {"n5"}
+
+
 def test_alert_from_a_non_observer_does_not_count() -> None:
     node = make_node()
     v = node.view

@@ -756,11 +756,15 @@ class Membership:
         elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
             return
         version = msg.version if not direct else (cur.version if cur is not None else 0)
-        if direct and cur is not None and cur.step == msg.step and cur.phase == msg.phase:
-            self._progress[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
-                                                    msg.step_ms, now)
-            return
-        self._progress[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now)
+        since = now
+        if cur is not None and cur.step == msg.step and cur.phase == msg.phase:
+            since = cur.since  # the same (step, phase) again: the stall clock keeps running
+            if direct:
+                self._progress[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
+                                                        msg.step_ms, now, since)
+                return
+        self._progress[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now,
+                                                since)
 
     # ------------------------------------------------------------------ gossip and anti-entropy
     def _random_members(self, k: int, exclude: str | None) -> list[str]:

@@ -23,7 +23,9 @@ Flow of one failure:
 
 Hangs: a trainer whose (step, phase) is behind the frontier (the most advanced (step, phase) any
 trainer reports) and has not changed for ``max(hang_floor, hang_mult * median step time)`` is hung: the
-rank the others wait for in a collective. Its observers alert. A trainer behind the frontier that still
+rank the others wait for in a collective. Its observers alert. The stall is counted from the moment an
+observer first heard that (step, phase), and the alert is raised when the threshold passes (an extra
+timer while someone lags), not at the next watchdog round. A trainer behind the frontier that still
 moves is a straggler: reported (event), not removed, unless ``evict_stragglers``.
 
 Fencing: a member removed from the view, or one that has waited ``fence_after`` seconds for a
@@ -184,7 +186,7 @@ class PlanMismatch:
 
 
 # timers
-_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN = range(5)
+_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG = range(6)
 
 
 class Node:
@@ -237,12 +239,13 @@ class Node:
         self._state: tuple[int, int | None, int] = (0, None, 0)
         self._streak: dict[str, float] = {}
         self._alerted: dict[str, int] = {}
-        self._progress_seen: dict[str, tuple[int, int, float]] = {}
         self._my_progress: tuple[int, int, int] = (-1, 0, 0)
         self._trouble_since: float | None = None
         self._last_catchup = float("-inf")
         self._pushed_view: dict[str, float] = {}
         self._subjects: tuple[str, ...] = ()
+        self._hang_check_at = float("inf")
+        """When an extra hang check is armed (a lagging subject's threshold passes then)."""
         self._subject_set: frozenset[str] = frozenset()
         self._hang_sample: list[str] = []
         self._history: dict[tuple[int, str], tuple[str, tuple]] = {}
@@ -284,6 +287,10 @@ class Node:
                 self._resend(now)
             elif kind == _WATCH:
                 self._watch(now)
+            elif kind == _HANG:
+                if now >= self._hang_check_at:
+                    self._hang_check_at = float("inf")
+                self._check_hangs(now)
             elif kind == _JOIN:
                 self._join_retry(now)
 
@@ -366,7 +373,6 @@ class Node:
         old = self.view
         self.view = view
         self._installed_at = now
-        self._progress_seen = {}
         self._pushed_view = {}
         self.plan = None
         self._reports = {}
@@ -1001,18 +1007,17 @@ class Node:
         for node in self._hang_sample:
             if node == self.name:
                 step, phase, ms = self._my_progress
-                seen_at = now
+                seen_at = since = now  # (never judged: only the frontier counts)
             else:
                 p = self.swim.progress(node)
                 if p is None or now - p.seen_at > 1.0:
                     continue  # stale (maybe crashed): neither frontier nor judged
+                # the stall clock starts when this (step, phase) was first heard, not at this check; and
+                # never before this view was installed
                 step, phase, ms, seen_at = p.step, p.phase, p.step_ms, p.seen_at
+                since = max(p.since, self._installed_at)
             if step < 0 or phase == _RECOVERING:
                 continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
-            prev = self._progress_seen.get(node)
-            # the stall clock never starts before this view was installed
-            since = prev[2] if prev is not None and prev[:2] == (step, phase) else max(now, self._installed_at)
-            self._progress_seen[node] = (step, phase, since)
             table[node] = (step, phase, since, seen_at)
             if ms > 0:
                 times.append(ms)
@@ -1020,6 +1025,7 @@ class Node:
         if frontier[0] < 0 or not times:
             return
         threshold = max(self.acfg.hang_floor, self.acfg.hang_mult * statistics.median(times) / 1000.0)
+        due = float("inf")
         for s in sorted(self._subject_set):
             row = table.get(s)
             if row is None:
@@ -1033,10 +1039,17 @@ class Node:
             if now - seen_at > 0.5:
                 self._maybe_focus(s)  # judge only on fresh progress: probe it now
                 continue
-            stalled = now - since >= threshold
+            stalled = now >= since + threshold  # the same float as ``due`` below: no re-arm at ``now``
             if stalled and s not in self._alerted:
                 self._alerted[s] = HUNG
                 self._alert(s, REMOVE, HUNG, now)
-            elif not stalled and frontier[0] - step >= 2 and f"straggler:{s}" not in self._alerted:
-                self._alerted[f"straggler:{s}"] = HUNG
-                self._events.append(Straggler(s, frontier[0] - step, now))
+            elif not stalled:
+                due = min(due, since + threshold)
+                if frontier[0] - step >= 2 and f"straggler:{s}" not in self._alerted:
+                    self._alerted[f"straggler:{s}"] = HUNG
+                    self._events.append(Straggler(s, frontier[0] - step, now))
+        # a subject behind the frontier is judged the moment its threshold passes, not at the next
+        # watchdog round (up to 0.25 s later): one extra wake-up, only while someone lags
+        if now < due < self._hang_check_at and due < now + 0.25:
+            self._hang_check_at = due
+            self._at(due, _HANG)

@@ -40,6 +40,9 @@ class ProgressInfo:
     phase: int
     step_ms: int
     seen_at: float
+    """When anything about this member's progress was last heard (freshness)."""
+    since: float
+    """When this (step, phase) was first heard: the start of a stall, as far as this member can tell."""
 
 
 @dataclass(frozen=True, slots=True)
