@@ -191,40 +191,51 @@ def test_a_delta_that_does_not_reproduce_its_config_id_is_refused() -> None:
     assert node.view == true_next
 
 
-def test_hang_alert_comes_when_the_threshold_passes_counted_from_first_hearing() -> None:
-    """The stall clock of a lagging rank starts when its (step, phase) was first heard, and the alert is
-    raised the moment ``hang_floor`` has passed since then, not at a later watchdog round."""
+def _hung_alerts(lagging_phase: str, until: float, **agreement: Any) -> list[tuple[float, str]]:
+    """Drive n0 of a 6-trainer view: n1..n4 wait in the step-5 all-reduce, n5 sits in ``lagging_phase``
+    after committing step 4 from t = 0.1 on; returns (time, subject) of n0's hang alerts up to ``until``."""
     from gossiprec.core.node import AgreementConfig
     from gossiprec.core.wire import PHASES, Progress
 
     v = view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
     # unreachable-alerts out of the way: nobody answers this node's probes in a hand-driven test
-    acfg = AgreementConfig(alert_after=60.0, confirm_after=60.0, fence_after=60.0)
+    acfg = AgreementConfig(alert_after=600.0, confirm_after=600.0, fence_after=600.0, **agreement)
     node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v, members=base,
                 member_order=v.nodes, agreement=acfg)
-    compute, communicate = PHASES.index("compute"), PHASES.index("communicate")
+    communicate, lagging = PHASES.index("communicate"), PHASES.index(lagging_phase)
     node.set_progress(5, communicate, 100)
     t, version, alerts = 0.0, 0, []
-    while t < 2.0:
+    while t < until:
         version += 1
-        # everyone but n5 waits in the step-5 all-reduce; n5 is stuck computing step 5, heard from t=0.1 on
         msgs = [Progress(n, 1, version, 5, communicate, 100) for n in ("n1", "n2", "n3", "n4")]
         if t >= 0.1:
-            msgs.append(Progress("n5", 1, version, 5, compute, 100))
+            msgs.append(Progress("n5", 1, version, 4, lagging, 100))
         node.receive(encode_packet(msgs), t)
         step_end = round(t + 0.05, 6)
         while node.next_deadline() <= step_end:
             at = node.next_deadline()
             node.tick(at)
             node.take_sends()
-            alerts += [(at, e) for e in node.take_events() if isinstance(e, AlertRaised)]
+            alerts += [(at, e.subject) for e in node.take_events()
+                       if isinstance(e, AlertRaised) and e.reason == "hung"]
         t = step_end
-    hung = [(at, e.subject) for at, e in alerts if e.reason == "hung"]
-    assert hung and hung[0][1] == "n5", alerts
+    return alerts
+
+
+def test_hang_alert_comes_when_the_threshold_passes_counted_from_first_hearing() -> None:
+    """The stall clock of a lagging rank starts when its (step, phase) was first heard, and the alert is
+    raised the moment the threshold has passed since then, not at a later watchdog round."""
+    hung = _hung_alerts("compute", 2.0)
     # threshold = max(hang_floor 1 s, 3 x 100 ms): due at 0.1 + 1.0; the watchdog alone runs at 0.5 + k/4
-    assert hung[0][0] == pytest.approx(1.1, abs=1e-6), hung
+    assert hung and hung[0] == (pytest.approx(1.1, abs=1e-6), "n5"), hung
     assert {s for _, s in hung} == {"n5"}
+
+
+def test_a_rank_saving_a_checkpoint_is_not_taken_for_hung() -> None:
+    assert _hung_alerts("checkpoint", 5.0) == []  # 4.9 s behind the others, well past max(1 s, 3 x step)
+    late = _hung_alerts("checkpoint", 3.0, checkpoint_timeout=2.0)  # ... until checkpoint_timeout
+    assert late and late[0][1] == "n5" and late[0][0] == pytest.approx(2.1, abs=1e-6), late
 
 
 def test_alert_from_a_non_observer_does_not_count() -> None:

@@ -350,12 +350,31 @@ class _StubControl:
 
     def __init__(self) -> None:
         self.states: list[int] = []
+        self.reports: list[tuple[int, str]] = []
 
     def set_state(self, step: int, *_: Any, wait: bool = False) -> None:
         self.states.append(step)
 
-    def report(self, *_: Any, wait: bool = False) -> None:
-        pass
+    def report(self, step: int, phase: str, *_: Any, wait: bool = False) -> None:
+        self.reports.append((step, phase))
+
+
+def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    model, opt, sched, data = build()
+    control = _StubControl()
+    phases: list[tuple[int, str]] = []
+    rt = ResilientTrainer(training_state(model, opt, sched, data), control=control,  # type: ignore[arg-type]
+                          on_phase=lambda step, phase: phases.append((step, phase)))
+    rt.step = 7
+    with pytest.raises(OSError):
+        with rt.checkpointing():
+            assert control.reports == [(7, "checkpoint")]
+            raise OSError("disk full")  # the phase ends even when the save fails
+    assert control.reports == [(7, "checkpoint"), (7, "idle")]
+    assert phases == [(7, "checkpoint")]
+    rt.close()
 
 
 def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot() -> None:

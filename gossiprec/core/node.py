@@ -64,6 +64,7 @@ MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
 _RECOVERING = PHASE_ORDER["recovering"]
 _COMMUNICATE = PHASES.index("communicate")
+_CHECKPOINT = PHASE_ORDER["checkpoint"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +94,9 @@ class AgreementConfig:
     """Waiting this long without a decision (or without a live majority) fences this member."""
     hang_floor: float = 1.0
     hang_mult: float = 3.0
+    checkpoint_timeout: float = 600.0
+    """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is
+    judged hung only after this long, not after the step-time threshold."""
     evict_stragglers: bool = False
     retract_after: int = 3
     """Consecutive successful probes after which an observer withdraws its alert."""
@@ -1039,12 +1043,13 @@ class Node:
             if now - seen_at > 0.5:
                 self._maybe_focus(s)  # judge only on fresh progress: probe it now
                 continue
-            stalled = now >= since + threshold  # the same float as ``due`` below: no re-arm at ``now``
+            limit = since + (max(threshold, self.acfg.checkpoint_timeout) if phase == _CHECKPOINT else threshold)
+            stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``
             if stalled and s not in self._alerted:
                 self._alerted[s] = HUNG
                 self._alert(s, REMOVE, HUNG, now)
             elif not stalled:
-                due = min(due, since + threshold)
+                due = min(due, limit)
                 if frontier[0] - step >= 2 and f"straggler:{s}" not in self._alerted:
                     self._alerted[f"straggler:{s}"] = HUNG
                     self._events.append(Straggler(s, frontier[0] - step, now))

@@ -96,13 +96,14 @@ agents judge hangs by is the commit-to-commit period (``step_ms`` in reports).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
@@ -537,6 +538,25 @@ class ResilientTrainer:
             self._close_record()
         self._hook(step, "committed")
         return step
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Wrap long work between two steps, such as saving a checkpoint (on one rank or on all)::
+
+            with rt.checkpointing():
+                torch.save({k: o.state_dict() for k, o in rt.objects.items()}, path)
+
+        The agents see this rank in phase ``checkpoint`` and judge it hung only after
+        ``checkpoint_timeout`` (600 s by default, in the ``[protocol]`` table), not after the step-time
+        threshold: without this, the ranks waiting for it in the next all-reduce would have it evicted
+        as hung after max(1 s, 3 x step time). A view change during the save is handled at the next step.
+        """
+        self._report(self.step, "checkpoint")
+        self._hook(self.step, "checkpoint")
+        try:
+            yield
+        finally:
+            self._report(self.step, "idle")
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
         """End of training: a last barrier (errors ignored), then stop following the agent.
