@@ -1,8 +1,8 @@
 """``gossiprec bench device-transfer``: move an accelerator-resident training state between processes.
 
 A donor process builds a model and its AdamW state on ``--device`` (``cuda`` on a GPU machine, ``cpu``
-anywhere), commits it the way a trainer does, into pinned host buffers (:func:`capture_state` into a
-reused, pinned snapshot: one device-to-host copy), and serves it with :class:`DonorServer`. The receiver
+anywhere), captures it into pinned host buffers (:func:`capture_state` into a reused, pinned snapshot: one
+device-to-host copy; the trainer's own commits do not pin yet), and serves it with :class:`DonorServer`. The receiver
 (this process) holds the same layout on its device with other values, fetches the state into pinned
 staging buffers (:class:`ReceiveTarget` with ``pin_memory``), authenticated chunk by chunk, and loads it
 (host-to-device copies in ``load_state_dict``). Then it captures its own state again and compares every
@@ -245,7 +245,11 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``device-transfer`` to the ``bench`` sub-commands (sets ``func``)."""
     p = subparsers.add_parser(
         "device-transfer", help="move a GPU-resident (or CPU) training state between processes via pinned buffers",
-        description=__doc__.split("\n\n")[1] if __doc__ else None)
+        description="Donor processes build a model + AdamW state on --device and copy it into pinned host "
+                    "buffers; this process fetches it from them (striped over --donors), authenticated, into "
+                    "pinned staging buffers, loads it onto its device and compares every tensor's crc32 with "
+                    "the donor's. Prints one JSON report: capture_s (device to host), transfer MB/s per donor "
+                    "count, apply_s (host to device), plain loopback TCP MB/s, bit_identical.")
     p.add_argument("--device", default="cuda", help="torch device of the state: cuda (default) or cpu")
     p.add_argument("--gb", type=float, default=4.0, help="state size in GB, weights + AdamW moments (4)")
     p.add_argument("--donors", default="1,4", help="donor counts to stripe over, e.g. 1,4 (default)")
