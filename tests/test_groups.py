@@ -255,8 +255,8 @@ class Cluster:
 
     def close(self) -> None:
         for p in self.procs.values():
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGKILL)
+            p.kill()  # SIGKILL; a worker that exited meanwhile is fine (no ProcessLookupError race)
+        for p in self.procs.values():
             p.join(10)
 
 

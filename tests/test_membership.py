@@ -833,10 +833,30 @@ def test_startup_grace_spares_members_not_heard_from_yet() -> None:
     sends: list[tuple[float, str, Message]] = []
     events = run_alone(o, 4.9, sends=sends)
     pinged = {m.target for _, _, m in sends if isinstance(m, Ping)}
-    assert pinged == {"y"}  # x, never heard from, is neither probed nor suspected during the grace
-    assert not [e for e in events if isinstance(e, (MemberSuspected, MemberFailed)) and e.name == "x"]
-    sends.clear()
-    events = run_alone(o, 9.0, sends=sends)
-    assert "x" in {m.target for _, _, m in sends if isinstance(m, Ping)}  # grace over: probed like anyone
+    # x, never heard from, is probed (an answer would prove it up), but its silence is not judged:
+    # no failed probe reported, no suspicion, no indirect probes on its behalf; y's silence is
+    assert pinged == {"x", "y"}
+    assert not [e for e in events if isinstance(e, (MemberSuspected, MemberFailed, ProbeResult)) and
+                getattr(e, "name", getattr(e, "target", None)) == "x"]
+    assert [e for e in events if isinstance(e, ProbeResult) and e.target == "y" and not e.ok]
+    assert not [m for _, _, m in sends if isinstance(m, IndirectPing) and m.target == "x"]
+    assert o.counters["probes_unanswered_in_grace"] > 0
+    events = run_alone(o, 9.0)
+    # grace over: x's silence is reported like anyone's (whether o accuses depends on its own health)
+    assert [e for e in events if isinstance(e, ProbeResult) and e.target == "x" and not e.ok]
     with pytest.raises(ConfigError, match="startup_grace"):
         Config(startup_grace=-1.0)
+
+
+def test_startup_grace_members_that_answer_are_judged_at_once() -> None:
+    """Two agents that learned of each other only through the job spec probe each other during the grace,
+    so each hears the other; a crash right after that is judged without waiting for the grace to end."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, startup_grace=30.0)
+    pump = Pump.cluster(["o", "x", "y"], seed=6, cfg=cfg)
+    pump.run_until(1.0)
+    pump.crashed.add("x")
+    t = pump.now
+    pump.run_until(t + 5.0)
+    assert pump.machines["o"].member("x").status != ALIVE  # suspected or dead well within the 30 s grace

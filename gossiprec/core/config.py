@@ -62,11 +62,12 @@ class Config:
     """Members that only heard of a suspicion wait this much longer than the accusers before they verify
     it themselves; the accusers' verdict usually reaches them first (saves N probes per failure)."""
     startup_grace: float = 0.0
-    """Seconds after this node starts during which members it has never heard from (no ping, ack or
-    Alive of theirs received) are neither probed nor suspected: the members of a job's view 0 start one
-    by one, and on a saturated machine the last agents come up many seconds after the first. Such a
-    member is probed normally once heard from, or once the grace ends. 0 in the core's profiles (the
-    simulator starts every node at once); agents use ``AgentSettings.startup_grace`` (30 s)."""
+    """Seconds after this node starts during which the silence of members it has never heard from (no
+    ping, ack or Alive of theirs received) is not judged: they are probed (an answer proves them up), but
+    an unanswered probe is neither reported nor suspected. The members of a job's view 0 start one by one,
+    and on a saturated machine the last agents come up many seconds after the first. Once heard from, or
+    once the grace ends, a member is judged like any other. 0 in the core's profiles (the simulator starts
+    every node at once); agents use ``AgentSettings.startup_grace`` (30 s)."""
     starve_slack: float = 0.25
     """A timer that fires later than this past its deadline means this process was starved (paused,
     swapped, GC): it raises its own health score instead of accusing the peer."""

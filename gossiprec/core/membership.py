@@ -438,11 +438,6 @@ class Membership:
                 continue
             rec = self.member(name)
             if rec is not None and rec.live:
-                heard = self._heard
-                if heard is not None and name not in heard:
-                    if self._now < self._grace_until:
-                        continue  # a view-0 member whose agent may not be up yet: not judged yet
-                    self._heard = None  # grace over: everyone is probed from now on
                 return name
         return None
 
@@ -521,9 +516,25 @@ class Membership:
                 msg = IndirectPing(seq, probe.target, probe.addr, self.name, self.addr, True)
                 self._send(rec.addr, [msg], piggyback=True, dest=helper)
 
+    def _unproven(self, target: str, now: float) -> bool:
+        """True while the startup grace lasts for a member never heard from: its silence is not judged."""
+        heard = self._heard
+        if heard is None:
+            return False
+        if now >= self._grace_until:
+            self._heard = None  # grace over: every silence counts from now on
+            return False
+        return target not in heard
+
     def _direct_timeout(self, seq: int, now: float, late: bool) -> None:
         probe = self._probes.get(seq)
         if probe is None or probe.acked:
+            return
+        if self._unproven(probe.target, now):
+            # a view-0 member whose agent may not be up yet: probed (an answer proves it is up), but its
+            # silence is neither reported nor suspected, nor held against our own health
+            del self._probes[seq]
+            self._count("probes_unanswered_in_grace")
             return
         self._send_indirect(seq, now)
         self._at(now + self.awareness.scale(self.config.indirect_timeout), _INDIRECT_END, seq)
