@@ -848,6 +848,21 @@ def test_startup_grace_spares_members_not_heard_from_yet() -> None:
         Config(startup_grace=-1.0)
 
 
+def test_startup_grace_ends_for_a_member_another_member_found_silent() -> None:
+    """A suspicion from another member (which judges only members it heard from) proves the member was
+    up: its silence is judged at once here too, grace or not."""
+    from dataclasses import replace
+
+    cfg = replace(CFG, startup_grace=30.0)
+    o = Membership(cfg, "o", addr("o"), incarnation=1, rng=random.Random(3), now=0.0,
+                   members=table(["o", "x", "y"]))
+    events = run_alone(o, 1.0)
+    assert not [e for e in events if isinstance(e, ProbeResult) and e.target == "x"]
+    deliver(o, 1.0, Suspect("x", 1, "y"))
+    events = run_alone(o, 3.0)
+    assert [e for e in events if isinstance(e, ProbeResult) and e.target == "x" and not e.ok]
+
+
 def test_startup_grace_members_that_answer_are_judged_at_once() -> None:
     """Two agents that learned of each other only through the job spec probe each other during the grace,
     so each hears the other; a crash right after that is judged without waiting for the grace to end."""

@@ -359,6 +359,36 @@ class _StubControl:
         self.reports.append((step, phase))
 
 
+def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
+    """A spare whose trainer comes up after the view that gave it a rank (slow start, loaded machine)
+    must apply that view's plan; it used to wait for a newer one while the survivors waited for it."""
+    from gossiprec.bench.agents import free_ports
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    port = free_ports(1, width=3)[0]
+    view = {"epoch": 1, "members": [{"node": "n0", "role": "trainer", "rank": 0},
+                                    {"node": "n2", "role": "trainer", "rank": 1}]}
+
+    class Control(_StubControl):
+        node = "n2"
+
+        def status(self) -> dict[str, Any]:
+            return {"view": view, "plan": None}
+
+        def members(self) -> list[dict[str, str]]:
+            return [{"name": "n0", "addr": "127.0.0.1:1"}, {"name": "n2", "addr": f"127.0.0.1:{port}"}]
+
+    model, opt, sched, data = build()
+    rt = ResilientTrainer(training_state(model, opt, sched, data), control=Control(),  # type: ignore[arg-type]
+                          bind_host="127.0.0.1")
+    waited: list[int] = []
+    rt._recover = lambda cause, spare=False: waited.append(rt.epoch)  # type: ignore[method-assign]
+    rt._follow_events = lambda: None  # type: ignore[method-assign]
+    rt.start()
+    assert waited == [0]  # the plan of epoch 1 (> 0) is the one it waits for
+    rt.close()
+
+
 def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
     from gossiprec.trainer.loop import ResilientTrainer
 

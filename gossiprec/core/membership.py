@@ -644,6 +644,10 @@ class Membership:
             if not self.left and msg.incarnation >= self.incarnation:  # older rumours: already refuted
                 self._refute(msg.incarnation, msg.src, now)
             return
+        if self._heard is not None and msg.src != self.name:
+            # another member, which judges only members it heard from (or after its own grace), found it
+            # silent: it was up, so its silence counts here too
+            self._heard.add(msg.name)
         # member() and MemberInfo.live, inlined: most Suspects are repeats of news already known
         cur = self._own.get(msg.name)
         if cur is None:
@@ -719,6 +723,8 @@ class Membership:
             if not self.left and msg.incarnation >= self.incarnation:
                 self._refute(msg.incarnation, msg.src, now)
             return
+        if self._heard is not None and msg.src != self.name:
+            self._heard.add(msg.name)  # as in _on_suspect: another member judged it
         cur = self._own.get(msg.name)  # member() and MemberInfo.live, inlined as in _on_suspect
         if cur is None:
             cur = self._base.get(msg.name)

@@ -426,7 +426,10 @@ class ResilientTrainer:
             except CollectiveAborted as exc:
                 self._recover(f"epoch 0 group failed: {exc}")
         else:
-            self.epoch = int(view["epoch"])
+            # No group yet: the plan of the current view is still to be applied by this process. A spare
+            # whose trainer comes up after the view that promoted it (a slow start on a loaded machine)
+            # must take that plan, not wait for a newer one while the survivors wait for it.
+            self.epoch = int(view["epoch"]) - 1
             self.groups = EpochGroups(self._store_server, backend=self.backend, timeout=self.timeout,
                                       poll_interval=self.poll_interval)
             # a hot spare maps the memory of its two future snapshots now: its first commits after
