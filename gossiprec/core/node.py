@@ -393,7 +393,7 @@ class Node:
         self._trouble_since = None
         ov = self._overlay(view)
         mine = self.name in view
-        self._subjects = ov.subjects(self.name) if mine else ()
+        self._subjects = tuple(sorted(ov.subjects(self.name))) if mine else ()  # sorted: the hang check's order
         self._subject_set = frozenset(self._subjects)
         # the hang check's sample: ourselves, our subjects and our observers (K random members each way),
         # trainers only; fixed for the view, so each check costs O(K) without rebuilding it
@@ -802,6 +802,7 @@ class Node:
             self.counters["rx_stale_view"] = self.counters.get("rx_stale_view", 0) + 1
             return
         views = [v]
+        changes: list = []
         for config, rows in msg.steps:
             prev = views[-1]
             changes = changes_from_rows(rows)
@@ -815,10 +816,9 @@ class Node:
             views.append(nv)
         for (_, rows), old, new in zip(msg.steps, views, views[1:]):
             self._remember(old, new, rows)
-        last = changes_from_rows(msg.steps[-1][1])
-        self._install(views[-1], now, fast=False, decided_here=False,
-                      removed=tuple(c.node for c in last if c.kind == REMOVE),
-                      joined=tuple(c.node for c in last if c.kind == JOIN))
+        self._install(views[-1], now, fast=False, decided_here=False,  # changes: the last step's
+                      removed=tuple(c.node for c in changes if c.kind == REMOVE),
+                      joined=tuple(c.node for c in changes if c.kind == JOIN))
 
     def _on_view_state(self, msg: ViewState, now: float) -> None:
         epoch = msg.view[0] if isinstance(msg.view, (list, tuple)) and msg.view else None
@@ -1030,7 +1030,7 @@ class Node:
             return
         threshold = max(self.acfg.hang_floor, self.acfg.hang_mult * statistics.median(times) / 1000.0)
         due = float("inf")
-        for s in sorted(self._subject_set):
+        for s in self._subjects:
             row = table.get(s)
             if row is None:
                 continue
