@@ -829,7 +829,9 @@ def test_startup_grace_spares_members_not_heard_from_yet() -> None:
     o = Membership(cfg, "o", addr("o"), incarnation=1, rng=random.Random(3), now=0.0,
                    members=table(["o", "x", "y"]))
     run_alone(o, 0.05)
+    assert o.has_heard("o") and not o.has_heard("y")
     deliver(o, 0.05, Ping(7, "o", "y", addr("y")))  # y's agent is up: it pinged us
+    assert o.has_heard("y") and not o.has_heard("x")
     sends: list[tuple[float, str, Message]] = []
     events = run_alone(o, 4.9, sends=sends)
     pinged = {m.target for _, _, m in sends if isinstance(m, Ping)}
@@ -842,6 +844,7 @@ def test_startup_grace_spares_members_not_heard_from_yet() -> None:
     assert not [m for _, _, m in sends if isinstance(m, IndirectPing) and m.target == "x"]
     assert o.counters["probes_unanswered_in_grace"] > 0
     events = run_alone(o, 9.0)
+    assert o.has_heard("x")
     # grace over: x's silence is reported like anyone's (whether o accuses depends on its own health)
     assert [e for e in events if isinstance(e, ProbeResult) and e.target == "x" and not e.ok]
     with pytest.raises(ConfigError, match="startup_grace"):
@@ -858,7 +861,9 @@ def test_startup_grace_ends_for_a_member_another_member_found_silent() -> None:
                    members=table(["o", "x", "y"]))
     events = run_alone(o, 1.0)
     assert not [e for e in events if isinstance(e, ProbeResult) and e.target == "x"]
+    assert not o.has_heard("x")
     deliver(o, 1.0, Suspect("x", 1, "y"))
+    assert o.has_heard("x")
     events = run_alone(o, 3.0)
     assert [e for e in events if isinstance(e, ProbeResult) and e.target == "x" and not e.ok]
 

@@ -124,6 +124,11 @@ async def test_endpoint_serves_state_rejections_and_view_changes(sockdir: str) -
             agents.append(a)
         for a in agents:
             await a.wait_until(lambda a=a: a._live_count() == n, 10)
+            # view-0 members count as live from the job spec, but a crash is judged only by members that
+            # heard from the crashed one (the startup grace): crashing m2 before anyone heard it would be
+            # seen only when the 30 s grace ends
+            assert a.machine is not None
+            await a.wait_until(lambda a=a: all(a.machine.swim.has_heard(x) for x in names), 10)
         a0 = agents[0]
         url = f"http://127.0.0.1:{a0.metrics.port}/metrics"
 

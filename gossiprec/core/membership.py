@@ -225,6 +225,13 @@ class Membership:
         out = [m for m in (self.member(n) for n in names) if m is not None]
         return sorted(out, key=lambda m: m.name)
 
+    def has_heard(self, name: str) -> bool:
+        """Whether this node judges ``name``'s silence: true once it heard from that member (or another
+        member judged it), and for everyone once the startup grace is over. A view-0 member that dies before
+        anyone heard from it is judged only when the grace ends (``Config.startup_grace``)."""
+        heard = self._heard
+        return heard is None or name == self.name or name in heard or self._now >= self._grace_until
+
     @property
     def n_suspect(self) -> int:
         """Members currently under suspicion (counted in n_live)."""
