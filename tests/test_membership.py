@@ -822,6 +822,32 @@ def test_member_reaped_and_rejoined_is_probed_as_often_as_the_others() -> None:
     assert abs(counts["x"] - counts["y"]) <= 2, f"o's probes per member over 4 s: {counts}"
 
 
+def test_focus_members_are_probed_every_round_and_turns_one_per_round() -> None:
+    """Members that may have failed (focus) are probed every round, each failed probe being evidence
+    towards an alert; members probed only to refresh their progress take turns, one per round."""
+    names = ["o", "a", "b", "c", "d", "e", "f"]
+    o = Membership(CFG, "o", addr("o"), incarnation=1, rng=random.Random(5), now=0.0, members=table(names))
+    o.set_probe_targets(["a"])  # the round robin: only a
+    o.set_focus(["b", "c", "o"], turns=["d", "e", "b"])  # o itself and b (already focused) are dropped
+    sends: list[tuple[float, str, Message]] = []
+    run_alone(o, 1.0, sends=sends)
+    rounds: dict[float, set[str]] = {}
+    for t, _, m in sends:
+        if isinstance(m, Ping):
+            rounds.setdefault(round(t, 6), set()).add(m.target)
+    starts = sorted(t for t, targets in rounds.items() if "a" in targets)  # a probe round begins
+    assert len(starts) >= 3, rounds  # nobody answers: a starved prober slows down (Lifeguard)
+    turns = []
+    for t in starts:
+        targets = rounds[t]
+        assert {"b", "c"} <= targets, (t, targets)  # focus: every round
+        assert "o" not in targets and "f" not in targets
+        turn = targets & {"d", "e"}
+        assert len(turn) == 1, (t, targets)  # one turn per round
+        turns.append(turn.pop())
+    assert all(x != y for x, y in zip(turns, turns[1:])), turns  # d and e alternate
+
+
 def test_startup_grace_spares_members_not_heard_from_yet() -> None:
     from dataclasses import replace
 

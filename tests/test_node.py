@@ -13,6 +13,7 @@ Two levels:
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any, Iterator
 
@@ -26,7 +27,7 @@ from gossiprec.core.topology import JobTopology
 from gossiprec.core.consensus import change_rows
 from gossiprec.core.view import REMOVE, Change, View, ViewMember, changes_digest
 from gossiprec.core.wire import (
-    UNREACHABLE, Alert, Dead, Decided, Votes, ViewDelta, ViewRequest, ViewState, decode_packet, encode_packet,
+    UNREACHABLE, Ack, Alert, Dead, Decided, IndirectPing, Nack, Ping, Votes, ViewDelta, ViewRequest, ViewState, decode_packet, encode_packet,
 )
 from gossiprec.sim.agree import AgreeParams, run_agreement
 from gossiprec.sim.network import Network
@@ -272,6 +273,45 @@ def test_observer_alerts_a_subject_that_stopped_answering() -> None:
     v = node.view
     assert v is not None
     assert alerted <= set(Overlay.build(v.config_id, v.nodes, 10).subjects(node.name))  # only its own
+
+
+def _run_until_a_streak(node: Node, dead: str, ready: bool) -> float:
+    """Tick ``node`` at its deadlines, acking every probe except those of ``dead``, until ``dead`` has a
+    failure streak (``ready``: one that already spans confirm_after); returns the time. No alert may
+    come before that."""
+    t = 0.0
+    while t < 3.0:
+        t = node.next_deadline()
+        node.tick(t)
+        for send in node.take_sends():
+            for m in decode_packet(send.payload, 1 << 20):
+                if isinstance(m, Ping) and m.target != dead:
+                    node.receive(encode_packet([Ack(m.seq, m.target, 1, -1, 0, 0)]), t)
+                elif isinstance(m, IndirectPing):  # the helper is up, the target silent: Nack
+                    node.receive(encode_packet([Nack(m.seq, send.addr)]), t)
+        assert not [e for e in node.take_events() if isinstance(e, AlertRaised)]
+        start = node._streak.get(dead, math.inf)
+        if start <= t and (not ready or dead in node._ready):
+            assert (t - start >= node.acfg.confirm_after) == ready
+            return t
+    raise AssertionError(f"no streak of {dead} by {t}: {node._streak}")
+
+
+@pytest.mark.parametrize("ready", [True, False])
+def test_observer_confirms_another_observers_alert_as_soon_as_its_own_silence_suffices(ready: bool) -> None:
+    """An observer whose own failed probes of a subject already span ``confirm_after`` confirms another
+    observer's alert the moment it arrives (the confirmations' spread is the tail of the view change);
+    one whose failures are younger waits for more evidence."""
+    node = make_node()
+    v = node.view
+    assert v is not None
+    z = Overlay.build(v.config_id, v.nodes, 10).subjects(node.name)[0]
+    t = _run_until_a_streak(node, z, ready)
+    other = next(x for x in Overlay.build(v.config_id, v.nodes, 10).observers(z) if x != node.name)
+    node.receive(encode_packet([Alert(v.epoch, v.config_id, other, z, REMOVE, UNREACHABLE, False, "", "", "")]),
+                 t)
+    alerts = [(e.subject, e.at) for e in node.take_events() if isinstance(e, AlertRaised)]
+    assert alerts == ([(z, t)] if ready else [])
 
 
 def test_observer_alerts_a_subject_it_learned_is_dead_by_gossip() -> None:

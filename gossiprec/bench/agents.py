@@ -138,6 +138,11 @@ class TrialResult:
     restore_s: float | None
     """Until the replacement spare was in everyone's view (None: not rejoined; the cluster restarts)."""
     error: str | None = None
+    alerts_s: tuple[float, ...] = ()
+    """Every survivor's own alert about the victim, in order (the view change waits for H of its K
+    observers: ``watermarks``)."""
+    fast_ratio: float | None = None
+    """Share of survivors whose ``ViewInstalled`` says the fast path decided it (else classic Paxos)."""
 
 
 @dataclass
@@ -471,7 +476,9 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
         epoch=int(events[0]["epoch"]) if events else None,
         agreed=len(configs) == 1 and not timed_out,
         survivors=len(survivors), fenced=len(fences), timed_out=timed_out, restore_s=restore_s,
-        error=error)
+        error=error,
+        alerts_s=tuple(round(a - t0, 4) for a in sorted(alerts)),
+        fast_ratio=round(sum(1 for ev in events if ev.get("fast")) / len(events), 3) if events else None)
 
 
 # --- idle -----------------------------------------------------------------------------------------

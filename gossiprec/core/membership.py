@@ -172,7 +172,8 @@ class Membership:
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._focus: list[str] = []
-        self._focus_i = 0
+        self._turns: list[str] = []
+        self._turns_i = 0
         self._limit_n = -1
         self._limit = 1
         self._gossip_armed = False
@@ -456,16 +457,22 @@ class Membership:
         target = self._next_target()
         if target is not None:
             self._probe(target, now, verify=False)
-        if self._focus:
-            self._focus_i = (self._focus_i + 1) % len(self._focus)
-            focus = self._focus[self._focus_i]
+        for focus in self._focus:
             if focus != target and self.member(focus) is not None:
                 self._probe(focus, now, verify=False)
+        if self._turns:
+            self._turns_i = (self._turns_i + 1) % len(self._turns)
+            turn = self._turns[self._turns_i]
+            if turn != target and self.member(turn) is not None:
+                self._probe(turn, now, verify=False)
 
-    def set_focus(self, names: Iterable[str]) -> None:
-        """Members probed every round in addition to the round robin (subjects under suspicion)."""
-        self._focus = sorted(set(names) - {self.name})
-        self._focus_i = 0
+    def set_focus(self, names: Iterable[str], turns: Iterable[str] = ()) -> None:
+        """Members probed every round in addition to the round robin (``names``: subjects that may have
+        failed), and members probed one per round in turn (``turns``: e.g. to refresh their progress)."""
+        focus = set(names) - {self.name}
+        self._focus = sorted(focus)
+        self._turns = sorted(set(turns) - focus - {self.name})
+        self._turns_i = 0
 
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None:
         """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it

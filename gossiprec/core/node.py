@@ -242,6 +242,13 @@ class Node:
         self._plan_digests: dict[bytes, int] = {}
         self._state: tuple[int, int | None, int] = (0, None, 0)
         self._streak: dict[str, float] = {}
+        """Subjects watched closely (probed every round): when their failure streak began (inf: suspected
+        by others, no failure of our own seen yet)."""
+        self._refresh: set[str] = set()
+        """Subjects probed only to refresh their progress (the hang check): one per round, in turn."""
+        self._ready: set[str] = set()
+        """Subjects whose streak already lasts ``confirm_after``: they confirm another observer's alert as
+        soon as it arrives, not at the next failed probe."""
         self._alerted: dict[str, int] = {}
         self._my_progress: tuple[int, int, int] = (-1, 0, 0)
         self._trouble_since: float | None = None
@@ -386,6 +393,8 @@ class Node:
         self._reagg_gap = self.acfg.reaggregate_first
         self._plan_digests = {}
         self._streak = {}
+        self._refresh = set()
+        self._ready = set()
         self._my_alerts: dict[str, Alert] = {}
 
         self._ok_since: dict[str, int] = {}
@@ -503,16 +512,29 @@ class Node:
     def _maybe_focus(self, subject: str) -> None:
         if self._is_my_subject(subject) and subject not in self._streak:
             self._streak[subject] = float("inf")  # focus, no failure seen yet
+            self._refresh.discard(subject)
+            self._refocus()
+
+    def _refresh_progress(self, subject: str) -> None:
+        """Probe ``subject`` soon for its progress (an ack carries it): in turn with other such subjects,
+        so a slow training job does not multiply the probe traffic."""
+        if subject not in self._streak and subject not in self._refresh:
+            self._refresh.add(subject)
             self._refocus()
 
     def _refocus(self) -> None:
-        self.swim.set_focus(s for s in self._streak)
+        # subjects that may have failed are probed every round (each failed probe is evidence towards
+        # an alert, and the alerts' spread is the view change's tail); progress refreshes take turns
+        self.swim.set_focus(self._streak, self._refresh)
 
     def _on_probe(self, ev: ProbeResult, now: float) -> None:
         subject = ev.target
         if not self._is_my_subject(subject):
             return
         if ev.ok:
+            if subject in self._refresh:
+                self._refresh.discard(subject)
+                self._refocus()
             if self._alerted.get(subject) == UNREACHABLE:
                 # Retract after `retract_after` answers in a row (one when this member is fenced: it
                 # was the one cut off); a flapping node (80% loss) rarely answers three times running.
@@ -525,19 +547,24 @@ class Node:
                 return
             if subject in self._streak:
                 del self._streak[subject]
+                self._ready.discard(subject)
                 self._refocus()
             return
         self._ok_since.pop(subject, None)
         start = self._streak.get(subject, float("inf"))
         if start == float("inf"):
             self._streak[subject] = now
+            self._refresh.discard(subject)
             self._refocus()
-        elif subject not in self._alerted and now - start >= (
-                self.acfg.confirm_after if self.cut.count(subject) > 0 else self.acfg.alert_after):
-            # a first accusation needs alert_after of silence; confirming another observer's alert
-            # about the same subject needs less (it takes H independent observers either way)
-            self._alerted[subject] = UNREACHABLE
-            self._alert(subject, REMOVE, UNREACHABLE, now)
+        elif subject not in self._alerted:
+            silent = now - start
+            if silent >= self.acfg.confirm_after:
+                self._ready.add(subject)
+            if silent >= (self.acfg.confirm_after if self.cut.count(subject) > 0 else self.acfg.alert_after):
+                # a first accusation needs alert_after of silence; confirming another observer's alert
+                # about the same subject needs less (it takes H independent observers either way)
+                self._alerted[subject] = UNREACHABLE
+                self._alert(subject, REMOVE, UNREACHABLE, now)
 
     def _observe_departure(self, subject: str, now: float) -> None:
         v = self.view
@@ -658,7 +685,15 @@ class Node:
 
     def _on_alert(self, msg: Alert, now: float) -> None:
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
-            self._maybe_focus(msg.subject)  # another observer lost it: check it ourselves right away
+            subject = msg.subject
+            if subject in self._ready and subject not in self._alerted:
+                # our own failed probes already span confirm_after: the same evidence that would confirm
+                # at our next failed probe confirms now (the confirmations' spread is the tail of a change)
+                self._ready.discard(subject)
+                self._alerted[subject] = UNREACHABLE
+                self._alert(subject, REMOVE, UNREACHABLE, now)
+            else:
+                self._maybe_focus(subject)  # another observer lost it: check it ourselves right away
         if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
                           msg.rack):
             if msg.observer != self.name:  # spread it on (epidemic), once per change
@@ -953,6 +988,18 @@ class Node:
         for digest, bits in self._plan_digests.items():
             self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
                                                                 bits.to_bytes(nbytes, "little")), now)
+        if self.plan is not None and v.basis is not None:
+            # A subject of ours that has not confirmed our plan's digest may lack a report: the rounds
+            # above reach it only by chance (each re-broadcast goes to a few random members). Its K
+            # observers send it the reports directly, so a member that missed a bit gets it within a
+            # round (seen in the simulator: one member waited out the whole run for one report).
+            confirmed = self._plan_digests.get(bytes.fromhex(self._plan_hex), 0)
+            for s in self._subjects:
+                idx = v.index(s)
+                if idx is not None and not confirmed >> idx & 1:
+                    for (committed, inflight, size), bits in self._reports.items():
+                        self._send_to(s, Report(v.epoch, v.config_id, committed, inflight, size,
+                                                bits.to_bytes(nbytes, "little")))
 
     def _on_plan_digest(self, msg: PlanDigest, now: float) -> None:
         self._merge_digest(msg.digest, int.from_bytes(msg.bitmap, "little"), now)
@@ -1041,7 +1088,7 @@ class Node:
                     self._alert(s, REMOVE, HUNG, now, retract=True)
                 continue
             if now - seen_at > 0.5:
-                self._maybe_focus(s)  # judge only on fresh progress: probe it now
+                self._refresh_progress(s)  # judge only on fresh progress: probe it soon
                 continue
             limit = since + (max(threshold, self.acfg.checkpoint_timeout) if phase == _CHECKPOINT else threshold)
             stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``
