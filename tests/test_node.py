@@ -297,6 +297,35 @@ def _run_until_a_streak(node: Node, dead: str, ready: bool) -> float:
     raise AssertionError(f"no streak of {dead} by {t}: {node._streak}")
 
 
+def test_watchdog_rides_on_the_probe_ticks() -> None:
+    """The 4 Hz watchdog runs in ticks that happen anyway (the probe timer's) instead of waking an idle
+    agent four more times a second; it still runs at least every 0.25 s."""
+    node = make_node()
+    runs: list[float] = []
+    watch = node._watch
+
+    def counted(now: float) -> None:
+        runs.append(now)
+        watch(now)
+
+    node._watch = counted  # type: ignore[method-assign]
+    ticks = 0
+    t = 0.0
+    while t < 5.0:
+        t = node.next_deadline()
+        node.tick(t)
+        ticks += 1
+        for send in node.take_sends():
+            for m in decode_packet(send.payload, 1 << 20):
+                if isinstance(m, Ping):  # everyone answers at once: no probe timeouts to wake for
+                    node.receive(encode_packet([Ack(m.seq, m.target, 1, -1, 0, 0)]), t)
+        node.take_events()
+    gaps = [b - a for a, b in zip(runs, runs[1:])]
+    assert len(runs) >= 18 and max(gaps) <= 0.25 + 1e-9, runs
+    probes = 5.0 / node.swim.config.probe_interval
+    assert ticks <= probes + 3, (ticks, probes)  # no wake-ups of its own (it had 4 a second)
+
+
 @pytest.mark.parametrize("ready", [True, False])
 def test_observer_confirms_another_observers_alert_as_soon_as_its_own_silence_suffices(ready: bool) -> None:
     """An observer whose own failed probes of a subject already span ``confirm_after`` confirms another
