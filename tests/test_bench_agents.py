@@ -17,7 +17,7 @@ from gossiprec.io.agent import run_async
 from gossiprec.jobspec import view0_from_dict
 
 TRIAL_KEYS = {"index", "victim", "new_view_s", "survivor_p50_s", "first_alert_s", "epoch", "agreed",
-              "survivors", "fenced", "timed_out", "restore_s", "error"}
+              "survivors", "fenced", "timed_out", "restore_s", "error", "alerts_s", "fast_ratio"}
 
 
 def _check_trials(report: dict, nodes: int, trials: int) -> None:
@@ -31,6 +31,10 @@ def _check_trials(report: dict, nodes: int, trials: int) -> None:
         assert t["agreed"] and t["survivors"] == nodes - 1 and t["fenced"] == 0 and t["error"] is None
         assert t["epoch"] >= 1 and t["restore_s"] is not None
         assert 0 < t["survivor_p50_s"] <= t["new_view_s"]
+        alerts = list(t["alerts_s"])
+        assert alerts == sorted(alerts) and all(0 < a < t["new_view_s"] for a in alerts)
+        assert t["first_alert_s"] == (alerts[0] if alerts else None)
+        assert 0 <= t["fast_ratio"] <= 1
 
 
 @pytest.mark.slow
