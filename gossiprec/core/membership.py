@@ -532,13 +532,9 @@ class Membership:
 
     def _unproven(self, target: str, now: float) -> bool:
         """True while the startup grace lasts for a member never heard from: its silence is not judged."""
-        heard = self._heard
-        if heard is None:
-            return False
-        if now >= self._grace_until:
+        if self._heard is not None and now >= self._grace_until:
             self._heard = None  # grace over: every silence counts from now on
-            return False
-        return target not in heard
+        return not self.has_heard(target)
 
     def _direct_timeout(self, seq: int, now: float, late: bool) -> None:
         probe = self._probes.get(seq)

@@ -283,10 +283,6 @@ class Node:
         self._now = now
         self.swim.receive(data, now, reliable)
         self._drain_swim(now)
-        timers = self._timers
-        if timers and timers[0][2] == _WATCH and now < timers[0][0] <= now + WATCH_EARLY:
-            heapq.heappop(timers)  # awake anyway: see tick()
-            self._watch(now)
 
     def tick(self, now: float) -> None:
         self._now = now
