@@ -129,6 +129,7 @@ async def test_endpoint_serves_state_rejections_and_view_changes(sockdir: str) -
             # seen only when the 30 s grace ends
             assert a.machine is not None
             await a.wait_until(lambda a=a: all(a.machine.swim.has_heard(x) for x in names), 10)
+            assert a.control_status()["unheard"] == 0
         a0 = agents[0]
         url = f"http://127.0.0.1:{a0.metrics.port}/metrics"
 

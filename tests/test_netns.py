@@ -137,10 +137,13 @@ class Harness:
                 views = {(st["view"]["epoch"], st["view"]["config_id"]) for st in sts.values()}
                 members = {tuple(sorted(m["node"] for m in st["view"]["members"])) for st in sts.values()}
                 live = {st["live"] for st in sts.values()}
-                if len(views) == 1 and members == {tuple(NAMES)} and live == {N}:
+                # every agent has heard from every member: during the startup grace, a member nobody
+                # heard from is not judged, so cutting it off earlier is seen only when the grace ends
+                unheard = {st["unheard"] for st in sts.values()}
+                if len(views) == 1 and members == {tuple(NAMES)} and live == {N} and unheard == {0}:
                     print(f"\ncluster formed in {time.monotonic() - t0:.2f} s", end="")
                     return views.pop()
-                last = {"views": views, "live": live}
+                last = {"views": views, "live": live, "unheard": unheard}
             await asyncio.sleep(0.1)
         raise AssertionError(f"the cluster did not form within {START_TIMEOUT} s (last: {last}):\n{self.logs()}")
 

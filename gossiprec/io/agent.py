@@ -704,6 +704,13 @@ class Agent:
             rows.append(row)
         return rows
 
+    def _unheard_count(self, members: list[Any]) -> int:
+        """Members not heard from yet during the startup grace: their silence is not judged until they
+        are (or until the grace ends), so a crash of one is seen only then."""
+        swim = getattr(self.machine, "swim", self.machine)
+        has_heard = getattr(swim, "has_heard", None)
+        return 0 if has_heard is None else sum(1 for rec in members if not has_heard(rec.name))
+
     def control_status(self) -> dict[str, Any]:
         m = self.machine
         s = self.settings
@@ -713,7 +720,7 @@ class Agent:
             "version": __version__, "incarnation": getattr(m, "incarnation", self.incarnation),
             "role": s.role, "rank": s.rank, "profile": s.profile, "secure": not s.insecure,
             "health": m.health() if m is not None else None,
-            "live": self._live_count(), "known": len(members),
+            "live": self._live_count(), "known": len(members), "unheard": self._unheard_count(members),
             "state": self._state, "leaving": self.leaving, "leave_reason": self.leave_reason,
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.started_at else 0.0,
             "layout_registered": self.layout is not None,
