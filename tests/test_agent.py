@@ -59,7 +59,13 @@ async def cluster(sockdir: str, n: int, **kw: object) -> AsyncIterator[list[Agen
             await a.start()
             agents.append(a)
         for a in agents:
-            await a.wait_until(lambda a=a: a._live_count() == n, 10)
+            try:
+                await a.wait_until(lambda a=a: a._live_count() == n, 10)
+            except TimeoutError:
+                seen = {x.name: sorted(m.name for m in x.machine.members() if m.live) if x.machine else None
+                        for x in agents}
+                raise AssertionError(f"{a.name} did not see {n} live members within 10 s; live as seen by each: "
+                                     f"{seen}; counters of {a.name}: {a.control_status()['machine']}") from None
         yield agents
     finally:
         for a in reversed(agents):
