@@ -343,6 +343,33 @@ def test_observer_confirms_another_observers_alert_as_soon_as_its_own_silence_su
     assert alerts == ([(z, t)] if ready else [])
 
 
+@pytest.mark.parametrize("answered, confirmed", [(0.1, 1.3), (1.0, 1.45)])
+def test_a_confirmation_counts_the_silence_since_the_subject_last_answered(answered: float,
+                                                                           confirmed: float) -> None:
+    """Confirming another observer's alert takes a failed probe and ``confirm_after`` (0.4 s) of silence
+    since the subject last answered *us*. An observer that probes the subject rarely (one of its K
+    subjects per round) confirms at its first failed probe when the subject has been silent that long,
+    instead of first building a streak of its own (on loopback that streak was the last alert's 0.5 s
+    lag); one that heard the subject 0.3 s ago waits for a later failure."""
+    from gossiprec.core.records import ProbeResult
+
+    node = make_node()
+    v = node.view
+    assert v is not None
+    ov = Overlay.build(v.config_id, v.nodes, 10)
+    z = ov.subjects(node.name)[0]
+    other = next(x for x in ov.observers(z) if x != node.name)
+    node._on_probe(ProbeResult(z, True, answered), answered)
+    node.receive(encode_packet([Alert(v.epoch, v.config_id, other, z, REMOVE, UNREACHABLE, False, "", "", "")]),
+                 1.1)
+    alerts = []
+    for t in (1.3, 1.45, 1.6):  # failed probes; the first starts the streak
+        node._on_probe(ProbeResult(z, False, t), t)
+        alerts += [e.at for e in node.take_events() if isinstance(e, AlertRaised) and e.subject == z]
+    assert node._streak[z] == 1.3
+    assert alerts == [confirmed]  # a streak of our own would have needed until 1.3 + 0.4
+
+
 def test_observer_alerts_a_subject_it_learned_is_dead_by_gossip() -> None:
     node = make_node()
     z, other = _subject_and_gossiper(node)

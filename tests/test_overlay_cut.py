@@ -207,8 +207,14 @@ def test_single_subject_is_proposed_only_after_settle() -> None:
     changes, wake = cd.evaluate(t + SETTLE)
     assert changes == [Change(s, REMOVE)]
     assert wake is None
-    # an alert after the proposal was ready restarts the settle window
+    # one more voice about a subject that is stable already changes no proposal: it is counted, but the
+    # window stays closed (a late observer does not delay the change) ...
     assert cd.alert(obs[h], s, REMOVE, False, t + 1.0)
+    assert cd.count(s) == h + 1
+    assert cd.evaluate(t + 1.0)[0] == [Change(s, REMOVE)]
+    # ... while news about another subject restarts the settle window
+    other = next(x for x in ov.nodes if x != s and x not in obs)
+    assert cd.alert(ov.observers(other)[0], other, REMOVE, False, t + 1.0)
     assert cd.evaluate(t + 1.0 + SETTLE / 2)[0] == []
     assert cd.evaluate(t + 1.0 + SETTLE)[0] == [Change(s, REMOVE)]
 

@@ -253,6 +253,8 @@ class Node:
         """Subjects whose streak already lasts ``confirm_after``: they confirm another observer's alert as
         soon as it arrives, not at the next failed probe."""
         self._alerted: dict[str, int] = {}
+        self._answered: dict[str, float] = {}
+        """When each subject last answered one of our probes (the start of its silence, as we saw it)."""
         self._my_progress: tuple[int, int, int] = (-1, 0, 0)
         self._trouble_since: float | None = None
         self._last_catchup = float("-inf")
@@ -540,6 +542,7 @@ class Node:
         if not self._is_my_subject(subject):
             return
         if ev.ok:
+            self._answered[subject] = now
             if subject in self._refresh:
                 self._refresh.discard(subject)
                 self._refocus()
@@ -561,16 +564,19 @@ class Node:
         self._ok_since.pop(subject, None)
         start = self._streak.get(subject, float("inf"))
         if start == float("inf"):
-            self._streak[subject] = now
+            start = self._streak[subject] = now
             self._refresh.discard(subject)
             self._refocus()
-        elif subject not in self._alerted:
-            silent = now - start
-            if silent >= self.acfg.confirm_after:
+        if subject not in self._alerted:
+            # A first accusation needs alert_after of failed probes. Confirming another observer's alert
+            # about the same subject needs a failed probe and confirm_after of silence since the subject
+            # last answered us (it takes H independent observers either way): an observer that probes
+            # it rarely confirms at its first failure instead of after a streak of its own.
+            quiet = now - self._answered.get(subject, start)
+            if quiet >= self.acfg.confirm_after:
                 self._ready.add(subject)
-            if silent >= (self.acfg.confirm_after if self.cut.count(subject) > 0 else self.acfg.alert_after):
-                # a first accusation needs alert_after of silence; confirming another observer's alert
-                # about the same subject needs less (it takes H independent observers either way)
+            if now - start >= self.acfg.alert_after or (
+                    quiet >= self.acfg.confirm_after and self.cut.count(subject) > 0):
                 self._alerted[subject] = UNREACHABLE
                 self._alert(subject, REMOVE, UNREACHABLE, now)
 
