@@ -190,11 +190,11 @@ SEEDS = (1, 2, 3)  # every pump scenario runs with each; all randomness derives 
 def test_ping_is_answered_with_ack_carrying_progress() -> None:
     b = machine("b", ["a", "b"], seed=1)
     b.take_sends()
-    b.set_progress(42, 2, 250)
+    b.set_progress(42, 2, 250, 0.0)
     deliver(b, 0.01, Ping(7, "b", "a", addr("a")))
     out = sent_msgs(b)
-    assert out[0] == (addr("a"), Ack(7, "b", 1, 42, 2, 250))
-    assert (addr("a"), Progress("b", 1, 1, 42, 2, 250)) in out  # own progress piggybacked too
+    assert out[0] == (addr("a"), Ack(7, "b", 1, 42, 2, 250, 10))  # (step, phase) current for 10 ms
+    assert (addr("a"), Progress("b", 1, 1, 42, 2, 250, 10)) in out  # own progress piggybacked too
     assert {a for a, _ in out} == {addr("a")}
 
 
@@ -209,18 +209,21 @@ def test_ping_for_someone_else_is_counted_not_answered() -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_ping_ack_round_trip_carries_progress_to_the_pinger(seed: int) -> None:
     pump = Pump.cluster(["a", "b"], seed=seed)
-    pump.machines["b"].set_progress(42, 2, 250)
+    pump.machines["b"].set_progress(42, 2, 250, pump.now)
     pump.run_until(1.0)
     oks = [ev for ev in pump.of_type(ProbeResult, "a") if ev.target == "b"]
     assert len(oks) >= 5 and all(ev.ok for ev in oks)
     p = pump.machines["a"].progress("b")
     assert p is not None and (p.step, p.phase, p.step_ms) == (42, 2, 250)
     assert 0.0 < p.seen_at <= 1.0
+    # the stall clock is dated by b's own age of (42, 2) on the wire, not by when a first heard it
+    assert 0.0 <= p.since < 0.005, p
     # a newer report replaces it within a probe round or two
-    pump.machines["b"].set_progress(43, 3, 260)
+    pump.machines["b"].set_progress(43, 3, 260, pump.now)
     pump.run_until(1.5)
     p = pump.machines["a"].progress("b")
     assert p is not None and (p.step, p.phase, p.step_ms) == (43, 3, 260)
+    assert 1.0 <= p.since < 1.005, p
     assert pump.machines["a"].progress("a") is None and pump.machines["a"].progress("zz") is None
     assert not pump.of_type(MemberSuspected)
 
@@ -229,10 +232,12 @@ def test_ping_ack_round_trip_carries_progress_to_the_pinger(seed: int) -> None:
 def test_progress_spreads_to_members_that_never_probe_the_owner(seed: int) -> None:
     pump = Pump.cluster(["a", "b", "c"], seed=seed)
     pump.machines["c"].set_probe_targets(["a"])  # c never pings b: it learns b's step by piggyback
-    pump.machines["b"].set_progress(9, 1, 100)
+    pump.machines["b"].set_progress(9, 1, 100, pump.now)
     pump.run_until(3.0)
     p = pump.machines["c"].progress("b")
     assert p is not None and (p.step, p.phase, p.step_ms) == (9, 1, 100)
+    # dated by the age a relayed (a's estimate, itself from b's acks): late by a hop or two at most
+    assert 0.0 <= p.since < 0.05 and p.since < p.seen_at, p
     assert not [d for d, m in pump.sent(Ping, "c") if m.target == "b"]
 
 
@@ -606,11 +611,11 @@ def test_dead_record_is_reaped_after_dead_reap() -> None:
 BAD_DATAGRAMS = [
     (b"", "rx_dropped_truncated"),
     (b"\xc1garbage", "rx_dropped_malformed"),
-    (b"\x92\x02\x91\x93\x04\x01\xa1a", "rx_dropped_bad_version"),
+    (b"\x92\x03\x91\x93\x04\x01\xa1a", "rx_dropped_bad_version"),
     (encode_packet([Nack(1, "a")])[:-2], "rx_dropped_malformed"),
-    (b"\x92\x01\x91\x91\x63", "rx_dropped_unknown_type"),
-    (b"\x92\x01\x91\x93\x01\x01\xa1a", "rx_dropped_bad_message"),
-    (b"\x92\x01\x91\x93\x04\xff\xa1a", "rx_dropped_bad_field"),
+    (b"\x92\x02\x91\x91\x63", "rx_dropped_unknown_type"),
+    (b"\x92\x02\x91\x93\x01\x01\xa1a", "rx_dropped_bad_message"),
+    (b"\x92\x02\x91\x93\x04\xff\xa1a", "rx_dropped_bad_field"),
     (b"\x00" * (CFG.mtu + 1), "rx_dropped_oversized"),
 ]
 
@@ -698,7 +703,7 @@ def test_set_progress_never_makes_acks_undecodable(step: int, phase: int, step_m
     b = machine("b", ["a", "b"], seed=1)
     b.take_sends()
     try:
-        b.set_progress(step, phase, step_ms)
+        b.set_progress(step, phase, step_ms, 0.05)
     except GossiprecError as exc:  # refusing the value is a fine fix
         assert isinstance(exc, (ProtocolError, ConfigError)), exc
         return

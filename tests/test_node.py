@@ -77,10 +77,10 @@ GARBAGE = [
     b"\xff",
     b"\x00" * 64,
     bytes(range(256)),
-    b"\x92\x01\x91\x92\x63\x01",  # [1, [[99, 1]]]: unknown message type
+    b"\x92\x02\x91\x92\x63\x01",  # [2, [[99, 1]]]: unknown message type
     b"\x92\x07\x91\x91\x01",  # unknown protocol version
     b"\xdd\xff\xff\xff\xff",  # array header claiming 4 billion items, no items
-    b"\x92\x01\x91\x9b\x14" + b"\xc0" * 10,  # an Alert with every field nil
+    b"\x92\x02\x91\x9b\x14" + b"\xc0" * 10,  # an Alert with every field nil
 ]
 
 
@@ -192,32 +192,40 @@ def test_a_delta_that_does_not_reproduce_its_config_id_is_refused() -> None:
     assert node.view == true_next
 
 
-def _hung_alerts(lagging_phase: str, until: float, **agreement: Any) -> list[tuple[float, str]]:
+def _hung_alerts(lagging_phase: str, until: float, heard_from: float = 0.1, aged: bool = False,
+                 answers: bool = True, **agreement: Any) -> list[tuple[float, str]]:
     """Drive n0 of a 6-trainer view: n1..n4 wait in the step-5 all-reduce, n5 sits in ``lagging_phase``
-    after committing step 4 from t = 0.1 on; returns (time, subject) of n0's hang alerts up to ``until``."""
+    after committing step 4 from t = 0.1 on (n0 hears of it from ``heard_from`` on; ``aged``: with its
+    age on the wire); returns (time, subject) of n0's hang alerts up to ``until``."""
     from gossiprec.core.node import AgreementConfig
     from gossiprec.core.wire import PHASES, Progress
 
     v = view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
-    # unreachable-alerts out of the way: nobody answers this node's probes in a hand-driven test
+    # unreachable-alerts out of the way (n5 answers only once it is heard from)
     acfg = AgreementConfig(alert_after=600.0, confirm_after=600.0, fence_after=600.0, **agreement)
     node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v, members=base,
                 member_order=v.nodes, agreement=acfg)
     communicate, lagging = PHASES.index("communicate"), PHASES.index(lagging_phase)
-    node.set_progress(5, communicate, 100)
+    node.set_progress(5, communicate, 100, 0.0)
     t, version, alerts = 0.0, 0, []
     while t < until:
         version += 1
         msgs = [Progress(n, 1, version, 5, communicate, 100) for n in ("n1", "n2", "n3", "n4")]
-        if t >= 0.1:
-            msgs.append(Progress("n5", 1, version, 4, lagging, 100))
+        if t >= heard_from - 1e-9:
+            msgs.append(Progress("n5", 1, version, 4, lagging, 100, round((t - 0.1) * 1000) if aged else 0))
         node.receive(encode_packet(msgs), t)
         step_end = round(t + 0.05, 6)
         while node.next_deadline() <= step_end:
             at = node.next_deadline()
             node.tick(at)
-            node.take_sends()
+            for send in node.take_sends():  # members answer its probes (a hang is judged on live ranks)
+                for m in decode_packet(send.payload, 1 << 20):
+                    if isinstance(m, Ping) and m.target != "n5":
+                        node.receive(encode_packet([Ack(m.seq, m.target, 1, 5, communicate, 100)]), at)
+                    elif isinstance(m, Ping) and answers and at >= heard_from - 1e-9:
+                        age = round((at - 0.1) * 1000) if aged else 0
+                        node.receive(encode_packet([Ack(m.seq, "n5", 1, 4, lagging, 100, age)]), at)
             alerts += [(at, e.subject) for e in node.take_events()
                        if isinstance(e, AlertRaised) and e.reason == "hung"]
         t = step_end
@@ -231,6 +239,23 @@ def test_hang_alert_comes_when_the_threshold_passes_counted_from_first_hearing()
     # threshold = max(hang_floor 1 s, 3 x 100 ms): due at 0.1 + 1.0; the watchdog alone runs at 0.5 + k/4
     assert hung and hung[0] == (pytest.approx(1.1, abs=1e-6), "n5"), hung
     assert {s for _, s in hung} == {"n5"}
+
+
+@pytest.mark.parametrize("aged", [True, False])
+def test_the_stall_clock_is_dated_by_the_age_on_the_wire(aged: bool) -> None:
+    """Observers hear of a stall at different moments (their probes and gossip differ); the age each
+    record carries (how long the owner's (step, phase) has been current) dates the stall alike for all:
+    the alert comes at stall start + threshold, however late this observer heard of it."""
+    hung = _hung_alerts("compute", 3.0, heard_from=0.6, aged=aged)
+    expected = 1.1 if aged else 1.6  # stalled at 0.1, heard at 0.6; threshold max(1 s, 3 x 100 ms)
+    assert hung and hung[0] == (pytest.approx(expected, abs=1e-6), "n5"), hung
+
+
+def test_a_rank_that_does_not_answer_is_not_judged_hung() -> None:
+    """Hung means alive but stuck. A rank that answers no probe (crashed) is the probes' business: its
+    progress, relayed by others with an age that says it stalled long ago, must not raise a hang alert
+    (in a correlated crash that alert came early for one victim and split the change in two)."""
+    assert _hung_alerts("compute", 3.0, aged=True, answers=False) == []
 
 
 def test_a_rank_saving_a_checkpoint_is_not_taken_for_hung() -> None:

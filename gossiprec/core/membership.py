@@ -103,6 +103,12 @@ class _Relay:
 
 
 _GONE = MemberInfo("", "", 0, DEAD)
+_MAX_MS = 2**31 - 1
+
+
+def _age_ms(seconds: float) -> int:
+    """An age for the wire: whole milliseconds, clamped to the field's range."""
+    return min(max(int(seconds * 1000.0), 0), _MAX_MS)
 
 
 class Membership:
@@ -159,6 +165,8 @@ class Membership:
         self._progress_names: list[str] = []
         self._progress_cursor = 0
         self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
+        self._my_since = now
+        """When our own (step, phase) became current (sent as its age, ``stall_ms``)."""
         # protocol state
         self._queue = BroadcastQueue()
         self._suspicions: dict[str, _Suspicion] = {}
@@ -299,7 +307,8 @@ class Membership:
             if rec is not None:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
 
-    def set_progress(self, step: int, phase: int, step_ms: int) -> None:
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
+        """Our trainer's progress at ``now`` (it rides on acks and gossip, with its age)."""
         if not (isinstance(step, int) and -1 <= step <= 2**62):
             raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
         if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
@@ -308,6 +317,8 @@ class Membership:
             raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
         step_ms = min(step_ms, 2**31 - 1)
         p = self._my_progress
+        if (step, phase) != (p.step, p.phase):
+            self._my_since = now
         self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms)
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
@@ -580,8 +591,8 @@ class Membership:
             return
         if self._heard is not None:
             self._heard.add(msg.src)
-        ack = Ack(msg.seq, self.name, self.incarnation, self._my_progress.step, self._my_progress.phase,
-                  self._my_progress.step_ms)
+        p = self._my_progress
+        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, _age_ms(now - self._my_since))
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
@@ -591,7 +602,7 @@ class Membership:
         if relay is not None:
             if not relay.done:
                 relay.done = True
-                fwd = Ack(relay.orig_seq, msg.src, msg.incarnation, msg.step, msg.phase, msg.step_ms)
+                fwd = Ack(relay.orig_seq, msg.src, msg.incarnation, msg.step, msg.phase, msg.step_ms, msg.stall_ms)
                 self._send(relay.requester_addr, [fwd], piggyback=False)
             return
         probe = self._probes.get(msg.seq)
@@ -604,8 +615,8 @@ class Membership:
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
         if msg.step >= 0:
-            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now,
-                              direct=True)
+            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms,
+                                       msg.stall_ms), now, direct=True)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive.
@@ -783,9 +794,11 @@ class Membership:
         elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
             return
         version = msg.version if not direct else (cur.version if cur is not None else 0)
-        since = now
+        # the stall clock starts when the owner's (step, phase) began: its age on the wire dates it (a
+        # relayed or delayed age errs late, so the earliest estimate is the best one)
+        since = now - msg.stall_ms / 1000.0
         if cur is not None and cur.step == msg.step and cur.phase == msg.phase:
-            since = cur.since  # the same (step, phase) again: the stall clock keeps running
+            since = min(since, cur.since)  # the same (step, phase) again: the stall clock keeps running
             if direct:
                 self._progress[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
                                                         msg.step_ms, now, since)
@@ -877,8 +890,11 @@ class Membership:
     # ------------------------------------------------------------------ sending
     def _progress_piggyback(self) -> list[Message]:
         out: list[Message] = []
-        if self._my_progress.version > 0:
-            out.append(self._my_progress)
+        now = self._now
+        p = self._my_progress
+        if p.version > 0:
+            out.append(Progress(p.name, p.incarnation, p.version, p.step, p.phase, p.step_ms,
+                                _age_ms(now - self._my_since)))
         names = self._progress_names
         want = self.config.progress_piggyback
         while names and want > 0:
@@ -892,7 +908,8 @@ class Membership:
             self._progress_cursor += 1
             want -= 1
             if info.version > 0:
-                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms))
+                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms,
+                                    _age_ms(now - info.since)))
         return out
 
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:

@@ -23,9 +23,11 @@ Flow of one failure:
 
 Hangs: a trainer whose (step, phase) is behind the frontier (the most advanced (step, phase) any
 trainer reports) and has not changed for ``max(hang_floor, hang_mult * median step time)`` is hung: the
-rank the others wait for in a collective. Its observers alert. The stall is counted from the moment an
-observer first heard that (step, phase), and the alert is raised when the threshold passes (an extra
-timer while someone lags), not at the next watchdog round. A trainer behind the frontier that still
+rank the others wait for in a collective. Its observers alert. The stall is counted from the moment that
+(step, phase) began: the rank's own agent sends its age on acks and progress gossip, so every observer
+dates it alike however late it heard of it. Only a rank that answered a probe in the last 0.5 s is
+judged (hung: alive but stuck; a silent one is the probes' business). The alert is raised when the
+threshold passes (an extra timer while someone lags), not at the next watchdog round. A trainer behind the frontier that still
 moves is a straggler: reported (event), not removed, unless ``evict_stragglers``.
 
 Fencing: a member removed from the view, or one that has waited ``fence_after`` seconds for a
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import statistics
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, MutableMapping
@@ -92,8 +95,12 @@ class AgreementConfig:
     """Coordinator re-sends Prepare/Accept to silent members this often."""
     fence_after: float = 3.0
     """Waiting this long without a decision (or without a live majority) fences this member."""
-    hang_floor: float = 1.0
+    hang_floor: float = 0.6
+    """Seconds: the shortest stall judged a hang, whatever the step time. A trainer that pauses longer
+    than this without reporting (a long GC, blocking I/O outside ``checkpointing``) is taken for hung;
+    raise it for such jobs."""
     hang_mult: float = 3.0
+    """A rank is hung once stalled behind the frontier for max(hang_floor, hang_mult * median step time)."""
     checkpoint_timeout: float = 600.0
     """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is
     judged hung only after this long, not after the step-time threshold."""
@@ -343,9 +350,9 @@ class Node:
         heapq.heappush(self._timers, (when, self._tok, kind, epoch))
 
     # ------------------------------------------------------------------ trainer side
-    def set_progress(self, step: int, phase: int, step_ms: int) -> None:
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
         self._my_progress = (step, phase, step_ms)
-        self.swim.set_progress(step, phase, step_ms)
+        self.swim.set_progress(step, phase, step_ms, now)
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         """What this member could serve to a replacement (reported to the plan of each new view)."""
@@ -1101,8 +1108,10 @@ class Node:
                     del self._alerted[s]
                     self._alert(s, REMOVE, HUNG, now, retract=True)
                 continue
-            if now - seen_at > 0.5:
-                self._refresh_progress(s)  # judge only on fresh progress: probe it soon
+            if now - self._answered.get(s, -math.inf) > 0.5:
+                # judge only a subject that answered us just now (hung: alive but stuck; a crashed one
+                # is the probes' business, and its relayed progress must not date a "hang"): probe it
+                self._refresh_progress(s)
                 continue
             limit = since + (max(threshold, self.acfg.checkpoint_timeout) if phase == _CHECKPOINT else threshold)
             stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``

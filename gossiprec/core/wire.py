@@ -25,7 +25,7 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -289,7 +289,7 @@ class IndirectPing(Message):
     nack: bool
 
 
-@message(3, U64, NAME, U64, STEP, PHASE, MILLIS)
+@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS)
 @dataclass(frozen=True, slots=True)
 class Ack(Message):
     """Answer to a ping; carries the acker's incarnation and training progress."""
@@ -300,6 +300,9 @@ class Ack(Message):
     step: int
     phase: int
     step_ms: int
+    stall_ms: int = 0
+    """Milliseconds its (step, phase) had been current when this was sent: every observer dates a stall
+    from the trainer's own last report, not from when it happened to hear of it."""
 
 
 @message(4, U64, NAME)
@@ -336,7 +339,7 @@ class Dead(Message):
     src: str
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, MILLIS)
 @dataclass(frozen=True, slots=True)
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner."""
@@ -347,6 +350,9 @@ class Progress(Message):
     step: int
     phase: int
     step_ms: int
+    stall_ms: int = 0
+    """Milliseconds (step, phase) had been current when the sender sent this, as the sender knew it (the
+    owner exactly; a relay from its own estimate, so a relayed age errs late, never early)."""
 
 
 MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS)

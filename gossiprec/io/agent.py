@@ -667,7 +667,7 @@ class Agent:
         m = self.machine
         if m is None:
             return
-        m.set_progress(step, phase, step_ms)
+        m.set_progress(step, phase, step_ms, time.monotonic())
         self._progress = (step, phase, step_ms)
 
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,

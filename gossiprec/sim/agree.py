@@ -291,7 +291,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
             step, phase = state["step"], state["phase"]
             if i in slow and cluster.now >= t_fault:
                 step = max(0, step - 2)  # two steps behind, still moving
-            machine.set_progress(step, phase, int(params.step_time * 1000))
+            machine.set_progress(step, phase, int(params.step_time * 1000), cluster.now)
             machine.set_state(max(0, step - 1) if phase != OPTIMIZER else step - 1, None, 1 << 20)
 
     if params.train or sc in ("hang", "straggler"):
