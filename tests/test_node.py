@@ -203,6 +203,7 @@ def _hung_alerts(lagging_phase: str, until: float, heard_from: float = 0.1, aged
     v = view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
     # unreachable-alerts out of the way (n5 answers only once it is heard from)
+    agreement.setdefault("hang_floor", 1.0)  # the times below are worked out for a 1 s floor
     acfg = AgreementConfig(alert_after=600.0, confirm_after=600.0, fence_after=600.0, **agreement)
     node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v, members=base,
                 member_order=v.nodes, agreement=acfg)

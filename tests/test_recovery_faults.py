@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from gossiprec.core.node import AgreementConfig
 from gossiprec.core.wire import PHASES
 from gossiprec.demo import (
     Fault, FaultInjector, build, load_checkpoint, objects_of, reference_state, run_scenario, save_checkpoint,
@@ -212,7 +213,7 @@ def test_hang_inside_the_allreduce_is_found(tmp_path: Path) -> None:
     _check_common(res, 24)
     (hang,) = res["faults"]
     assert hang["assignment_after"] == {0: "n0", 1: "n2"} and hang["lost_steps"] == 0, hang
-    assert 0.9 <= hang["phases_s"]["detected"] <= hang["rto_s"] < 15.0, hang
+    assert AgreementConfig().hang_floor - 0.1 <= hang["phases_s"]["detected"] <= hang["rto_s"] < 15.0, hang
     assert res["hung_killed_by_launcher"] == {"n1": True}, res
 
 
