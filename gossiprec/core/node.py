@@ -27,8 +27,8 @@ rank the others wait for in a collective. Its observers alert. The stall is coun
 (step, phase) began: the rank's own agent sends its age on acks and progress gossip, so every observer
 dates it alike however late it heard of it. Only a rank that answered a probe in the last 0.5 s is
 judged (hung: alive but stuck; a silent one is the probes' business). The alert is raised when the
-threshold passes (an extra timer while someone lags), not at the next watchdog round. A trainer behind the frontier that still
-moves is a straggler: reported (event), not removed, unless ``evict_stragglers``.
+threshold passes (an extra timer while someone lags), not at the next watchdog round. A trainer behind
+the frontier that still moves is a straggler: reported (event), not removed, unless ``evict_stragglers``.
 
 Fencing: a member removed from the view, or one that has waited ``fence_after`` seconds for a
 change it cannot get decided (no quorum on its side), or that sees fewer than a majority of the view
@@ -80,8 +80,9 @@ class AgreementConfig:
     """An observer alerts after its probes of a subject failed, with no success, this long. Must exceed
     the longest pause that must not be fatal minus the earliest failure (1 s - 0.2 s)."""
     confirm_after: float = 0.4
-    """Silence enough to confirm an alert that another observer already raised about the subject (the
-    first accusation still needs ``alert_after``, so a 1 s pause is over before anyone confirms)."""
+    """Silence enough to confirm an alert that another observer already raised about the subject: a failed
+    probe of ours, and this long since the subject last answered one (the first accusation still needs
+    ``alert_after`` of failed probes, so a 1 s pause is over before anyone confirms)."""
     settle: float = 0.15
     """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
     settle_departed: float = 0.03
@@ -421,6 +422,7 @@ class Node:
         mine = self.name in view
         self._subjects = tuple(sorted(ov.subjects(self.name))) if mine else ()  # sorted: the hang check's order
         self._subject_set = frozenset(self._subjects)
+        self._answered = {s: t for s, t in self._answered.items() if s in self._subject_set}
         # the hang check's sample: ourselves, our subjects and our observers (K random members each way),
         # trainers only; fixed for the view, so each check costs O(K) without rebuilding it
         sample = sorted({self.name} | self._subject_set | set(ov.observers(self.name))) if mine else []
@@ -1075,22 +1077,22 @@ class Node:
         # the sample shows it; the cost stays O(K) per check instead of O(N).
         frontier = (-1, 0)
         times = []
-        table: dict[str, tuple[int, int, float, float]] = {}
+        table: dict[str, tuple[int, int, float]] = {}
         for node in self._hang_sample:
             if node == self.name:
                 step, phase, ms = self._my_progress
-                seen_at = since = now  # (never judged: only the frontier counts)
+                since = now  # (never judged: only the frontier counts)
             else:
                 p = self.swim.progress(node)
                 if p is None or now - p.seen_at > 1.0:
                     continue  # stale (maybe crashed): neither frontier nor judged
-                # the stall clock starts when this (step, phase) was first heard, not at this check; and
-                # never before this view was installed
-                step, phase, ms, seen_at = p.step, p.phase, p.step_ms, p.seen_at
+                # the stall clock starts when this (step, phase) began (its age came on the wire), not at
+                # this check; and never before this view was installed
+                step, phase, ms = p.step, p.phase, p.step_ms
                 since = max(p.since, self._installed_at)
             if step < 0 or phase == _RECOVERING:
                 continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
-            table[node] = (step, phase, since, seen_at)
+            table[node] = (step, phase, since)
             if ms > 0:
                 times.append(ms)
             frontier = max(frontier, (step, phase))
@@ -1102,7 +1104,7 @@ class Node:
             row = table.get(s)
             if row is None:
                 continue
-            step, phase, since, seen_at = row
+            step, phase, since = row
             if (step, phase) >= frontier:
                 if self._alerted.get(s) == HUNG:
                     del self._alerted[s]
