@@ -214,7 +214,7 @@ def _hung_alerts(lagging_phase: str, until: float, heard_from: float = 0.1, aged
         version += 1
         msgs = [Progress(n, 1, version, 5, communicate, 100) for n in ("n1", "n2", "n3", "n4")]
         if t >= heard_from - 1e-9:
-            msgs.append(Progress("n5", 1, version, 4, lagging, 100, round((t - 0.1) * 1000) if aged else 0))
+            msgs.append(Progress("n5", 1, version, 4, lagging, 100))
         node.receive(encode_packet(msgs), t)
         step_end = round(t + 0.05, 6)
         while node.next_deadline() <= step_end:
@@ -245,11 +245,11 @@ def test_hang_alert_comes_when_the_threshold_passes_counted_from_first_hearing()
 @pytest.mark.parametrize("aged", [True, False])
 def test_the_stall_clock_is_dated_by_the_age_on_the_wire(aged: bool) -> None:
     """Observers hear of a stall at different moments (their probes and gossip differ); the age each
-    record carries (how long the owner's (step, phase) has been current) dates the stall alike for all:
+    ack carries (how long the owner's (step, phase) has been current) dates the stall alike for all:
     the alert comes at stall start + threshold, however late this observer heard of it."""
     hung = _hung_alerts("compute", 3.0, heard_from=0.6, aged=aged)
     expected = 1.1 if aged else 1.6  # stalled at 0.1, heard at 0.6; threshold max(1 s, 3 x 100 ms)
-    assert hung and hung[0] == (pytest.approx(expected, abs=1e-6), "n5"), hung
+    assert hung and hung[0] == (pytest.approx(expected, abs=1e-3), "n5"), hung  # ages are whole ms
 
 
 def test_a_rank_that_does_not_answer_is_not_judged_hung() -> None:

@@ -166,7 +166,7 @@ class Membership:
         self._progress_cursor = 0
         self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
         self._my_since = now
-        """When our own (step, phase) became current (sent as its age, ``stall_ms``)."""
+        """When our own (step, phase) became current (its age goes out on our acks, ``stall_ms``)."""
         # protocol state
         self._queue = BroadcastQueue()
         self._suspicions: dict[str, _Suspicion] = {}
@@ -308,7 +308,7 @@ class Membership:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
 
     def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
-        """Our trainer's progress at ``now`` (it rides on acks and gossip, with its age)."""
+        """Our trainer's progress at ``now`` (it rides on acks and gossip; acks also carry its age)."""
         if not (isinstance(step, int) and -1 <= step <= 2**62):
             raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
         if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
@@ -615,8 +615,8 @@ class Membership:
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
         if msg.step >= 0:
-            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms,
-                                       msg.stall_ms), now, direct=True)
+            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now,
+                              direct=True, stall_ms=msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive.
@@ -785,7 +785,7 @@ class Membership:
         if acc is not None and acc.name != self.name:
             self._send(acc.addr, [alive], piggyback=True, dest=acc.name)
 
-    def _on_progress(self, msg: Progress, now: float, direct: bool = False) -> None:
+    def _on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
         if msg.name == self.name:
             return
         cur = self._progress.get(msg.name)
@@ -794,9 +794,9 @@ class Membership:
         elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
             return
         version = msg.version if not direct else (cur.version if cur is not None else 0)
-        # the stall clock starts when the owner's (step, phase) began: its age on the wire dates it (a
-        # relayed or delayed age errs late, so the earliest estimate is the best one)
-        since = now - msg.stall_ms / 1000.0
+        # the stall clock starts when the owner's (step, phase) began: an ack's age dates it; gossip only
+        # says it was current by now (both err late, never early, so the earliest estimate is the best)
+        since = now - stall_ms / 1000.0
         if cur is not None and cur.step == msg.step and cur.phase == msg.phase:
             since = min(since, cur.since)  # the same (step, phase) again: the stall clock keeps running
             if direct:
@@ -890,11 +890,8 @@ class Membership:
     # ------------------------------------------------------------------ sending
     def _progress_piggyback(self) -> list[Message]:
         out: list[Message] = []
-        now = self._now
-        p = self._my_progress
-        if p.version > 0:
-            out.append(Progress(p.name, p.incarnation, p.version, p.step, p.phase, p.step_ms,
-                                _age_ms(now - self._my_since)))
+        if self._my_progress.version > 0:
+            out.append(self._my_progress)
         names = self._progress_names
         want = self.config.progress_piggyback
         while names and want > 0:
@@ -908,8 +905,7 @@ class Membership:
             self._progress_cursor += 1
             want -= 1
             if info.version > 0:
-                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms,
-                                    _age_ms(now - info.since)))
+                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms))
         return out
 
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:

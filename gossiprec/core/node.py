@@ -26,9 +26,10 @@ trainer reports) and has not changed for ``max(hang_floor, hang_mult * median st
 rank the others wait for in a collective. Its observers alert. The stall is counted from the moment that
 (step, phase) began: the rank's own agent sends its age on acks and progress gossip, so every observer
 dates it alike however late it heard of it. Only a rank that answered a probe in the last 0.5 s is
-judged (hung: alive but stuck; a silent one is the probes' business). The alert is raised when the
-threshold passes (an extra timer while someone lags), not at the next watchdog round. A trainer behind
-the frontier that still moves is a straggler: reported (event), not removed, unless ``evict_stragglers``.
+judged (hung: alive but stuck; a silent one is the probes' business); it is probed as its threshold
+nears. The alert is raised when the threshold passes (an extra timer while someone lags), not at the
+next watchdog round. A trainer behind the frontier that still moves is a straggler: reported (event),
+not removed, unless ``evict_stragglers``.
 
 Fencing: a member removed from the view, or one that has waited ``fence_after`` seconds for a
 change it cannot get decided (no quorum on its side), or that sees fewer than a majority of the view
@@ -63,6 +64,8 @@ from gossiprec.core.wire import (
 from gossiprec.errors import ConfigError, ProtocolError
 
 PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
+_ANSWERED_WITHIN = 0.5
+"""Seconds: a rank is judged hung only if it answered one of our probes this recently."""
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
 _RECOVERING = PHASE_ORDER["recovering"]
@@ -1110,12 +1113,14 @@ class Node:
                     del self._alerted[s]
                     self._alert(s, REMOVE, HUNG, now, retract=True)
                 continue
-            if now - self._answered.get(s, -math.inf) > 0.5:
-                # judge only a subject that answered us just now (hung: alive but stuck; a crashed one
-                # is the probes' business, and its relayed progress must not date a "hang"): probe it
-                self._refresh_progress(s)
-                continue
             limit = since + (max(threshold, self.acfg.checkpoint_timeout) if phase == _CHECKPOINT else threshold)
+            if now >= limit - _ANSWERED_WITHIN and now - self._answered.get(s, -math.inf) > _ANSWERED_WITHIN:
+                # Judge only a subject that answered us just now (hung: alive but stuck; a crashed one is
+                # the probes' business, and its relayed progress must not date a "hang"). Probe it as its
+                # threshold nears, so it has answered when due; a rank only briefly behind costs nothing.
+                self._refresh_progress(s)
+                if now >= limit:
+                    continue
             stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``
             if stalled and s not in self._alerted:
                 self._alerted[s] = HUNG

@@ -301,8 +301,10 @@ class Ack(Message):
     phase: int
     step_ms: int
     stall_ms: int = 0
-    """Milliseconds its (step, phase) had been current when this was sent: every observer dates a stall
-    from the trainer's own last report, not from when it happened to hear of it."""
+    """Milliseconds its (step, phase) had been current when this was sent: an observer dates a stall by
+    the trainer's own last report, not by when it happened to hear of it. Only acks carry it (an observer
+    probes a rank it is about to judge); gossiped Progress records stay byte-identical as they spread, so
+    receivers decode them from a cache."""
 
 
 @message(4, U64, NAME)
@@ -339,7 +341,7 @@ class Dead(Message):
     src: str
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, MILLIS)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
 @dataclass(frozen=True, slots=True)
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner."""
@@ -350,9 +352,6 @@ class Progress(Message):
     step: int
     phase: int
     step_ms: int
-    stall_ms: int = 0
-    """Milliseconds (step, phase) had been current when the sender sent this, as the sender knew it (the
-    owner exactly; a relay from its own estimate, so a relayed age errs late, never early)."""
 
 
 MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS)
