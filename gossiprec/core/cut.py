@@ -64,12 +64,12 @@ class CutDetector:
                 tally = self._tallies[key] = _Tally(kind, addr=addr, host=host, rack=rack)
             if observer in tally.observers:
                 return False
-            if not tally.departed and len(tally.observers) >= self._thresholds(subject, kind)[0]:
-                # the subject is stable already: one more voice changes no proposal, so it does not
-                # hold the settle window open (the tally still counts it, and it is spread on)
-                tally.observers.add(observer)
-                return True
+            stable = not tally.departed and len(tally.observers) >= self._thresholds(subject, kind)[0]
             tally.observers.add(observer)
+            if stable:
+                # one more voice about a stable subject changes no proposal: it is counted (and spread
+                # on) but does not hold the settle window open
+                return True
         self.last_change = now
         return True
 

@@ -315,7 +315,7 @@ class Membership:
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
         if not isinstance(step_ms, int) or step_ms < 0:
             raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
-        step_ms = min(step_ms, 2**31 - 1)
+        step_ms = min(step_ms, _MAX_MS)
         p = self._my_progress
         if (step, phase) != (p.step, p.phase):
             self._my_since = now

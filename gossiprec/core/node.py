@@ -24,8 +24,8 @@ Flow of one failure:
 Hangs: a trainer whose (step, phase) is behind the frontier (the most advanced (step, phase) any
 trainer reports) and has not changed for ``max(hang_floor, hang_mult * median step time)`` is hung: the
 rank the others wait for in a collective. Its observers alert. The stall is counted from the moment that
-(step, phase) began: the rank's own agent sends its age on acks and progress gossip, so every observer
-dates it alike however late it heard of it. Only a rank that answered a probe in the last 0.5 s is
+(step, phase) began: the rank's own agent sends its age on every ack, so every observer dates it alike
+however late it heard of it. Only a rank that answered a probe in the last 0.5 s is
 judged (hung: alive but stuck; a silent one is the probes' business); it is probed as its threshold
 nears. The alert is raised when the threshold passes (an extra timer while someone lags), not at the
 next watchdog round. A trainer behind the frontier that still moves is a straggler: reported (event),
@@ -346,6 +346,10 @@ class Node:
     @property
     def n_live(self) -> int:
         return self.swim.n_live
+
+    def has_heard(self, name: str) -> bool:
+        """See :meth:`Membership.has_heard`."""
+        return self.swim.has_heard(name)
 
     def _at(self, when: float, kind: int) -> None:
         """Arm a timer; agreement timers belong to the epoch they were armed in."""

@@ -707,8 +707,7 @@ class Agent:
     def _unheard_count(self, members: list[Any]) -> int:
         """Members not heard from yet during the startup grace: their silence is not judged until they
         are (or until the grace ends), so a crash of one is seen only then."""
-        swim = getattr(self.machine, "swim", self.machine)
-        has_heard = getattr(swim, "has_heard", None)
+        has_heard = getattr(self.machine, "has_heard", None)
         return 0 if has_heard is None else sum(1 for rec in members if not has_heard(rec.name))
 
     def control_status(self) -> dict[str, Any]:
