@@ -181,7 +181,7 @@ def test_config_is_frozen_and_round_trips_to_dict() -> None:
 NAN, INF = float("nan"), float("inf")
 BAD_VALUES = [
     ("probe_interval", -0.1), ("probe_interval", 0.0), ("probe_interval", NAN), ("probe_interval", INF),
-    ("probe_interval", "0.1"),
+    ("probe_interval", "0.1"), ("probe_batch", 0), ("probe_batch", 1.5), ("probe_batch", True),
     ("probe_timeout", -1.0), ("indirect_timeout", NAN), ("verify_timeout", -0.5), ("verify_timeout", 0),
     ("gossip_interval", 0.0), ("pushpull_interval", -30.0), ("starve_slack", NAN),
     ("suspicion_mult", -2.0), ("suspicion_floor", NAN), ("suspicion_floor", -INF),

@@ -583,6 +583,9 @@ def test_restart_with_higher_incarnation_after_death_joins_again(seed: int) -> N
         assert evs[2].incarnation >= 7 and evs[2].at >= 7.0
         assert pump.machines[s].member("d") == MemberInfo("d", addr("d"), d2.incarnation, ALIVE)
     assert d2.live_members() == NAMES4
+    # news of d's return is spent on the members that did not know it: none of it goes to d itself
+    assert not [m for dl in pump.log if dl.dst == "d" and dl.at >= 7.0 for m in dl.msgs
+                if isinstance(m, Alive) and m.name == "d"]
     assert [e.name for e in pump.member_events("d")] == ["a", "b", "c"]
 
 
@@ -764,6 +767,60 @@ def test_round_robin_probes_everyone_once_per_round(seed: int) -> None:
     rounds = [targets[i:i + 4] for i in range(0, len(targets) - 3, 4)]
     assert all(sorted(r) == ["a", "c", "d", "e"] for r in rounds), rounds
     assert len(set(map(tuple, rounds))) > 1, "the order is reshuffled between rounds"
+
+
+def _rounds(pump: Pump, src: str, since: float = 0.0) -> list[tuple[float, list[str]]]:
+    """(start, targets) of each probe round of ``src``: its pings grouped by send time."""
+    rounds: dict[float, list[str]] = {}
+    for d, m in pump.sent(Ping, src, since=since):
+        rounds.setdefault(round(d.at, 9), []).append(m.target)
+    return sorted(rounds.items())
+
+
+def test_idle_rounds_probe_a_batch_and_a_focus_brings_back_short_rounds() -> None:
+    """While nothing is in focus, a round probes probe_batch targets and rounds are probe_batch
+    intervals apart (the same probes per second, half the wake-ups); a member put in focus brings the
+    next round forward to one interval after the last, and rounds stay one interval apart, each
+    probing the focus member, until the focus is cleared."""
+    assert CFG.probe_batch == 2
+    step = CFG.probe_interval
+    pump = Pump.cluster(NAMES5, seed=4)
+    a = pump.machines["a"]
+    pump.run_until(2.0)
+    idle = _rounds(pump, "a", since=0.5)
+    assert len(idle) >= 6
+    for (t0, targets), (t1, _) in zip(idle, idle[1:]):
+        assert len(targets) == 2 and len(set(targets)) == 2, targets
+        assert t1 - t0 == pytest.approx(2 * step, abs=1e-9)
+    probes = sum(len(t) for _, t in idle)
+    assert probes / (idle[-1][0] - idle[0][0] + 2 * step) == pytest.approx(1 / step, rel=0.01)
+    last = idle[-1][0]
+    t_focus = last + 0.3 * step  # mid-round: the next round was due at last + 2 steps
+    pump.run_until(t_focus)
+    a.set_focus(["c"])
+    pump.run_until(t_focus + 1.0)
+    busy = _rounds(pump, "a", since=last + 1e-6)
+    assert busy[0][0] == pytest.approx(last + step, abs=1e-9)  # brought forward
+    for (t0, targets), (t1, _) in zip(busy, busy[1:]):
+        assert "c" in targets and len(set(targets) - {"c"}) <= 1, targets
+        assert t1 - t0 == pytest.approx(step, abs=1e-9)
+    a.set_focus([])
+    t_clear = pump.now
+    pump.run_until(t_clear + 1.0)
+    again = _rounds(pump, "a", since=t_clear + 2 * step + 1e-6)
+    assert len(again) >= 3 and all(len(t) == 2 for _, t in again)
+    assert all(t1 - t0 == pytest.approx(2 * step, abs=1e-9) for (t0, _), (t1, _) in zip(again, again[1:]))
+    assert not pump.of_type(MemberSuspected)
+
+
+def test_a_single_target_is_probed_every_interval_despite_the_batch() -> None:
+    """A round robin of fewer targets than probe_batch does not slow each target's probes down."""
+    pump = Pump.cluster(NAMES4, seed=2)
+    pump.machines["a"].set_probe_targets(["b"])
+    pump.run_until(3.0)
+    rounds = _rounds(pump, "a", since=1.0)
+    assert all(t == ["b"] for _, t in rounds)
+    assert len(rounds) == pytest.approx(2.0 / CFG.probe_interval, abs=1)
 
 
 def test_next_deadline_is_finite_and_moves_forward() -> None:

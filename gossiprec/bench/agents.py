@@ -242,11 +242,16 @@ def _child_of(ppid: int) -> int | None:
     return None
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid``."""
+def proc_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of ``pid``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15 of stat)
+    return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime (fields 14, 15 of stat)
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid``."""
+    return sum(proc_cpu_split(pid))
 
 
 def proc_rss_mb(pid: int) -> float:
@@ -486,12 +491,12 @@ async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     agents = cluster.live()
     pids = [a.proc.pid for a in agents]
     st_a = await asyncio.gather(*(cluster.status(a) for a in agents))
-    cpu_a = [proc_cpu_s(p) for p in pids]
+    cpu_a = [proc_cpu_split(p) for p in pids]
     lo_a = loopback_bytes(pids[0])
     t_a = time.monotonic()
     await asyncio.sleep(seconds)
     t_b = time.monotonic()
-    cpu_b = [proc_cpu_s(p) for p in pids]
+    cpu_b = [proc_cpu_split(p) for p in pids]
     lo_b = loopback_bytes(pids[0])
     rss = [proc_rss_mb(p) for p in pids]
     st_b = await asyncio.gather(*(cluster.status(a) for a in agents))
@@ -514,7 +519,9 @@ async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     tx_bytes = rate("tx_bytes")
     return {
         "seconds": round(dt, 3), "agents": len(agents),
-        "cpu_pct_of_core": stats([100 * (b - a) / dt for a, b in zip(cpu_a, cpu_b)]),
+        "cpu_pct_of_core": stats([100 * (sum(b) - sum(a)) / dt for a, b in zip(cpu_a, cpu_b)]),
+        "cpu_user_pct": stats([100 * (b[0] - a[0]) / dt for a, b in zip(cpu_a, cpu_b)]),
+        "cpu_system_pct": stats([100 * (b[1] - a[1]) / dt for a, b in zip(cpu_a, cpu_b)]),
         "rss_mb": stats(rss, 1),
         "tx_datagrams_per_s": stats(rate("tx_datagrams"), 1),
         "tx_bytes_per_s": stats(tx_bytes, 1),

@@ -32,6 +32,11 @@ class Config:
     # --- SWIM probing -------------------------------------------------------------------------------
     probe_interval: float = 0.1
     """Seconds between the starts of two probes by one node (scaled by the health multiplier)."""
+    probe_batch: int = 2
+    """Round-robin targets probed together while no member is in focus (none may have failed, none
+    needs a progress refresh): the node then wakes every ``probe_batch * probe_interval`` and probes
+    that many targets, the same probes per second with fewer wake-ups (an idle agent's cost is mostly
+    wake-ups). With a member in focus, rounds are ``probe_interval`` apart again, one target each."""
     probe_timeout: float = 0.1
     """Seconds to wait for a direct ack before asking ``indirect_checks`` helpers (scaled by health)."""
     indirect_timeout: float = 0.1
@@ -111,6 +116,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 problems.append(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.probe_batch, int) or isinstance(self.probe_batch, bool) or self.probe_batch < 1:
+            problems.append(f"probe_batch must be an integer >= 1, got {self.probe_batch!r}")
         for name in ("indirect_checks", "gossip_nodes", "retransmit_mult", "progress_piggyback"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:

@@ -13,7 +13,8 @@ Outputs are data: :meth:`take_sends` gives ``Send(addr, payload, reliable)`` to 
 
 Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
 
-1. Every ``probe_interval * (health + 1)`` the node pings the next target of a shuffled round robin.
+1. Every ``probe_interval * (health + 1)`` the node pings the next target of a shuffled round robin
+   (while no member is in focus, ``probe_batch`` targets every ``probe_batch`` such intervals).
    No ack within ``probe_timeout * (health + 1)``: ``indirect_checks`` helpers ping it for us and answer
    ack or nack. No ack by the end of the indirect window: the target becomes *suspect*, unless this node's
    own health is poor (missing nacks mean our side is the problem), or the timer fired late (we were
@@ -198,7 +199,11 @@ class Membership:
         self._heard: set[str] | None = set() if config.startup_grace > 0 else None
         """Members heard from directly or by an Alive of theirs, while the startup grace lasts (else None)."""
         jitter = rng.random()
-        self._at(now + jitter * config.probe_interval, _PROBE, None)
+        self._round_at = -math.inf
+        """When the last probe round started."""
+        self._probe_at = now + jitter * config.probe_interval
+        """When the next probe round starts (its timer's token: ``_probe_token``)."""
+        self._probe_token = self._at(self._probe_at, _PROBE, None)
         known = self._base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
             self._broadcast(name, Alive(name, addr, incarnation, self.role))
@@ -462,28 +467,50 @@ class Membership:
 
     def _start_probe(self, now: float, late: bool) -> None:
         cfg = self.config
-        self._at(now + self.awareness.scale(cfg.probe_interval), _PROBE, None)
+        focus, turns = self._focus, self._turns
+        batch = 1 if focus or turns else cfg.probe_batch
         if late:
             self.awareness.apply(+2)
         target = self._next_target()
+        n_round = 1
         if target is not None:
             self._probe(target, now, verify=False)
-        for focus in self._focus:
-            if focus != target and self.member(focus) is not None:
-                self._probe(focus, now, verify=False)
-        if self._turns:
-            self._turns_i = (self._turns_i + 1) % len(self._turns)
-            turn = self._turns[self._turns_i]
+            if batch > 1:
+                probed = {target}
+                for _ in range(batch - 1):
+                    extra = self._next_target()
+                    if extra is None or extra in probed:
+                        break
+                    probed.add(extra)
+                    self._probe(extra, now, verify=False)
+                n_round = len(probed)  # fewer targets than probe_batch: shorter rounds, same rate each
+        self._round_at = now
+        self._probe_at = now + self.awareness.scale(cfg.probe_interval) * n_round
+        self._probe_token = self._at(self._probe_at, _PROBE, None)
+        for name in focus:
+            if name != target and self.member(name) is not None:
+                self._probe(name, now, verify=False)
+        if turns:
+            self._turns_i = (self._turns_i + 1) % len(turns)
+            turn = turns[self._turns_i]
             if turn != target and self.member(turn) is not None:
                 self._probe(turn, now, verify=False)
 
     def set_focus(self, names: Iterable[str], turns: Iterable[str] = ()) -> None:
         """Members probed every round in addition to the round robin (``names``: subjects that may have
-        failed), and members probed one per round in turn (``turns``: e.g. to refresh their progress)."""
+        failed), and members probed one per round in turn (``turns``: e.g. to refresh their progress).
+        A first member in focus brings the next round forward to ``probe_interval`` after the last one
+        (rounds are ``probe_batch`` intervals apart only while nothing is in focus)."""
         focus = set(names) - {self.name}
         self._focus = sorted(focus)
         self._turns = sorted(set(turns) - focus - {self.name})
         self._turns_i = 0
+        if self._focus or self._turns:
+            soon = max(self._now, self._round_at + self.awareness.scale(self.config.probe_interval))
+            if soon < self._probe_at:
+                self._cancelled.add(self._probe_token)
+                self._probe_at = soon
+                self._probe_token = self._at(soon, _PROBE, None)
 
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None:
         """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it
@@ -842,13 +869,17 @@ class Membership:
                     targets.append(name)
                     break
         limit = self._retransmit_limit()
+        queue = self._queue
         for target in targets:
             rec = self.member(target)
             if rec is None:
                 continue
-            parts = self._queue.take(cfg.mtu - PACKET_OVERHEAD, limit)
+            skip = target if isinstance(queue.pending(target), Alive) else None  # see _send
+            parts = queue.take(cfg.mtu - PACKET_OVERHEAD, limit, skip)
             if not parts:
-                break
+                if not len(queue):
+                    break
+                continue  # only news about this target itself was left
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
     def _pushpull(self, join: bool, reply: bool) -> PushPull:
@@ -913,9 +944,14 @@ class Membership:
         if piggyback:
             if self._progress_names or self._my_progress.version:
                 parts.extend(encode_message(m) for m in self._progress_piggyback())
-            if len(self._queue):
+            queue = self._queue
+            if len(queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
-                parts.extend(self._queue.take(budget, self._retransmit_limit()))
+                # An Alive about the destination itself tells it nothing and would spend one of the
+                # few transmissions (3 in a cluster of 4) that must reach the others (Suspect and
+                # Dead about it still go: it refutes them).
+                skip = dest if dest is not None and isinstance(queue.pending(dest), Alive) else None
+                parts.extend(queue.take(budget, self._retransmit_limit(), skip))
         self._sends.append(Send(addr, encode_parts(parts)))
 
     def _retransmit_limit(self) -> int:
