@@ -54,6 +54,8 @@ def test_cli_exit_mode_with_idle_window() -> None:
     idle = report["idle"]
     assert idle["agents"] == 4 and idle["seconds"] >= 1.0
     assert 0 <= idle["cpu_pct_of_core"]["mean"] <= idle["cpu_pct_of_core"]["max"]
+    split = idle["cpu_user_pct"]["mean"] + idle["cpu_system_pct"]["mean"]  # user + system = the total
+    assert split == pytest.approx(idle["cpu_pct_of_core"]["mean"], abs=0.01)
     assert 5 < idle["rss_mb"]["mean"] < 500
     assert idle["tx_datagrams_per_s"]["mean"] > 1  # agents probe each other several times a second
     assert idle["loopback_bytes_per_s_per_agent"] > 0
