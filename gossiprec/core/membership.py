@@ -496,11 +496,14 @@ class Membership:
             if turn != target and self.member(turn) is not None:
                 self._probe(turn, now, verify=False)
 
-    def set_focus(self, names: Iterable[str], turns: Iterable[str] = ()) -> None:
+    def set_focus(self, names: Iterable[str], turns: Iterable[str] = (), now: float | None = None) -> None:
         """Members probed every round in addition to the round robin (``names``: subjects that may have
         failed), and members probed one per round in turn (``turns``: e.g. to refresh their progress).
         A first member in focus brings the next round forward to ``probe_interval`` after the last one
-        (rounds are ``probe_batch`` intervals apart only while nothing is in focus)."""
+        (rounds are ``probe_batch`` intervals apart only while nothing is in focus). ``now``: the time
+        of the caller's input (default: this machine's latest input)."""
+        if now is not None and now > self._now:
+            self._now = now
         focus = set(names) - {self.name}
         self._focus = sorted(focus)
         self._turns = sorted(set(turns) - focus - {self.name})

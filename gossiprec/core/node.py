@@ -551,7 +551,7 @@ class Node:
     def _refocus(self) -> None:
         # subjects that may have failed are probed every round (each failed probe is evidence towards
         # an alert, and the alerts' spread is the view change's tail); progress refreshes take turns
-        self.swim.set_focus(self._streak, self._refresh)
+        self.swim.set_focus(self._streak, self._refresh, self._now)
 
     def _on_probe(self, ev: ProbeResult, now: float) -> None:
         subject = ev.target
