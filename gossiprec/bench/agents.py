@@ -249,11 +249,6 @@ def proc_cpu_split(pid: int) -> tuple[float, float]:
     return int(fields[11]) / tick, int(fields[12]) / tick  # utime, stime (fields 14, 15 of stat)
 
 
-def proc_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid``."""
-    return sum(proc_cpu_split(pid))
-
-
 def proc_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

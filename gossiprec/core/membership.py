@@ -472,20 +472,16 @@ class Membership:
         if late:
             self.awareness.apply(+2)
         target = self._next_target()
-        n_round = 1
-        if target is not None:
-            self._probe(target, now, verify=False)
-            if batch > 1:
-                probed = {target}
-                for _ in range(batch - 1):
-                    extra = self._next_target()
-                    if extra is None or extra in probed:
-                        break
-                    probed.add(extra)
-                    self._probe(extra, now, verify=False)
-                n_round = len(probed)  # fewer targets than probe_batch: shorter rounds, same rate each
+        probed = [] if target is None else [target]
+        while probed and len(probed) < batch:
+            extra = self._next_target()
+            if extra is None or extra in probed:
+                break  # fewer targets than probe_batch: a shorter round, the same rate for each
+            probed.append(extra)
+        for name in probed:
+            self._probe(name, now, verify=False)
         self._round_at = now
-        self._probe_at = now + self.awareness.scale(cfg.probe_interval) * n_round
+        self._probe_at = now + self.awareness.scale(cfg.probe_interval) * max(1, len(probed))
         self._probe_token = self._at(self._probe_at, _PROBE, None)
         for name in focus:
             if name != target and self.member(name) is not None:
@@ -871,14 +867,12 @@ class Membership:
                 if rec is not None and rec.status == DEAD and now - at < cfg.gossip_to_dead:
                     targets.append(name)
                     break
-        limit = self._retransmit_limit()
         queue = self._queue
         for target in targets:
             rec = self.member(target)
             if rec is None:
                 continue
-            skip = target if isinstance(queue.pending(target), Alive) else None  # see _send
-            parts = queue.take(cfg.mtu - PACKET_OVERHEAD, limit, skip)
+            parts = self._take_news(cfg.mtu - PACKET_OVERHEAD, target)
             if not parts:
                 if not len(queue):
                     break
@@ -947,15 +941,18 @@ class Membership:
         if piggyback:
             if self._progress_names or self._my_progress.version:
                 parts.extend(encode_message(m) for m in self._progress_piggyback())
-            queue = self._queue
-            if len(queue):
+            if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
-                # An Alive about the destination itself tells it nothing and would spend one of the
-                # few transmissions (3 in a cluster of 4) that must reach the others (Suspect and
-                # Dead about it still go: it refutes them).
-                skip = dest if dest is not None and isinstance(queue.pending(dest), Alive) else None
-                parts.extend(queue.take(budget, self._retransmit_limit(), skip))
+                parts.extend(self._take_news(budget, dest))
         self._sends.append(Send(addr, encode_parts(parts)))
+
+    def _take_news(self, budget: int, dest: str | None) -> list[bytes]:
+        """Queued broadcasts for a packet to member ``dest``. An Alive about ``dest`` itself is left for
+        the others: it tells ``dest`` nothing and would spend one of the few transmissions (3 in a
+        cluster of 4) that must reach them. Suspect and Dead about it still go (it refutes them)."""
+        queue = self._queue
+        skip = dest if dest is not None and isinstance(queue.pending(dest), Alive) else None
+        return queue.take(budget, self._retransmit_limit(), skip)
 
     def _retransmit_limit(self) -> int:
         n = self._n_live
