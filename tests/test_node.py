@@ -303,8 +303,8 @@ def test_observer_alerts_a_subject_that_stopped_answering() -> None:
 
 def _run_until_a_streak(node: Node, dead: str, ready: bool) -> float:
     """Tick ``node`` at its deadlines, acking every probe except those of ``dead``, until ``dead`` has a
-    failure streak (``ready``: one that already spans confirm_after); returns the time. No alert may
-    come before that."""
+    failure streak (``ready``: and a silence, since it last answered or else since the view's install,
+    that already spans confirm_after); returns the time. No alert may come before that."""
     t = 0.0
     while t < 3.0:
         t = node.next_deadline()
@@ -318,7 +318,8 @@ def _run_until_a_streak(node: Node, dead: str, ready: bool) -> float:
         assert not [e for e in node.take_events() if isinstance(e, AlertRaised)]
         start = node._streak.get(dead, math.inf)
         if start <= t and (not ready or dead in node._ready):
-            assert (t - start >= node.acfg.confirm_after) == ready
+            quiet = t - node._answered.get(dead, node._installed_at)
+            assert (quiet >= node.acfg.confirm_after) == ready
             return t
     raise AssertionError(f"no streak of {dead} by {t}: {node._streak}")
 
@@ -369,23 +370,29 @@ def test_observer_confirms_another_observers_alert_as_soon_as_its_own_silence_su
     assert alerts == ([(z, t)] if ready else [])
 
 
-@pytest.mark.parametrize("answered, confirmed", [(0.1, 1.3), (1.0, 1.45)])
-def test_a_confirmation_counts_the_silence_since_the_subject_last_answered(answered: float,
-                                                                           confirmed: float) -> None:
+@pytest.mark.parametrize("answered, installed, confirmed", [
+    (0.1, 0.0, 1.3), (1.0, 0.0, 1.45), (None, 0.0, 1.3), (None, 1.0, 1.45)])
+def test_a_confirmation_counts_the_silence_since_the_subject_last_answered(
+        answered: float | None, installed: float, confirmed: float) -> None:
     """Confirming another observer's alert takes a failed probe and ``confirm_after`` (0.4 s) of silence
     since the subject last answered *us*. An observer that probes the subject rarely (one of its K
     subjects per round) confirms at its first failed probe when the subject has been silent that long,
     instead of first building a streak of its own (on loopback that streak was the last alert's 0.5 s
-    lag); one that heard the subject 0.3 s ago waits for a later failure."""
+    lag); one that heard the subject 0.3 s ago waits for a later failure. A subject that never answered
+    us since it became ours (every view change reshuffles the rings) is silent since that view's
+    install: on loopback, waiting for a streak of our own instead was the 9th alert's 0.3-0.6 s lag
+    after a kill soon after a rejoin."""
     from gossiprec.core.records import ProbeResult
 
     node = make_node()
+    node._installed_at = installed  # as if this view (and z as our subject) came at `installed`
     v = node.view
     assert v is not None
     ov = Overlay.build(v.config_id, v.nodes, 10)
     z = ov.subjects(node.name)[0]
     other = next(x for x in ov.observers(z) if x != node.name)
-    node._on_probe(ProbeResult(z, True, answered), answered)
+    if answered is not None:
+        node._on_probe(ProbeResult(z, True, answered), answered)
     node.receive(encode_packet([Alert(v.epoch, v.config_id, other, z, REMOVE, UNREACHABLE, False, "", "", "")]),
                  1.1)
     alerts = []
@@ -404,6 +411,32 @@ def test_observer_alerts_a_subject_it_learned_is_dead_by_gossip() -> None:
     node.receive(encode_packet([Dead(z, 1, other)]), 0.0)
     events = run_alone(node, 10.0)
     assert z in {e.subject for _, e in events if isinstance(e, AlertRaised)}
+
+
+@pytest.mark.parametrize("direct_max, direct", [(32, True), (5, False)])
+def test_own_alert_goes_straight_to_every_member_of_a_small_view(direct_max: int, direct: bool) -> None:
+    """In a view of at most ``direct_votes_max`` members an observer's own alert goes to every other
+    member in one hop (the subject aside): the other observers check the subject at once and everyone
+    counts the H-th alert at about the same moment. Larger views leave it to gossip (O(N^2) otherwise)."""
+    from gossiprec.core.node import AgreementConfig
+    from gossiprec.core.records import ProbeResult
+
+    v = view0()
+    base = {n: MemberInfo(n, n, 1) for n in v.nodes}
+    node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(7), now=0.0, view=v, members=base,
+                member_order=v.nodes, agreement=AgreementConfig(direct_votes_max=direct_max))
+    z = Overlay.build(v.config_id, v.nodes, 10).subjects("n0")[0]
+    node.take_sends()
+    t = 0.05
+    while t < 1.2:  # failed probes only, until the streak spans alert_after
+        node._on_probe(ProbeResult(z, False, t), t)
+        t += 0.1
+    assert [e.subject for e in node.take_events() if isinstance(e, AlertRaised)] == [z]
+    got = {addr for addr, m in sent_messages(node) if isinstance(m, Alert) and m.subject == z
+           and m.observer == "n0"}
+    # unicasts to all but us and z; without them, at most the gossip round's few random members
+    others = set(v.nodes) - {"n0", z}
+    assert (got == others) if direct else (len(got) < len(others))
 
 
 # -- end-to-end scenarios ------------------------------------------------------------------------------

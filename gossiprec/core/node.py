@@ -116,7 +116,8 @@ class AgreementConfig:
     """A member removed from the view asks to join again (as a spare) after this long."""
     catchup_interval: float = 0.3
     direct_votes_max: int = 32
-    """Views up to this size also send each member's own vote to every member directly (one hop)."""
+    """Views up to this size also send each member's own vote and its own alerts to every member
+    directly (one hop instead of a few gossip rounds; 0: gossip only)."""
     reaggregate_first: float = 0.25
     """After a view change, re-send incomplete report/plan-digest bitmaps this long after the install,
     then at doubling intervals (at most 2 s apart) ..."""
@@ -588,7 +589,11 @@ class Node:
             # about the same subject needs a failed probe and confirm_after of silence since the subject
             # last answered us (it takes H independent observers either way): an observer that probes
             # it rarely confirms at its first failure instead of after a streak of its own.
-            quiet = now - self._answered.get(subject, start)
+            # A subject that has not answered us since it became ours (every view change reshuffles
+            # the rings) counts as silent since then, not since our first failed probe: a failure
+            # soon after a view change is confirmed as fast as any other (the first accusation
+            # still needs alert_after of failed probes)
+            quiet = now - self._answered.get(subject, self._installed_at)
             if quiet >= self.acfg.confirm_after:
                 self._ready.add(subject)
             if now - start >= self.acfg.alert_after or (
@@ -615,6 +620,12 @@ class Node:
             self._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
         key = f"a|{self.name}|{subject}|{kind}"
         self._bcast(key, msg)
+        if len(v) <= self.acfg.direct_votes_max:
+            # small view: one hop to every member, so the other observers check the subject at once and
+            # every member counts the H-th alert at about the same moment (gossip took a few rounds)
+            for m in v.members:
+                if m.node != self.name and m.node != subject:
+                    self.swim.send_to(m.node, msg, self._now)
         if retract:
             self._my_alerts.pop(key, None)
         else:
