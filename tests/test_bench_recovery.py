@@ -42,7 +42,11 @@ def test_one_kill_trial_reports_sane_values() -> None:
     assert all(v is not None and v > 0 for v in t["phases_s"].values()), t["phases_s"]
     ordered = [t["phases_s"][p] for p in PHASES[2:]]  # agreed .. first_step_done
     assert ordered == sorted(ordered)
-    assert max(t["phases_s"]["detected"], t["phases_s"]["noticed_by_trainers"]) <= t["phases_s"]["agreed"]
+    # detection precedes agreement; a survivor notices when its main thread next touches the group (a
+    # collective fails, or the next step begins), which may be before or after the agreement (on a
+    # loaded CI machine a survivor was once starved 0.25 s past it), but always before it recovers
+    assert t["phases_s"]["detected"] <= t["phases_s"]["agreed"]
+    assert t["phases_s"]["noticed_by_trainers"] <= t["phases_s"]["group_rebuilt"]
     assert t["rto_s"] == t["phases_s"]["first_step_done"] < 30
     # a normal step is paced to >= 30 ms; the RTO includes one step after the group is rebuilt
     assert 0.03 <= t["normal_step_s"] < 5
