@@ -618,14 +618,15 @@ class Node:
         msg = Alert(v.epoch, v.config_id, self.name, subject, kind, reason, retract, addr, host, rack)
         if not retract:
             self._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
-        key = f"a|{self.name}|{subject}|{kind}"
-        self._bcast(key, msg)
         if len(v) <= self.acfg.direct_votes_max:
             # small view: one hop to every member, so the other observers check the subject at once and
-            # every member counts the H-th alert at about the same moment (gossip took a few rounds)
+            # every member counts the H-th alert at about the same moment (gossip took a few rounds).
+            # Sent before it is queued for gossip, so these packets do not carry it twice.
             for m in v.members:
                 if m.node != self.name and m.node != subject:
                     self.swim.send_to(m.node, msg, self._now)
+        key = f"a|{self.name}|{subject}|{kind}"
+        self._bcast(key, msg)
         if retract:
             self._my_alerts.pop(key, None)
         else:
