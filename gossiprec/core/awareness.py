@@ -25,8 +25,10 @@ class Awareness:
 
     def apply(self, delta: int) -> int:
         """Apply a delta, clamp into range, return the new score."""
-        self.score = min(max(self.score + delta, 0), self.max_multiplier - 1)
-        return self.score
+        score = self.score + delta  # on every probe: comparisons, not min()/max() calls
+        top = self.max_multiplier - 1
+        self.score = score = 0 if score < 0 else (top if score > top else score)
+        return score
 
     def scale(self, seconds: float) -> float:
         """``seconds * (score + 1)``."""

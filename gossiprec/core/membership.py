@@ -109,7 +109,8 @@ _MAX_MS = 2**31 - 1
 
 def _age_ms(seconds: float) -> int:
     """An age for the wire: whole milliseconds, clamped to the field's range."""
-    return min(max(int(seconds * 1000.0), 0), _MAX_MS)
+    ms = int(seconds * 1000.0)  # on every ack: comparisons, not min()/max() calls
+    return ms if 0 <= ms <= _MAX_MS else (0 if ms < 0 else _MAX_MS)
 
 
 class Membership:

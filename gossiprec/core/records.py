@@ -45,7 +45,7 @@ class ProgressInfo:
     """When this (step, phase) was first heard: the start of a stall, as far as this member can tell."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see wire.Message
 class Send:
     addr: str
     payload: bytes
@@ -102,7 +102,7 @@ class SelfRefuted:
     at: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # not frozen: see wire.Message
 class ProbeResult:
     """Outcome of one of this node's probes (the agreement layer's observers listen to these)."""
 
