@@ -618,13 +618,9 @@ class Node:
         msg = Alert(v.epoch, v.config_id, self.name, subject, kind, reason, retract, addr, host, rack)
         if not retract:
             self._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
-        if len(v) <= self.acfg.direct_votes_max:
-            # small view: one hop to every member, so the other observers check the subject at once and
-            # every member counts the H-th alert at about the same moment (gossip took a few rounds).
-            # Sent before it is queued for gossip, so these packets do not carry it twice.
-            for m in v.members:
-                if m.node != self.name and m.node != subject:
-                    self.swim.send_to(m.node, msg, self._now)
+        # the other observers check the subject at once and every member counts the H-th alert at about
+        # the same moment; sent before it is queued for gossip, so these packets do not carry it twice
+        self._one_hop_to_all(msg, skip=subject)
         key = f"a|{self.name}|{subject}|{kind}"
         self._bcast(key, msg)
         if retract:
@@ -752,25 +748,34 @@ class Node:
             c = self.consensus
             voted = c.my_vote
             c.propose(changes)
-            if voted is None and c.my_vote is not None and len(self.view) <= self.acfg.direct_votes_max:
+            if voted is None and c.my_vote is not None:
                 self._send_vote_to_all(c.my_vote)
             self._after_consensus(now)
         elif wake is not None:
             self._at(wake, _EVAL)
 
+    def _one_hop_to_all(self, msg: Message, extra: tuple[Message, ...] = (), skip: str = "") -> None:
+        """Views of up to ``direct_votes_max`` members: ``msg`` (and ``extra``) straight to every other
+        member but ``skip``, one unicast each, so it arrives in one network hop instead of a few gossip
+        rounds. Larger views leave it to gossip (N unicasts per member would be O(N^2))."""
+        v = self.view
+        assert v is not None
+        if len(v) > self.acfg.direct_votes_max:
+            return
+        for m in v.members:
+            if m.node != self.name and m.node != skip:
+                self.swim.send_to(m.node, msg, self._now, extra=extra)
+
     def _send_vote_to_all(self, digest: bytes) -> None:
-        """Small views: our vote (with its proposal) goes straight to every member, one unicast each,
-        so the fast round takes one network hop instead of a few gossip rounds. Merged bitmaps and
-        larger views stay on gossip (N unicasts per member would be O(N^2))."""
+        """Our vote (with its proposal) to every member of a small view (see :meth:`_one_hop_to_all`), so
+        the fast round takes one hop. Merged bitmaps stay on gossip."""
         v, c = self.view, self.consensus
         assert v is not None
         nbytes = (len(v) + 7) // 8
         changes = c.proposals[digest]
         proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
         votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
-        for m in v.members:
-            if m.node != self.name:
-                self.swim.send_to(m.node, proposal, self._now, extra=(votes,))
+        self._one_hop_to_all(proposal, extra=(votes,))
 
     def _fallback(self, now: float) -> None:
         self._fallback_armed = False

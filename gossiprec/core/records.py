@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from gossiprec.core.wire import ALIVE, SUSPECT
+from gossiprec.core.wire import ALIVE, SUSPECT, value_class
 
 
 class RandomSource(Protocol):
@@ -45,7 +45,7 @@ class ProgressInfo:
     """When this (step, phase) was first heard: the start of a stall, as far as this member can tell."""
 
 
-@dataclass(slots=True, unsafe_hash=True)  # not frozen: see wire.Message
+@value_class
 class Send:
     addr: str
     payload: bytes
@@ -102,7 +102,7 @@ class SelfRefuted:
     at: float
 
 
-@dataclass(slots=True, unsafe_hash=True)  # not frozen: see wire.Message
+@value_class
 class ProbeResult:
     """Outcome of one of this node's probes (the agreement layer's observers listen to these)."""
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from operator import attrgetter
-from typing import Any, Callable, ClassVar, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Sequence, TypeVar, dataclass_transform
 
 import msgpack
 
@@ -251,6 +251,16 @@ def message(type_id: int, *validators: Validator) -> Callable[[type], type]:
     return register
 
 
+_T = TypeVar("_T")
+
+
+@dataclass_transform(eq_default=True)
+def value_class(cls: type[_T]) -> type[_T]:
+    """Decorator of the records built per packet (every wire message, ``Send``, ``ProbeResult``): a slotted
+    dataclass, equal and hashed by value, not ``frozen`` (see :class:`Message` for why)."""
+    return dataclass(slots=True, unsafe_hash=True)(cls)
+
+
 class Message:
     """Marker base: every wire message is a slotted dataclass registered with :func:`message`.
 
@@ -276,7 +286,7 @@ def _to_list(msg: Any) -> list:
 
 # --- SWIM messages -------------------------------------------------------------------------------
 @message(1, U64, NAME, NAME, ADDR)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Ping(Message):
     seq: int
     target: str
@@ -285,7 +295,7 @@ class Ping(Message):
 
 
 @message(2, U64, NAME, ADDR, NAME, ADDR, _bool)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class IndirectPing(Message):
     seq: int
     target: str
@@ -296,7 +306,7 @@ class IndirectPing(Message):
 
 
 @message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Ack(Message):
     """Answer to a ping; carries the acker's incarnation and training progress."""
 
@@ -314,14 +324,14 @@ class Ack(Message):
 
 
 @message(4, U64, NAME)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Nack(Message):
     seq: int
     src: str
 
 
 @message(5, NAME, ADDR, U64, ROLE)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Alive(Message):
     name: str
     addr: str
@@ -330,7 +340,7 @@ class Alive(Message):
 
 
 @message(6, NAME, U64, NAME)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Suspect(Message):
     name: str
     incarnation: int
@@ -338,7 +348,7 @@ class Suspect(Message):
 
 
 @message(7, NAME, U64, NAME)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Dead(Message):
     """``src == name`` means a graceful leave."""
 
@@ -348,7 +358,7 @@ class Dead(Message):
 
 
 @message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner."""
 
@@ -364,7 +374,7 @@ MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS)
 
 
 @message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class PushPull(Message):
     """Anti-entropy: full state. ``members`` rows are
     (name, addr, incarnation, status, role, progress_version, step, phase, step_ms)."""
@@ -475,7 +485,7 @@ ALERT_REASONS = ("unreachable", "hung", "departed", "joining")
 
 @message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(3), _bool, ADDR, _text(MAX_NAME, allow_empty=True),
          _text(MAX_NAME, allow_empty=True))
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Alert(Message):
     """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it."""
 
@@ -492,7 +502,7 @@ class Alert(Message):
 
 
 @message(21, EPOCH, CFG, DIGEST, CHANGES)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Proposal(Message):
     epoch: int
     config: str
@@ -501,7 +511,7 @@ class Proposal(Message):
 
 
 @message(22, EPOCH, CFG, DIGEST, BITMAP)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Votes(Message):
     """Fast-round votes for one proposal, as a bitmap over the view's sorted members (merged by OR)."""
 
@@ -512,7 +522,7 @@ class Votes(Message):
 
 
 @message(23, EPOCH, CFG, DIGEST, CHANGES)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Decided(Message):
     epoch: int
     config: str
@@ -521,7 +531,7 @@ class Decided(Message):
 
 
 @message(24, EPOCH, CFG, _uint(2**31), NAME)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Prepare(Message):
     epoch: int
     config: str
@@ -531,7 +541,7 @@ class Prepare(Message):
 
 @message(25, EPOCH, CFG, _uint(2**31), NAME, NAME, _uint(2**31), _text(MAX_NAME, allow_empty=True),
          _optional(DIGEST), _optional(CHANGES))
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Promise(Message):
     epoch: int
     config: str
@@ -545,7 +555,7 @@ class Promise(Message):
 
 
 @message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Accept(Message):
     epoch: int
     config: str
@@ -556,7 +566,7 @@ class Accept(Message):
 
 
 @message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Accepted(Message):
     epoch: int
     config: str
@@ -567,7 +577,7 @@ class Accepted(Message):
 
 
 @message(28, EPOCH, _text(32, allow_empty=True), NAME, ADDR)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class ViewRequest(Message):
     """Catch-up: ``src`` holds view (``epoch``, ``config``) (``config`` empty: none yet) and asks for news."""
 
@@ -585,7 +595,7 @@ def _any_view(v: Any) -> Any:
 
 
 @message(29, _any_view)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class ViewState(Message):
     view: list
 
@@ -595,7 +605,7 @@ MAX_DELTA_STEPS = 16
 
 
 @message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS))
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class ViewDelta(Message):
     """Catch-up for a member that holds view (``epoch``, ``config``): the change sets that lead from it to
     the sender's view, each with the config id it must produce. O(changes) instead of the O(N) full
@@ -608,7 +618,7 @@ class ViewDelta(Message):
 
 
 @message(30, NAME, ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True), EPOCH)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class JoinRequest(Message):
     node: str
     addr: str
@@ -618,7 +628,7 @@ class JoinRequest(Message):
 
 
 @message(31, EPOCH, CFG, STEP, _optional(STEP), _uint(2**62), BITMAP)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class Report(Message):
     """State reports for the plan of ``epoch``, aggregated: every holder whose bit is set in ``bitmap``
     (over the view's sorted members) reports exactly these values. Merged by OR, like votes."""
@@ -632,7 +642,7 @@ class Report(Message):
 
 
 @message(32, EPOCH, CFG, DIGEST, BITMAP)
-@dataclass(slots=True, unsafe_hash=True)
+@value_class
 class PlanDigest(Message):
     """Members (bitmap) that computed the plan with this digest for ``epoch``."""
 
