@@ -360,8 +360,8 @@ class Node:
 
     # ------------------------------------------------------------------ trainer side
     def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
+        self.swim.set_progress(step, phase, step_ms, now)  # validates: raises before anything is kept
         self._my_progress = (step, phase, step_ms)
-        self.swim.set_progress(step, phase, step_ms, now)
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         """What this member could serve to a replacement (reported to the plan of each new view)."""

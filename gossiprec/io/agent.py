@@ -2,13 +2,15 @@
 
 Theory of operation
 -------------------
-An :class:`Agent` owns four things and moves data between them; it decides nothing itself:
+An :class:`Agent` owns these things and moves data between them; it decides nothing itself:
 
 - the *machine* (today :class:`~gossiprec.core.membership.Membership`, built by :func:`build_machine`;
   any object with the :class:`Machine` interface will do, so the agreement layer's bigger machine is a
   one-line change of factory),
 - the :class:`~gossiprec.io.transport.Transport` (sealed UDP datagrams and TCP messages),
-- the :class:`~gossiprec.io.control.ControlServer` (Unix socket for the training process),
+- the :class:`~gossiprec.io.control.ControlServer` (Unix socket for the training process) and the
+  :class:`~gossiprec.io.progress.ProgressPage` beside it, where the trainer writes its step, phase and
+  state without waking the agent: the pump reads it before every packet and tick it hands the machine,
 - an :class:`EventHub` that hands every machine event to subscribers (control clients, the launcher,
   tests) through bounded queues.
 
@@ -58,6 +60,7 @@ import time
 from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Coroutine, Iterable, Protocol, TypeVar
 
 from gossiprec import __version__
@@ -67,6 +70,7 @@ from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
 from gossiprec.io.control import ControlServer, event_to_dict
 from gossiprec.io.keyring import Keyring, KeyringError
+from gossiprec.io.progress import ProgressPage, page_path_for
 from gossiprec.io.transport import Throttle, Transport, TransportLimits, routable_ip
 from gossiprec.settings import (
     AgentSettings, add_agent_arguments, default_control_path, default_node_name, join_host_port,
@@ -78,6 +82,8 @@ T = TypeVar("T")
 
 _FINISH_EARLY_S = 0.002
 """A timer that fires at most this early sleeps out the rest in place (see Agent._on_timer)."""
+_STATE_KEYS = ("committed_step", "inflight_step", "state_bytes", "transfer_port")
+"""The fields of ``trainer_state`` in the status reply (the control socket's ``state`` message)."""
 
 
 # --- the machine seam -------------------------------------------------------------------------------
@@ -282,6 +288,9 @@ class Agent:
         self.hub = EventHub()
         self._progress = (-1, 0, 0)
         self.trainer_state: dict[str, Any] | None = None
+        self._page: ProgressPage | None = None
+        """The trainer's progress page (see :mod:`gossiprec.io.progress`), read by :meth:`_sync_page`."""
+        self._page_seq = 0
         self._state = "new"
         self._closing = False
         self._stack: AsyncExitStack | None = None
@@ -344,6 +353,8 @@ class Agent:
             self.control_path = s.control_socket or default_control_path(port)
             self.control = ControlServer(self.control_path, self)
             await stack.enter_async_context(self.control)
+            self._page = ProgressPage.create(page_path_for(self.control_path))  # the socket's directory: checked
+            stack.callback(self._close_page)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.keyring is not None and self.keyring.path is not None:
                 self._keyring_due = time.monotonic() + self.keyring_check_s
@@ -449,6 +460,7 @@ class Agent:
         if m is None or self._closing:
             self._count("rx_before_start" if m is None else "rx_after_close")
             return
+        self._sync_page()
         try:
             m.receive(payload, time.monotonic(), reliable)
         except Exception:
@@ -534,6 +546,7 @@ class Agent:
             return
         m = self.machine
         assert m is not None
+        self._sync_page()
         now = time.monotonic()
         try:
             if now >= self._keyring_due:
@@ -673,13 +686,47 @@ class Agent:
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
                           transfer_port: int | None) -> None:
         """The trainer's donatable state; machines without a plan (plain membership) ignore it."""
-        self.trainer_state = {"committed_step": committed_step, "inflight_step": inflight_step,
-                              "state_bytes": state_bytes, "transfer_port": transfer_port}
+        self.trainer_state = dict(zip(_STATE_KEYS, (committed_step, inflight_step, state_bytes, transfer_port)))
         set_state = getattr(self.machine, "set_state", None)
         if set_state is not None:
             set_state(committed_step, inflight_step, state_bytes)
 
+    def _sync_page(self) -> None:
+        """Take the trainer's newest progress and state from the page, if it changed since the last look.
+
+        Called before the machine handles a packet or a timer, so whatever it sends carries the
+        trainer's progress as of now, and from the status and members requests.
+        """
+        page = self._page
+        if page is None or page.seq() == self._page_seq or self.machine is None:
+            return
+        rec = page.read()
+        if rec is None:
+            self._count("progress_page_busy")  # a write under way at every try: keep the last record
+            return
+        self._page_seq = rec.seq
+        try:
+            if (rec.step, rec.phase, rec.step_ms) != self._progress:
+                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(rec.since, time.monotonic()))
+                self._progress = (rec.step, rec.phase, rec.step_ms)
+            if rec.has_state:
+                state = (rec.committed_step, None if rec.inflight_step < 0 else rec.inflight_step,
+                         rec.state_bytes, None if rec.transfer_port < 0 else rec.transfer_port)
+                if self.trainer_state != dict(zip(_STATE_KEYS, state)):
+                    self.control_set_state(*state)
+        except ProtocolError:
+            self._count("progress_page_invalid")
+            self._throttle.warn("page", "the trainer's progress page holds invalid values; ignored",
+                                exc_info=True)
+
+    def _close_page(self) -> None:
+        page, self._page = self._page, None
+        if page is not None:
+            page.close()
+            Path(page.path).unlink(missing_ok=True)
+
     def control_members(self) -> list[dict[str, Any]]:
+        self._sync_page()
         m = self.machine
         if m is None:
             return []
@@ -711,6 +758,7 @@ class Agent:
         return 0 if has_heard is None else sum(1 for rec in members if not has_heard(rec.name))
 
     def control_status(self) -> dict[str, Any]:
+        self._sync_page()
         m = self.machine
         s = self.settings
         members = m.members() if m is not None else []
@@ -724,6 +772,7 @@ class Agent:
             "uptime_s": round(time.monotonic() - self.started_at, 3) if self.started_at else 0.0,
             "layout_registered": self.layout is not None,
             "trainer_state": self.trainer_state,
+            "progress_page": self._page.path if self._page is not None else None,
             "machine": dict(m.counters) if m is not None else {},
             "agent": dict(self.counters),
             "transport": self.transport.stats() if self.transport is not None else {},

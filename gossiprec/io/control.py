@@ -20,6 +20,10 @@ then requests, each optionally carrying an ``"id"`` (int or string) echoed in it
     {"op": "register_layout", "layout": {...}} / {"op": "get_layout"}   -> opaque dict kept by the agent
     {"op": "ping"}                                                      -> {"pong": true}
 
+The training loop of :mod:`gossiprec.trainer` does not send ``report`` and ``state`` on every step: it
+writes them into the agent's progress page (:mod:`gossiprec.io.progress`), whose path the ``status``
+reply names (``progress_page``). The messages stay for other clients and as its fallback.
+
 Replies are ``{"ok": true, "id": ID, ...}`` or ``{"ok": false, "id": ID, "error": CODE, "message": TEXT}``.
 A subscribed connection also receives every event of the protocol machine as
 ``{"event": ClassName, field: value, ...}`` (dataclasses turned into maps generically, so new machine

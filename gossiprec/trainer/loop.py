@@ -27,9 +27,11 @@ position) is copied inside :meth:`commit`.
 Before that, a failure rolls this rank back to ``s - 1`` (its live objects are reloaded from the
 snapshot, so RNG and data position consumed by the interrupted step are undone). The last *two*
 snapshots are kept, because the agent's state report of a new view can lag one commit behind the
-trainer; a donor serves whichever step the plan names. Every commit sends the agent a non-blocking
-``state`` message (committed step, payload size) and every phase a ``report`` (step, phase, step
-time): three small Unix-socket writes per step, no reply awaited.
+trainer; a donor serves whichever step the plan names. Every commit tells the agent its state
+(committed step, payload size) and every phase change its progress (step, phase, step time), by
+writing them into the agent's progress page (:mod:`gossiprec.io.progress`: shared memory, a few
+microseconds, no system call; the agent reads it when it handles a packet or a timer). Where the
+agent has no page, they go as non-blocking ``state`` and ``report`` messages on the control socket.
 
 **Interruption.** A thread reads the agent's event stream. A ``ViewInstalled`` for a newer epoch, or
 ``Fenced``, aborts the current group (:class:`~gossiprec.trainer.groups.EpochGroups`): a waiting
@@ -108,6 +110,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.io.control import ControlClient, ControlError
+from gossiprec.io.progress import ProgressPage
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, connect_store, start_store_server
 from gossiprec.trainer.state import (
     DeferredCopies, LayoutMismatch, ReceiveTarget, StateSnapshot, Stateful, capture_deferred, restore_state,
@@ -125,6 +128,7 @@ FAILURE_EVENTS = frozenset({"MemberFailed", "MemberLeft", "AlertRaised", "Member
 CONTROL_TIMEOUT = 30.0
 """Seconds a trainer waits for its agent's reply to a request (the state and report messages of every
 step are not requests: they never wait). A dead agent closes the socket, which fails at once."""
+_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 WAITING = "waiting"
 """The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
 JOB_ENTRY = "gossiprec"
@@ -384,6 +388,9 @@ class ResilientTrainer:
         self._step_t0 = time.monotonic()
         self._step_ms = 0
         self._last_commit_at: float | None = None
+        self._page: ProgressPage | None = None
+        """The agent's progress page (:mod:`gossiprec.io.progress`): reports and state go there, without
+        a system call or a wake-up of the agent; None: they go through the control socket."""
         self._stores: dict[tuple[str, int], Any] = {}
         self._store_server: Any = None
         self._donor: DonorServer | None = None
@@ -399,6 +406,11 @@ class ResilientTrainer:
         initial state. A spare blocks until a plan gives it a rank and the state has arrived.
         """
         status = self.control.status()
+        if status.get("progress_page"):
+            try:
+                self._page = ProgressPage.open(str(status["progress_page"]))
+            except ConfigError as exc:
+                log.warning("progress goes through the control socket: %s", exc)
         view = status.get("view")
         if not view:
             raise ConfigError("the agent has no view: start it with a job spec (`--job job.toml`)")
@@ -585,6 +597,9 @@ class ResilientTrainer:
         self._closed.set()
         if self._donor is not None:
             self._donor.close(timeout=0.5)
+        page, self._page = self._page, None
+        if page is not None:
+            page.close()
 
     # ------------------------------------------------------------------ commit and serve
     def _commit_snapshot(self, step: int) -> None:
@@ -608,9 +623,12 @@ class ResilientTrainer:
         if deferred.pairs:
             self._copier.submit(deferred)
         self.step = step
+        port = self._donor.port if self._donor else None
+        if self._page is not None:
+            self._page.set_state(step, None, snap.header.total_nbytes, port)
+            return
         try:
-            self.control.set_state(step, None, snap.header.total_nbytes, self._donor.port if self._donor else None,
-                                   wait=False)
+            self.control.set_state(step, None, snap.header.total_nbytes, port, wait=False)
         except ControlError as exc:
             self._agent_lost = str(exc)
 
@@ -669,6 +687,9 @@ class ResilientTrainer:
             self.on_phase(step, phase)
 
     def _report(self, step: int, phase: str) -> None:
+        if self._page is not None:
+            self._page.report(step, _PHASE_INDEX[phase], self._step_ms)
+            return
         try:
             self.control.report(step, phase, self._step_ms, wait=False)
         except ControlError as exc:

@@ -282,12 +282,29 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 # encoding state dicts
 
 
+_TENSOR_REFS: list[msgpack.ExtType] = []
+"""``_TENSOR_REFS[i]``: the tree's reference to payload tensor ``i`` (immutable, so shared by every capture)."""
+
+
+def _tensor_ref(i: int) -> msgpack.ExtType:
+    refs = _TENSOR_REFS
+    while len(refs) <= i:
+        refs.append(msgpack.ExtType(EXT_TENSOR, msgpack.packb(len(refs))))
+    return refs[i]
+
+
 def _encode(value: Any, path: tuple[str, ...], found: list[tuple[str, torch.Tensor]]) -> Any:
+    """``value`` as a msgpack-ready tree; its tensors are appended to ``found`` and replaced by references.
+
+    On every commit's path: the leaves of a dict or list (numbers, strings, None) are taken in the
+    loop over their container, without a call or a path of their own.
+    """
     import torch
 
-    if isinstance(value, torch.Tensor):
+    tensor_type = torch.Tensor
+    if isinstance(value, tensor_type):
         found.append(("/".join(path), value))
-        return msgpack.ExtType(EXT_TENSOR, msgpack.packb(len(found) - 1))
+        return _tensor_ref(len(found) - 1)
     if value is None or isinstance(value, (bool, int, float, str, bytes)):
         if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**64:
             raise ConfigError(f"state value at {'/'.join(path)} = {value} does not fit 64 bits")
@@ -297,23 +314,35 @@ def _encode(value: Any, path: tuple[str, ...], found: list[tuple[str, torch.Tens
     if isinstance(value, dict):
         enc: dict[Any, Any] = {}
         for k, v in value.items():
-            if isinstance(k, bool) or not isinstance(k, (str, int)):
-                raise ConfigError(f"state dict key {k!r} at {'/'.join(path)} is a {type(k).__name__}; "
+            tk = type(k)
+            if tk is not str and (tk is bool or not isinstance(k, (str, int))):
+                raise ConfigError(f"state dict key {k!r} at {'/'.join(path)} is a {tk.__name__}; "
                                   "only str and int keys can be transferred")
-            enc[k] = _encode(v, (*path, str(k)), found)
+            tv = type(v)
+            if tv in _LEAF_TYPES or (tv is int and -2**63 <= v < 2**64):
+                enc[k] = v
+            elif isinstance(v, tensor_type):
+                found.append(("/".join(path) + "/" + str(k), v))
+                enc[k] = _tensor_ref(len(found) - 1)
+            else:
+                enc[k] = _encode(v, (*path, str(k)), found)
         meta = getattr(value, "_metadata", None)
         if isinstance(meta, dict):
             plain_meta = _encode(dict(meta), (*path, "_metadata"), [])
             return msgpack.ExtType(EXT_META_DICT, msgpack.packb([enc, plain_meta], use_bin_type=True))
         return enc
-    if isinstance(value, list):
-        return [_encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        items = [_encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
+    if isinstance(value, (list, tuple)):
+        items = [v if type(v) in _LEAF_TYPES else _encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
+        if isinstance(value, list):
+            return items
         return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
     raise ConfigError(f"state value at {'/'.join(path)} is a {type(value).__name__}; only tensors, "
                       "None, bool, int, float, str, bytes, lists, tuples and dicts can be transferred: "
                       "convert it in that object's state_dict()")
+
+
+_LEAF_TYPES = frozenset({float, str, bytes, bool, type(None)})
+"""Leaves :func:`_encode` takes as they are (exact types; ``int`` needs its range check)."""
 
 
 def _decode(node: Any, tensors: Sequence[torch.Tensor]) -> Any:
@@ -473,30 +502,33 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
         raise ConfigError(f"step must be an int >= 0, got {step!r}")
     trees, found = _walk_objects(objects)
     spare: list[torch.Tensor | None] = [None] * len(found)
+    old_specs: Sequence[TensorSpec | None] = spare
     if reuse is not None and copy and [s.name for s in reuse.header.tensors] == [n for n, _ in found]:
         spare = list(reuse.tensors)
+        old_specs = reuse.header.tensors
     tensors: list[torch.Tensor] = []
     specs: list[TensorSpec] = []
     sources: list[tuple[int, int]] = []
     deferred = DeferredCopies([], [], [])
     offset = 0
-    for (name, t), old in zip(found, spare, strict=True):
-        if t.layout != torch.strided:
+    strided = torch.strided
+    for (name, t), old, old_spec in zip(found, spare, old_specs, strict=True):
+        if t.layout != strided:
             raise ConfigError(f"tensor {name} has layout {t.layout}; only dense tensors can be "
                               "transferred (convert sparse tensors in state_dict())")
-        src = t.detach()
-        later = (copy and defer and src.device.type == "cpu" and src.is_contiguous()
-                 and src.data_ptr() in defer)
+        src = t.detach() if t.requires_grad else t
+        kept = old is not None and old.dtype == src.dtype and old.shape == src.shape
+        later = copy and defer and src.is_cpu and src.is_contiguous() and src.data_ptr() in defer
         if later:
             if checksum:
                 raise ConfigError("checksum=True needs every tensor's bytes at capture; defer nothing")
-            if old is None or old.dtype != src.dtype or old.shape != src.shape:
+            if not kept:
                 old = torch.empty_like(src, memory_format=torch.contiguous_format)
             deferred.pairs.append((old, src))
             deferred.names.append(name)
             deferred.versions.append(t._version)
             payload_t = old
-        elif old is not None and old.dtype == src.dtype and old.shape == src.shape:
+        elif kept:
             payload_t = old.copy_(src)
         elif src.device.type != "cpu":
             payload_t = src.to("cpu").contiguous()
@@ -504,10 +536,13 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
             payload_t = src.clone(memory_format=torch.contiguous_format)
         else:
             payload_t = src
-        nbytes = payload_t.numel() * payload_t.element_size()
-        crc = zlib.crc32(tensor_bytes(payload_t)) if checksum else None
-        specs.append(TensorSpec(name, dtype_name(payload_t.dtype), tuple(payload_t.shape), offset,
-                                nbytes, crc))
+        nbytes = payload_t.nbytes
+        if kept and old_spec is not None and old_spec.offset == offset and old_spec.crc32 is None and not checksum:
+            specs.append(old_spec)  # the buffer the last capture into it described: same name, dtype, shape
+        else:
+            crc = zlib.crc32(tensor_bytes(payload_t)) if checksum else None
+            specs.append(TensorSpec(name, dtype_name(payload_t.dtype), tuple(payload_t.shape), offset,
+                                    nbytes, crc))
         tensors.append(payload_t)
         sources.append((src.data_ptr(), t._version))
         offset += nbytes

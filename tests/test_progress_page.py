@@ -1,0 +1,125 @@
+"""The progress page (gossiprec.io.progress): the record round trip, the seqlock and CRC refusing torn
+reads, refusing foreign files, and the agent taking a trainer's progress and state from it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import struct
+import tempfile
+import time
+from typing import Iterator
+
+import pytest
+
+from gossiprec.core.wire import PHASES
+from gossiprec.errors import ConfigError
+from gossiprec.io.agent import Agent
+from gossiprec.io.control import AsyncControlClient
+from gossiprec.io.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, ProgressPage, page_path_for
+from gossiprec.settings import AgentSettings
+
+
+@pytest.fixture
+def tmpdir_() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="grp", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_round_trip_and_since(tmpdir_: str) -> None:
+    path = page_path_for(f"{tmpdir_}/a.sock")
+    with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as trainer:
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and os.path.getsize(path) == PAGE_SIZE
+        assert agent_side.seq() == 0 and agent_side.read() is None  # nothing written yet
+        t0 = time.monotonic()
+        trainer.report(7, PHASES.index("compute"), 120)
+        r1 = agent_side.read()
+        assert r1 is not None and (r1.step, PHASES[r1.phase], r1.step_ms) == (7, "compute", 120)
+        assert t0 <= r1.since <= time.monotonic() and not r1.has_state
+        trainer.report(7, PHASES.index("compute"), 130)  # same step and phase: `since` stays
+        r2 = agent_side.read()
+        assert r2 is not None and r2.since == r1.since and r2.step_ms == 130 and r2.seq == r1.seq + 2
+        trainer.set_state(7, None, 1000, None)
+        r3 = agent_side.read()
+        assert r3 is not None and r3.has_state and (r3.committed_step, r3.inflight_step, r3.state_bytes,
+                                                    r3.transfer_port) == (7, -1, 1000, -1)
+        assert (r3.step, r3.phase) == (7, PHASES.index("compute"))  # the progress is kept beside it
+        trainer.report(8, PHASES.index("optimizer"), 130)
+        r4 = agent_side.read()
+        assert r4 is not None and r4.since > r1.since and r4.committed_step == 7
+        with pytest.raises(ConfigError, match="only reads"):
+            agent_side.report(1, 0, 0)
+
+
+def test_torn_or_busy_records_are_refused(tmpdir_: str) -> None:
+    path = page_path_for(f"{tmpdir_}/a.sock")
+    with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as trainer:
+        trainer.report(5, 1, 10)
+        good = agent_side.read()
+        assert good is not None
+        with open(path, "r+b") as f:  # a write under way: the sequence number is odd
+            f.seek(SEQ_AT)
+            f.write(struct.pack("<Q", good.seq + 1))
+        assert agent_side.read() is None
+        with open(path, "r+b") as f:  # even again, but a byte of the record changed under the CRC
+            f.seek(SEQ_AT)
+            f.write(struct.pack("<Q", good.seq))
+            f.seek(RECORD_AT)
+            f.write(b"\x06")
+        assert agent_side.read() is None
+        trainer.report(6, 1, 10)  # the trainer's next write is whole again
+        again = agent_side.read()
+        assert again is not None and again.step == 6 and again.seq == good.seq + 2
+
+
+def test_foreign_files_are_refused(tmpdir_: str) -> None:
+    with pytest.raises(ConfigError, match="cannot open"):
+        ProgressPage.open(f"{tmpdir_}/missing.progress")
+    small = f"{tmpdir_}/small.progress"
+    with open(small, "wb") as f:
+        f.write(b"GRPP")
+    with pytest.raises(ConfigError, match="not a progress page"):
+        ProgressPage.open(small)
+    other = f"{tmpdir_}/other.progress"
+    with open(other, "wb") as f:
+        f.write(b"XXXX" + bytes(PAGE_SIZE - 4))
+    with pytest.raises(ConfigError, match="version-1 progress page"):
+        ProgressPage.open(other)
+    os.mkdir(f"{tmpdir_}/dir.progress")
+    with pytest.raises(ConfigError, match="not a regular file"):
+        ProgressPage.create(f"{tmpdir_}/dir.progress")
+    stale = page_path_for(f"{tmpdir_}/b.sock")
+    with open(stale, "wb") as f:
+        f.write(b"left by a dead agent")
+    with ProgressPage.create(stale) as page:  # replaced
+        assert page.read() is None and os.path.getsize(stale) == PAGE_SIZE
+
+
+async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
+    s = AgentSettings(name="n0", bind_host="127.0.0.1", port=0, insecure=True,
+                      control_socket=f"{tmpdir_}/n0.sock")
+    async with Agent(s) as agent:
+        async with await AsyncControlClient.connect(agent.control_path) as c:
+            status = await c.status()
+            path = status["progress_page"]
+            assert path == page_path_for(agent.control_path) and status["trainer_state"] is None
+            with ProgressPage.open(path) as page:
+                page.report(41, PHASES.index("optimizer"), 13)
+                page.set_state(40, None, 4096, 7000)
+                status = await c.status()  # no message: the agent looks at the page
+                assert status["trainer_state"] == {"committed_step": 40, "inflight_step": None,
+                                                   "state_bytes": 4096, "transfer_port": 7000}
+                me = [r for r in await c.members() if r["self"]][0]
+                assert (me["step"], me["phase"], me["step_ms"]) == (41, "optimizer", 13)
+                assert agent.machine is not None
+                mine = agent.machine.swim._my_progress  # what the acks carry
+                assert (mine.step, mine.phase) == (41, PHASES.index("optimizer"))
+                page.report(42, PHASES.index("compute"), 14)
+                await agent.wait_until(lambda: agent.machine.swim._my_progress.step == 42, 5)  # a timer's tick
+                page.report(-5, 99, 1)  # out of range: counted and ignored, the last good progress stays
+                await c.status()
+                assert agent.counters.get("progress_page_invalid", 0) >= 1
+                assert agent.machine.swim._my_progress.step == 42
+    assert not os.path.exists(path)  # removed with the agent
