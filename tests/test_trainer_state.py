@@ -407,10 +407,12 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
     rt.close()
 
 
-def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot() -> None:
+def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     from gossiprec.errors import RecoveryError
+    from gossiprec.trainer import loop
     from gossiprec.trainer.loop import ResilientTrainer
 
+    monkeypatch.setattr(loop, "BACKGROUND_MIN_BYTES", 0)  # this small state would be copied inside commit()
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     control = _StubControl()
@@ -431,6 +433,27 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot() -> None
     with pytest.raises(RecoveryError, match="background_snapshot=False"):
         rt._settle_snapshot()
     assert [s.step for s in rt._snapshots] == [2] and not rt.background_snapshot
+    rt.close()
+
+
+def test_a_small_state_is_copied_inside_commit() -> None:
+    from gossiprec.trainer.loop import BACKGROUND_MIN_BYTES, ResilientTrainer
+
+    model, opt, sched, data = build()
+    train_step(model, opt, sched, data)
+    rt = ResilientTrainer(training_state(model, opt, sched, data), control=_StubControl())  # type: ignore[arg-type]
+    rt._commit_snapshot(1)
+    rt._update_late(list(model.parameters()))
+    assert rt._late  # parameters and moments could be deferred ...
+    train_step(model, opt, sched, data)
+    rt._commit_snapshot(2)
+    assert rt._copier.wait() is None  # ... but under BACKGROUND_MIN_BYTES they were copied in commit()
+    assert rt._snapshots[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
+    expected = capture_state(rt.objects, step=2, checksum=False)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # after the commit: the snapshot is already complete and unaffected
+    snap = rt._snapshot_at(2)
+    assert snap is not None and snap.payload() == expected.payload()
     rt.close()
 
 

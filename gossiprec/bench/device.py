@@ -2,7 +2,8 @@
 
 A donor process builds a model and its AdamW state on ``--device`` (``cuda`` on a GPU machine, ``cpu``
 anywhere), captures it into pinned host buffers (:func:`capture_state` into a reused, pinned snapshot: one
-device-to-host copy; the trainer's own commits do not pin yet), and serves it with :class:`DonorServer`. The receiver
+device-to-host copy, as the trainer's commits do; ``gossiprec bench commit`` measures those), and serves
+it with :class:`DonorServer`. The receiver
 (this process) holds the same layout on its device with other values, fetches the state into pinned
 staging buffers (:class:`ReceiveTarget` with ``pin_memory``), authenticated chunk by chunk, and loads it
 (host-to-device copies in ``load_state_dict``). Then it captures its own state again and compares every

@@ -43,7 +43,7 @@ import re
 import struct
 import zlib
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 import msgpack
@@ -465,21 +465,44 @@ def capture_state(objects: Mapping[str, Stateful], *, step: int, copy: bool = Tr
 class DeferredCopies:
     """Tensor copies :func:`capture_deferred` left to the caller: ``dst.copy_(src)`` for each pair.
 
-    ``versions`` are the sources' in-place version counters at capture: :meth:`check` tells whether any
+    ``versions`` are the sources' in-place version counters at capture: :meth:`modified` tells whether any
     source was modified before its copy finished (the snapshot would then mix two steps).
+
+    A CUDA source is copied into a pinned host tensor on a side stream of its device, which first
+    waits for ``ready`` (an event recorded at capture on the capturing thread's current stream: the
+    copy sees the optimizer step, however far the host ran ahead of the device). The DMA then runs
+    beside the next step's kernels; :meth:`run` returns once it is done. The caller must not let the
+    next optimizer step modify the sources before :meth:`run` has returned (what ``modified`` checks).
     """
 
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     names: list[str]
     versions: list[int]
+    ready: dict[Any, Any] = field(default_factory=dict)
+    """CUDA device -> event recorded at capture (see the class docstring); empty for CPU sources."""
 
     @property
     def nbytes(self) -> int:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
     def run(self) -> None:
+        if not self.ready:
+            for dst, src in self.pairs:
+                dst.copy_(src)
+            return
+        import torch
+
+        streams = {dev: _side_stream(dev) for dev in self.ready}
+        for dev, stream in streams.items():
+            stream.wait_event(self.ready[dev])
         for dst, src in self.pairs:
-            dst.copy_(src)
+            if src.is_cuda:
+                with torch.cuda.stream(streams[src.device]):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
+        for stream in streams.values():
+            stream.synchronize()
 
     def modified(self) -> list[str]:
         """Names of the sources whose version counter moved since capture."""
@@ -487,14 +510,28 @@ class DeferredCopies:
                 if src._version != v]
 
 
+_SIDE_STREAMS: dict[Any, Any] = {}
+
+
+def _side_stream(device: Any) -> Any:
+    """The stream deferred device-to-host copies of ``device`` run on (one per device, made once)."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        import torch
+
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
 def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool = True,
                      checksum: bool = False, reuse: StateSnapshot | None = None,
                      defer: Container[int] = ()) -> tuple[StateSnapshot, DeferredCopies]:
-    """:func:`capture_state`, except that the copies of contiguous CPU tensors whose ``data_ptr()`` is in
-    ``defer`` are not made: the snapshot holds their (uninitialised or stale) destination tensors and
-    :class:`DeferredCopies` says what to copy. The snapshot is valid once ``run()`` has returned, and
-    only if no source changed before that (``modified()`` is empty). ``checksum`` needs the bytes, so
-    it cannot be combined with deferred tensors.
+    """:func:`capture_state`, except that the copies of contiguous CPU and CUDA tensors whose
+    ``data_ptr()`` is in ``defer`` are not made: the snapshot holds their (uninitialised or stale)
+    destination tensors (pinned host memory for CUDA sources) and :class:`DeferredCopies` says what to
+    copy. The snapshot is valid once ``run()`` has returned, and only if no source changed before that
+    (``modified()`` is empty). ``checksum`` needs the bytes, so it cannot be combined with deferred
+    tensors.
     """
     import torch
 
@@ -518,11 +555,18 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
                               "transferred (convert sparse tensors in state_dict())")
         src = t.detach() if t.requires_grad else t
         kept = old is not None and old.dtype == src.dtype and old.shape == src.shape
-        later = copy and defer and src.is_cpu and src.is_contiguous() and src.data_ptr() in defer
+        later = (copy and defer and (src.is_cpu or src.is_cuda) and src.is_contiguous()
+                 and src.data_ptr() in defer)
         if later:
             if checksum:
                 raise ConfigError("checksum=True needs every tensor's bytes at capture; defer nothing")
-            if not kept:
+            if src.is_cuda:
+                if old is None or not kept or not old.is_pinned():
+                    old = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                    kept = False
+                if src.device not in deferred.ready:
+                    deferred.ready[src.device] = None  # recorded below, once every source is known
+            elif not kept:
                 old = torch.empty_like(src, memory_format=torch.contiguous_format)
             deferred.pairs.append((old, src))
             deferred.names.append(name)
@@ -546,6 +590,9 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
         tensors.append(payload_t)
         sources.append((src.data_ptr(), t._version))
         offset += nbytes
+    for dev in deferred.ready:
+        event = deferred.ready[dev] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(dev))
     header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
                          checksum="crc32" if checksum else "none")
     return StateSnapshot(header=header, tensors=tuple(tensors), sources=tuple(sources) if copy else ()), deferred

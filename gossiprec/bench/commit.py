@@ -1,0 +1,187 @@
+"""``gossiprec bench commit``: what a commit per step costs a training loop, on a GPU or on the CPU.
+
+A model (square linear layers, ``--gb`` of weights + AdamW moments) trains on ``--device`` with a
+fixed batch; every step is forward, backward, optimizer step. Three loops of ``--steps`` steps each,
+after ``--warmup`` steps, in the order given by ``--modes``:
+
+``none``
+    no commit: the reference.
+``inline``
+    :class:`ResilientTrainer` with ``background_snapshot=False``: the commit copies the whole state
+    inside ``commit()`` (device to host, synchronously, into reused host buffers).
+``deferred``
+    :class:`ResilientTrainer` with its default ``background_snapshot=True``: parameters and optimizer
+    state are copied by a background thread while the next step computes (for CUDA tensors: into
+    pinned host buffers, on a side stream that waits for the optimizer step, so the DMA runs beside
+    the next step's kernels); the next optimizer step waits for the copy.
+
+The trainer runs without an agent and without a process group (a stub stands in for the control
+socket): the loop calls ``commit()`` after the optimizer step and, before the next optimizer step,
+what ``allreduce_gradients`` does once its collective is done (wait for the last commit's copies,
+refuse a torn snapshot). So the figures are the commit's cost alone.
+
+Report: per mode the median, p10 and p90 step time (host wall clock from one step's end to the next's,
+the device synchronised at each step's end: nothing the commit leaves running escapes the timing, since
+the next optimizer step waits for it) and the overhead against ``none`` (ratio of medians minus one), the state size, and
+``snapshot_identical``: the last deferred snapshot, once settled, holds the bytes a synchronous capture
+of the same step gives (crc32 of every tensor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+from gossiprec.errors import ConfigError
+
+MODES = ("none", "inline", "deferred")
+
+
+class _StubControl:
+    """Stands in for the agent's control socket: the trainer's reports and state go nowhere."""
+
+    path = ""
+    node = "bench"
+
+    def report(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_state(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _build(device: str, nbytes: int, batch: int, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    import torch
+
+    dim = 4096
+    if nbytes < dim * dim * 12:
+        dim = max(64, int((nbytes / 12) ** 0.5) // 64 * 64)
+    layers = max(1, round(nbytes / (dim * dim * 12)))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False, device=device) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, dim, device=device, generator=gen)
+    y = torch.randn(batch, dim, device=device, generator=gen)
+    return model, opt, x, y
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: int,
+          say: Any) -> tuple[list[float], int, bool | None]:
+    import torch
+
+    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.state import RNGState, capture_state
+
+    model, opt, x, y = _build(device, nbytes, batch)
+    params = list(model.parameters())
+    rt = None
+    if mode != "none":
+        rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)},
+                              control=_StubControl(), key=bytes(32),  # type: ignore[arg-type]
+                              background_snapshot=mode == "deferred")
+    times: list[float] = []
+    _sync(device)
+    t_prev = time.perf_counter()
+    for i in range(warmup + steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        if rt is not None:
+            rt._settle_snapshot()  # what allreduce_gradients does before it returns
+            if rt.background_snapshot:
+                rt._update_late(params)
+        opt.step()
+        if rt is not None:
+            rt.commit()
+        _sync(device)  # the step's kernels; copies still queued on the side stream count in a later step
+        t = time.perf_counter()
+        if i >= warmup:
+            times.append(t - t_prev)
+        t_prev = t
+    same: bool | None = None
+    state_bytes = 0
+    if rt is not None:
+        snap = rt._snapshot_at(rt.step)  # settled: the background copies are done
+        assert snap is not None
+        state_bytes = snap.header.total_nbytes
+        ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)
+        from gossiprec.trainer.state import tensor_bytes
+        import zlib
+
+        same = [zlib.crc32(tensor_bytes(t)) for t in snap.tensors] == [s.crc32 for s in ref.header.tensors]
+        rt.close()
+    say(f"{mode}: median step {statistics.median(times) * 1000:.2f} ms over {steps} steps")
+    return times, state_bytes, same
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {"median_s": round(statistics.median(s), 5), "p10_s": round(s[len(s) // 10], 5),
+            "p90_s": round(s[(len(s) * 9) // 10], 5)}
+
+
+def run(device: str, nbytes: int, batch: int, steps: int, warmup: int, modes: list[str],
+        say: Any = lambda m: None) -> dict[str, Any]:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here (use --device cpu)")
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+                           "torch": torch.__version__, "batch": batch, "steps": steps, "modes": {}}
+    for mode in modes:
+        times, state_bytes, same = _loop(mode, device, nbytes, batch, steps, warmup, say)
+        out["modes"][mode] = {**_stats(times), "snapshot_identical": same}
+        if state_bytes:
+            out["state_bytes"] = state_bytes
+    base = out["modes"].get("none")
+    for mode, row in out["modes"].items():
+        row["overhead_pct"] = (round(100 * (row["median_s"] / base["median_s"] - 1), 2)
+                               if base and mode != "none" else None)
+    return out
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        raise ConfigError(f"--modes takes some of {', '.join(MODES)}, got {args.modes!r}")
+    if args.gb <= 0 or args.batch < 1 or args.steps < 2 or args.warmup < 0:
+        raise ConfigError("--gb and --batch must be positive, --steps at least 2, --warmup not negative")
+
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(msg, file=sys.stderr, flush=True)
+
+    report = run(args.device, int(args.gb * 1e9), args.batch, args.steps, args.warmup, modes, say)
+    print(json.dumps(report) if args.json else json.dumps(report, indent=2), flush=True)
+    return 0 if all(r["snapshot_identical"] is not False for r in report["modes"].values()) else 1
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``commit`` to the ``bench`` sub-commands (sets ``func``)."""
+    p = subparsers.add_parser(
+        "commit", help="step-time cost of a commit per step (GPU or CPU state), no agent",
+        description="Train a model on --device with and without the trainer's commit per step (copies "
+                    "inside commit(), or in the background into pinned buffers) and print the step times "
+                    "and overheads as JSON.")
+    p.add_argument("--device", default="cuda", help="torch device: cuda (default) or cpu")
+    p.add_argument("--gb", type=float, default=1.0, help="state size in GB, weights + AdamW moments (1)")
+    p.add_argument("--batch", type=int, default=4096, help="rows per step's batch (4096)")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per mode (30)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
+    p.add_argument("--modes", default=",".join(MODES), help="loops to run, in order (none,inline,deferred)")
+    p.add_argument("--json", action="store_true", help="one JSON line")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=_cmd)
+    return p  # type: ignore[no-any-return]

@@ -1,0 +1,30 @@
+"""``gossiprec bench commit`` on CPU (CI has no GPU): the three loops run, the report has every figure,
+and the trainer's snapshots, copied inside commit() or in the background, hold the committed bytes."""
+
+from __future__ import annotations
+
+import pytest
+
+from gossiprec.bench.commit import run
+from gossiprec.errors import ConfigError
+
+
+def test_cpu_commit_loops_report_and_snapshots_are_exact() -> None:
+    report = run("cpu", 3_000_000, 64, steps=4, warmup=1, modes=["none", "inline", "deferred"])
+    assert report["device"] == "cpu" and set(report["modes"]) == {"none", "inline", "deferred"}
+    assert 2_000_000 < report["state_bytes"] < 4_000_000
+    none = report["modes"]["none"]
+    assert none["overhead_pct"] is None and none["snapshot_identical"] is None
+    for mode in ("inline", "deferred"):
+        row = report["modes"][mode]
+        assert row["snapshot_identical"] is True
+        assert 0 < row["p10_s"] <= row["median_s"] <= row["p90_s"]
+        assert row["overhead_pct"] == pytest.approx(100 * (row["median_s"] / none["median_s"] - 1), abs=0.01)
+
+
+def test_cuda_without_a_gpu_is_a_clear_error() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        run("cuda", 1_000_000, 8, 2, 0, ["none"])
