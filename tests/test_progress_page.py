@@ -120,6 +120,10 @@ async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
                 await agent.wait_until(lambda: agent.machine.swim._my_progress.step == 42, 5)  # a timer's tick
                 page.report(-5, 99, 1)  # out of range: counted and ignored, the last good progress stays
                 await c.status()
-                assert agent.counters.get("progress_page_invalid", 0) >= 1
+                assert agent.counters.get("progress_page_invalid", 0) == 1
                 assert agent.machine.swim._my_progress.step == 42
+                page.report(43, PHASES.index("compute"), 14)
+                page.set_state(41, None, 4096, 70000)  # not a port: the state message's rules apply
+                status = await c.status()
+                assert agent.counters["progress_page_invalid"] == 2 and status["trainer_state"]["committed_step"] == 40
     assert not os.path.exists(path)  # removed with the agent

@@ -68,7 +68,7 @@ from gossiprec.core.config import Config
 from gossiprec.core.membership import MemberInfo, Membership
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
-from gossiprec.io.control import ControlServer, event_to_dict
+from gossiprec.io.control import ControlServer, event_to_dict, state_problem
 from gossiprec.io.keyring import Keyring, KeyringError
 from gossiprec.io.progress import ProgressPage, page_path_for
 from gossiprec.io.transport import Throttle, Transport, TransportLimits, routable_ip
@@ -712,12 +712,14 @@ class Agent:
             if rec.has_state:
                 state = (rec.committed_step, None if rec.inflight_step < 0 else rec.inflight_step,
                          rec.state_bytes, None if rec.transfer_port < 0 else rec.transfer_port)
+                problem = state_problem(*state)
+                if problem is not None:
+                    raise ProtocolError(problem)
                 if self.trainer_state != dict(zip(_STATE_KEYS, state)):
                     self.control_set_state(*state)
-        except ProtocolError:
+        except ProtocolError as exc:
             self._count("progress_page_invalid")
-            self._throttle.warn("page", "the trainer's progress page holds invalid values; ignored",
-                                exc_info=True)
+            self._throttle.warn("page", f"the trainer's progress page holds invalid values, ignored: {exc}")
 
     def _close_page(self) -> None:
         page, self._page = self._page, None

@@ -457,16 +457,11 @@ class ControlServer:
         return {}
 
     def _op_state(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
-        committed = _int_arg(req, "committed_step", 0, 2**62)
-        inflight = req.get("inflight_step")
-        if inflight is not None and (type(inflight) is not int or not committed < inflight <= 2**62):
-            raise ControlError("bad_args", f"inflight_step must be null or an integer above committed_step "
-                                           f"{committed}, got {inflight!r}")
-        size = _int_arg(req, "state_bytes", 0, 2**62)
-        port = req.get("transfer_port")
-        if port is not None and (type(port) is not int or not 0 < port < 65536):
-            raise ControlError("bad_args", f"transfer_port must be null or a TCP port 1..65535, got {port!r}")
-        self.backend.control_set_state(committed, inflight, size, port)
+        args = (req.get("committed_step"), req.get("inflight_step"), req.get("state_bytes"), req.get("transfer_port"))
+        problem = state_problem(*args)
+        if problem is not None:
+            raise ControlError("bad_args", problem)
+        self.backend.control_set_state(*args)
         return {}
 
     def _op_members(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
@@ -527,6 +522,19 @@ _OPS = {
     "register_layout": ControlServer._op_register_layout,
     "get_layout": ControlServer._op_get_layout,
 }
+
+
+def state_problem(committed_step: Any, inflight_step: Any, state_bytes: Any, transfer_port: Any) -> str | None:
+    """What is wrong with a trainer's state (the ``state`` message, or the progress page), or None."""
+    if type(committed_step) is not int or not 0 <= committed_step <= 2**62:
+        return f"committed_step must be an integer 0..2**62, got {committed_step!r}"
+    if inflight_step is not None and (type(inflight_step) is not int or not committed_step < inflight_step <= 2**62):
+        return f"inflight_step must be null or an integer above committed_step {committed_step}, got {inflight_step!r}"
+    if type(state_bytes) is not int or not 0 <= state_bytes <= 2**62:
+        return f"state_bytes must be an integer 0..2**62, got {state_bytes!r}"
+    if transfer_port is not None and (type(transfer_port) is not int or not 0 < transfer_port < 65536):
+        return f"transfer_port must be null or a TCP port 1..65535, got {transfer_port!r}"
+    return None
 
 
 def _int_arg(req: Mapping[str, Any], name: str, lo: int, hi: int) -> int:

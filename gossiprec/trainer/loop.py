@@ -635,8 +635,9 @@ class ResilientTrainer:
                 deferred.run()  # cheaper here than waking the copier thread: nothing can change meanwhile
         self.step = step
         port = self._donor.port if self._donor else None
-        if self._page is not None:
-            self._page.set_state(step, None, snap.header.total_nbytes, port)
+        page = self._page
+        if page is not None:
+            page.set_state(step, None, snap.header.total_nbytes, port)
             return
         try:
             self.control.set_state(step, None, snap.header.total_nbytes, port, wait=False)
@@ -698,8 +699,9 @@ class ResilientTrainer:
             self.on_phase(step, phase)
 
     def _report(self, step: int, phase: str) -> None:
-        if self._page is not None:
-            self._page.report(step, _PHASE_INDEX[phase], self._step_ms)
+        page = self._page
+        if page is not None:
+            page.report(step, _PHASE_INDEX[phase], self._step_ms)
             return
         try:
             self.control.report(step, phase, self._step_ms, wait=False)
