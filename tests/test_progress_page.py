@@ -88,7 +88,7 @@ def test_foreign_files_are_refused(tmpdir_: str) -> None:
     with pytest.raises(ConfigError, match="version-1 progress page"):
         ProgressPage.open(other)
     os.mkdir(f"{tmpdir_}/dir.progress")
-    with pytest.raises(ConfigError, match="not a regular file"):
+    with pytest.raises(ConfigError, match="cannot create the progress page"):
         ProgressPage.create(f"{tmpdir_}/dir.progress")
     stale = page_path_for(f"{tmpdir_}/b.sock")
     with open(stale, "wb") as f:

@@ -97,18 +97,12 @@ class ProgressPage:
         """Create (or replace) the page at ``path``, mode 0600; the caller's directory is already checked."""
         p = Path(path)
         try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            st = None
-        if st is not None:
-            if not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"{path} exists and is not a regular file; remove it or choose another "
-                                  "--control-socket")
-            p.unlink()  # left by an agent that died: its trainer is gone too
-        try:
+            # one left by an agent that died (the control socket, bound first, refused a live agent)
+            p.unlink(missing_ok=True)
             fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            raise ConfigError(f"cannot create the progress page {path}: {exc.strerror}") from None
+            raise ConfigError(f"cannot create the progress page {path}: {exc.strerror}; remove it or choose "
+                              "another --control-socket") from None
         try:
             os.ftruncate(fd, PAGE_SIZE)
             page = cls(path, fd, writer=False)
