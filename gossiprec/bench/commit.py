@@ -34,8 +34,10 @@ import json
 import statistics
 import sys
 import time
+import zlib
 from typing import Any
 
+from gossiprec.bench.device import layer_shape, sync
 from gossiprec.errors import ConfigError
 
 MODES = ("none", "inline", "deferred")
@@ -55,12 +57,11 @@ class _StubControl:
 
 
 def _build(device: str, nbytes: int, batch: int, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """The device-transfer bench's layers (:func:`~gossiprec.bench.device.layer_shape`) with torch's
+    default initialisation, so that training stays finite, a fresh AdamW and one fixed batch."""
     import torch
 
-    dim = 4096
-    if nbytes < dim * dim * 12:
-        dim = max(64, int((nbytes / 12) ** 0.5) // 64 * 64)
-    layers = max(1, round(nbytes / (dim * dim * 12)))
+    dim, layers = layer_shape(nbytes)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim, bias=False, device=device) for _ in range(layers)])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -70,19 +71,12 @@ def _build(device: str, nbytes: int, batch: int, seed: int = 0) -> tuple[Any, An
     return model, opt, x, y
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize()
-
-
 def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: int,
           say: Any) -> tuple[list[float], int, bool | None]:
     import torch
 
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.state import RNGState, capture_state
+    from gossiprec.trainer.state import RNGState, capture_state, tensor_bytes
 
     model, opt, x, y = _build(device, nbytes, batch)
     params = list(model.parameters())
@@ -92,7 +86,7 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
                               control=_StubControl(), key=bytes(32),  # type: ignore[arg-type]
                               background_snapshot=mode == "deferred")
     times: list[float] = []
-    _sync(device)
+    sync(device)
     t_prev = time.perf_counter()
     for i in range(warmup + steps):
         loss = torch.nn.functional.mse_loss(model(x), y)
@@ -105,7 +99,7 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         opt.step()
         if rt is not None:
             rt.commit()
-        _sync(device)  # the step's kernels; copies still queued on the side stream count in a later step
+        sync(device)  # the step's kernels; copies still queued on the side stream count in a later step
         t = time.perf_counter()
         if i >= warmup:
             times.append(t - t_prev)
@@ -117,9 +111,6 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         assert snap is not None
         state_bytes = snap.header.total_nbytes
         ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)
-        from gossiprec.trainer.state import tensor_bytes
-        import zlib
-
         same = [zlib.crc32(tensor_bytes(t)) for t in snap.tensors] == [s.crc32 for s in ref.header.tensors]
         rt.close()
     say(f"{mode}: median step {statistics.median(times) * 1000:.2f} ms over {steps} steps")

@@ -35,6 +35,15 @@ LAYER_DIM = 4096
 """Square linear layers of this width: 64 MiB of float32 weights each (narrower for states under 200 MB)."""
 
 
+def layer_shape(nbytes: int) -> tuple[int, int]:
+    """(width, count) of the square, bias-free linear layers whose weights and AdamW moments (12 bytes
+    per weight) come to about ``nbytes``: 4096 wide, or one narrower layer for a small state."""
+    dim = LAYER_DIM
+    if nbytes < dim * dim * 12:  # a small state (smoke tests): one narrower layer
+        dim = max(64, int((nbytes / 12) ** 0.5) // 64 * 64)
+    return dim, max(1, round(nbytes / (dim * dim * 12)))
+
+
 def _build(device: str, nbytes: int, seed: int) -> dict[str, Any]:
     """Model + AdamW (one real step, so the optimizer state is not zeros) of about ``nbytes`` in all
     (weights are a third: AdamW keeps two moments per weight)."""
@@ -42,10 +51,7 @@ def _build(device: str, nbytes: int, seed: int) -> dict[str, Any]:
 
     from gossiprec.trainer.state import RNGState
 
-    dim = LAYER_DIM
-    if nbytes < dim * dim * 12:  # a small state (smoke tests): one narrower layer
-        dim = max(64, int((nbytes / 12) ** 0.5) // 64 * 64)
-    layers = max(1, round(nbytes / (dim * dim * 12)))
+    dim, layers = layer_shape(nbytes)
     # every generator the RNG entry captures, seeded: donors built with one seed hold identical states
     torch.manual_seed(seed)
     random.seed(seed)
@@ -63,7 +69,8 @@ def _build(device: str, nbytes: int, seed: int) -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "rng": RNGState(numpy=False)}
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
     if device.startswith("cuda"):
         import torch
 
@@ -91,10 +98,10 @@ def _donor_main(conn: Any, device: str, nbytes: int, seed: int, key: bytes, repe
         del first
         times = []
         for _ in range(max(1, repeats)):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             snap = capture_state(objects, step=1, copy=True, checksum=False, reuse=pinned)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - t0)
             pinned = snap
         # the served copy carries crc32s (computed on the host bytes, not timed) for the receiver's check
@@ -178,10 +185,10 @@ def run(device: str, nbytes: int, donors: list[int], repeats: int,
                                     verify_crc=False)
                 secs.append(stats.seconds)
                 bound = target.bind(stats.header)
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 bound.apply()
-                _sync(device)
+                sync(device)
                 apply_s.append(time.perf_counter() - t0)
                 say(f"  {k} donor(s), try {r + 1}: {total / 1e6 / stats.seconds:,.0f} MB/s, "
                     f"apply {apply_s[-1]:.3f} s")

@@ -318,8 +318,7 @@ def _encode(value: Any, path: tuple[str, ...], found: list[tuple[str, torch.Tens
             if tk is not str and (tk is bool or not isinstance(k, (str, int))):
                 raise ConfigError(f"state dict key {k!r} at {'/'.join(path)} is a {tk.__name__}; "
                                   "only str and int keys can be transferred")
-            tv = type(v)
-            if tv in _LEAF_TYPES or (tv is int and -2**63 <= v < 2**64):
+            if _plain(v):
                 enc[k] = v
             elif isinstance(v, tensor_type):
                 found.append(("/".join(path) + "/" + str(k), v))
@@ -332,7 +331,7 @@ def _encode(value: Any, path: tuple[str, ...], found: list[tuple[str, torch.Tens
             return msgpack.ExtType(EXT_META_DICT, msgpack.packb([enc, plain_meta], use_bin_type=True))
         return enc
     if isinstance(value, (list, tuple)):
-        items = [v if type(v) in _LEAF_TYPES else _encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
+        items = [v if _plain(v) else _encode(v, (*path, str(i)), found) for i, v in enumerate(value)]
         if isinstance(value, list):
             return items
         return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
@@ -342,7 +341,12 @@ def _encode(value: Any, path: tuple[str, ...], found: list[tuple[str, torch.Tens
 
 
 _LEAF_TYPES = frozenset({float, str, bytes, bool, type(None)})
-"""Leaves :func:`_encode` takes as they are (exact types; ``int`` needs its range check)."""
+
+
+def _plain(v: Any) -> bool:
+    """A leaf :func:`_encode` keeps as it is: one of the exact types above, or an int that fits 64 bits."""
+    t = type(v)
+    return t in _LEAF_TYPES or (t is int and -2**63 <= v < 2**64)
 
 
 def _decode(node: Any, tensors: Sequence[torch.Tensor]) -> Any:
@@ -486,10 +490,6 @@ class DeferredCopies:
         return sum(d.numel() * d.element_size() for d, _ in self.pairs)
 
     def run(self) -> None:
-        if not self.ready:
-            for dst, src in self.pairs:
-                dst.copy_(src)
-            return
         import torch
 
         streams = {dev: _side_stream(dev) for dev in self.ready}
@@ -547,6 +547,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
     specs: list[TensorSpec] = []
     sources: list[tuple[int, int]] = []
     deferred = DeferredCopies([], [], [])
+    devices: set[Any] = set()  # CUDA devices of deferred sources
     offset = 0
     strided = torch.strided
     for (name, t), old, old_spec in zip(found, spare, old_specs, strict=True):
@@ -564,8 +565,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
                 if old is None or not kept or not old.is_pinned():
                     old = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
                     kept = False
-                if src.device not in deferred.ready:
-                    deferred.ready[src.device] = None  # recorded below, once every source is known
+                devices.add(src.device)
             elif not kept:
                 old = torch.empty_like(src, memory_format=torch.contiguous_format)
             deferred.pairs.append((old, src))
@@ -590,7 +590,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
         tensors.append(payload_t)
         sources.append((src.data_ptr(), t._version))
         offset += nbytes
-    for dev in deferred.ready:
+    for dev in devices:  # after every source's capture: the copies see all the work queued before
         event = deferred.ready[dev] = torch.cuda.Event()
         event.record(torch.cuda.current_stream(dev))
     header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
