@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import struct
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from typing import Iterator
 
@@ -15,9 +19,10 @@ import pytest
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError
+from gossiprec.io import bell
 from gossiprec.io.agent import Agent
 from gossiprec.io.control import AsyncControlClient
-from gossiprec.io.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, ProgressPage, page_path_for
+from gossiprec.io.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, VERSION, ProgressPage, page_path_for
 from gossiprec.settings import AgentSettings
 
 
@@ -85,7 +90,7 @@ def test_foreign_files_are_refused(tmpdir_: str) -> None:
     other = f"{tmpdir_}/other.progress"
     with open(other, "wb") as f:
         f.write(b"XXXX" + bytes(PAGE_SIZE - 4))
-    with pytest.raises(ConfigError, match="version-1 progress page"):
+    with pytest.raises(ConfigError, match=f"version-{VERSION} progress page"):
         ProgressPage.open(other)
     os.mkdir(f"{tmpdir_}/dir.progress")
     with pytest.raises(ConfigError, match="cannot create the progress page"):
@@ -127,3 +132,101 @@ async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
                 status = await c.status()
                 assert agent.counters["progress_page_invalid"] == 2 and status["trainer_state"]["committed_step"] == 40
     assert not os.path.exists(path)  # removed with the agent
+
+
+# ---------------------------------------------------------------------- the exit bell
+_TRAINER = """
+import os, sys, time
+from gossiprec.io.progress import ProgressPage
+page = ProgressPage.open(sys.argv[1])
+print(page.arm_bell(), flush=True)
+page.report(1, 0, 10)
+if sys.argv[2] == "clean":
+    sys.stdin.readline()
+    page.close()
+elif sys.argv[2] == "exec":
+    sys.stdin.readline()
+    os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)"])
+else:
+    time.sleep(30)
+"""
+
+
+def _trainer(path: str, mode: str) -> subprocess.Popen[str]:
+    p = subprocess.Popen([sys.executable, "-c", _TRAINER, path, mode], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "True"  # armed
+    return p
+
+
+@pytest.mark.skipif(bell.pthreads() is None, reason="no robust mutexes on this system")
+@pytest.mark.parametrize("mode", ["kill", "clean", "exec"])
+def test_the_exit_bell_tells_a_death_from_a_clean_end(tmpdir_: str, mode: str) -> None:
+    path = page_path_for(f"{tmpdir_}/a.sock")
+    with ProgressPage.create(path) as agent_side:
+        p = _trainer(path, mode)
+        try:
+            assert agent_side.bell_pid() == p.pid
+            rang: list[tuple[int, float]] = []
+            w = bell.BellWatcher(path, p.pid, lambda pid: rang.append((pid, time.monotonic())))
+            time.sleep(0.1)
+            assert w.thread.is_alive() and w.outcome is None  # the trainer holds it: the watcher waits
+            t0 = time.monotonic()
+            if mode == "kill":
+                os.kill(p.pid, signal.SIGKILL)
+            else:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            w.thread.join(5)
+            assert not w.thread.is_alive()
+            if mode == "kill":
+                assert w.outcome == "rang" and rang[0][0] == p.pid and rang[0][1] - t0 < 2.0
+            elif mode == "clean":
+                assert w.outcome == "released" and not rang and agent_side.bell_pid() == 0
+                assert p.wait(5) == 0
+            else:  # exec releases the lock too, but the process lives on: not a death
+                assert w.outcome == "alive" and not rang and p.poll() is None
+        finally:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.skipif(bell.pthreads() is None, reason="no robust mutexes on this system")
+def test_only_the_main_thread_arms_and_only_once(tmpdir_: str) -> None:
+    path = page_path_for(f"{tmpdir_}/a.sock")
+    with ProgressPage.create(path) as agent_side:
+        first, second = ProgressPage.open(path), ProgressPage.open(path)
+        try:
+            got: list[bool] = []
+            t = threading.Thread(target=lambda: got.append(first.arm_bell()))
+            t.start()
+            t.join()
+            assert got == [False]  # a thread's end is not the process's
+            assert first.arm_bell() and agent_side.bell_pid() == os.getpid()
+            assert not second.arm_bell()  # one bell per process
+            assert not agent_side.arm_bell()  # the agent's mapping only reads
+        finally:
+            first.close()  # releases it before unmapping
+            second.close()
+        assert agent_side.bell_pid() == 0
+        assert bell.exiting(2**22 + 12345)  # no such process: gone
+        assert not bell.exiting(os.getpid())
+
+
+@pytest.mark.skipif(bell.pthreads() is None, reason="no robust mutexes on this system")
+async def test_the_agent_leaves_when_its_trainer_dies_holding_the_bell(tmpdir_: str) -> None:
+    s = AgentSettings(name="n0", bind_host="127.0.0.1", port=0, insecure=True,
+                      control_socket=f"{tmpdir_}/n0.sock")
+    async with Agent(s) as agent:
+        p = _trainer(page_path_for(agent.control_path), "kill")
+        try:
+            await agent.wait_until(lambda: agent._bell is not None, 5)  # a tick reads the page
+            os.kill(p.pid, signal.SIGKILL)
+            await agent.wait_until(lambda: agent.leaving, 5)
+            assert agent.counters["trainer_exit_bell"] == 1
+            assert agent.leave_reason is not None and f"pid {p.pid}" in agent.leave_reason
+            assert agent._stop_requested.is_set()  # a standalone agent (run()) ends with its trainer
+        finally:
+            p.kill()
+            p.wait()

@@ -11,6 +11,10 @@ An :class:`Agent` owns these things and moves data between them; it decides noth
 - the :class:`~gossiprec.io.control.ControlServer` (Unix socket for the training process) and the
   :class:`~gossiprec.io.progress.ProgressPage` beside it, where the trainer writes its step, phase and
   state without waking the agent: the pump reads it before every packet and tick it hands the machine,
+- the trainer's exit bell (:class:`~gossiprec.io.bell.BellWatcher`, a thread started once the trainer
+  has armed it): when the trainer dies the kernel rings it before tearing the trainer's memory down,
+  and the agent leaves at once (:meth:`Agent.leave_now`) and stops, like the launcher does when its
+  child exits, only tens of milliseconds earlier,
 - an :class:`EventHub` that hands every machine event to subscribers (control clients, the launcher,
   tests) through bounded queues.
 
@@ -68,6 +72,7 @@ from gossiprec.core.config import Config
 from gossiprec.core.membership import MemberInfo, Membership
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
+from gossiprec.io.bell import BellWatcher
 from gossiprec.io.control import ControlServer, event_to_dict, state_problem
 from gossiprec.io.keyring import Keyring, KeyringError
 from gossiprec.io.progress import ProgressPage, page_path_for
@@ -291,6 +296,8 @@ class Agent:
         self._page: ProgressPage | None = None
         """The trainer's progress page (see :mod:`gossiprec.io.progress`), read by :meth:`_sync_page`."""
         self._page_seq = 0
+        self._bell: BellWatcher | None = None
+        """Waits on the trainer's exit bell (see :mod:`gossiprec.io.bell`) once the trainer armed it."""
         self._state = "new"
         self._closing = False
         self._stack: AsyncExitStack | None = None
@@ -700,6 +707,9 @@ class Agent:
         page = self._page
         if page is None or page.seq() == self._page_seq or self.machine is None:
             return
+        pid = page.bell_pid()
+        if pid and (self._bell is None or self._bell.pid != pid):
+            self._watch_bell(page.path, pid)
         rec = page.read()
         if rec is None:
             self._count("progress_page_busy")  # a write under way at every try: keep the last record
@@ -721,7 +731,28 @@ class Agent:
             self._count("progress_page_invalid")
             self._throttle.warn("page", f"the trainer's progress page holds invalid values, ignored: {exc}")
 
+    def _watch_bell(self, path: str, pid: int) -> None:
+        if self._bell is not None:
+            self._bell.stop()
+        loop = self._loop
+        assert loop is not None
+        try:
+            self._bell = BellWatcher(path, pid, lambda p: loop.call_soon_threadsafe(self._bell_rang, p))
+        except OSError as exc:
+            self._bell = None
+            log.warning("cannot watch the trainer's exit bell (%s): its death is seen when it has exited", exc)
+
+    def _bell_rang(self, pid: int) -> None:
+        """The trainer died holding its exit bell: leave at once (as the launcher does on its exit), stop."""
+        if self._closing or self._bell is None or self._bell.pid != pid:
+            return
+        self._count("trainer_exit_bell")
+        self.leave_now(f"the training process (pid {pid}) is dying (its exit bell rang)", failed=True)
+        self.stop()
+
     def _close_page(self) -> None:
+        if self._bell is not None:
+            self._bell.stop()
         page, self._page = self._page, None
         if page is not None:
             page.close()

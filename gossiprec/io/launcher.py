@@ -17,7 +17,9 @@ The child runs ``--trainer-nice`` (default 5) nice levels below the agent, so th
 the CPUs cannot starve its own failure detector (see :data:`DEFAULT_CHILD_NICE`).
 
 It then awaits the child (``proc.wait()``, i.e. the event loop's child watcher), so the child's exit
-is noticed at once, whatever the cause. The exit is an alarm: the agent broadcasts its own departure
+is noticed at once, whatever the cause. A trainer that dies holding its exit bell (see
+:mod:`gossiprec.io.bell`) is noticed earlier still, by the agent, before the kernel has torn its memory
+down; the exit then only records the exit code. The exit is an alarm: the agent broadcasts its own departure
 immediately (:meth:`Agent.leave_now`, which sends the Dead-about-itself directly to several members
 and gossips it), so peers see this node gone within a gossip round instead of a probe-and-suspicion
 timeout; it drains for a few gossip intervals and closes.
@@ -234,6 +236,7 @@ class Launcher:
                 return
             self.fenced = reason
             log.warning("this node was %s: killing the training process (pid %d)", reason, proc.pid)
+            agent.leave_now(f"fenced ({reason}): the training process is killed", failed=True)
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session and group
             except ProcessLookupError:

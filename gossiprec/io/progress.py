@@ -24,9 +24,16 @@ Layout (little-endian)::
                  last changed), committed_step i64 (-1: no state yet), inflight_step i64 (-1: none),
                  state_bytes u64, transfer_port i32 (-1: none), crc32 of the record's other bytes u32
 
+    1024  the exit bell: a process-shared robust pthread mutex (64 bytes; see :mod:`gossiprec.io.bell`)
+    1088  u32 bell_ready (1: the agent set the bell up), u32 bell_pid (the trainer holding it; 0: none)
+
 A reader takes ``seq``, the record, then ``seq`` again, and keeps the record only if both are the same
 even number and the CRC matches: the CRC also catches a torn read where the CPU reorders stores
 (weakly ordered machines); a read that keeps failing returns None and the agent keeps what it had.
+
+The trainer arms the exit bell when it opens the page (:meth:`ProgressPage.arm_bell`) and releases it
+in :meth:`ProgressPage.close`; the agent watches it, so a trainer that dies is seen before the kernel
+has torn its memory down.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gossiprec.errors import ConfigError
+from gossiprec.io import bell
 
 MAGIC = b"GRPP"
-VERSION = 1
+VERSION = 2
 _HEAD = struct.Struct("<4sI")
 _SEQ = struct.Struct("<Q")
 _BODY = struct.Struct("<qIIdqqQi")
@@ -52,6 +60,8 @@ SEQ_AT = _HEAD.size
 RECORD_AT = SEQ_AT + _SEQ.size
 CRC_AT = RECORD_AT + _BODY.size
 PAGE_SIZE = 4096
+_BELL_INFO = struct.Struct("<II")
+BELL_INFO_AT = bell.BELL_AT + bell.BELL_SIZE
 READ_TRIES = 64
 """Attempts of one read while a write is under way before it gives up (a write takes microseconds)."""
 
@@ -88,6 +98,7 @@ class ProgressPage:
         self._mm = mmap.mmap(fd, PAGE_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         self._writer = writer
+        self._armed = False
         self._seq = 0
         # the writer's current values: every write stores the whole record
         self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1]
@@ -110,6 +121,7 @@ class ProgressPage:
             os.close(fd)
             p.unlink(missing_ok=True)
             raise
+        _BELL_INFO.pack_into(page._mm, BELL_INFO_AT, int(bell.init_bell(page._mm)), 0)
         _HEAD.pack_into(page._mm, 0, MAGIC, VERSION)
         return page
 
@@ -142,6 +154,15 @@ class ProgressPage:
         return page
 
     # ------------------------------------------------------------------ the trainer's side
+    def arm_bell(self) -> bool:
+        """Take the exit bell (the main thread, once per process); False where there is none to take."""
+        ready, _pid = _BELL_INFO.unpack_from(self._mm, BELL_INFO_AT)
+        if not self._writer or self._armed or not ready or not bell.arm(self._mm):
+            return False
+        self._armed = True
+        _BELL_INFO.pack_into(self._mm, BELL_INFO_AT, ready, os.getpid())
+        return True
+
     def report(self, step: int, phase: int, step_ms: int) -> None:
         """Progress: step ``step`` in phase ``phase`` (index into ``PHASES``), last step time ``step_ms``."""
         f = self._fields
@@ -192,9 +213,20 @@ class ProgressPage:
             return ProgressRecord(s1, *_BODY.unpack(body))
         return None
 
+    def bell_pid(self) -> int:
+        """The pid of the trainer holding the exit bell; 0 if none does (or there is no bell)."""
+        ready, pid = _BELL_INFO.unpack_from(self._mm, BELL_INFO_AT)
+        return int(pid) if ready else 0
+
     def close(self) -> None:
-        if not self._mm.closed:
-            self._mm.close()
+        """Unmap; a trainer releases its exit bell first (a clean end: the agent's watcher stands down)."""
+        if self._mm.closed:
+            return
+        if self._armed:
+            self._armed = False
+            _BELL_INFO.pack_into(self._mm, BELL_INFO_AT, 1, 0)
+            bell.disarm(self._mm)
+        self._mm.close()
 
     def __enter__(self) -> ProgressPage:
         return self

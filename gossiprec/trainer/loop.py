@@ -416,7 +416,10 @@ class ResilientTrainer:
         status = self.control.status()
         if status.get("progress_page"):
             try:
-                self._page = ProgressPage.open(str(status["progress_page"]))
+                self._page = page = ProgressPage.open(str(status["progress_page"]))
+                # the agent hears of this process's death from the kernel, before its memory is torn down
+                log.debug("exit bell %s", "armed" if page.arm_bell() else "not armed (not the main thread, "
+                          "another trainer in this process holds it, or no robust mutexes here)")
             except ConfigError as exc:
                 log.warning("progress goes through the control socket: %s", exc)
         view = status.get("view")
