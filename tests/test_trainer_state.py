@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 from typing import Any
 
 import msgpack
@@ -412,7 +413,7 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     from gossiprec.trainer import loop
     from gossiprec.trainer.loop import ResilientTrainer
 
-    monkeypatch.setattr(loop, "BACKGROUND_MIN_BYTES", 0)  # this small state would be copied inside commit()
+    monkeypatch.setattr(loop, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     control = _StubControl()
@@ -436,7 +437,8 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     rt.close()
 
 
-def test_a_small_state_is_copied_inside_commit() -> None:
+def test_a_small_state_is_copied_in_the_next_collectives_shadow() -> None:
+    from gossiprec.errors import RecoveryError
     from gossiprec.trainer.loop import BACKGROUND_MIN_BYTES, ResilientTrainer
 
     model, opt, sched, data = build()
@@ -447,13 +449,32 @@ def test_a_small_state_is_copied_inside_commit() -> None:
     assert rt._late  # parameters and moments could be deferred ...
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)
-    assert rt._copier.wait() is None  # ... but under BACKGROUND_MIN_BYTES they were copied in commit()
     assert rt._snapshots[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
+    # ... and under BACKGROUND_MIN_BYTES they are held for the main thread: no thread is woken
+    assert rt._copier._held and rt._copier._thread is None
     expected = capture_state(rt.objects, step=2, checksum=False)
-    with torch.no_grad():
-        model[0].weight.add_(1.0)  # after the commit: the snapshot is already complete and unaffected
+    rt._copier.run_held()  # what allreduce() does once the collective is launched
+    assert not rt._copier._held and rt._copier._thread is None
     snap = rt._snapshot_at(2)
     assert snap is not None and snap.payload() == expected.payload()
+
+    train_step(model, opt, sched, data)
+    rt._commit_snapshot(3)
+    expected = capture_state(rt.objects, step=3, checksum=False)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(rt._snapshot_at(3)))  # a donor thread asking first
+    waiter.start()
+    waiter.join()
+    assert not rt._copier._held and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    rt._settle_snapshot()
+
+    train_step(model, opt, sched, data)
+    rt._commit_snapshot(4)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # against the contract: a parameter changed before the copies were made
+    with pytest.raises(RecoveryError, match="modified in place"):
+        rt._settle_snapshot()
+    assert [s.step for s in rt._snapshots] == [3]  # the torn snapshot is dropped
     rt.close()
 
 

@@ -20,7 +20,8 @@ Theory of operation
 The bulk of that copy, the parameters handed to :meth:`allreduce_gradients` and the optimizer's state,
 runs on a background thread while step ``s + 1`` computes: only the optimizer step changes those
 tensors, and :meth:`allreduce_gradients` waits for the copy before it returns (below
-:data:`BACKGROUND_MIN_BYTES` the copy is made inside :meth:`commit`). Tensors on a GPU go to
+:data:`BACKGROUND_MIN_BYTES` no thread is woken: the main thread makes the copy while it waits for the
+next step's all-reduce, in the collective's shadow). Tensors on a GPU go to
 pinned host buffers on a side stream that waits for the optimizer step's kernels, so the DMA runs
 beside the next step's kernels (see :class:`~gossiprec.trainer.state.DeferredCopies`). Each source's in-place
 version counter is checked then, so a loop that changes parameters between :meth:`commit` and
@@ -133,10 +134,12 @@ CONTROL_TIMEOUT = 30.0
 step are not requests: they never wait). A dead agent closes the socket, which fails at once."""
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 BACKGROUND_MIN_BYTES = 8 * 1024 * 1024
-"""A commit's parameter and optimizer-state copies below this size (host to host) are made inside
-:meth:`ResilientTrainer.commit`: handing them to the background thread costs more than the copy (a
-1 MB state on 2 cores: ~0.5 ms of thread wake-up and GIL hand-over against ~0.1 ms of copying).
-Copies from a GPU always go to the background (the DMA runs beside the next step's kernels)."""
+"""A commit's parameter and optimizer-state copies below this size (host to host) are not handed to
+the background thread, which costs more than the copy (a 1 MB state on 2 cores: ~0.5 ms of thread
+wake-up and GIL hand-over against ~0.1 ms of copying): they are *held* and made by the first thread
+that needs them, normally the main thread in the next all-reduce, after it has launched the
+collective and before it waits for it (:meth:`_Copier.run_held`). Copies from a GPU always go to the
+background (the DMA runs beside the next step's kernels)."""
 WAITING = "waiting"
 """The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
 JOB_ENTRY = "gossiprec"
@@ -252,31 +255,55 @@ def _host_port(addr: str) -> tuple[str, int]:
 
 
 class _Copier:
-    """One daemon thread that finishes a commit's deferred tensor copies while the next step computes.
+    """Finishes a commit's deferred tensor copies while the next step runs: on one daemon thread, or,
+    for a held job, in the first thread that asks for it.
 
-    :meth:`submit` hands over one :class:`DeferredCopies` (the previous one must be waited for);
-    :meth:`wait` blocks until it is done and returns it (None when nothing was pending). Thread-safe:
-    the main thread and donor threads may wait at the same time.
+    :meth:`submit` hands one :class:`DeferredCopies` to the thread; :meth:`hold` keeps it for the
+    first caller of :meth:`run_held` or :meth:`wait`, whichever comes first (the previous job must
+    have been waited for, either way); :meth:`wait` blocks until it is done and returns it (None when
+    nothing was pending). Thread-safe: the main thread and donor threads may wait at the same time.
     """
 
     def __init__(self) -> None:
         self._cv = threading.Condition()
         self._job: DeferredCopies | None = None
         self._running = False
+        """A job was submitted or held and is not done yet."""
+        self._queued = False
+        """The job waits for the thread."""
+        self._held = False
+        """The job waits for the first caller of run_held() or wait()."""
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def submit(self, job: DeferredCopies) -> None:
         with self._cv:
             assert self._job is None and not self._running, "wait() for the previous copies first"
-            self._job, self._running, self._error = job, True, None
+            self._job, self._running, self._queued, self._error = job, True, True, None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
 
+    def hold(self, job: DeferredCopies) -> None:
+        """Keep ``job`` for the first caller of :meth:`run_held` or :meth:`wait` (no thread is woken)."""
+        with self._cv:
+            assert self._job is None and not self._running, "wait() for the previous copies first"
+            self._job, self._running, self._held, self._error = job, True, True, None
+
+    def run_held(self) -> None:
+        """Make a held job's copies in this thread now (nothing if none is held)."""
+        with self._cv:
+            if not self._held:
+                return
+            self._held = False
+            job = self._job
+        assert job is not None
+        self._run(job)
+
     def wait(self, take: bool = True) -> DeferredCopies | None:
         """Block until the copies are done; ``take`` hands the job over (else it stays for the owner)."""
+        self.run_held()
         with self._cv:
             while self._running:
                 self._cv.wait()
@@ -290,18 +317,22 @@ class _Copier:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._running:
+                while not self._queued:
                     self._cv.wait()
+                self._queued = False
                 job = self._job
             assert job is not None
-            try:
-                job.run()
-            except BaseException as exc:  # reported to whoever waits
-                with self._cv:
-                    self._error = exc
+            self._run(job)
+
+    def _run(self, job: DeferredCopies) -> None:
+        try:
+            job.run()
+        except BaseException as exc:  # reported to whoever waits
             with self._cv:
-                self._running = False
-                self._cv.notify_all()
+                self._error = exc
+        with self._cv:
+            self._running = False
+            self._cv.notify_all()
 
 
 class ResilientTrainer:
@@ -539,6 +570,7 @@ class ResilientTrainer:
         try:
             pending = self.groups.current.allreduce(tensor, op, async_op=True)
             assert pending is not None
+            self._copier.run_held()  # the last commit's small copies, while the collective is on the wire
             step = self.step + 1
             self._hook(step, "communicate")  # the collective is in flight
             on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
@@ -635,7 +667,7 @@ class ResilientTrainer:
             if deferred.ready or deferred.nbytes >= BACKGROUND_MIN_BYTES:
                 self._copier.submit(deferred)
             else:
-                deferred.run()  # cheaper here than waking the copier thread: nothing can change meanwhile
+                self._copier.hold(deferred)  # made in the next collective's shadow (see BACKGROUND_MIN_BYTES)
         self.step = step
         port = self._donor.port if self._donor else None
         page = self._page
