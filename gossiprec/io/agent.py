@@ -736,8 +736,14 @@ class Agent:
             self._bell.stop()
         loop = self._loop
         assert loop is not None
+        def ring(p: int) -> None:  # on the watcher's thread
+            try:
+                loop.call_soon_threadsafe(self._bell_rang, p)
+            except RuntimeError:
+                pass  # the loop is closed: the agent is gone already
+
         try:
-            self._bell = BellWatcher(path, pid, lambda p: loop.call_soon_threadsafe(self._bell_rang, p))
+            self._bell = BellWatcher(path, pid, ring)
         except OSError as exc:
             self._bell = None
             log.warning("cannot watch the trainer's exit bell (%s): its death is seen when it has exited", exc)
