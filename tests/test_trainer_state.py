@@ -183,6 +183,26 @@ def test_header_is_plain_msgpack_and_round_trips() -> None:
         pos += spec.nbytes
 
 
+def test_module_metadata_is_reused_only_while_it_is_unchanged() -> None:
+    from gossiprec.trainer.state import _META_CACHE, _decode
+
+    model, opt, sched, data = build()
+    objects = training_state(model, opt, sched, data)
+
+    def versions() -> dict[str, int]:
+        snap = capture_state(objects, step=1, checksum=False)
+        sd = _decode(snap.header.trees["model"], snap.tensors)
+        return {k: v["version"] for k, v in sd._metadata.items()}
+
+    first = versions()
+    assert first == {k: v["version"] for k, v in model.state_dict()._metadata.items()}
+    assert ("model",) in _META_CACHE and versions() == first  # the cached encoding, same metadata
+    model[1]._version = 7  # a module whose state layout version changed: the cache must not hide it
+    assert versions() == {**first, "1": 7}
+    del model[1]._version
+    assert versions() == first
+
+
 @pytest.mark.parametrize("mutate, reason", [
     (lambda w: w.update(v=9), "version"),
     (lambda w: w["tensors"][0].__setitem__(1, "notadtype"), "dtype"),
