@@ -736,6 +736,7 @@ class Agent:
             self._bell.stop()
         loop = self._loop
         assert loop is not None
+
         def ring(p: int) -> None:  # on the watcher's thread
             try:
                 loop.call_soon_threadsafe(self._bell_rang, p)
