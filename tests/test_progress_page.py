@@ -206,8 +206,14 @@ def test_only_the_main_thread_arms_and_only_once(tmpdir_: str) -> None:
             assert first.arm_bell() and agent_side.bell_pid() == os.getpid()
             assert not second.arm_bell()  # one bell per process
             assert not agent_side.arm_bell()  # the agent's mapping only reads
+            closer = threading.Thread(target=first.close)  # not the owner: it cannot release the bell
+            closer.start()
+            closer.join()
+            assert agent_side.bell_pid() == os.getpid()  # still held, and still mapped
+            first.report(3, 0, 1)
+            assert agent_side.read() is not None and agent_side.read().step == 3  # type: ignore[union-attr]
         finally:
-            first.close()  # releases it before unmapping
+            first.close()  # the owner: releases it before unmapping
             second.close()
         assert agent_side.bell_pid() == 0
         assert bell.exiting(2**22 + 12345)  # no such process: gone

@@ -125,8 +125,9 @@ def init_bell(mm: mmap.mmap) -> bool:
     return True
 
 
-_armed: dict[int, Any] = {}
-"""id(mmap) -> the ctypes view pinning an armed mapping (never unmapped while the lock is held)."""
+_armed: dict[int, tuple[Any, int]] = {}
+"""id(mmap) -> (the ctypes view pinning an armed mapping, the thread holding the lock): the mapping
+is never unmapped while the lock is held."""
 _arm_lock = threading.Lock()
 
 
@@ -145,7 +146,7 @@ def arm(mm: mmap.mmap, tries: int = 20) -> bool:
                 lib.mutex_consistent(ctypes.c_void_p(addr))
                 rc = 0
             if rc == 0:
-                _armed[id(mm)] = view
+                _armed[id(mm)] = (view, threading.get_ident())
                 return True
             if rc != errno.EBUSY:
                 break
@@ -154,15 +155,22 @@ def arm(mm: mmap.mmap, tries: int = 20) -> bool:
         return False
 
 
-def disarm(mm: mmap.mmap) -> None:
-    """Trainer side: release the bell (a clean end); the mapping may be closed afterwards."""
+def disarm(mm: mmap.mmap) -> bool:
+    """Trainer side: release the bell (a clean end). True: released (or never armed), the mapping may
+    be closed. False: this is not the thread holding it (only the owner can unlock a robust mutex), so
+    it stays held and mapped; it rings when the process ends."""
     lib = pthreads()
     with _arm_lock:
-        view = _armed.pop(id(mm), None)
-        if view is None or lib is None:
-            return
+        entry = _armed.get(id(mm))
+        if entry is None or lib is None:
+            return True
+        view, owner = entry
+        if owner != threading.get_ident():
+            return False
+        del _armed[id(mm)]
         lib.mutex_unlock(ctypes.c_void_p(ctypes.addressof(view) + BELL_AT))
-        del view
+        del view, entry
+        return True
 
 
 def exiting(pid: int) -> bool:

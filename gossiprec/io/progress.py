@@ -219,13 +219,19 @@ class ProgressPage:
         return int(pid) if ready else 0
 
     def close(self) -> None:
-        """Unmap; a trainer releases its exit bell first (a clean end: the agent's watcher stands down)."""
+        """Unmap; a trainer releases its exit bell first (a clean end: the agent's watcher stands down).
+
+        Only the thread that armed the bell can release it: from another thread the page stays armed
+        and mapped (the bell then rings when the process ends), and a later close() on the arming
+        thread finishes the job.
+        """
         if self._mm.closed:
             return
         if self._armed:
+            if not bell.disarm(self._mm):
+                return
             self._armed = False
             _BELL_INFO.pack_into(self._mm, BELL_INFO_AT, 1, 0)
-            bell.disarm(self._mm)
         self._mm.close()
 
     def __enter__(self) -> ProgressPage:
