@@ -471,10 +471,10 @@ def test_a_small_state_is_copied_in_the_next_collectives_shadow() -> None:
     rt._commit_snapshot(2)
     assert rt._snapshots[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
     # ... and under BACKGROUND_MIN_BYTES they are held for the main thread: no thread is woken
-    assert rt._copier._held and rt._copier._thread is None
+    assert rt._copier._waits_for == "caller" and rt._copier._thread is None
     expected = capture_state(rt.objects, step=2, checksum=False)
     rt._copier.run_held()  # what allreduce() does once the collective is launched
-    assert not rt._copier._held and rt._copier._thread is None
+    assert rt._copier._waits_for != "caller" and rt._copier._thread is None
     snap = rt._snapshot_at(2)
     assert snap is not None and snap.payload() == expected.payload()
 
@@ -485,7 +485,7 @@ def test_a_small_state_is_copied_in_the_next_collectives_shadow() -> None:
     waiter = threading.Thread(target=lambda: got.append(rt._snapshot_at(3)))  # a donor thread asking first
     waiter.start()
     waiter.join()
-    assert not rt._copier._held and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    assert rt._copier._waits_for != "caller" and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
     rt._settle_snapshot()
 
     train_step(model, opt, sched, data)

@@ -707,9 +707,10 @@ class Agent:
         page = self._page
         if page is None or page.seq() == self._page_seq or self.machine is None:
             return
-        pid = page.bell_pid()
-        if pid and (self._bell is None or self._bell.pid != pid):
-            self._watch_bell(page.path, pid)
+        if self._bell is None or self._bell.outcome is not None:  # no watcher waiting: has a trainer armed it?
+            pid = page.bell_pid()
+            if pid and (self._bell is None or self._bell.pid != pid):
+                self._watch_bell(page.path, pid)
         rec = page.read()
         if rec is None:
             self._count("progress_page_busy")  # a write under way at every try: keep the last record

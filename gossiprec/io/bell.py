@@ -125,19 +125,20 @@ def init_bell(mm: mmap.mmap) -> bool:
     return True
 
 
-_armed: dict[int, tuple[Any, int]] = {}
-"""id(mmap) -> (the ctypes view pinning an armed mapping, the thread holding the lock): the mapping
-is never unmapped while the lock is held."""
+_armed: tuple[int, Any] | None = None
+"""(id of the armed mapping, the ctypes view pinning it): it is never unmapped while the lock is
+held. The lock's owner is the main thread (only it arms)."""
 _arm_lock = threading.Lock()
 
 
 def arm(mm: mmap.mmap, tries: int = 20) -> bool:
     """Trainer side: the main thread takes the bell, once per process. False if it cannot."""
+    global _armed
     lib = pthreads()
     if lib is None or threading.current_thread() is not threading.main_thread():
         return False
     with _arm_lock:
-        if _armed:
+        if _armed is not None:
             return False  # one trainer per process holds a bell
         view, addr = _address(mm)
         for _ in range(tries):
@@ -146,7 +147,7 @@ def arm(mm: mmap.mmap, tries: int = 20) -> bool:
                 lib.mutex_consistent(ctypes.c_void_p(addr))
                 rc = 0
             if rc == 0:
-                _armed[id(mm)] = (view, threading.get_ident())
+                _armed = (id(mm), view)
                 return True
             if rc != errno.EBUSY:
                 break
@@ -157,19 +158,19 @@ def arm(mm: mmap.mmap, tries: int = 20) -> bool:
 
 def disarm(mm: mmap.mmap) -> bool:
     """Trainer side: release the bell (a clean end). True: released (or never armed), the mapping may
-    be closed. False: this is not the thread holding it (only the owner can unlock a robust mutex), so
-    it stays held and mapped; it rings when the process ends."""
+    be closed. False: this is not the main thread, which holds it (only the owner can unlock a robust
+    mutex), so it stays held and mapped; it rings when the process ends."""
+    global _armed
     lib = pthreads()
     with _arm_lock:
-        entry = _armed.get(id(mm))
-        if entry is None or lib is None:
+        if _armed is None or _armed[0] != id(mm) or lib is None:
             return True
-        view, owner = entry
-        if owner != threading.get_ident():
+        if threading.current_thread() is not threading.main_thread():
             return False
-        del _armed[id(mm)]
+        view = _armed[1]
+        _armed = None
         lib.mutex_unlock(ctypes.c_void_p(ctypes.addressof(view) + BELL_AT))
-        del view, entry
+        del view
         return True
 
 

@@ -269,17 +269,15 @@ class _Copier:
         self._job: DeferredCopies | None = None
         self._running = False
         """A job was submitted or held and is not done yet."""
-        self._queued = False
-        """The job waits for the thread."""
-        self._held = False
-        """The job waits for the first caller of run_held() or wait()."""
+        self._waits_for: str | None = None
+        """Who is to run the job and has not started it: "thread", or "caller" (a held job)."""
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
     def submit(self, job: DeferredCopies) -> None:
         with self._cv:
             assert self._job is None and not self._running, "wait() for the previous copies first"
-            self._job, self._running, self._queued, self._error = job, True, True, None
+            self._job, self._running, self._waits_for, self._error = job, True, "thread", None
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
                 self._thread.start()
@@ -289,14 +287,14 @@ class _Copier:
         """Keep ``job`` for the first caller of :meth:`run_held` or :meth:`wait` (no thread is woken)."""
         with self._cv:
             assert self._job is None and not self._running, "wait() for the previous copies first"
-            self._job, self._running, self._held, self._error = job, True, True, None
+            self._job, self._running, self._waits_for, self._error = job, True, "caller", None
 
     def run_held(self) -> None:
         """Make a held job's copies in this thread now (nothing if none is held)."""
         with self._cv:
-            if not self._held:
+            if self._waits_for != "caller":
                 return
-            self._held = False
+            self._waits_for = None
             job = self._job
         assert job is not None
         self._run(job)
@@ -317,9 +315,9 @@ class _Copier:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._queued:
+                while self._waits_for != "thread":
                     self._cv.wait()
-                self._queued = False
+                self._waits_for = None
                 job = self._job
             assert job is not None
             self._run(job)

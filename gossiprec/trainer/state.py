@@ -524,10 +524,8 @@ class DeferredCopies:
     versions: list[int]
     ready: dict[Any, Any] = field(default_factory=dict)
     """CUDA device -> event recorded at capture (see the class docstring); empty for CPU sources."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.numel() * d.element_size() for d, _ in self.pairs)
+    nbytes: int = 0
+    """Bytes the copies move (summed at capture)."""
 
     def run(self) -> None:
         """Make the copies (host-to-host ones in one ``_foreach_copy_``: an optimizer's state is
@@ -548,12 +546,7 @@ class DeferredCopies:
                     host_dst.append(dst)
                     host_src.append(src)
             if host_dst:
-                foreach_copy = getattr(torch, "_foreach_copy_", None)
-                if foreach_copy is not None:
-                    foreach_copy(host_dst, host_src)
-                else:
-                    for dst, src in zip(host_dst, host_src, strict=True):
-                        dst.copy_(src)
+                torch._foreach_copy_(host_dst, host_src)
         for stream in streams.values():
             stream.synchronize()
 
@@ -623,6 +616,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
                 deferred.pairs.append((old, t))
                 deferred.names.append(name)
                 deferred.versions.append(version)
+                deferred.nbytes += old.nbytes
                 payload_t = old
             elif kept:
                 payload_t = old.copy_(t)
