@@ -16,6 +16,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     np = None
 
 from gossiprec.errors import ConfigError, DecodeError, TransferError
+from gossiprec.trainer import state as state_mod
 from gossiprec.trainer.state import (
     ChecksumMismatch,
     LayoutMismatch,
@@ -152,6 +153,58 @@ def test_rng_state_continues_the_same_streams() -> None:
     assert ("numpy" in snap.header.trees["rng"]) == (np is not None)
     if np is not None:
         assert isinstance(snap.header.trees["rng"]["numpy"]["keys"], bytes)
+
+
+def _rng_dict_via_public_api(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    with monkeypatch.context() as m:
+        m.setattr(state_mod, "_RAW_READERS", [None, None])  # getstate() / get_state(), as before the readers
+        return RNGState().state_dict()
+
+
+def _same_rng_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.MonkeyPatch) -> None:
+    readers = state_mod._raw_readers()
+    assert readers[0] is not None, "CPython on x86-64/arm64: the python reader must pass its probe"
+    if np is not None:
+        assert readers[1] is not None, "numpy's legacy MT19937 layout: the numpy reader must pass its probe"
+    random.seed(11)
+    if np is not None:
+        np.random.seed(11)
+    gauss_cached = {"python": 0, "numpy": 0}
+    for i in range(40):  # draws that leave a cached Gaussian (odd counts) and take it (even ones)
+        torch.rand(1)
+        if i % 3:
+            random.gauss(0, 1)
+        else:
+            random.random()
+        if np is not None:
+            np.random.standard_normal(i % 3 + 1)
+        fast = RNGState().state_dict()
+        assert _same_rng_dict(fast, _rng_dict_via_public_api(monkeypatch)), f"draw {i}"
+        gauss_cached["python"] += fast["python"][2] is not None
+        if np is not None:
+            gauss_cached["numpy"] += fast["numpy"]["has_gauss"]
+    assert 0 < gauss_cached["python"] < 40
+    if np is not None:
+        assert 0 < gauss_cached["numpy"] < 40
+
+
+def test_raw_rng_readers_step_aside_when_the_global_generators_are_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    python_reader, numpy_reader = state_mod._raw_readers()
+    assert python_reader is not None
+    monkeypatch.setattr(random, "_inst", random.Random(5))
+    assert python_reader.read() is None  # not the probed generator: the caller uses getstate()
+    if np is not None:
+        assert numpy_reader is not None
+        monkeypatch.setattr(np.random.mtrand, "_rand", np.random.RandomState(5))
+        assert numpy_reader.read() is None
+    monkeypatch.undo()
+    assert python_reader.read() is not None
+    assert _same_rng_dict(RNGState().state_dict(), _rng_dict_via_public_api(monkeypatch))
 
 
 def test_rng_state_loads_the_older_list_form() -> None:
@@ -457,7 +510,7 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     rt.close()
 
 
-def test_a_small_state_is_copied_in_the_next_collectives_shadow() -> None:
+def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_to_need_it() -> None:
     from gossiprec.errors import RecoveryError
     from gossiprec.trainer.loop import BACKGROUND_MIN_BYTES, ResilientTrainer
 
@@ -470,31 +523,44 @@ def test_a_small_state_is_copied_in_the_next_collectives_shadow() -> None:
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)
     assert rt._snapshots[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
-    # ... and under BACKGROUND_MIN_BYTES they are held for the main thread: no thread is woken
+    # ... and under BACKGROUND_MIN_BYTES commit() holds them: no thread is woken between two steps
     assert rt._copier._waits_for == "caller" and rt._copier._thread is None
     expected = capture_state(rt.objects, step=2, checksum=False)
-    rt._copier.run_held()  # what allreduce() does once the collective is launched
-    assert rt._copier._waits_for != "caller" and rt._copier._thread is None
+    rt.begin_step()  # hands them to the thread, which copies while the step computes
+    assert rt._copier._thread is not None and rt._copier._thread.is_alive()
     snap = rt._snapshot_at(2)
+    assert rt._copier._waits_for is None
     assert snap is not None and snap.payload() == expected.payload()
+    rt._settle_snapshot()
 
     train_step(model, opt, sched, data)
-    rt._commit_snapshot(3)
+    rt._commit_snapshot(3)  # a loop without begin_step: the main thread copies once the collective is launched
+    assert rt._copier._waits_for == "caller"
     expected = capture_state(rt.objects, step=3, checksum=False)
-    got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(rt._snapshot_at(3)))  # a donor thread asking first
-    waiter.start()
-    waiter.join()
-    assert rt._copier._waits_for != "caller" and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    rt._copier.run_held()  # what allreduce() does after issuing the collective
+    assert rt._copier._waits_for is None and not rt._copier._running
+    snap = rt._snapshot_at(3)
+    assert snap is not None and snap.payload() == expected.payload()
     rt._settle_snapshot()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(4)
+    expected = capture_state(rt.objects, step=4, checksum=False)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(rt._snapshot_at(4)))  # a donor thread asking first
+    waiter.start()
+    waiter.join()
+    assert rt._copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    rt._settle_snapshot()
+
+    train_step(model, opt, sched, data)
+    rt._commit_snapshot(5)
     with torch.no_grad():
         model[0].weight.add_(1.0)  # against the contract: a parameter changed before the copies were made
+    rt.begin_step()
     with pytest.raises(RecoveryError, match="modified in place"):
         rt._settle_snapshot()
-    assert [s.step for s in rt._snapshots] == [3]  # the torn snapshot is dropped
+    assert [s.step for s in rt._snapshots] == [4]  # the torn snapshot is dropped
     rt.close()
 
 
