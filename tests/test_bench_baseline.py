@@ -172,6 +172,7 @@ def test_rounds_alternate_and_pool() -> None:
     assert job_names(3) == ["plain", "gossiprec", "gossiprec.1", "plain.1", "plain.2", "gossiprec.2",
                             *JOBS[2:]]
     assert {kind_of(n) for n in job_names(4)} == set(JOBS)
+    assert job_names(2, overhead_only=True) == ["plain", "gossiprec", "gossiprec.1", "plain.1"]
     spec = BaselineSpec(steps=200, kill_at=60, hidden=8, rounds=2)
     jobs = _jobs(spec, gr_dt=0.1005, gr_kill_extra=0.3)
     # a second round under more load: both slower by the same amount; the walls' median and the pooled

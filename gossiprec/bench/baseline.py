@@ -133,6 +133,8 @@ class BaselineSpec:
     rounds: int = 2
     """Runs of the ``plain`` / ``gossiprec`` pair, alternating which goes first (ABBA...), so that a load
     that drifts over time biases neither; their step times are pooled and their walls' median used."""
+    overhead_only: bool = False
+    """Run only the ``plain`` / ``gossiprec`` pairs (the overhead), not the three jobs of the lost time."""
     pg_timeout: float = 30.0
     """Group and collective timeout of every trainer, seconds."""
     job_timeout: float | None = None
@@ -546,14 +548,15 @@ def run_gossiprec_kill_job(spec: BaselineSpec, name: str, tmp: Path, say: Callab
 # the bench
 
 
-def job_names(rounds: int) -> list[str]:
+def job_names(rounds: int, overhead_only: bool = False) -> list[str]:
     """The jobs in the order they run: the plain/gossiprec pair ``rounds`` times, alternating which goes
-    first (round r > 0 names its jobs ``plain.r`` and ``gossiprec.r``), then the other three."""
+    first (round r > 0 names its jobs ``plain.r`` and ``gossiprec.r``), then the other three (unless
+    ``overhead_only``)."""
     names: list[str] = []
     for r in range(rounds):
         pair = [k if r == 0 else f"{k}.{r}" for k in JOBS[:2]]
         names += pair if r % 2 == 0 else pair[::-1]
-    return names + list(JOBS[2:])
+    return names if overhead_only else names + list(JOBS[2:])
 
 
 def kind_of(name: str) -> str:
@@ -578,7 +581,7 @@ def run_bench(spec: BaselineSpec, say: Callable[[str], None] = lambda m: None) -
     jobs: dict[str, JobResult] = {}
     errors: dict[str, str] = {}
     try:
-        for name in job_names(spec.rounds):
+        for name in job_names(spec.rounds, spec.overhead_only):
             t0 = time.monotonic()
             try:
                 jobs[name] = runners[kind_of(name)](name, root / name)
@@ -717,7 +720,7 @@ def _cmd_baseline(args: argparse.Namespace) -> int:
     try:
         spec = BaselineSpec(ranks=args.ranks, steps=args.steps, step_ms=args.step_ms, state_mb=args.state_mb,
                             hidden=args.hidden, checkpoint_every=args.checkpoint_every, kill_at=args.kill_at,
-                            rounds=args.rounds,
+                            rounds=args.rounds, overhead_only=args.overhead_only,
                             pg_timeout=args.pg_timeout, job_timeout=args.job_timeout,
                             agent_log_level=args.agent_log_level, workdir=args.workdir, keep=args.keep)
     except ConfigError as exc:
@@ -744,6 +747,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SIGKILL the last rank after this many steps (default 60)")
     p.add_argument("--rounds", type=int, default=2,
                    help="runs of the plain/gossiprec pair for the overhead, alternating their order (2)")
+    p.add_argument("--overhead-only", dest="overhead_only", action="store_true",
+                   help="run only the plain/gossiprec pairs (the overhead figures), not the lost-time jobs")
     p.add_argument("--pg-timeout", dest="pg_timeout", type=float, default=30.0,
                    help="group and collective timeout of the trainers, s (30)")
     p.add_argument("--job-timeout", dest="job_timeout", type=float, default=None,
