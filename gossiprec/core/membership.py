@@ -43,7 +43,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Protocol
+from typing import Any, Callable, Iterable, Mapping
 
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue

@@ -43,8 +43,8 @@ import hashlib
 import heapq
 import math
 import statistics
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, MutableMapping
+from dataclasses import dataclass, fields
+from typing import Any, MutableMapping
 
 from gossiprec.core.config import Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, changes_from_rows

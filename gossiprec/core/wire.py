@@ -167,7 +167,7 @@ def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[
     DecodeError or returns the value. Behaviour equals calling every validator; only faster.
     """
     n = len(validators)
-    lines = [f"def decode(item):", f"    if len(item) != {n + 1}:",
+    lines = ["def decode(item):", f"    if len(item) != {n + 1}:",
              f"        raise DecodeError('bad_message', '{cls.__name__} needs {n} fields')"]
     env: dict[str, Any] = {"DecodeError": DecodeError, "cls": cls}
     args = []
