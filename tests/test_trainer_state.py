@@ -564,6 +564,44 @@ def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_t
     rt.close()
 
 
+class _Job:
+    """Stands in for DeferredCopies: records which thread ran it; fails if asked to."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.ran_on: list[str] = []
+        self.fail = fail
+
+    def run(self) -> None:
+        self.ran_on.append(threading.current_thread().name)
+        if self.fail:
+            raise OSError("disk on fire")
+
+
+def test_copier_leaves_submitted_jobs_to_its_thread_and_reports_an_error_once() -> None:
+    from gossiprec.errors import RecoveryError
+    from gossiprec.trainer.loop import _Copier
+
+    copier = _Copier()
+    for _ in range(20):  # a submitted job (large, or from a GPU) is never taken by the all-reduce's run_held
+        job = _Job()
+        copier.submit(job)  # type: ignore[arg-type]
+        copier.run_held()
+        assert copier.wait() is job and job.ran_on == ["gossiprec-snapshot"]
+    held = _Job()
+    copier.hold(held)  # type: ignore[arg-type]
+    copier.run_held()  # a held job is: by the caller, now
+    assert copier.wait() is held and held.ran_on == [threading.current_thread().name]
+    released = _Job()
+    copier.hold(released)  # type: ignore[arg-type]
+    copier.release()
+    copier.run_held()  # whoever comes first, once
+    assert copier.wait() is released and len(released.ran_on) == 1
+    copier.hold(_Job(fail=True))  # type: ignore[arg-type]
+    with pytest.raises(RecoveryError, match="disk on fire"):
+        copier.wait()
+    assert copier.wait() is None  # reported once: a later settle has nothing pending
+
+
 def test_restore_skips_only_tensors_unchanged_since_the_capture() -> None:
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)

@@ -278,8 +278,8 @@ class _Copier:
         self._running = False
         """A job was submitted or held and is not done yet."""
         self._waits_for: str | None = None
-        """A job nobody has begun: "thread" (submitted or released: the thread will run it unless a caller
-        takes it first) or "caller" (held: only a caller runs it until :meth:`release`); else None."""
+        """A job nobody has begun: "thread" (submitted: for the thread), "caller" (held: for a caller, until
+        :meth:`release`) or "released" (for the thread, unless a caller takes it first); else None."""
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -303,16 +303,19 @@ class _Copier:
         with self._cv:
             if self._waits_for != "caller":
                 return
-            self._waits_for = "thread"
+            self._waits_for = "released"
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
 
     def run_held(self) -> None:
-        """Make the pending job's copies in this thread now, unless the thread has begun them (or none is pending)."""
+        """Make a held or released job's copies in this thread now, unless the thread has begun them.
+
+        Submitted jobs (large, or from a GPU, whose ``run`` ends in a stream synchronisation) are left
+        to the thread: a caller that needs them waits in :meth:`wait`."""
         with self._cv:
-            if self._waits_for is None:
+            if self._waits_for not in ("caller", "released"):
                 return
             self._waits_for = None
             job = self._job
@@ -325,17 +328,17 @@ class _Copier:
         with self._cv:
             while self._running:
                 self._cv.wait()
-            job = self._job
+            job, error = self._job, self._error
             if take:
-                self._job = None
-            if self._error is not None:
-                raise RecoveryError(f"snapshot copy failed: {self._error}") from self._error
+                self._job = self._error = None  # reported once, to the owner
+            if error is not None:
+                raise RecoveryError(f"snapshot copy failed: {error}") from error
             return job
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while self._waits_for != "thread":
+                while self._waits_for not in ("thread", "released"):
                     self._cv.wait()
                 self._waits_for = None
                 job = self._job
@@ -343,14 +346,18 @@ class _Copier:
             self._run(job)
 
     def _run(self, job: DeferredCopies) -> None:
+        error: BaseException | None = None
         try:
             job.run()
         except BaseException as exc:  # reported to whoever waits
-            with self._cv:
-                self._error = exc
+            error = exc
         with self._cv:
+            if error is not None:
+                self._error = error
             self._running = False
             self._cv.notify_all()
+        if error is not None and not isinstance(error, Exception) and threading.current_thread() is not self._thread:
+            raise error  # a KeyboardInterrupt in a caller's run_held() stays one
 
 
 class ResilientTrainer:

@@ -923,9 +923,8 @@ class _RawPythonRNG:
         inst = random._inst  # type: ignore[attr-defined]
         if inst is not self.inst:
             return None
-        base = id(inst)
-        return [inst.VERSION, ctypes.string_at(base + self.state_at, 2496) + ctypes.string_at(base + self.index_at, 4),
-                inst.gauss_next]
+        raw = ctypes.string_at(id(inst) + self.index_at, 2500)  # one read: index and words of one state
+        return [inst.VERSION, raw[4:] + raw[:4], inst.gauss_next]
 
     @classmethod
     def probe(cls) -> _RawPythonRNG | None:
@@ -937,15 +936,16 @@ class _RawPythonRNG:
             return None
         head = struct.calcsize("P") * 2  # PyObject_HEAD: refcount and type
         reader = cls(inst, head + 4, head)
+        if reader.state_at != reader.index_at + 4:
+            return None
         scratch = random.Random(20260301)
         scratch.random()
         scratch.gauss()
         try:
             for gen in (scratch, inst):
-                base = id(gen)
                 version, internal, gauss = gen.getstate()
-                raw = ctypes.string_at(base + reader.state_at, 2496) + ctypes.string_at(base + reader.index_at, 4)
-                if [gen.VERSION, raw, gen.gauss_next] != [version, _pack_words(internal), gauss]:
+                raw = ctypes.string_at(id(gen) + reader.index_at, 2500)
+                if [gen.VERSION, raw[4:] + raw[:4], gen.gauss_next] != [version, _pack_words(internal), gauss]:
                     return None
         except (struct.error, TypeError, ValueError):
             return None
@@ -986,7 +986,9 @@ class _RawNumpyRNG:
         f = self._fields(rs)
         if f is None or f[0] != state_address:
             return None
-        raw = ctypes.string_at(state_address, 2500)
+        raw = ctypes.string_at(state_address, 2500)  # one read: keys and pos of one state
+        if self._fields(rs) != f:  # another thread seeded or set the state in between: use get_state
+            return None
         pos, = struct.unpack("=i", raw[2496:])
         return {"algo": "MT19937", "keys": raw[:2496], "pos": pos, "has_gauss": f[2], "cached_gaussian": f[3]}
 
@@ -1008,7 +1010,8 @@ class _RawNumpyRNG:
         except ImportError:
             return None
         rs = getattr(np.random.mtrand, "_rand", None)
-        if (sys.byteorder != "little" or struct.calcsize("P") != 8 or type(rs) is not RandomState
+        if (sys.byteorder != "little" or sys.implementation.name != "cpython" or struct.calcsize("P") != 8
+                or type(rs) is not RandomState
                 or type(rs._bit_generator) is not MT19937):
             return None
         scratch = RandomState(20260301)
