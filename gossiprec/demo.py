@@ -404,17 +404,10 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    """Running: not gone, not a zombie (exited, not yet reaped), not exiting."""
+    from gossiprec.io.bell import exiting
+
+    return not exiting(pid)
 
 
 def run_demo(ranks: int = 4, steps: int = 200, kill_at: int = 80, hidden: int = 256, step_ms: float = 20.0,

@@ -268,8 +268,9 @@ class _Copier:
 
     :meth:`submit` hands one :class:`DeferredCopies` to the thread; :meth:`hold` keeps it until
     :meth:`release` hands it to the thread (the previous job must have been waited for, either way).
-    Until the thread has begun a job, the first caller of :meth:`run_held` or :meth:`wait` makes it
-    instead; :meth:`wait` blocks until it is done and returns it (None when nothing was pending). Thread-safe: the main thread and donor threads may wait at the same time.
+    Until the thread has begun a held or released job, the first caller of :meth:`run_held` or
+    :meth:`wait` makes it instead; :meth:`wait` blocks until the job is done and returns it (None when
+    nothing was pending). Thread-safe: the main thread and donor threads may wait at the same time.
     """
 
     def __init__(self) -> None:
@@ -284,30 +285,32 @@ class _Copier:
         self._thread: threading.Thread | None = None
 
     def submit(self, job: DeferredCopies) -> None:
-        with self._cv:
-            assert self._job is None and not self._running, "wait() for the previous copies first"
-            self._job, self._running, self._waits_for, self._error = job, True, "thread", None
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+        self._put(job, "thread")
 
     def hold(self, job: DeferredCopies) -> None:
-        """Keep ``job`` for the first caller of :meth:`run_held` or :meth:`wait` (no thread is woken)."""
-        with self._cv:
-            assert self._job is None and not self._running, "wait() for the previous copies first"
-            self._job, self._running, self._waits_for, self._error = job, True, "caller", None
+        """Keep ``job`` until :meth:`release`, or for the first caller of :meth:`run_held` or :meth:`wait`."""
+        self._put(job, "caller")
 
     def release(self) -> None:
         """Hand a held job to the thread (nothing if none is held); a caller may still take it first."""
         with self._cv:
-            if self._waits_for != "caller":
-                return
-            self._waits_for = "released"
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
+            if self._waits_for == "caller":
+                self._waits_for = "released"
+                self._wake_thread()
+
+    def _put(self, job: DeferredCopies, waits_for: str) -> None:
+        with self._cv:
+            assert self._job is None and not self._running, "wait() for the previous copies first"
+            self._job, self._running, self._waits_for, self._error = job, True, waits_for, None
+            if waits_for == "thread":
+                self._wake_thread()
+
+    def _wake_thread(self) -> None:
+        """Start the thread or wake it (under ``_cv``)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="gossiprec-snapshot", daemon=True)
+            self._thread.start()
+        self._cv.notify_all()
 
     def run_held(self) -> None:
         """Make a held or released job's copies in this thread now, unless the thread has begun them.

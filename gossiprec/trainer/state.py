@@ -862,12 +862,9 @@ class RNGState:
 
         # the Mersenne Twisters' 625 words travel as one little-endian bytes value, not 625 ints:
         # walking them on every commit cost ~2.5 ms
-        raw_python, raw_numpy = _RAW_READERS or _raw_readers()
+        raw_python, raw_numpy = _raw_readers()
         python = raw_python.read() if raw_python is not None else None
-        if python is None:
-            version, internal, gauss = random.getstate()
-            python = [version, _pack_words(internal), gauss]
-        sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": python}
+        sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": python or _python_rng_state(random)}
         if self.cuda:
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
         if self.numpy:
@@ -875,9 +872,7 @@ class RNGState:
             if st is None:
                 import numpy as np
 
-                algo, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-                st = {"algo": str(algo), "keys": np.asarray(keys, dtype="<u4").tobytes(), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+                st = _numpy_rng_state(np.random)
             sd["numpy"] = st
         return sd
 
@@ -903,6 +898,23 @@ class RNGState:
                                 "agree on CUDA and numpy being present") from exc
 
 
+def _python_rng_state(gen: Any) -> list[Any]:
+    """What :meth:`RNGState.state_dict` stores under ``python`` for ``gen`` (the ``random`` module or a
+    ``random.Random``), through ``getstate()``."""
+    version, internal, gauss = gen.getstate()
+    return [version, _pack_words(internal), gauss]
+
+
+def _numpy_rng_state(gen: Any) -> dict[str, Any]:
+    """What :meth:`RNGState.state_dict` stores under ``numpy`` for ``gen`` (``numpy.random`` or a
+    ``RandomState``), through ``get_state``."""
+    import numpy as np
+
+    algo, keys, pos, has_gauss, cached = gen.get_state(legacy=True)
+    return {"algo": str(algo), "keys": np.asarray(keys, dtype="<u4").tobytes(), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
 class _RawPythonRNG:
     """Python ``random``'s global state read from its C struct: what :meth:`RNGState.state_dict` stores
     under ``python``, in ~1 us instead of ~15 us (``random.getstate()`` builds 625 ints, then they are
@@ -916,15 +928,20 @@ class _RawPythonRNG:
     still the generator it was probed on, else returns None (the caller falls back).
     """
 
-    def __init__(self, inst: Any, state_at: int, index_at: int) -> None:
-        self.inst, self.state_at, self.index_at = inst, state_at, index_at
+    INDEX_AT = struct.calcsize("P") * 2
+    """Offset of ``index`` (after PyObject_HEAD: refcount and type); the 624 words follow it."""
+
+    def __init__(self, inst: Any) -> None:
+        self.inst = inst
+
+    @staticmethod
+    def _read(gen: Any) -> list[Any]:
+        raw = ctypes.string_at(id(gen) + _RawPythonRNG.INDEX_AT, 2500)  # one read: index and words of one state
+        return [gen.VERSION, raw[4:] + raw[:4], gen.gauss_next]
 
     def read(self) -> list[Any] | None:
         inst = random._inst  # type: ignore[attr-defined]
-        if inst is not self.inst:
-            return None
-        raw = ctypes.string_at(id(inst) + self.index_at, 2500)  # one read: index and words of one state
-        return [inst.VERSION, raw[4:] + raw[:4], inst.gauss_next]
+        return self._read(inst) if inst is self.inst else None
 
     @classmethod
     def probe(cls) -> _RawPythonRNG | None:
@@ -934,22 +951,15 @@ class _RawPythonRNG:
         if (sys.byteorder != "little" or sys.implementation.name != "cpython" or type(inst) is not random.Random
                 or getattr(random.getstate, "__self__", None) is not inst):
             return None
-        head = struct.calcsize("P") * 2  # PyObject_HEAD: refcount and type
-        reader = cls(inst, head + 4, head)
-        if reader.state_at != reader.index_at + 4:
-            return None
         scratch = random.Random(20260301)
         scratch.random()
         scratch.gauss()
         try:
-            for gen in (scratch, inst):
-                version, internal, gauss = gen.getstate()
-                raw = ctypes.string_at(id(gen) + reader.index_at, 2500)
-                if [gen.VERSION, raw[4:] + raw[:4], gen.gauss_next] != [version, _pack_words(internal), gauss]:
-                    return None
+            if any(cls._read(gen) != _python_rng_state(gen) for gen in (scratch, inst)):
+                return None
         except (struct.error, TypeError, ValueError):
             return None
-        return reader
+        return cls(inst)
 
 
 class _RawNumpyRNG:
@@ -968,19 +978,22 @@ class _RawNumpyRNG:
     generator and both pointers are still the probed ones, else returns None (the caller falls back).
     """
 
-    def __init__(self, rs: Any, bitgen_at: int, aug_at: int) -> None:
-        self.rs, self.bg = rs, rs._bit_generator
+    def __init__(self, mtrand: Any, bitgen_at: int, aug_at: int) -> None:
+        self.mtrand = mtrand
+        self.rs = mtrand._rand
+        self.bg = self.rs._bit_generator
         self.state_address = int(self.bg.ctypes.state_address)
         self.bitgen_at, self.aug_at = bitgen_at, aug_at
 
-    def _fields(self, rs: Any) -> tuple[int, int, int, float] | None:
-        """(state address, pointer to the object's bitgen, has_gauss, gauss) as read in ``rs``."""
+    def _fields(self, rs: Any) -> tuple[int, int, float] | None:
+        """(state address, has_gauss, gauss) as read in ``rs``; None if its aug_bitgen_t does not point
+        at its own bitgen_t."""
         base = id(rs)
         state_ptr, = struct.unpack("=Q", ctypes.string_at(base + self.bitgen_at, 8))
         aug_ptr, has_gauss, gauss = struct.unpack("=Qi4xd", ctypes.string_at(base + self.aug_at, 24))
         if aug_ptr != base + self.bitgen_at:
             return None
-        return state_ptr, aug_ptr, has_gauss, gauss
+        return state_ptr, has_gauss, gauss
 
     def _read(self, rs: Any, state_address: int) -> dict[str, Any] | None:
         f = self._fields(rs)
@@ -990,12 +1003,10 @@ class _RawNumpyRNG:
         if self._fields(rs) != f:  # another thread seeded or set the state in between: use get_state
             return None
         pos, = struct.unpack("=i", raw[2496:])
-        return {"algo": "MT19937", "keys": raw[:2496], "pos": pos, "has_gauss": f[2], "cached_gaussian": f[3]}
+        return {"algo": "MT19937", "keys": raw[:2496], "pos": pos, "has_gauss": f[1], "cached_gaussian": f[2]}
 
     def read(self) -> dict[str, Any] | None:
-        import numpy as np
-
-        rs = np.random.mtrand._rand
+        rs = self.mtrand._rand
         if rs is not self.rs or rs._bit_generator is not self.bg:
             return None
         return self._read(rs, self.state_address)
@@ -1024,20 +1035,14 @@ class _RawNumpyRNG:
         aug = [i * 8 for i, w in enumerate(words) if w == base + bitgen[0]]
         if len(aug) != 1 or aug[0] + 24 > size:
             return None
-        reader = cls(rs, bitgen[0], aug[0])
-
-        def same(gen: Any, got: dict[str, Any] | None) -> bool:
-            algo, keys, pos, has_gauss, cached = gen.get_state(legacy=True)
-            want = {"algo": str(algo), "keys": np.asarray(keys, dtype="<u4").tobytes(), "pos": int(pos),
-                    "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-            return got == want
-
+        reader = cls(np.random.mtrand, bitgen[0], aug[0])
         try:
             scratch.standard_normal()  # leaves one Gaussian cached
-            ok = same(scratch, reader._read(scratch, address))
+            ok = reader._read(scratch, address) == _numpy_rng_state(scratch)
             scratch.standard_normal()  # takes it
             scratch.random_sample(3)
-            ok = ok and same(scratch, reader._read(scratch, address)) and same(rs, reader.read())
+            ok = (ok and reader._read(scratch, address) == _numpy_rng_state(scratch)
+                  and reader.read() == _numpy_rng_state(rs))
         except (struct.error, TypeError, ValueError):
             return None
         return reader if ok else None
