@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 
+import numpy
 import torch
 
-from gossiprec.trainer import ResilientTrainer, materialize_optimizer_state, training_state
+from gossiprec.trainer import JobFinished, JobStopped, Released, ResilientTrainer, training_state
 
 
 class DataPosition:
@@ -47,28 +49,34 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every generator in the state seeded alike on every rank (checked)
     random.seed(0)
+    numpy.random.seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(args.dim, args.hidden), torch.nn.GELU(),
                                 torch.nn.Linear(args.hidden, args.dim))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    materialize_optimizer_state(opt)  # a hot spare's layout must match a donor's
     pos = DataPosition()
-    rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
-    while rt.step < args.steps:
-        step = rt.begin_step()
-        x, y = batch(pos.index, rt.rank, args.dim)
-        opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        if not rt.allreduce_gradients(model.parameters()):
-            continue  # recovered: the step starts again from the committed state
-        opt.step()
-        pos.index += 1
-        rt.commit()
-        if rt.rank == 0 and step % 50 == 0:
-            print(f"step {step} loss {loss.item():.4f} (world {rt.world_size}, epoch {rt.epoch})", flush=True)
-    rt.finish(exit_code=0)  # skips interpreter teardown (see ResilientTrainer.finish)
+    try:
+        rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
+        while rt.step < args.steps:
+            step = rt.begin_step()
+            x, y = batch(pos.index, rt.rank, args.dim)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if not rt.allreduce_gradients(model.parameters()):
+                continue  # recovered: the step starts again from the committed state
+            opt.step()
+            pos.index += 1
+            rt.commit()
+            if rt.rank == 0 and step % 50 == 0:
+                print(f"step {step} loss {loss.item():.4f} (world {rt.world_size}, epoch {rt.epoch})", flush=True)
+        rt.finish(exit_code=0)  # skips interpreter teardown (see ResilientTrainer.finish)
+    except (JobFinished, Released) as exc:  # a spare the job did not need; a rank dropped by a shrink
+        print(exc, flush=True)
+        sys.exit(0)
+    except JobStopped as exc:  # no spare left and no shrink allowed: restart from a checkpoint
+        sys.exit(f"stopped: {exc}")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import sys
 
+import numpy
 import torch
 from torch import nn
 
-from gossiprec.trainer import ResilientTrainer, materialize_optimizer_state, training_state
+from gossiprec.trainer import JobFinished, JobStopped, Released, ResilientTrainer, training_state
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "every bird", "the engineer"]
 VERBS = ["sees", "likes", "builds", "follows", "finds", "trains"]
@@ -80,31 +82,37 @@ def main() -> None:
     text = corpus()
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every generator in the state seeded alike on every rank (checked)
     random.seed(0)
+    numpy.random.seed(0)
     model = TinyGPT(len(chars), ctx=args.ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    materialize_optimizer_state(opt)
     pos = DataPosition()
-    rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
-    while rt.step < args.steps:
-        step = rt.begin_step()
-        g = torch.Generator().manual_seed(pos.index * 1009 + rt.rank)  # this rank's slice of the data
-        starts = torch.randint(0, len(data) - args.ctx - 1, (args.batch,), generator=g)
-        x = torch.stack([data[s:s + args.ctx] for s in starts])
-        y = torch.stack([data[s + 1:s + args.ctx + 1] for s in starts])
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
-        loss.backward()
-        if not rt.allreduce_gradients(model.parameters()):
-            continue
-        opt.step()
-        pos.index += 1
-        rt.commit()
-        if rt.rank == 0 and step % 25 == 0:
-            print(f"step {step} loss {loss.item():.3f} ppl {math.exp(loss.item()):.1f} "
-                  f"(world {rt.world_size}, epoch {rt.epoch})", flush=True)
-    rt.finish(exit_code=0)  # skips interpreter teardown (see ResilientTrainer.finish)
+    try:
+        rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
+        while rt.step < args.steps:
+            step = rt.begin_step()
+            g = torch.Generator().manual_seed(pos.index * 1009 + rt.rank)  # this rank's slice of the data
+            starts = torch.randint(0, len(data) - args.ctx - 1, (args.batch,), generator=g)
+            x = torch.stack([data[s:s + args.ctx] for s in starts])
+            y = torch.stack([data[s + 1:s + args.ctx + 1] for s in starts])
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x).reshape(-1, len(chars)), y.reshape(-1))
+            loss.backward()
+            if not rt.allreduce_gradients(model.parameters()):
+                continue
+            opt.step()
+            pos.index += 1
+            rt.commit()
+            if rt.rank == 0 and step % 25 == 0:
+                print(f"step {step} loss {loss.item():.3f} ppl {math.exp(loss.item()):.1f} "
+                      f"(world {rt.world_size}, epoch {rt.epoch})", flush=True)
+        rt.finish(exit_code=0)  # skips interpreter teardown (see ResilientTrainer.finish)
+    except (JobFinished, Released) as exc:  # a spare the job did not need; a rank dropped by a shrink
+        print(exc, flush=True)
+        sys.exit(0)
+    except JobStopped as exc:  # no spare left and no shrink allowed: restart from a checkpoint
+        sys.exit(f"stopped: {exc}")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
 from gossiprec.bench.agents import free_ports
 from gossiprec.errors import ConfigError, GossiprecError
@@ -58,7 +58,13 @@ if TYPE_CHECKING:
     import torch
 
 SEED = 1234
-FAULT_KINDS = ("kill", "stop")
+FAULT_KINDS = ("kill", "stop", "slow", "hold")
+SLOW_S = 0.3
+"""How long a ``slow`` fault stalls its trainer at its phase."""
+HOLD_MAX_S = 10.0
+"""A ``hold`` fault stalls its trainer until its agent has the plan of a newer epoch, at most this long."""
+MISTAKES = ("data-write", "numpy-per-rank", "no-data-position", "wide-model")
+"""Loop mistakes a trainer can be told to make (``--mistake``), for the tests of what catches them."""
 FAULT_PHASES = ("compute", "communicate", "optimizer", "committed", "serve")
 SERVE_KILL_DELAY = 0.2
 """A donor with a ``serve`` fault signals itself this long after a receiver asked it for state (it
@@ -83,10 +89,9 @@ class DataCursor:
 
 
 def build(hidden: int, layers: int = 2, dim: int = 32) -> tuple[Any, Any, DataCursor]:
-    """Model, AdamW optimizer (state allocated) and data cursor, identical in every process."""
+    """Model, AdamW optimizer and data cursor, identical in every process (a spare allocates the
+    optimizer's state itself in ``start()``)."""
     import torch
-
-    from gossiprec.trainer.state import materialize_optimizer_state
 
     torch.manual_seed(SEED)
     random.seed(SEED)  # every generator in the state must be identical across replicas
@@ -102,7 +107,6 @@ def build(hidden: int, layers: int = 2, dim: int = 32) -> tuple[Any, Any, DataCu
     mods.append(torch.nn.Linear(hidden, dim))
     model = torch.nn.Sequential(*mods)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    materialize_optimizer_state(opt)
     return model, opt, DataCursor()
 
 
@@ -224,11 +228,12 @@ def load_checkpoint(path: Path, objects: Any) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """A fault for node ``node``'s trainer: ``kind`` kill (SIGKILL) or stop (SIGSTOP, a hang).
+    """A fault for node ``node``'s trainer: ``kind`` kill (SIGKILL), stop (SIGSTOP, a hang), slow (it
+    stalls :data:`SLOW_S` seconds) or hold (it stalls until its agent has the plan of a newer view).
 
-    ``phase`` None: the demo sends the signal once the node has committed ``step``. Otherwise the
-    trainer signals itself at that phase of step ``step`` (see the module docstring; for ``serve``,
-    at the first request for a step >= ``step``).
+    ``phase`` None: the demo sends the signal once the node has committed ``step`` (kill, stop).
+    Otherwise the trainer acts itself at that phase of step ``step`` (see the module docstring; for
+    ``serve``, at the first request for a step >= ``step``).
     """
 
     node: str
@@ -242,6 +247,8 @@ class Fault:
         if self.phase is not None and self.phase not in FAULT_PHASES:
             raise ConfigError(f"fault phase must be None (sent by the demo) or one of {FAULT_PHASES}, "
                               f"got {self.phase!r}")
+        if self.phase is None and self.kind not in ("kill", "stop"):
+            raise ConfigError(f"a {self.kind} fault happens inside the trainer: give it a phase")
 
     def spec(self) -> str:
         """The trainer's ``--fault`` argument: ``KIND@PHASE:STEP``."""
@@ -263,11 +270,14 @@ class FaultInjector:
     ``{kind, phase, step, t}`` (``t``: ``time.monotonic()``) to ``record``."""
 
     def __init__(self, faults: Sequence[Fault], record: Path, slow_fetch: float = 0.0,
-                 send: Callable[[int, int], None] = os.kill) -> None:
+                 send: Callable[[int, int], None] = os.kill,
+                 plan_epoch: Callable[[], int] = lambda: -1) -> None:
         self.faults = list(faults)
         self.record = record
         self.slow_fetch = slow_fetch
         self.send = send
+        self.plan_epoch = plan_epoch
+        """The epoch of the newest plan this trainer's agent has (what a ``hold`` fault waits for)."""
         self._lock = threading.Lock()
 
     def __call__(self, step: int, phase: str) -> None:
@@ -288,6 +298,14 @@ class FaultInjector:
             self.fire(due, step)
 
     def fire(self, fault: Fault, step: int) -> None:
+        if fault.kind in ("slow", "hold"):  # a stall, not a failure: not recorded as the fault
+            if fault.kind == "slow":
+                time.sleep(SLOW_S)
+                return
+            start, deadline = self.plan_epoch(), time.monotonic() + HOLD_MAX_S
+            while self.plan_epoch() <= start and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return
         self.record.write_text(json.dumps({"kind": fault.kind, "phase": fault.phase, "step": step,
                                            "t": time.monotonic()}))
         self.send(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
@@ -301,13 +319,18 @@ def trainer_main(args: argparse.Namespace) -> int:
     """One rank (or a spare) under ``gossiprec run``."""
     import torch
 
-    from gossiprec.trainer.loop import JobStopped, NoReplica, Released, ResilientTrainer
+    from gossiprec.trainer.loop import JobFinished, JobStopped, NoReplica, Released, ResilientTrainer
     from gossiprec.trainer.state import capture_state
 
     torch.set_num_threads(1)
     out = Path(args.out)
     (out.with_suffix(".pid")).write_text(str(os.getpid()))
-    model, opt, cursor = build(args.hidden)
+    mistake = args.mistake
+    model, opt, cursor = build(args.hidden * (2 if mistake == "wide-model" else 1))
+    if mistake == "numpy-per-rank":
+        import numpy as np
+
+        np.random.seed(int(os.environ.get("GOSSIPREC_RANK", "99")))  # the classic: a seed per rank
     records: list[dict[str, Any]] = []
     resizes: list[list[int]] = []
     loads: list[int] = []
@@ -331,8 +354,16 @@ def trainer_main(args: argparse.Namespace) -> int:
         with open(out.with_suffix(".records"), "a") as f:  # kept even if this trainer dies later
             f.write(json.dumps(records[-1]) + "\n")
 
-    hook = FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch) if faults or args.slow_fetch else None
-    rt = ResilientTrainer(objects_of(model, opt, cursor), timeout=args.timeout,
+    def plan_epoch() -> int:
+        plan = rt.control.status().get("plan")
+        return int(plan["epoch"]) if plan else -1
+
+    hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=plan_epoch)
+            if faults or args.slow_fetch else None)
+    objects = objects_of(model, opt, cursor)
+    if mistake == "no-data-position":
+        del objects["data"]  # the cursor still moves, but nobody carries it to a spare
+    rt = ResilientTrainer(objects, timeout=args.timeout,
                           on_recovered=on_recovered, on_resize=on_resize,
                           on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
@@ -349,6 +380,9 @@ def trainer_main(args: argparse.Namespace) -> int:
         while rt.step < args.steps:
             rt.begin_step()
             t0 = time.monotonic()
+            if mistake == "data-write":
+                with torch.no_grad():
+                    next(model.parameters()).data.mul_(0.999)  # a hand-made decay, in the forbidden window
             local_gradients(model, cursor, rt.rank)
             if not rt.allreduce_gradients(model.parameters(), exact=True):
                 continue
@@ -366,9 +400,10 @@ def trainer_main(args: argparse.Namespace) -> int:
             left = args.step_ms / 1000.0 - (time.monotonic() - t0)
             if left > 0:
                 time.sleep(left)  # pacing: stands in for a longer compute step
-    except Released as exc:
+    except (Released, JobFinished) as exc:
         print(f"gossiprec demo trainer {rt.node}: {exc}", file=sys.stderr, flush=True)
-        out.write_text(json.dumps({"node": rt.node, "released": True, "step": rt.step, "records": records}))
+        if isinstance(exc, Released):
+            out.write_text(json.dumps({"node": rt.node, "released": True, "step": rt.step, "records": records}))
         rt.close()
         os._exit(0)
     except JobStopped as exc:
@@ -432,7 +467,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                  step_ms: float = 20.0, workdir: str | None = None, timeout: float = 100.0,
                  allow_shrink: bool = False, checkpoint_every: int = 0, slow_fetch: float = 0.0,
                  lr_scale: bool = False, tp_pp: int = 1, trainer_timeout: float = 30.0, log: Any = None,
-                 verbose: bool = False, agent_log_level: str = "warning") -> dict[str, Any]:
+                 verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
+                 mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = ()) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (demo-sent
     ones in list order) and compare the final states with the failure-free run.
 
@@ -442,7 +478,10 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     every receiver by that many seconds per chunk. ``tp_pp`` > 1 declares the job a grid of
     ``ranks // tp_pp`` replicas of ``tp_pp`` shards (the trainers still train data-parallel: only the
     agents' notion of which ranks hold the same state changes), e.g. ``tp_pp=ranks`` leaves every
-    shard without a replica.
+    shard without a replica. ``protocol``: agreement settings for every agent (``--protocol``);
+    ``mistakes``: node -> a loop mistake of :data:`MISTAKES` its trainer makes; ``may_fail``: nodes whose
+    trainer may exit with an error without failing the run. Once the job is done, every process
+    left must end by itself: ``exits`` holds each launcher's exit code (None: still running 10 s later).
     """
     from gossiprec.io.keyring import Keyring, decode_key, generate_key
 
@@ -453,7 +492,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     tmp = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-demo-"))
     tmp.mkdir(parents=True, exist_ok=True)
     names = [f"n{i}" for i in range(ranks + spares)]
-    unknown = {f.node for f in faults} - set(names)
+    # slow and hold are stalls the trainers make themselves, not faults to report on
+    everything, faults = list(faults), [f for f in faults if f.kind not in ("slow", "hold")]
+    unknown = {f.node for f in everything} - set(names)
     if unknown:
         raise ConfigError(f"faults name unknown nodes {sorted(unknown)}; nodes are {names}")
     ports = free_ports(len(names), width=3)  # agent, store, donor
@@ -479,11 +520,14 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         for name, port in zip(names, ports):
             cmd = [sys.executable, "-m", "gossiprec", "run", "--name", name, "--bind", "127.0.0.1",
                    "--port", str(port), "--job", str(tmp / "job.toml"), "--seed", f"127.0.0.1:{ports[0]}",
-                   "--control-socket", str(tmp / f"{name}.sock"), "--log-level", agent_log_level, "--",
+                   "--control-socket", str(tmp / f"{name}.sock"), "--log-level", agent_log_level]
+            cmd += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
+            cmd += ["--",
                    sys.executable, "-m", "gossiprec.demo", "trainer", "--steps", str(steps),
                    "--hidden", str(hidden), "--step-ms", str(step_ms), "--timeout", str(trainer_timeout),
                    "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch), "--go", str(tmp / "go")]
-            cmd += [a for f in faults if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
+            cmd += [a for f in everything if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
+            cmd += ["--mistake", mistakes[name]] if name in mistakes else []
             if checkpoint_every:
                 cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
             cmd += ["--lr-scale"] * lr_scale + ["--verbose"] * verbose
@@ -493,14 +537,18 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         deadline = time.monotonic() + timeout
         victims = {f.node for f in faults}
         while not all((tmp / f"{n}.ready").exists() for n in names):  # every trainer and spare loaded
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs.values()):
+            ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            if ended:
+                raise GossiprecError(f"trainers failed before training began: {ended}; see the logs in {tmp}")
+            if time.monotonic() > deadline:
                 raise GossiprecError(f"the trainers did not start within {timeout:.0f}s; see the logs in {tmp}")
             time.sleep(0.01)
         (tmp / "go").write_text("1")
         while True:
             if time.monotonic() > deadline:
                 raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
-            failed = {n: p.returncode for n, p in procs.items() if n not in victims and p.poll() not in (None, 0)}
+            failed = {n: p.returncode for n, p in procs.items()
+                      if n not in victims and n not in may_fail and p.poll() not in (None, 0)}
             if failed:
                 raise GossiprecError(f"trainers failed: {failed}; see the logs in {tmp}")
             i = len(fault_at)
@@ -516,14 +564,12 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             if len(fault_at) == len(sent) and done and len(done) >= max(o["world_size"] for o in done):
                 break
             time.sleep(0.01)
-        for name in names:  # the trainers that finished leave by themselves
-            if name not in victims and procs[name].poll() is None and (tmp / f"{name}.json").exists():
-                procs[name].wait(timeout=max(1.0, deadline - time.monotonic()))
         stopped = [f.node for f in faults if f.kind == "stop"]
-        fence_by = time.monotonic() + 5.0
-        while any(procs[n].poll() is None for n in stopped) and time.monotonic() < fence_by:
+        end_by = time.monotonic() + 10.0  # the trainers that finished leave, and so do the unused spares
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < end_by:
             time.sleep(0.02)
         result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
+        result["exits"] = {n: p.poll() for n, p in procs.items()}
         return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
     finally:
         for f in faults:  # a stopped trainer would ignore its launcher's SIGTERM
@@ -693,6 +739,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-fetch", dest="slow_fetch", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--lr-scale", dest="lr_scale", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--go", default="", help=argparse.SUPPRESS)
+    p.add_argument("--mistake", choices=MISTAKES, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_demo)
 
 

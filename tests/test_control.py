@@ -4,6 +4,7 @@ event encoding), garbage handling, permissions, and the blocking client used by 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import socket
@@ -323,3 +324,29 @@ async def test_blocking_client_sees_disconnect_when_agent_stops(sockdir: str) ->
         assert exc.value.code == "disconnected"
     finally:
         c.close()
+
+
+async def test_a_write_to_a_closed_client_is_a_disconnect_not_an_error(sockdir: str,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    class ClosedWriter:
+        """What uvloop's transport does once closed (a trainer that exited while events flowed)."""
+
+        def write(self, data: bytes) -> None:
+            raise RuntimeError("unable to perform operation on <UnixTransport closed=True>; the handler is closed")
+
+        async def drain(self) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    async with Agent(settings(sockdir, 0)) as agent:
+        server = agent.control
+        assert server is not None
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_frame({"op": "hello", "version": 1}))
+        reader.feed_eof()
+        with caplog.at_level(logging.ERROR):
+            await server.serve_stream(reader, ClosedWriter())  # type: ignore[arg-type]
+        assert server.counters.get("errors", 0) == 0 and server.counters["disconnects"] >= 1
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records

@@ -485,6 +485,9 @@ class FakeBackend:
                     and (transfer_port is None or (type(transfer_port) is int and 0 < transfer_port < 65536)),
                     f"state {committed_step!r} {inflight_step!r} {state_bytes!r} {transfer_port!r}")
 
+    def control_finished(self, step: int) -> None:
+        self._check(type(step) is int and 0 <= step <= 2**62, f"finished {step!r}")
+
     def control_members(self) -> list[dict[str, Any]]:
         return [{"name": "fz", "step": 3, "phase": "compute"}]
 
@@ -538,6 +541,7 @@ VALID_REQUESTS = [
      "transfer_port": 29500},
     {"op": "state", "committed_step": 0, "inflight_step": None, "state_bytes": 0, "transfer_port": None,
      "id": "s"},
+    {"op": "finished", "step": 40, "id": 6},
     {"op": "members", "id": 3}, {"op": "status", "id": 4}, {"op": "subscribe"}, {"op": "unsubscribe"},
     {"op": "register_layout", "layout": {"world": 4, "0": [1, 2]}}, {"op": "get_layout", "id": 5},
     {"op": "hello", "version": 1},

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 import time
 from typing import Any, Iterator
 
@@ -281,3 +282,23 @@ def test_cli_command_owners_are_complete_and_an_agent_imports_no_tooling() -> No
             " for m in sys.modules if m.startswith(('gossiprec.sim', 'gossiprec.bench', 'gossiprec.demo', 'torch'))}))")
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+async def test_the_childs_role_and_rank_come_from_the_job_spec(sockdir: str) -> None:
+    from gossiprec.bench.agents import free_ports
+
+    ports = free_ports(3)
+    rows = [("n0", "trainer", 0), ("n1", "trainer", 1), ("n2", "spare", None)]
+    spec = Path(sockdir) / "job.toml"
+    spec.write_text("".join(f'[[members]]\nname = "{n}"\naddr = "127.0.0.1:{p}"\nrole = "{r}"\n'
+                            + (f"rank = {k}\n" if k is not None else "") for (n, r, k), p in zip(rows, ports)))
+    code = "import json, os; print(json.dumps({k: os.environ.get(k) for k in ('GOSSIPREC_ROLE', 'GOSSIPREC_RANK')}))"
+    seen = {}
+    for (name, _, _), port in zip(rows[1:], ports[1:]):  # no --spare flag, no --rank: the spec says
+        launcher = Launcher(settings(sockdir, int(name[1]), port=port, job=str(spec)), [PY, "-c", code],
+                            forward_signals=False, child_kwargs={"stdout": asyncio.subprocess.PIPE})
+        assert await launcher.run() == 0
+        assert launcher.proc is not None and launcher.proc.stdout is not None
+        seen[name] = json.loads(await launcher.proc.stdout.read())
+    assert seen == {"n1": {"GOSSIPREC_ROLE": "trainer", "GOSSIPREC_RANK": "1"},
+                    "n2": {"GOSSIPREC_ROLE": "spare", "GOSSIPREC_RANK": None}}

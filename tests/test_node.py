@@ -564,3 +564,117 @@ def test_partition_minority_fences(
         partitions: dict[int, tuple[dict[str, Any], set[str], set[str]]]) -> None:
     for seed, (r, minority, _) in partitions.items():
         assert set(r["fenced"]) == minority, seed
+
+
+# -- state reports and the job's end, on a small virtual network -----------------------------------------
+
+
+class MiniNet:
+    """Nodes that deliver to each other at once (addr = name), on one virtual clock; ``down`` nodes
+    neither send nor receive."""
+
+    def __init__(self, names: list[str], spares: int = 1, **acfg: Any) -> None:
+        from gossiprec.core.node import AgreementConfig
+
+        members = [ViewMember(n, n, "trainer" if i < len(names) - spares else "spare",
+                              i if i < len(names) - spares else None) for i, n in enumerate(names)]
+        v = View.initial(members, JobTopology.ddp(len(names) - spares))
+        base = {n: MemberInfo(n, n, 1) for n in v.nodes}
+        self.nodes = {n: Node(CFG, n, n, incarnation=1, rng=random.Random(i), now=0.0, view=v, members=base,
+                              member_order=v.nodes, agreement=AgreementConfig(**acfg))
+                      for i, n in enumerate(names)}
+        self.now = 0.0
+        self.down: set[str] = set()
+        self.events: list[tuple[float, str, Any]] = []
+        self.sent: list[tuple[float, str, Any]] = []
+
+    def _deliver(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for name, node in self.nodes.items():
+                for s in node.take_sends():
+                    moved = True
+                    if name in self.down or s.addr in self.down:
+                        continue
+                    for m in decode_packet(s.payload, CFG.max_stream):
+                        self.sent.append((self.now, name, m))
+                    self.nodes[s.addr].receive(s.payload, self.now, s.reliable)
+                self.events += [(self.now, name, e) for e in node.take_events()]
+
+    def run(self, until: float) -> None:
+        self._deliver()
+        while True:
+            name, t = min(((n, nd.next_deadline()) for n, nd in self.nodes.items() if n not in self.down),
+                          key=lambda x: x[1])
+            if t > until:
+                self.now = until
+                return
+            self.now = max(self.now, t)
+            self.nodes[name].tick(self.now)
+            self._deliver()
+
+    def plans(self) -> dict[str, Any]:
+        from gossiprec.core.node import PlanReady
+
+        return {n: e.plan for _, n, e in self.events if isinstance(e, PlanReady)}
+
+
+def _in_optimizer(net: MiniNet, step: int) -> None:
+    from gossiprec.core.wire import PHASES
+
+    for name, node in net.nodes.items():
+        if node.view is not None and node.view.member(name).role == "trainer":  # type: ignore[union-attr]
+            node.set_state(step - 1, None, 1000)
+            node.set_progress(step, PHASES.index("optimizer"), 100, net.now)
+
+
+def test_a_report_waits_for_the_step_its_trainer_is_finishing() -> None:
+    from gossiprec.core.wire import PHASES, Report
+
+    net = MiniNet(["n0", "n1", "n2", "n3"])
+    net.run(1.0)
+    _in_optimizer(net, 5)  # every trainer is in the optimizer step of step 5, committed 4
+    net.nodes["n1"].leave(net.now)  # its trainer died: the agent announces its own departure
+    net.run(1.5)
+    assert all(net.nodes[n].view.epoch == 1 for n in ("n0", "n2", "n3"))  # type: ignore[union-attr]
+    assert not net.plans() and not [m for _, src, m in net.sent if isinstance(m, Report) and src != "n1"]
+    for n in ("n0", "n2"):  # they commit step 5; n2 then stops to recover
+        net.nodes[n].set_state(5, None, 1000)
+    net.nodes["n2"].set_progress(5, PHASES.index("recovering"), 100, net.now)
+    net.run(1.6)
+    plans = net.plans()
+    assert set(plans) == {"n0", "n2", "n3"} and len({p.digest() for p in plans.values()}) == 1
+    assert plans["n0"].target_step == 5  # nothing committed is lost
+    assert all(net.nodes[n].counters.get("report_hold_expired", 0) == 0 for n in net.nodes)
+
+
+@pytest.mark.parametrize("hold", [0.0, 2.0])
+def test_a_report_goes_out_at_once_or_when_the_hold_expires(hold: float) -> None:
+    net = MiniNet(["n0", "n1", "n2", "n3"], report_hold=hold)
+    net.run(1.0)
+    _in_optimizer(net, 5)
+    net.nodes["n1"].leave(net.now)
+    net.run(1.0 + hold + 0.5)  # the trainers never get further (a stuck optimizer step)
+    plans = net.plans()
+    assert set(plans) == {"n0", "n2", "n3"} and plans["n0"].target_step == 4  # what they had
+    assert (net.nodes["n0"].counters.get("report_hold_expired", 0) == 1) == (hold > 0)
+    planned_at = min(t for t, _, e in net.events if type(e).__name__ == "PlanReady")
+    left_at = 1.0
+    assert (planned_at - left_at >= hold) and planned_at - left_at < hold + 0.5, planned_at
+
+
+def test_the_job_end_reaches_every_member_and_nothing_is_decided_after_it() -> None:
+    from gossiprec.core.node import JobFinished, ViewInstalled
+
+    net = MiniNet(["n0", "n1", "n2", "n3", "n4"], spares=2)
+    net.run(1.0)
+    net.nodes["n0"].finish(30, net.now)
+    net.run(1.1)
+    done = {n: e for _, n, e in net.events if isinstance(e, JobFinished)}
+    assert set(done) == set(net.nodes) and all(e.step == 30 and e.source == "n0" for e in done.values())
+    for n in ("n0", "n1", "n2"):  # the trainers leave; the spares must not take their ranks
+        net.nodes[n].leave(net.now)
+    net.run(4.0)
+    assert not [e for _, _, e in net.events if isinstance(e, ViewInstalled)] and not net.plans()
+    assert not net.nodes["n3"].fenced and not net.nodes["n4"].fenced

@@ -26,7 +26,7 @@ from gossiprec.core.wire import PHASES
 from gossiprec.demo import (
     Fault, FaultInjector, build, load_checkpoint, objects_of, reference_state, run_scenario, save_checkpoint,
 )
-from gossiprec.errors import ConfigError
+from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, start_store_server, wait_interruptible
 
 
@@ -231,3 +231,94 @@ def test_no_replica_left_loads_the_checkpoint(tmp_path: Path) -> None:
     assert sorted(f["roles"].values()) == ["checkpoint", "checkpoint"], f
     assert f["lost_steps"] == 4 and f["transfer_bytes"] == 0, f  # committed 14, checkpoint 10
     assert res["checkpoint_loads"] == {"n0": [10], "n2": [10]}, res
+
+
+# --------------------------------------------------------------------------------------------------
+# replicas identical after every recovery, and nothing committed lost
+
+
+def _records(workdir: Path, node: str) -> list[dict]:
+    path = workdir / f"{node}.records"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_a_second_plan_during_a_recovery_leaves_the_survivor_at_the_new_target(tmp_path: Path) -> None:
+    # n1 dies in its optimizer step of step 12; the survivors n0 and n2 are there too and wait in it
+    # for the first plan, which (reports not held: report_hold = 0) targets step 11. n2 then commits 12
+    # and reloads 11 for that plan; n0, the donor of spare n3, dies while serving it (a slowed receiver),
+    # and the second plan targets 12, which n2 holds: n2 restores twice in one recovery, 11 then 12.
+    faults = [Fault("n1", "kill", 12, "optimizer"), Fault("n0", "hold", 12, "optimizer"),
+              Fault("n2", "hold", 12, "optimizer"), Fault("n0", "kill", 11, "serve")]
+    res = run_scenario(3, 2, 24, faults, hidden=1024, step_ms=10.0, workdir=str(tmp_path), timeout=150.0,
+                       slow_fetch=0.15, protocol={"report_hold": 0})
+    _check_common(res, 24)
+    (n2,) = [r for r in _records(tmp_path, "n2") if r["superseded"]]
+    assert [s[1] for s in n2["superseded"]] == [11] and n2["target_step"] == 12, n2  # targets 11, then 12
+    assert n2["role"] in ("survivor", "donor"), n2  # it reloaded its own snapshots both times
+    assert res["exits"] == {"n0": 137, "n1": 137, "n2": 0, "n3": 0, "n4": 0}, res["exits"]
+
+
+@pytest.mark.slow
+def test_a_kill_in_the_survivors_optimizer_step_loses_nothing(tmp_path: Path) -> None:
+    # the survivors are still in their optimizer step when the view without n1 is installed: their
+    # agents hold the state reports until they have committed it, so the plan resumes at step 12
+    faults = [Fault("n1", "kill", 12, "optimizer"), Fault("n0", "slow", 12, "optimizer"),
+              Fault("n2", "slow", 12, "optimizer")]
+    res = run_scenario(3, 1, 20, faults, hidden=32, step_ms=10.0, workdir=str(tmp_path), timeout=120.0)
+    _check_common(res, 20)
+    (kill,) = res["faults"]
+    assert kill["lost_steps"] == 0 and kill["epochs"] == [1], kill
+    assert all(r["target_step"] == 12 for n in ("n0", "n2", "n3") for r in _records(tmp_path, n)), res
+    assert list(kill["roles"].values()).count("receiver") == 1, kill  # the spare; no survivor re-received 12
+    # the job ends by itself: every launcher that was not killed exits 0, the used spare included
+    assert res["exits"] == {"n0": 0, "n1": 137, "n2": 0, "n3": 0}, res["exits"]
+
+
+@pytest.mark.slow
+def test_unused_spares_end_with_the_job(tmp_path: Path) -> None:
+    res = run_scenario(2, 2, 15, [], hidden=32, step_ms=10.0, workdir=str(tmp_path), timeout=90.0)
+    assert res["bit_identical"] and res["final_step"] == [15], res
+    assert res["exits"] == {"n0": 0, "n1": 0, "n2": 0, "n3": 0}, res["exits"]
+    assert "the job finished at step 15" in (tmp_path / "n2.log").read_text()
+
+
+def _failed_run(tmp_path: Path, **kwargs: object) -> str:
+    """Run a job that must fail; returns the trainers' logs."""
+    with pytest.raises(GossiprecError, match="trainers failed"):
+        run_scenario(2, 1, 12, kwargs.pop("faults", []), hidden=32, step_ms=10.0, workdir=str(tmp_path),  # type: ignore[arg-type]
+                     timeout=90.0, **kwargs)  # type: ignore[arg-type]
+    return "\n".join(p.read_text() for p in sorted(tmp_path.glob("n*.log")))
+
+
+@pytest.mark.slow
+def test_a_data_write_between_commit_and_allreduce_is_caught(tmp_path: Path) -> None:
+    logs = _failed_run(tmp_path, mistakes={"n0": "data-write", "n1": "data-write"})
+    assert "changed between commit() of step 1 and the next allreduce_gradients() without torch seeing" in logs
+    assert "model/0.weight" in logs and ".data" in logs
+
+
+@pytest.mark.slow
+def test_generators_seeded_per_rank_are_caught_at_the_start(tmp_path: Path) -> None:
+    logs = _failed_run(tmp_path, mistakes={"n0": "numpy-per-rank", "n1": "numpy-per-rank"})
+    assert "ReplicaMismatch: replicas hold different state at step 0 (at the start): rng/numpy (ranks [" in logs
+    assert "seed every random generator alike on every rank" in logs
+
+
+@pytest.mark.slow
+def test_an_unregistered_data_position_is_refused(tmp_path: Path) -> None:
+    logs = _failed_run(tmp_path, mistakes={"n0": "no-data-position", "n1": "no-data-position"})
+    assert "no data position among the objects ['model', 'optimizer', 'rng']" in logs
+
+
+@pytest.mark.slow
+def test_a_spare_that_cannot_take_the_state_leaves_and_the_next_one_does(tmp_path: Path) -> None:
+    # spare n2 built a wider model: it cannot receive rank 1's state, says why and exits; the agents
+    # then give the rank to n3, and the job ends as if nothing had happened
+    res = run_scenario(2, 2, 24, [Fault("n1", "kill", 8, "committed")], hidden=32, step_ms=10.0,
+                       workdir=str(tmp_path), timeout=120.0, mistakes={"n2": "wide-model"}, may_fail=("n2",))
+    _check_common(res, 24)
+    assert res["faults"][0]["assignment_after"] == {0: "n0", 1: "n3"}, res["faults"]
+    log = (tmp_path / "n2.log").read_text()
+    assert "cannot take part in the recovery of epoch 1" in log and "model/0.weight: donor float32[32, 32]" in log
+    assert res["exits"]["n2"] == 1 and res["exits"]["n3"] == 0, res["exits"]

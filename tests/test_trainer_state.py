@@ -286,10 +286,29 @@ def test_layout_mismatch_names_the_tensors() -> None:
     with pytest.raises(LayoutMismatch,
                        match=r"model/0.weight: donor float32\[16, 8\], local float32\[32, 8\]"):
         ReceiveTarget(training_state(*other, rng=False)).bind(snap.header)
-    # a spare whose optimizer state was never allocated gets told what to do
+    # the model is not optimizer state: a missing parameter is a mismatch, not something to allocate
+    other_model = torch.nn.Sequential(torch.nn.Linear(8, 16))
+    other_opt = torch.optim.AdamW(other_model.parameters())
+    with pytest.raises(LayoutMismatch, match=r"donor tensor model/1.weight .* has no local counterpart"):
+        ReceiveTarget({"model": other_model, "optimizer": other_opt, "scheduler": other[2],
+                       "data": other[3]}).bind(snap.header)
+
+
+def test_optimizer_state_is_received_whether_or_not_the_receiver_allocated_it() -> None:
+    # torch creates optimizer state at the first step: a receiver may have none while the donor has
+    # some (a spare that never stepped), or have some the donor lacks (a donor still at step 0)
+    model, opt, sched, data = build(hidden=16)
+    initial = capture_state(training_state(model, opt, sched, data, rng=False), step=0, checksum=False)
+    train_step(model, opt, sched, data)
+    stepped = capture_state(training_state(model, opt, sched, data, rng=False), step=1, checksum=False)
     bare = build(hidden=16)
-    with pytest.raises(LayoutMismatch, match="materialize_optimizer_state"):
-        ReceiveTarget(training_state(*bare, rng=False)).bind(snap.header)
+    assert not bare[1].state
+    restore_state(training_state(*bare, rng=False), stepped)
+    got = capture_state(training_state(*bare, rng=False), step=1, checksum=False)
+    assert pack_header(got.header) == pack_header(stepped.header) and got.payload() == stepped.payload()
+    assert bare[1].state_dict()["state"][0]["step"] == 1
+    restore_state(training_state(*bare, rng=False), initial)  # back to step 0: the state goes away
+    assert not bare[1].state
 
 
 def test_corrupted_payload_fails_crc() -> None:
@@ -625,12 +644,38 @@ def test_restore_skips_only_tensors_unchanged_since_the_capture() -> None:
     assert capture_state(objects, step=1, checksum=False).payload() == expected
 
 
+def test_restores_in_a_row_each_end_at_their_own_snapshot() -> None:
+    # a survivor that applies two plans in one recovery (targets s - 1, then s) restores twice; the
+    # first restore writes through memoryviews, which must count as a change for the second
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    objects: dict[str, Any] = {"model": model, "optimizer": opt}
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+
+    for _ in range(24):
+        step()
+    s24 = capture_state(objects, step=24, checksum=False)
+    step()
+    s25 = capture_state(objects, step=25, checksum=False)
+    live = frozenset(_late_ptrs(model, opt))
+    for snap in (s24, s25, s24, s24, s25):
+        restore_state(objects, snap, unchanged=live)
+        assert capture_state(objects, step=snap.step, checksum=False).payload() == snap.payload()
+        assert opt.state_dict()["state"][0]["step"] == snap.step
+
+
 def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
     from gossiprec.trainer.loop import ResilientTrainer
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
-    rt = ResilientTrainer(training_state(model, opt, rng=False), control=_StubControl())  # type: ignore[arg-type]
+    rt = ResilientTrainer(training_state(model, opt, rng=False), control=_StubControl(),  # type: ignore[arg-type]
+                          stateless_data=True)
     params = list(model.parameters())
     rt._update_late(params)
     first = rt._late

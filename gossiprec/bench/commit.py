@@ -84,7 +84,7 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
     if mode != "none":
         rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)},
                               control=_StubControl(), key=bytes(32),  # type: ignore[arg-type]
-                              background_snapshot=mode == "deferred")
+                              background_snapshot=mode == "deferred", stateless_data=True)
     times: list[float] = []
     sync(device)
     t_prev = time.perf_counter()

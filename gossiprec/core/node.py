@@ -58,8 +58,8 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
 from gossiprec.core.wire import (
     ALERT_REASONS, ALIVE, DEPARTED, LEFT, HUNG, JOINING, PHASES, UNREACHABLE, Accept, Accepted, Alert, Decided,
-    JoinRequest, Message, PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
-    MAX_DELTA_STEPS,
+    JobDone, JoinRequest, Message, PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState,
+    Votes, MAX_DELTA_STEPS,
 )
 from gossiprec.errors import ConfigError, ProtocolError
 
@@ -71,6 +71,10 @@ MAX_EARLY = 4096
 _RECOVERING = PHASE_ORDER["recovering"]
 _COMMUNICATE = PHASES.index("communicate")
 _CHECKPOINT = PHASE_ORDER["checkpoint"]
+_FINISHING = frozenset(PHASE_ORDER[p] for p in ("communicate", "waiting", "optimizer"))
+"""Phases in which a trainer may still commit the step it is in (its collective may complete, or has)."""
+REPORT_POLL = 0.005
+"""While a state report is held (see ``AgreementConfig.report_hold``), look at the trainer this often."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,12 @@ class AgreementConfig:
     then at doubling intervals (at most 2 s apart) ..."""
     reaggregate_for: float = 10.0
     """... for this long."""
+    report_hold: float = 2.0
+    """When a view is installed while this member's trainer may still commit the step it is in (its
+    collective in flight, or already in the optimizer step), its state report waits until the trainer
+    has committed that step or stopped (begun recovering), at most this long: a report made at once
+    would miss a step committed a moment later, and the plan would roll every survivor back to the step
+    before and make them receive state they hold. 0: report at once."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -167,6 +177,16 @@ class PlanReady:
 
 
 @dataclass(frozen=True, slots=True)
+class JobFinished:
+    """The job's trainers finished training at ``step`` (``source`` said so first)."""
+
+    epoch: int
+    step: int
+    source: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class Fenced:
     epoch: int
     reason: str
@@ -202,7 +222,7 @@ class PlanMismatch:
 
 
 # timers
-_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG = range(6)
+_EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG, _REPORT = range(7)
 WATCH_EARLY = 0.1
 """The 0.25 s watchdog (fencing, hang checks) runs up to this much early in a tick that happens anyway
 (the probe timer's), so it seldom needs a wake-up of its own."""
@@ -256,6 +276,10 @@ class Node:
         self._reagg_gap = 0.0
         self._plan_digests: dict[bytes, int] = {}
         self._state: tuple[int, int | None, int] = (0, None, 0)
+        self._held_until: float | None = None
+        """This member's state report for the current view waits until then (see ``report_hold``)."""
+        self.finished: int | None = None
+        """The step at which the job's trainers finished (JobDone), once known."""
         self._streak: dict[str, float] = {}
         """Subjects watched closely (probed every round): when their failure streak began (inf: suspected
         by others, no failure of our own seen yet)."""
@@ -321,6 +345,8 @@ class Node:
                 self._check_hangs(now)
             elif kind == _JOIN:
                 self._join_retry(now)
+            elif kind == _REPORT:
+                self._maybe_report(now)
         if timers and timers[0][2] == _WATCH and timers[0][0] <= now + WATCH_EARLY:
             # the watchdog rides on this tick rather than waking the process on its own (an idle agent
             # ticks ~10 times a second for its probes; the 4 Hz watchdog was 4 more wake-ups)
@@ -362,10 +388,20 @@ class Node:
     def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
         self.swim.set_progress(step, phase, step_ms, now)  # validates: raises before anything is kept
         self._my_progress = (step, phase, step_ms)
+        if self._held_until is not None:
+            self._at(self._now, _REPORT)  # on the next tick: a state written with this progress lands first
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         """What this member could serve to a replacement (reported to the plan of each new view)."""
         self._state = (committed_step, inflight_step, state_bytes)
+        if self._held_until is not None:
+            self._at(self._now, _REPORT)
+
+    def finish(self, step: int, now: float) -> None:
+        """This member's trainer finished training at ``step``: tell every member the job is done."""
+        self._now = now
+        epoch = self.view.epoch if self.view is not None else 0
+        self._on_job_done(JobDone(epoch, step, self.name), now)
 
     def leave(self, now: float) -> None:
         self.swim.leave(now)
@@ -472,11 +508,13 @@ class Node:
             else:
                 self._at(now, _JOIN)
             return
+        self._held_until = None
         if view.basis is not None and view.is_holder(self.name):
-            committed, inflight, size = self._state
-            idx = view.index(self.name)
-            assert idx is not None
-            self._merge_report((committed, inflight, size), 1 << idx, now)
+            if self._trainer_finishing() and self.acfg.report_hold > 0:
+                self._held_until = now + self.acfg.report_hold
+                self._at(now + min(REPORT_POLL, self.acfg.report_hold), _REPORT)
+            else:
+                self._report_state(view, now)
         self._maybe_plan(now)
         early, self._early = self._early, []
         for msg in early:
@@ -644,6 +682,9 @@ class Node:
         if t is JoinRequest:
             self._on_join_request(msg, now)  # type: ignore[arg-type]
             return
+        if t is JobDone:
+            self._on_job_done(msg, now)  # type: ignore[arg-type]
+            return
         v = self.view
         epoch = getattr(msg, "epoch", None)
         config = getattr(msg, "config", None)
@@ -741,7 +782,8 @@ class Node:
             self._at(now + self.acfg.settle, _EVAL)
 
     def _evaluate(self, now: float) -> None:
-        if self.view is None or self.consensus.decided is not None or self.name not in self.view:
+        if self.view is None or self.consensus.decided is not None or self.name not in self.view \
+                or self.finished is not None:  # the job is over: its members leave, nothing to agree on
             return
         changes, wake = self.cut.evaluate(now)
         if changes:
@@ -941,6 +983,34 @@ class Node:
                 self._alert(msg.node, JOIN, JOINING, now, addr=msg.addr, host=msg.host, rack=msg.rack)
 
     # ------------------------------------------------------------------ reports and plan
+    def _trainer_finishing(self) -> bool:
+        """The trainer is in a step it may still commit (see ``report_hold``)."""
+        step, phase, _ = self._my_progress
+        return phase in _FINISHING and step > self._state[0]
+
+    def _maybe_report(self, now: float) -> None:
+        """The held report goes out once the trainer committed its step or stopped, or at the deadline."""
+        v, until = self.view, self._held_until
+        if until is None or v is None:
+            return
+        if self._trainer_finishing() and now < until:
+            self._at(min(until, now + REPORT_POLL), _REPORT)  # the pump reads the trainer before each tick
+            return
+        self._held_until = None
+        if self._trainer_finishing():
+            self.counters["report_hold_expired"] = self.counters.get("report_hold_expired", 0) + 1
+        self._report_state(v, now)
+
+    def _report_state(self, v: View, now: float) -> None:
+        idx = v.index(self.name)
+        assert idx is not None
+        committed, inflight, size = self._state
+        # our own report straight to every member of a small view (once per view): the plan waits for the
+        # last report, and one held for the trainer would otherwise wait for the next gossip round
+        bits = (1 << idx).to_bytes((len(v) + 7) // 8, "little")
+        self._one_hop_to_all(Report(v.epoch, v.config_id, committed, inflight, size, bits))
+        self._merge_report(self._state, 1 << idx, now)
+
     def _merge_report(self, values: tuple, bits: int, now: float) -> None:
         old = self._reports.get(values, 0)
         new = old | bits
@@ -964,7 +1034,7 @@ class Node:
 
     def _maybe_plan(self, now: float) -> None:
         v = self.view
-        if v is None or v.basis is None or self.plan is not None or v.stopped:
+        if v is None or v.basis is None or self.plan is not None or v.stopped or self.finished is not None:
             return
         need = self._reports_need
         if need is None:  # once per view (this runs on every merged report); shared through the memo
@@ -1052,10 +1122,21 @@ class Node:
         self._merge_digest(msg.digest, int.from_bytes(msg.bitmap, "little"), now)
 
     # ------------------------------------------------------------------ watchdog: fencing, hangs
+    def _on_job_done(self, msg: JobDone, now: float) -> None:
+        """Any epoch's word counts (the job's end does not depend on the view it was seen in); once."""
+        if self.finished is not None:
+            return
+        self.finished = msg.step
+        self._held_until = None
+        self._events.append(JobFinished(msg.epoch, msg.step, msg.src, now))
+        if msg.src == self.name and self.view is not None:
+            self._one_hop_to_all(msg)
+        self._bcast("done", msg)
+
     def _watch(self, now: float) -> None:
         self._at(now + 0.25, _WATCH)
         v = self.view
-        if v is None or self.name not in v:
+        if v is None or self.name not in v or self.finished is not None:
             return
         if self._my_alerts and self.consensus.decided is None and now - self._last_realert >= 1.0:
             # Gossip is best effort (a broadcast is sent a few times, then dropped); an alert that some
@@ -1090,7 +1171,7 @@ class Node:
 
     def _check_hangs(self, now: float) -> None:
         v = self.view
-        if v is None or self.name not in v:
+        if v is None or self.name not in v or self.finished is not None:
             return
         if self._my_alerts or (self.consensus.votes and self.consensus.decided is None):
             # A change is under way: every rank waits for the new view, so stalls say nothing about hangs

@@ -650,3 +650,14 @@ class PlanDigest(Message):
     config: str
     digest: bytes
     bitmap: bytes
+
+
+@message(34, EPOCH, STEP, NAME)
+@value_class
+class JobDone(Message):
+    """The job's trainers finished training at ``step`` (sent by ``src``, a trainer of view ``epoch``):
+    spares are no longer needed, and departures from here on are the job's end, not failures."""
+
+    epoch: int
+    step: int
+    src: str

@@ -698,6 +698,15 @@ class Agent:
         if set_state is not None:
             set_state(committed_step, inflight_step, state_bytes)
 
+    def control_finished(self, step: int) -> None:
+        """The trainer finished training at ``step``: tell the cluster the job is done."""
+        finish = getattr(self.machine, "finish", None)
+        if finish is None or self._closing:
+            return
+        self._sync_page()
+        finish(step, time.monotonic())
+        self._flush()
+
     def _sync_page(self) -> None:
         """Take the trainer's newest progress and state from the page, if it changed since the last look.
 
@@ -717,10 +726,7 @@ class Agent:
             return
         self._page_seq = rec.seq
         try:
-            if (rec.step, rec.phase, rec.step_ms) != self._progress:
-                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(rec.since, time.monotonic()))
-                self._progress = (rec.step, rec.phase, rec.step_ms)
-            if rec.has_state:
+            if rec.has_state:  # before the progress: a commit and the next phase seen together, in order
                 state = (rec.committed_step, None if rec.inflight_step < 0 else rec.inflight_step,
                          rec.state_bytes, None if rec.transfer_port < 0 else rec.transfer_port)
                 problem = state_problem(*state)
@@ -728,6 +734,9 @@ class Agent:
                     raise ProtocolError(problem)
                 if self.trainer_state != dict(zip(_STATE_KEYS, state)):
                     self.control_set_state(*state)
+            if (rec.step, rec.phase, rec.step_ms) != self._progress:
+                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(rec.since, time.monotonic()))
+                self._progress = (rec.step, rec.phase, rec.step_ms)
         except ProtocolError as exc:
             self._count("progress_page_invalid")
             self._throttle.warn("page", f"the trainer's progress page holds invalid values, ignored: {exc}")
@@ -831,6 +840,7 @@ class Agent:
         return {
             "view": {"epoch": view.epoch, "config_id": view.config_id,
                      "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in view.members],
+                     "replica_groups": [list(g) for g in view.topology.replica_groups],
                      "stopped": view.stopped},
             "fenced": getattr(self.machine, "fenced", "") or None,
             "plan": plan.to_dict() if plan is not None else None,

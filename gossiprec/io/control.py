@@ -153,6 +153,7 @@ class ControlBackend(Protocol):
     def control_report(self, step: int, phase: int, step_ms: int) -> None: ...
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
                           transfer_port: int | None) -> None: ...
+    def control_finished(self, step: int) -> None: ...
     def control_members(self) -> list[dict[str, Any]]: ...
     def control_status(self) -> dict[str, Any]: ...
     def control_set_layout(self, layout: dict[Any, Any]) -> None: ...
@@ -185,7 +186,12 @@ class _Conn:
     async def send(self, obj: Mapping[str, Any]) -> None:
         frame = encode_frame(obj)
         async with self.lock:
-            self.writer.write(frame)
+            try:
+                self.writer.write(frame)
+            except RuntimeError as exc:
+                # uvloop's transports raise RuntimeError ("unable to perform operation on <UnixTransport
+                # closed=True>") for a write after the close: the client is gone, like a reset
+                raise ConnectionResetError(f"the client connection is closed ({exc})") from exc
             async with asyncio.timeout(self.write_timeout):
                 await self.writer.drain()
 
@@ -464,6 +470,10 @@ class ControlServer:
         self.backend.control_set_state(*args)
         return {}
 
+    def _op_finished(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
+        self.backend.control_finished(_int_arg(req, "step", 0, 2**62))
+        return {}
+
     def _op_members(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         return {"members": self.backend.control_members()}
 
@@ -515,6 +525,7 @@ _OPS = {
     "ping": ControlServer._op_ping,
     "report": ControlServer._op_report,
     "state": ControlServer._op_state,
+    "finished": ControlServer._op_finished,
     "members": ControlServer._op_members,
     "status": ControlServer._op_status,
     "subscribe": ControlServer._op_subscribe,
@@ -637,6 +648,10 @@ class ControlClient:
             self.request("state", **args)
         else:
             self.notify("state", **args)
+
+    def finished(self, step: int) -> None:
+        """Training is over at ``step`` (the job's last): the agents end the job, spares leave."""
+        self.request("finished", step=step)
 
     def members(self) -> list[dict[str, Any]]:
         return list(self.request("members")["members"])

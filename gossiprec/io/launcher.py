@@ -8,8 +8,8 @@ the agent's coordinates in its environment:
 
     GOSSIPREC_CONTROL  the agent's control socket (``ControlClient.from_env()`` reads it)
     GOSSIPREC_NODE     this node's name in the cluster
-    GOSSIPREC_RANK     the training rank, when known (removed from the environment otherwise)
-    GOSSIPREC_ROLE     ``trainer`` or ``spare``
+    GOSSIPREC_RANK     the training rank in view 0, for a trainer (removed from the environment otherwise)
+    GOSSIPREC_ROLE     ``trainer`` or ``spare``, as the job spec says (a node outside it joins as a spare)
     GOSSIPREC_CLUSTER  the cluster name
     THP_MEM_ALLOC_ENABLE=1  unless already set: huge pages for PyTorch's CPU tensors (see THP_VAR)
 
@@ -117,12 +117,17 @@ def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
     s = agent.settings
     env[ENV["control_socket"]] = agent.control_path
     env[ENV["name"]] = agent.name
-    env[ENV["role"]] = s.role
+    role, rank = s.role, s.rank
+    if hasattr(agent.machine, "view"):  # the agreement core: its view says (a joiner enters as a spare)
+        view = agent.machine.view
+        me = view.member(agent.name) if view is not None else None
+        role, rank = (me.role, me.rank) if me is not None else ("spare", None)
+    env[ENV["role"]] = role
     env[ENV["cluster"]] = s.cluster
-    if s.rank is None:
+    if rank is None:
         env.pop(ENV["rank"], None)
     else:
-        env[ENV["rank"]] = str(s.rank)
+        env[ENV["rank"]] = str(rank)
     return env
 
 

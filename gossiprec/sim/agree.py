@@ -15,7 +15,10 @@ within a bounded time"), reported in the figures and asserted by the tests.
 
 Training model: trainers advance in lockstep (compute, communicate, optimizer per step). A hung or
 crashed trainer blocks the others inside ``communicate`` of the current step until the view without
-it is installed; each trainer's committed step (reported to the plan) is the last completed one.
+it is installed; each trainer's committed step (reported to the plan) is the last completed one. A
+trainer whose node installs a new view stops (its collective is aborted; one in the optimizer step
+commits first) and reports ``recovering`` until its node has the plan of that view; training resumes
+once no trainer recovers, redoing the interrupted step.
 """
 
 from __future__ import annotations
@@ -37,7 +40,10 @@ from gossiprec.sim.metrics import Progress, quantiles
 from gossiprec.sim.network import NetworkModel
 
 SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join")
-COMPUTE, COMMUNICATE, OPTIMIZER = (PHASES.index(p) for p in ("compute", "communicate", "optimizer"))
+COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
+                                                                           "recovering"))
+ABORT_DELAY = 0.002
+"""Seconds from a view's install to its trainer leaving the interrupted collective (a poll slice)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +255,43 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     # --- lockstep training model ---------------------------------------------------------------------
     state = {"step": 0, "phase": COMPUTE}
     third = params.step_time / 3
+    recovering: dict[int, int] = {}
+    """Trainer node -> the epoch whose plan it waits for (it stopped when its node installed that view)."""
+
+    def is_trainer(i: int) -> bool:
+        view = cluster.nodes[i].machine.view  # type: ignore[attr-defined]
+        return view is not None and (m := view.member(names[i])) is not None and m.role == "trainer"
+
+    def report(i: int) -> None:
+        node = cluster.nodes[i]
+        if node.state == CRASHED or not is_trainer(i) or (i in hung and cluster.now >= t_fault):
+            return
+        machine: Node = node.machine  # type: ignore[assignment]
+        step, phase = state["step"], state["phase"]
+        if i in recovering:
+            phase = RECOVERING
+        elif i in slow and cluster.now >= t_fault:
+            step = max(0, step - 2)  # two steps behind, still moving
+        machine.set_progress(step, phase, int(params.step_time * 1000), cluster.now)
+        machine.set_state(max(0, step - 1), None, 1 << 20)
+
+    def on_event(now: float, idx: int, ev: Any) -> None:
+        if not (params.train or sc in ("hang", "straggler")):
+            return
+        t = type(ev)
+        if t is ViewInstalled and is_trainer(idx):
+            if not recovering and state["phase"] == OPTIMIZER:  # the step's collective was done: commit it
+                state["step"] += 1
+                state["phase"] = COMPUTE
+            recovering[idx] = ev.epoch
+            cluster.at(now + ABORT_DELAY, lambda: report(idx))
+        elif t is PlanReady and recovering.get(idx) == ev.epoch:
+            del recovering[idx]
+            if not recovering:
+                state["phase"] = COMPUTE  # redo the interrupted step
+            cluster.at(now, lambda: report(idx))
+
+    cluster.observers.append(on_event)
 
     def blocked() -> bool:
         if cluster.now < t_fault:
@@ -267,7 +310,13 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
 
     def train() -> None:
         cluster.at(cluster.now + third, train)
-        if not blocked():
+        for i in [i for i in recovering if cluster.nodes[i].state == CRASHED or not is_trainer(i)]:
+            del recovering[i]  # died or dropped while recovering: nobody waits for it
+            if not recovering:
+                state["phase"] = COMPUTE
+        if recovering:
+            pass  # the job waits for every trainer's plan
+        elif not blocked():
             state["phase"] += 1
             if state["phase"] > OPTIMIZER:
                 state["phase"] = COMPUTE
@@ -279,20 +328,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
                 state["step"] += 1
             state["phase"] = COMMUNICATE
         for i in range(n):
-            node = cluster.nodes[i]
-            if node.state == CRASHED:
-                continue
-            machine: Node = node.machine  # type: ignore[assignment]
-            view = machine.view
-            if view is None or (m := view.member(machine.name)) is None or m.role != "trainer":
-                continue
-            if i in hung and cluster.now >= t_fault:
-                continue  # frozen where it hung
-            step, phase = state["step"], state["phase"]
-            if i in slow and cluster.now >= t_fault:
-                step = max(0, step - 2)  # two steps behind, still moving
-            machine.set_progress(step, phase, int(params.step_time * 1000), cluster.now)
-            machine.set_state(max(0, step - 1) if phase != OPTIMIZER else step - 1, None, 1 << 20)
+            report(i)
 
     if params.train or sc in ("hang", "straggler"):
         cluster.at(third, train)

@@ -4,8 +4,9 @@ Importing this package does not import torch; torch is loaded when a function th
 """
 
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
+from gossiprec.trainer.digest import ReplicaMismatch
 from gossiprec.trainer.loop import (
-    JobStopped, NoReplica, RecoveryRecord, Released, ResilientTrainer, rank_ordered_mean, transfer_key,
+    JobFinished, JobStopped, NoReplica, RecoveryRecord, Released, ResilientTrainer, rank_ordered_mean, transfer_key,
 )
 from gossiprec.trainer.state import (
     RNGState, Stateful, capture_state, materialize_optimizer_state, restore_state, training_state,
@@ -13,7 +14,7 @@ from gossiprec.trainer.state import (
 from gossiprec.trainer.transfer import DonorServer, fetch_state
 
 __all__ = [
-    "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "JobStopped", "NoReplica", "RNGState",
-    "RecoveryRecord", "Released", "ResilientTrainer", "Stateful", "capture_state", "fetch_state", "materialize_optimizer_state",
+    "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "JobFinished", "JobStopped", "NoReplica",
+    "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch", "ResilientTrainer", "Stateful", "capture_state", "fetch_state", "materialize_optimizer_state",
     "rank_ordered_mean", "restore_state", "training_state", "transfer_key",
 ]

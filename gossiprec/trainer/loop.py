@@ -48,8 +48,22 @@ fallback): this rank's new rank is the plan's assignment. A rank named as a rece
 target step from the plan's donors, striped exactly as the plan says (:func:`fetch_state`, bytes
 land in the local tensors); a rank at the target reloads its own snapshot; then the new epoch's group
 is built on the TCPStore of the plan's ``store_node`` and training continues from ``target_step``.
-A hot spare (role ``spare`` in view 0) builds model and optimizer (allocated by
-:func:`materialize_optimizer_state`) before :meth:`start`, which blocks until a plan gives it a rank.
+A hot spare (role ``spare`` in view 0) builds model and optimizer before :meth:`start`, which
+allocates the optimizer's state (:func:`materialize_optimizer_state`) and blocks until a plan gives it
+a rank. A survivor may apply several plans in one recovery (a newer view supersedes one that could not
+finish); each restore bumps the version counters of what it writes, so the next one copies it again.
+
+**Replica checks.** Every replica of a shard must hold the same state. The ranks of each replica
+group compare a digest of it (:mod:`gossiprec.trainer.digest`) at the first all-reduce of gradients
+after the start, after the first step, after every recovery and every ``verify_every`` steps; a
+mismatch raises :class:`~gossiprec.trainer.digest.ReplicaMismatch`. The first step's commit (and every
+``verify_every``-th) is copied and checksummed in place, and the next all-reduce hashes the live
+parameters and optimizer state again: a write torch does not track (``.data``) between the two
+raises :class:`~gossiprec.errors.RecoveryError`.
+
+**The end.** :meth:`finish` tells the agents that training is over; spares still waiting in
+:meth:`start` raise :class:`JobFinished`, and a view that stops the job (no spare, no shrink) makes
+every rank raise :class:`JobStopped`.
 
 **Addresses.** Every trainer process hosts a TCPStore server and a :class:`DonorServer` from the
 start, on fixed offsets from its agent's port (``agent port + store_offset`` and ``+ donor_offset``,
@@ -116,9 +130,13 @@ from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.io.control import ControlClient, ControlError
 from gossiprec.io.progress import ProgressPage
+from gossiprec.trainer.digest import (
+    PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
+)
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, connect_store, start_store_server
 from gossiprec.trainer.state import (
-    DeferredCopies, LayoutMismatch, ReceiveTarget, StateSnapshot, Stateful, capture_deferred, restore_state,
+    DeferredCopies, LayoutMismatch, ReceiveTarget, RNGState, StateSnapshot, Stateful, capture_deferred,
+    materialize_optimizer_state, restore_state, tensor_bytes,
 )
 from gossiprec.trainer.transfer import DonorServer, fetch_state
 
@@ -161,6 +179,10 @@ class Released(RecoveryError):
 class JobStopped(RecoveryError):
     """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
     ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
+
+
+class JobFinished(GossiprecError):
+    """The job's trainers finished training while this process was a spare: nothing left to do (exit 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +242,8 @@ class RecoveryRecord:
     previous_role: str = "trainer"
     """``spare`` when this recovery gave a hot spare its first rank (its ``noticed_at`` is then when it
     started waiting, not a failure)."""
+    superseded: tuple[tuple[int, int, str], ...] = ()
+    """Earlier plans of this recovery that did not complete: (epoch, target step, why), in order."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,6 +256,15 @@ class _Pending:
     detected_at: float | None = None
     agreed_at: float | None = None
     fields: dict[str, Any] = field(default_factory=dict)
+    attempts: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def _has_data_position(objects: Mapping[str, Stateful]) -> bool:
+    """Whether any object is something other than a model, optimizer, LR scheduler or RNG state."""
+    import torch
+
+    plain = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, RNGState)
+    return any(not isinstance(o, plain) for o in objects.values())
 
 
 def transfer_key(cluster: str | None = None) -> bytes:
@@ -255,6 +288,13 @@ def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
     for r in rows[1:]:
         total.add_(r)
     return total.div_(len(rows))
+
+
+def _groups_of(groups: Any, world: int) -> tuple[tuple[int, ...], ...]:
+    """Replica groups (lists of ranks) from the agent, or one group of every rank when it sent none."""
+    if not groups:
+        return (tuple(range(world)),)
+    return tuple(tuple(int(r) for r in g) for g in groups)
 
 
 def _host_port(addr: str) -> tuple[str, int]:
@@ -378,7 +418,11 @@ class ResilientTrainer:
     user's checkpoint into the objects; ``on_phase(step, phase)``: tracing / fault-injection hook
     (see the module docstring for all three). ``background_snapshot``: copy the parameters and
     optimizer state of a commit while the next step computes (see the module docstring); False copies
-    everything inside :meth:`commit`.
+    everything inside :meth:`commit`. ``verify_replicas``: compare a digest of the state across each
+    replica group at the start, after the first step, after every recovery and every ``verify_every``
+    steps (0: never periodically); a mismatch raises :class:`~gossiprec.trainer.digest.ReplicaMismatch`.
+    ``stateless_data``: the loop registers no data position because every batch is a function of
+    (:attr:`step`, :attr:`rank`); without it, objects with no data position are refused.
     """
 
     def __init__(self, objects: Mapping[str, Stateful], *, control: ControlClient | None = None,
@@ -389,12 +433,30 @@ class ResilientTrainer:
                  on_resize: Callable[[int, int], None] | None = None,
                  on_no_replica: Callable[[NoReplica], int] | None = None,
                  on_phase: Callable[[int, str], None] | None = None,
-                 wait_report_after: float = 0.25, background_snapshot: bool = True) -> None:
+                 wait_report_after: float = 0.25, background_snapshot: bool = True,
+                 verify_replicas: bool = True, verify_every: int = 0, stateless_data: bool = False) -> None:
         if not objects:
             raise ConfigError("ResilientTrainer needs the objects that make up the training state")
         if JOB_ENTRY in objects:
             raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
                               "rename that object")
+        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
+            raise ConfigError(f"verify_every must be an int >= 0 (0: no periodic check), got {verify_every!r}")
+        if not stateless_data and not _has_data_position(objects):
+            raise ConfigError(
+                f"no data position among the objects {sorted(objects)}: a spare that takes a rank would read "
+                "its data from the start, training silently on other batches than the rank it replaces. "
+                "Register the position (training_state(model, opt, data=position), any object with "
+                "state_dict/load_state_dict), or pass stateless_data=True if every batch is a function of "
+                "rt.step and rt.rank")
+        self.verify_replicas = verify_replicas
+        self.verify_every = verify_every
+        self._check: tuple[str, PendingDigest | StateDigest] | None = None
+        """A cross-replica comparison due at the next all-reduce of gradients: (when, digest)."""
+        self._verify_live: StateSnapshot | None = None
+        """A checksummed commit whose parameters and optimizer state must still equal the live ones at
+        the next all-reduce of gradients (catches writes torch does not see, e.g. through ``.data``)."""
+        self._replica_groups: tuple[tuple[int, ...], ...] = ()
         self._job = _JobState()
         self.objects: dict[str, Stateful] = {**objects, JOB_ENTRY: self._job}
         self.on_resize = on_resize
@@ -409,8 +471,6 @@ class ResilientTrainer:
         """The key :attr:`_late` was computed for (see :meth:`_update_late`)."""
         self._optimizers: list[Any] | None = None
         self._unchanged: frozenset[int] = frozenset()
-        self._live_dirty = False
-        """A fetch wrote into the live tensors (outside torch, no version bump) since the last capture."""
         self._pool: list[StateSnapshot] = []
         """Snapshot buffers nothing refers to (a spare's, allocated while it waits): reused by commits."""
         self._owner = threading.get_ident()
@@ -446,6 +506,10 @@ class ResilientTrainer:
         self._newest_view = -1
         self._fenced = ""
         self._agent_lost = ""
+        self._stopped = ""
+        """Why the agreed view stopped the job (no spare, no shrink), if it did."""
+        self._finished: int | None = None
+        """The step at which the job's trainers finished, once the agent heard of it."""
         self._pending: _Pending | None = None
         self._failure_events: list[float] = []
         self._last_view_at: float | None = None
@@ -496,8 +560,11 @@ class ResilientTrainer:
         self._events = threading.Thread(target=self._follow_events, name="gossiprec-events", daemon=True)
         self._events.start()
         self.role = str(me["role"])
+        if view.get("stopped"):
+            raise JobStopped(f"the job stopped in view {view['epoch']} ({view['stopped']})")
         if self.role == "trainer" and int(view["epoch"]) == 0:
             self.rank, self.world_size, self.epoch = int(me["rank"]), self._world_of(view), 0
+            self._replica_groups = _groups_of(view.get("replica_groups"), self.world_size)
             self._job.world_size = self.world_size
             self._commit_snapshot(0)
             rank0 = next(m["node"] for m in view["members"] if m["role"] == "trainer" and m["rank"] == 0)
@@ -505,6 +572,7 @@ class ResilientTrainer:
                                       poll_interval=self.poll_interval)
             try:
                 self.groups.build(0, self.rank, self.world_size)
+                self._expect_replicas("at the start", 0)
             except CollectiveAborted as exc:
                 self._recover(f"epoch 0 group failed: {exc}")
         else:
@@ -514,12 +582,25 @@ class ResilientTrainer:
             self.epoch = int(view["epoch"]) - 1
             self.groups = EpochGroups(self._store_server, backend=self.backend, timeout=self.timeout,
                                       poll_interval=self.poll_interval)
+            self._materialize_optimizers()
             # a hot spare maps the memory of its two future snapshots now: its first commits after
             # taking a rank then copy into warm buffers instead of page-faulting on the critical path
             self._pool = [capture_deferred(self.objects, step=0, checksum=False)[0] for _ in range(2)]
             self._report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
+
+    def _materialize_optimizers(self) -> None:
+        """A spare allocates its optimizers' state now (torch makes it at the first step), so that state
+        arrives in memory already mapped; a receiver without it still gets it (see ReceiveTarget)."""
+        import torch
+
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.optim.Optimizer):
+                try:
+                    materialize_optimizer_state(obj)
+                except Exception as exc:  # the optimizer's own step: any error; the state then arrives anyway
+                    log.debug("could not allocate the state of optimizer %r in advance: %s", name, exc)
 
     @staticmethod
     def _world_of(view: Mapping[str, Any]) -> int:
@@ -586,12 +667,17 @@ class ResilientTrainer:
         self._settle_snapshot()  # the optimizer step comes next: the last commit's copies must be done
         if self.background_snapshot:
             self._update_late(plist)
+        if (self._check is not None or self._verify_live is not None) and not self._run_checks():
+            return False
         self._report(self.step + 1, "optimizer")
         self._hook(self.step + 1, "optimizer")
         return True
 
     def allreduce(self, tensor: torch.Tensor, op: str = "sum") -> bool:
         """All-reduce ``tensor`` in place on the current group; False (after recovering) if interrupted."""
+        return self._collective(tensor, op, hook=True)
+
+    def _collective(self, tensor: torch.Tensor, op: str, hook: bool) -> bool:
         if self._trouble():
             self._recover("view change")
             return False
@@ -601,7 +687,8 @@ class ResilientTrainer:
             assert pending is not None
             self._copier.run_held()  # copies the thread has not begun, while the collective is on the wire
             step = self.step + 1
-            self._hook(step, "communicate")  # the collective is in flight
+            if hook:
+                self._hook(step, "communicate")  # the collective is in flight
             on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
             pending.wait(slow_after=self.wait_report_after, on_slow=on_slow)
             return True
@@ -616,7 +703,8 @@ class ResilientTrainer:
         two commits, so it includes data loading and anything else the loop does between steps.
         """
         step = self.step + 1
-        self._commit_snapshot(step)
+        verify = self.verify_replicas and (step == 1 or bool(self.verify_every) and step % self.verify_every == 0)
+        self._commit_snapshot(step, verify=verify)
         now = time.monotonic()
         if self._last_commit_at is not None:
             self._step_ms = int((now - self._last_commit_at) * 1000)
@@ -646,7 +734,8 @@ class ResilientTrainer:
             self._report(self.step, "idle")
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
-        """End of training: a last barrier (errors ignored), then stop following the agent.
+        """End of training: a last barrier (errors ignored), tell the agents the job is done (unused
+        spares then leave: their :meth:`start` raises :class:`JobFinished`), stop following the agent.
 
         ``exit_code``: end the process with ``os._exit`` (no interpreter teardown): a retired group
         hung in the graveyard would block ~30 s in its destructor otherwise.
@@ -657,6 +746,11 @@ class ResilientTrainer:
                 self.groups.current.barrier(timeout=min(self.timeout, 10.0))
             except GossiprecError:
                 pass
+        if self.rank >= 0:
+            try:
+                self.control.finished(self.step)
+            except ControlError as exc:
+                log.warning("could not tell the agent that training finished: %s", exc)
         self.close()
         if exit_code is not None:
             os._exit(exit_code)
@@ -674,22 +768,26 @@ class ResilientTrainer:
             page.close()
 
     # ------------------------------------------------------------------ commit and serve
-    def _commit_snapshot(self, step: int) -> None:
+    def _commit_snapshot(self, step: int, verify: bool = False) -> None:
         """Capture the objects as step ``step``, into the older snapshot's buffers.
 
         The tensors in :attr:`_late` (parameters handed to :meth:`allreduce_gradients` and optimizer
         state: only ``optimizer.step()`` changes them) are copied by a background thread, which the next
         :meth:`allreduce_gradients` waits for before it returns, i.e. before the next optimizer step.
         Everything else (buffers a forward pass updates, RNG, data position) is copied here.
+        ``verify``: copy everything here with checksums, and compare the state across replicas (and
+        with the live tensors, see :attr:`_verify_live`) at the next all-reduce of gradients.
         """
         self._settle_snapshot()
         if len(self._snapshots) >= 2:
             reuse: StateSnapshot | None = self._snapshots[0]
         else:
             reuse = self._pool.pop() if self._pool else None
-        snap, deferred = capture_deferred(self.objects, step=step, copy=True, checksum=False, reuse=reuse,
-                                          defer=self._late)
-        self._live_dirty = False
+        snap, deferred = capture_deferred(self.objects, step=step, copy=True, checksum=verify, reuse=reuse,
+                                          defer=() if verify else self._late)
+        if verify:
+            self._check = (f"after step {step}", digest_of_snapshot(snap))
+            self._verify_live = snap if self.background_snapshot else None
         with self._lock:
             self._snapshots = [*self._snapshots[-1:], snap]
         if deferred.pairs:
@@ -707,6 +805,70 @@ class ResilientTrainer:
             self.control.set_state(step, None, snap.header.total_nbytes, port, wait=False)
         except ControlError as exc:
             self._agent_lost = str(exc)
+
+    # ------------------------------------------------------------------ replica checks
+    def _expect_replicas(self, when: str, step: int) -> None:
+        """Compare the live state (as of now, at ``step``) across replica groups at the next all-reduce
+        of gradients; the tensors only the optimizer step changes are hashed on a thread meanwhile."""
+        self._verify_live = None
+        if not self.verify_replicas:
+            self._check = None
+            return
+        import torch
+
+        params = [p for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)
+                  for g in o.param_groups for p in g["params"]]
+        self._check = (when, PendingDigest(self.objects, step, late=self._late_tensors(params)))
+
+    def _run_checks(self) -> bool:
+        """Run the checks due at this all-reduce; False when a collective was interrupted (recovered)."""
+        live, self._verify_live = self._verify_live, None
+        if live is not None:
+            self._check_live(live)
+        check = self._check
+        if check is None:
+            return True
+        when, digest = check
+        result = digest.result() if isinstance(digest, PendingDigest) else digest
+        rows = rows_tensor(result.summary(), self.rank, self.world_size)
+        if not self._collective(rows, "sum", hook=False):
+            return False
+        differ = differing_groups(rows, self._replica_groups)
+        if differ:
+            layouts = [g for g in differ if len({tuple(rows[r, :2].tolist()) for r in g}) > 1]
+            if layouts:
+                raise ReplicaMismatch(
+                    f"replicas hold differently shaped state at step {result.step} ({when}): ranks of "
+                    f"replica group(s) {[list(g) for g in layouts]} hold {sorted({int(rows[r, 0]) for g in layouts for r in g})} "
+                    "entries or differently named ones; every replica must register the same objects",
+                    step=result.step, entries=(), ranks=tuple(r for g in layouts for r in g))
+            full = rows_tensor(result.values, self.rank, self.world_size)
+            if not self._collective(full, "sum", hook=False):
+                return False
+            raise describe(result, full, differ, when)
+        self._check = None
+        return True
+
+    def _check_live(self, snap: StateSnapshot) -> None:
+        """The parameters and optimizer state must still hold the bytes ``snap`` checksummed at commit."""
+        import zlib
+
+        from gossiprec.trainer.state import _walk_objects
+
+        _, found = _walk_objects(self.objects)
+        late = self._late
+        changed = [spec.name for spec, (name, t) in zip(snap.header.tensors, found, strict=False)
+                   if spec.name == name and t.data_ptr() in late and t.is_cpu and t.is_contiguous()
+                   and zlib.crc32(tensor_bytes(t)) != spec.crc32]
+        if changed:
+            self._late = frozenset()
+            self.background_snapshot = False
+            raise RecoveryError(
+                f"{len(changed)} tensor(s) changed between commit() of step {snap.step} and the next "
+                f"allreduce_gradients() without torch seeing it ({', '.join(changed[:3])}): a write through "
+                ".data or another alias of the memory. With background_snapshot=True only the optimizer "
+                "step may change parameters and optimizer state; move such writes after "
+                "allreduce_gradients() or pass background_snapshot=False to ResilientTrainer")
 
     def _snapshot_at(self, step: int) -> StateSnapshot | None:
         self._settle_snapshot(main=threading.get_ident() == self._owner)
@@ -812,6 +974,8 @@ class ResilientTrainer:
                 if epoch > self._newest_view:
                     self._newest_view = epoch
                     self._last_view_at = float(ev.get("at", now))
+                if ev.get("stopped"):
+                    self._stopped = str(ev["stopped"])
                 self._lock.notify_all()
             self._abort_older_than(epoch, f"view {epoch} installed")
         elif kind == "PlanReady":
@@ -823,6 +987,10 @@ class ResilientTrainer:
                     self._newest_view = max(self._newest_view, int(plan["epoch"]))
                     self._lock.notify_all()
                 self._prepare_donation(plan)
+        elif kind == "JobFinished":
+            with self._lock:
+                self._finished = int(ev.get("step", -1))
+                self._lock.notify_all()
         elif kind == "Fenced":
             with self._lock:
                 self._fenced = str(ev.get("reason", "fenced"))
@@ -880,6 +1048,12 @@ class ResilientTrainer:
                 if self._fenced:
                     raise FencedError(f"this node was fenced ({self._fenced}): it is on the minority side "
                                       "or was removed; the trainer must stop")
+                if self._finished is not None:
+                    raise JobFinished(f"the job finished at step {self._finished}; this {self.role} is no "
+                                      "longer needed")
+                if self._stopped:
+                    raise JobStopped(f"the agreed view stops the job ({self._stopped}); restart it from your "
+                                     "checkpoint with more spares, or set allow_shrink = true in the job spec")
                 newest = max(self._plans, default=-1)
                 if newest > self.epoch and newest >= self._newest_view:
                     return self._plans[newest]
@@ -895,6 +1069,8 @@ class ResilientTrainer:
                 view = st.get("view") or {}
                 with self._lock:
                     self._newest_view = max(self._newest_view, int(view.get("epoch", -1)))
+                    if view.get("stopped") and int(view.get("epoch", -1)) > self.epoch:
+                        self._stopped = str(view["stopped"])
                     if plan and int(plan["epoch"]) not in self._plans:
                         assignment = plan.get("assignment", {})
                         plan = dict(plan, assignment=[[int(r), n] for r, n in assignment.items()],
@@ -903,12 +1079,15 @@ class ResilientTrainer:
 
     def _recover(self, cause: str, spare: bool = False) -> None:
         """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
-        pending = self._pending or _Pending(cause, time.monotonic())
+        pending = self._pending or self._record_open or _Pending(cause, time.monotonic())
+        if pending is self._record_open:  # the last recovery's first step never completed: still that one
+            pending.attempts.append((self.epoch, self.step, f"superseded before its first step ({cause})"))
+            self._record_open = None
         self._pending = pending
         self._settle_snapshot()  # before anything (a fetch, a checkpoint load) writes into the live tensors
         # parameters and optimizer state only the optimizer step changes: a reload may skip those whose
-        # version counter did not move since the snapshot (unless a fetch wrote bytes behind torch's back)
-        self._unchanged = frozenset() if self._live_dirty else self._late
+        # version counter did not move since the snapshot (fetches and reloads bump what they write)
+        self._unchanged = self._late
         self._late = frozenset()  # fetches and reloads may move tensors: the next commit copies all
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
         self._report(self.step, "recovering")
@@ -921,13 +1100,19 @@ class ResilientTrainer:
             try:
                 if self._apply_plan(plan, pending):
                     return
-            except (FencedError, Released, JobStopped):
+            except (FencedError, Released, JobStopped, JobFinished):
                 raise
+            except LayoutMismatch as exc:
+                # no later plan can fix this process's objects: leave, so that the agents replace it
+                raise LayoutMismatch(f"this process cannot take part in the recovery of epoch {plan['epoch']}: "
+                                     f"{exc}; it exits so that the others go on with another spare") from exc
             except (CollectiveAborted, GossiprecError, OSError) as exc:
                 # Snapshots are copies, so a failed fetch spoils only the live tensors: whatever this
                 # rank committed can still be reloaded or served under the next plan.
                 log.warning("recovery with the plan of epoch %s failed (%s); waiting for the next plan",
                             plan["epoch"], exc)
+                pending.attempts.append((int(plan["epoch"]), int(pending.fields.get("target_step", -1)),
+                                         f"{type(exc).__name__}: {exc}"[:300]))
                 self.epoch = max(self.epoch, int(plan["epoch"]))
                 continue
 
@@ -978,7 +1163,6 @@ class ResilientTrainer:
             self._report(target, "recovering")
             if mine:
                 pending.fields["role"] = "receiver"
-                self._live_dirty, self._unchanged = True, frozenset()  # bytes land behind torch's back
                 stats = self._fetch(mine, target, epoch)
                 nbytes, xfer_s = stats.nbytes, stats.seconds
                 self._commit_snapshot(target)  # complete and authenticated: this rank can donate it now
@@ -1019,6 +1203,8 @@ class ResilientTrainer:
         if old_world and old_world != world and self.on_resize is not None:
             self.on_resize(old_world, world)
         self._job.world_size = world
+        self._replica_groups = _groups_of(plan.get("replica_groups"), world)
+        self._expect_replicas(f"after the recovery into epoch {epoch}", target)
         self._record_open, self._pending = pending, None
         self._last_recovered_at = time.monotonic()
         log.info("recovered into epoch %d as rank %d/%d at step %d (%s, %s)", epoch, my_rank, world, target,
@@ -1083,7 +1269,7 @@ class ResilientTrainer:
                              first_step_at=time.monotonic(), bytes_received=f["bytes_received"],
                              transfer_s=f["transfer_s"], action=f.get("action", "resume"),
                              previous_world_size=f.get("previous_world_size", 0),
-                             previous_role=f.get("previous_role", "trainer"))
+                             previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts))
         self.records.append(rec)
         if self.on_recovered is not None:
             self.on_recovered(rec)

@@ -655,6 +655,12 @@ class ReceiveTarget:
     model parameters and optimizer state); anything else gets a CPU staging tensor of the same
     dtype and shape (pinned when ``pin_memory`` and CUDA is available) that ``load_state_dict``
     copies from in :meth:`BoundTarget.apply`.
+
+    Optimizer state is created lazily by torch (at the first ``step()``), so a receiver's optimizer
+    may hold none while the donor's holds some, or the other way round (a donor at step 0). Tensors of
+    an optimizer object that only the donor has get a fresh tensor to land in, and local ones the donor
+    lacks are dropped by ``load_state_dict``; any other difference (the model, a shape, a dtype) is a
+    :class:`LayoutMismatch`.
     """
 
     def __init__(self, objects: Mapping[str, Stateful], *, pin_memory: bool = False) -> None:
@@ -662,7 +668,7 @@ class ReceiveTarget:
 
         self.objects: dict[str, Stateful] = dict(objects)
         _, found = _walk_objects(self.objects)
-        pin = pin_memory and torch.cuda.is_available()
+        self._pin = pin_memory and torch.cuda.is_available()
         self._dest: dict[str, torch.Tensor] = {}
         for name, t in found:
             if name in self._dest:
@@ -671,15 +677,22 @@ class ReceiveTarget:
             if t.device.type == "cpu" and t.is_contiguous() and t.layout == torch.strided:
                 self._dest[name] = t
             else:
-                self._dest[name] = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pin)
+                self._dest[name] = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=self._pin)
+        self._lazy = frozenset(n for n, o in self.objects.items() if isinstance(o, torch.optim.Optimizer))
+        """Objects whose state torch creates lazily (optimizers): see the class docstring."""
         self.total_nbytes = sum(t.numel() * t.element_size() for t in self._dest.values())
 
     def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
         """Local tensors: name -> (dtype name, shape)."""
         return {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in self._dest.items()}
 
+    def _lazy_tensor(self, name: str) -> bool:
+        return name.split("/", 1)[0] in self._lazy
+
     def bind(self, header: StateHeader) -> BoundTarget:
         """Match ``header`` against the local layout; :class:`LayoutMismatch` lists what differs."""
+        import torch
+
         problems: list[str] = []
         missing_objects = set(self.objects) ^ set(header.trees)
         if missing_objects:
@@ -690,7 +703,9 @@ class ReceiveTarget:
         dests: list[torch.Tensor] = []
         for spec in header.tensors:
             have = local.get(spec.name)
-            if have is None:
+            if have is None and self._lazy_tensor(spec.name) and not problems:
+                dests.append(torch.empty(spec.shape, dtype=_dtype(spec.dtype), pin_memory=self._pin))
+            elif have is None:
                 problems.append(f"donor tensor {spec.name} {spec.dtype}{list(spec.shape)} has no local "
                                 "counterpart")
             elif have != (spec.dtype, spec.shape):
@@ -699,16 +714,13 @@ class ReceiveTarget:
             else:
                 dests.append(self._dest[spec.name])
         for name in local:
-            if name not in remote_names:
+            if name not in remote_names and not self._lazy_tensor(name):
                 problems.append(f"local tensor {name} is not in the donor's state")
         if problems:
-            hint = ""
-            if any("optimizer/" in p for p in problems):
-                hint = (" (a hot spare must build the same model and optimizer and allocate optimizer "
-                        "state first, see materialize_optimizer_state)")
             shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
             raise LayoutMismatch(f"refusing the donor's state at step {header.step}: its layout differs "
-                                 f"from this process's: {shown}{hint}")
+                                 f"from this process's: {shown} (a hot spare must build the same model, "
+                                 "optimizer and other objects as the trainers)")
         return BoundTarget(self, header, tuple(dests))
 
 
@@ -723,7 +735,12 @@ class BoundTarget:
         self._views: list[memoryview] | None = None
 
     def views(self) -> list[memoryview]:
-        """Writable zero-copy byte views of the destinations, in header order (cached)."""
+        """Writable zero-copy byte views of the destinations, in header order, for a writer outside
+        torch (a fetch). Every destination counts as modified from here on (see :func:`mark_written`)."""
+        mark_written(self.tensors)
+        return self._raw_views()
+
+    def _raw_views(self) -> list[memoryview]:
         if self._views is None:
             self._views = [tensor_bytes(t) for t in self.tensors]
         return self._views
@@ -741,7 +758,10 @@ class BoundTarget:
             pieces = [memoryview(p).cast("B") for p in payload]
             if [len(p) for p in pieces] != [s.nbytes for s in self.header.tensors]:
                 raise TransferError("payload views do not match the header's tensors (count or sizes)")
-        for i, (piece, view) in enumerate(zip(pieces, self.views(), strict=True)):
+        views = self._raw_views()
+        written = [t for i, t in enumerate(self.tensors) if i not in skip]
+        mark_written(written)
+        for i, (piece, view) in enumerate(zip(pieces, views, strict=True)):
             if i not in skip:
                 view[:] = piece
 
@@ -749,7 +769,7 @@ class BoundTarget:
         """Check every tensor's crc32 against the header (no-op for ``checksum='none'``)."""
         if self.header.checksum == "none":
             return
-        bad = [spec.name for spec, view in zip(self.header.tensors, self.views(), strict=True)
+        bad = [spec.name for spec, view in zip(self.header.tensors, self._raw_views(), strict=True)
                if zlib.crc32(view) != spec.crc32]
         if bad:
             raise ChecksumMismatch(f"{len(bad)} tensor(s) of the step-{self.header.step} state fail their "
@@ -762,6 +782,17 @@ class BoundTarget:
             self.target.objects[name].load_state_dict(_decode(tree, self.tensors))
 
 
+def mark_written(tensors: Sequence[torch.Tensor]) -> None:
+    """Bump the in-place version counters of ``tensors``, whose bytes are (about to be) written outside
+    torch, through memoryviews. A restore may skip a tensor whose version still equals a snapshot's
+    record of it (:func:`restore_state`); without the bump, bytes written behind torch's back (a fetch,
+    an earlier restore) would pass for the snapshot's."""
+    if tensors:
+        from torch.autograd.graph import increment_version
+
+        increment_version(list(tensors))
+
+
 def prepare_receive(objects: Mapping[str, Stateful], *, pin_memory: bool = False) -> ReceiveTarget:
     """Shorthand for :class:`ReceiveTarget`."""
     return ReceiveTarget(objects, pin_memory=pin_memory)
@@ -771,10 +802,12 @@ def restore_state(objects: Mapping[str, Stateful], snapshot: StateSnapshot | tup
                   unchanged: Container[int] = ()) -> int:
     """Load a snapshot (or ``(packed header, payload)``) into ``objects`` in memory, verifying it.
 
-    ``unchanged``: ``data_ptr()`` s of live tensors the caller knows were written only through torch
-    since the snapshot was captured (nothing wrote their bytes directly, e.g. a fetch). Such a tensor
+    ``unchanged``: ``data_ptr()`` s of live tensors that only tracked in-place operations may have changed
+    since the snapshot was captured (the caller's promise; a ``.data`` write breaks it). Such a tensor
     whose pointer and in-place version counter still equal the snapshot's record of its source holds
-    the snapshot's bytes already, and is not copied. Returns the number of bytes copied.
+    the snapshot's bytes already, and is not copied. Restores and fetches write through memoryviews
+    and bump the counters of what they write (:func:`mark_written`), so several restores in a row are
+    safe. Returns the number of bytes copied.
     """
     if isinstance(snapshot, StateSnapshot):
         header, payload = snapshot.header, snapshot.views()

@@ -299,6 +299,10 @@ def seal_state(snapshot: StateSnapshot, key: bytes, *, chunk_size: int = DEFAULT
     return SealedState(snapshot, seal.salt, chunk_size, seal.chunks, tags)
 
 
+_WHOLE = 2**62
+"""End of the one stripe of a single donor asked for everything it holds."""
+
+
 def _check_stripes(stripes: Sequence[tuple[int, int]], total: int, n: int) -> None:
     if len(stripes) != n:
         raise ConfigError(f"{len(stripes)} stripes for {n} donors; give one (start, end) per donor")
@@ -498,7 +502,7 @@ class DonorServer:
                            f"{req.step}")
             else:
                 sealed = self._sealed(served)
-                if req.end > sealed.snapshot.header.total_nbytes:
+                if req.end > sealed.snapshot.header.total_nbytes and req.end != _WHOLE:
                     refusal = (f"range [{req.start}, {req.end}) beyond the state's "
                                f"{sealed.snapshot.header.total_nbytes} bytes")
         except GossiprecError as exc:
@@ -556,8 +560,10 @@ def _shutdown(sock: socket.socket) -> None:
 class _Fetch:
     """Shared state of one fetch: first error wins, then every connection is cut."""
 
-    def __init__(self, target: ReceiveTarget) -> None:
+    def __init__(self, target: ReceiveTarget, total: int | None) -> None:
         self.target = target
+        self.total = total
+        """The payload size the stripes cover (None: whatever the donor's header says)."""
         self.cond = threading.Condition()
         self.error: BaseException | None = None
         self.finished: dict[int, DonorStats] = {}
@@ -576,6 +582,10 @@ class _Fetch:
     def bind(self, header: StateHeader, chunk_size: int, donor: str) -> BoundTarget:
         with self.cond:
             if self.bound is None:
+                if self.total is not None and header.total_nbytes != self.total:
+                    raise TransferError(f"donor {donor} serves {header.total_nbytes} bytes of state for step "
+                                        f"{header.step}, but the stripes asked for cover {self.total}: the "
+                                        "donors' states differ in size; fetch from one donor instead")
                 self.bound = self.target.bind(header)
                 self.chunk_size = chunk_size
                 self.bound_by = donor
@@ -632,14 +642,20 @@ def fetch_state(donors: Sequence[Address], key: bytes, target: ReceiveTarget, *,
     _check_key(key)
     if not donors:
         raise ConfigError("fetch_state needs at least one donor")
-    total = target.total_nbytes
-    stripes = list(stripes) if stripes is not None else even_stripes(total, len(donors))
-    _check_stripes(stripes, total, len(donors))
+    if stripes is not None:  # the donors' byte space: the plan knows their size, this process may not
+        stripes = list(stripes)
+        total: int | None = max((end for _, end in stripes), default=0)
+        _check_stripes(stripes, total, len(donors))
+    elif len(donors) == 1:
+        stripes, total = [(0, _WHOLE)], None  # all of it, whatever its size
+    else:
+        total = target.total_nbytes
+        stripes = even_stripes(total, len(donors))
     jobs = [(i, d, s) for i, (d, s) in enumerate(zip(donors, stripes, strict=True)) if s[1] > s[0]]
     if not jobs:  # nothing to stream; still need a header (the non-tensor state) from one donor
         jobs = [(0, donors[0], stripes[0])]
     tid = os.urandom(ID_SIZE)
-    fetch = _Fetch(target)
+    fetch = _Fetch(target, total)
     t0 = time.monotonic()
     deadline = t0 + timeout
     threads = [threading.Thread(target=_receive_stripe, name=f"gossiprec-fetch-{d[0]}:{d[1]}", daemon=True,
