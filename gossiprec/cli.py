@@ -13,9 +13,11 @@ from gossiprec.errors import GossiprecError
 # Which module registers each sub-command (its ``add_cli(subparsers)``), imported lazily: ``gossiprec
 # agent`` / ``run`` (long-lived, one per node) import only their own module, not the simulator, the
 # benchmarks and the demo (~2 MB of RSS less per agent), and ``gossiprec sim`` does not pay for torch.
-_OWNER: dict[str, str] = {"sim": "gossiprec.sim.cli", "keys": "gossiprec.io.keyring", "agent": "gossiprec.io.agent",
-                          "run": "gossiprec.io.launcher", "demo": "gossiprec.demo", "members": "gossiprec.io.ops",
-                          "status": "gossiprec.io.ops", "bench": "gossiprec.bench"}
+_OWNER: dict[str, str] = {
+    "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keyring", "agent": "gossiprec.agent.daemon",
+    "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
+    "status": "gossiprec.agent.ops", "bench": "gossiprec.bench",
+}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

@@ -440,7 +440,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 def _pid_alive(pid: int) -> bool:
     """Running: not gone, not a zombie (exited, not yet reaped), not exiting."""
-    from gossiprec.io.bell import exiting
+    from gossiprec.local.bell import exiting
 
     return not exiting(pid)
 
@@ -483,7 +483,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     trainer may exit with an error without failing the run. Once the job is done, every process
     left must end by itself: ``exits`` holds each launcher's exit code (None: still running 10 s later).
     """
-    from gossiprec.io.keyring import Keyring, decode_key, generate_key
+    from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
     def say(msg: str) -> None:
         if log is not None:

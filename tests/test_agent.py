@@ -19,10 +19,10 @@ import pytest
 from gossiprec.core.membership import MemberFailed, MemberJoined, MemberLeft
 from gossiprec.core.wire import Alive, encode_packet
 from gossiprec.errors import ConfigError
-from gossiprec.io.agent import Agent, AgentLeaving, build_machine
-from gossiprec.io.crypto import Sealer
-from gossiprec.io.keyring import Keyring
-from gossiprec.settings import (
+from gossiprec.agent.daemon import Agent, AgentLeaving, build_machine
+from gossiprec.security.crypto import Sealer
+from gossiprec.security.keyring import Keyring
+from gossiprec.agent.settings import (
     DEFAULT_PORT, AgentSettings, add_agent_arguments, load_settings, settings_from_args, split_host_port,
 )
 
@@ -314,7 +314,7 @@ def test_protocol_table_sets_agreement_fields_too(tmp_path: Path) -> None:
     # the agent's machine (joining without a job spec here) runs with exactly these parameters
     import random
 
-    from gossiprec.io.agent import node_factory
+    from gossiprec.agent.daemon import node_factory
 
     machine = node_factory(s)(s.protocol_config(), "n1", "127.0.0.1:1", incarnation=1, role="spare", now=0.0,
                               rng=random.Random(1), seeds=())

@@ -17,12 +17,12 @@ import msgpack
 import pytest
 
 from gossiprec.errors import ConfigError
-from gossiprec.io.agent import Agent, build_machine
-from gossiprec.io.control import (
+from gossiprec.agent.daemon import Agent, build_machine
+from gossiprec.local.control import (
     MAX_REQUEST_FRAME, AsyncControlClient, ControlClient, ControlError, bind_unix_socket, encode_frame,
     event_to_dict,
 )
-from gossiprec.settings import AgentSettings, control_path_from_env
+from gossiprec.agent.settings import AgentSettings, control_path_from_env
 
 FAST = (("suspicion_floor", 0.5),)
 

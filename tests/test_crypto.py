@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossiprec.errors import ConfigError, SecurityError
-from gossiprec.io.crypto import (
+from gossiprec.security.crypto import (
     HEADER_SIZE,
     MAX_COUNTER,
     OVERHEAD,
@@ -27,7 +27,7 @@ from gossiprec.io.crypto import (
     SealError,
     StreamSealer,
 )
-from gossiprec.io.keyring import Keyring, key_id
+from gossiprec.security.keyring import Keyring, key_id
 
 OLD = bytes(range(32))
 NEW = bytes(range(100, 132))

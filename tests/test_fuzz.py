@@ -12,7 +12,7 @@ requests); at 100,000 examples it would be far too slow.
 
 Allowed outcomes: :class:`~gossiprec.errors.DecodeError` from the decoder,
 :class:`~gossiprec.errors.ProtocolError` from :meth:`View.from_wire` (the node counts ``rx_bad_view``),
-:class:`~gossiprec.io.crypto.OpenError` with a reason of :data:`~gossiprec.io.crypto.REASONS` from the
+:class:`~gossiprec.security.crypto.OpenError` with a reason of :data:`~gossiprec.security.crypto.REASONS` from the
 openers, a well-formed reply (or error reply) from the control server. Views that ``View.from_wire``
 is refused cheaply whatever its values (epoch, world sizes). A
 failure names the seed and the input's index: ``GOSSIPREC_FUZZ_SEED=S`` replays the run.
@@ -41,14 +41,14 @@ from gossiprec.core.node import Node
 from gossiprec.core.view import View
 from gossiprec.core.wire import PHASES, Message, decode_packet, encode_packet
 from gossiprec.errors import DecodeError, ProtocolError
-from gossiprec.io.agent import Agent
-from gossiprec.io.control import (
+from gossiprec.agent.daemon import Agent
+from gossiprec.local.control import (
     CONTROL_VERSION, DISCONNECTING, AsyncControlClient, ControlServer, encode_frame,
 )
-from gossiprec.io.crypto import REASONS, CryptoLimits, Opener, OpenError, Sealer
-from gossiprec.io.keyring import Keyring, key_id
-from gossiprec.jobspec import view0_from_dict
-from gossiprec.settings import AgentSettings
+from gossiprec.security.crypto import REASONS, CryptoLimits, Opener, OpenError, Sealer
+from gossiprec.security.keyring import Keyring, key_id
+from gossiprec.agent.jobspec import view0_from_dict
+from gossiprec.agent.settings import AgentSettings
 
 SEED = int(os.environ.get("GOSSIPREC_FUZZ_SEED", "4242"))
 N = int(os.environ.get("GOSSIPREC_FUZZ_N", "100000"))
@@ -719,7 +719,7 @@ class Records(logging.Handler):
 
 @pytest.fixture
 def control_log() -> Iterator[Records]:
-    logger = logging.getLogger("gossiprec.io.control")
+    logger = logging.getLogger("gossiprec.local.control")
     h = Records()
     old = logger.level
     logger.addHandler(h)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gossiprec.errors import SecurityError
-from gossiprec.io.keyring import (
+from gossiprec.security.keyring import (
     KEY_SIZE,
     Keyring,
     KeyringError,

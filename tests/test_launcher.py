@@ -20,13 +20,13 @@ from typing import Any, Iterator
 import pytest
 
 from gossiprec.core.membership import MemberFailed, MemberLeft
-from gossiprec.io import agent as agent_mod
-from gossiprec.io import launcher as launcher_mod
-from gossiprec.io.agent import Agent
-from gossiprec.io.control import ControlClient
+from gossiprec.agent import daemon as agent_mod
+from gossiprec.agent import launcher as launcher_mod
+from gossiprec.agent.daemon import Agent
+from gossiprec.local.control import ControlClient
 from gossiprec.errors import ConfigError
-from gossiprec.io.launcher import Launcher, child_environment, describe_exit, exit_code_of
-from gossiprec.settings import AgentSettings
+from gossiprec.agent.launcher import Launcher, child_environment, describe_exit, exit_code_of
+from gossiprec.agent.settings import AgentSettings
 
 FAST = (("suspicion_floor", 0.5),)
 PY = sys.executable
@@ -212,7 +212,7 @@ def wait_started(proc: subprocess.Popen[bytes], timeout: float = 15) -> dict[str
 
 
 def agent_cmd(sockdir: str, name: str, *extra: str) -> list[str]:
-    return [PY, "-m", "gossiprec.io.agent", "--insecure", "--bind", "127.0.0.1", "--port", "0",
+    return [PY, "-m", "gossiprec.agent.daemon", "--insecure", "--bind", "127.0.0.1", "--port", "0",
             "--name", name, "--control-socket", f"{sockdir}/{name}.sock", "--log-format", "json",
             "--protocol", "suspicion_floor=0.5", *extra]
 
@@ -261,7 +261,7 @@ CHILD_TRAP = ("import signal, sys, time\n"
                                                   128 + signal.SIGTERM)])
 def test_run_process_forwards_sigterm_and_exits_like_the_child(sockdir: str, child: str,
                                                                 expected: int) -> None:
-    cmd = [PY, "-m", "gossiprec.io.launcher", "--insecure", "--bind", "127.0.0.1", "--port", "0",
+    cmd = [PY, "-m", "gossiprec.agent.launcher", "--insecure", "--bind", "127.0.0.1", "--port", "0",
            "--control-socket", f"{sockdir}/l.sock", "--log-level", "warning", "--", PY, "-c", child]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

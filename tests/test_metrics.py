@@ -19,9 +19,9 @@ from gossiprec.bench.agents import free_ports, job_spec
 from gossiprec.core.membership import MemberAlive, MemberFailed, ProbeResult
 from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
 from gossiprec.errors import ConfigError
-from gossiprec.io.agent import Agent
-from gossiprec.io.metrics import AgentMetrics, require_prometheus
-from gossiprec.settings import AgentSettings
+from gossiprec.agent.daemon import Agent
+from gossiprec.agent.metrics import AgentMetrics, require_prometheus
+from gossiprec.agent.settings import AgentSettings
 
 pytest.importorskip("prometheus_client")
 

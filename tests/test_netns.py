@@ -1,7 +1,7 @@
 """Five real agent processes on five "hosts" (network namespaces on one bridge, 10.77.0.11-15), with
 packet faults from iptables: a 3/2 partition and its healing, 10% random loss, one-way loss.
 
-Each test builds its own namespace cluster (gossiprec.io.netns.NetnsCluster) and starts the agents
+Each test builds its own namespace cluster (tests.support.netns.NetnsCluster) and starts the agents
 from one job spec (4 trainers + 1 hot spare, lan profile) and a generated keyring (sealed traffic, as
 in production). The test process talks to the agents over their Unix control sockets (the file system
 is shared across namespaces): one subscription per agent records every protocol event with the agent's
@@ -28,9 +28,9 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 
-from gossiprec.io.control import AsyncControlClient, ControlError
-from gossiprec.io.keyring import Keyring
-from gossiprec.io.netns import NetnsCluster, NetnsHost, netns_unavailable, reap_stale
+from gossiprec.local.control import AsyncControlClient, ControlError
+from gossiprec.security.keyring import Keyring
+from tests.support.netns import NetnsCluster, NetnsHost, netns_unavailable, reap_stale
 
 pytestmark = pytest.mark.netns
 

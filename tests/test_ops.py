@@ -16,12 +16,12 @@ from typing import AsyncIterator, Iterator
 import pytest
 
 from gossiprec.bench.agents import free_ports, job_spec
-from gossiprec.io.agent import Agent
-from gossiprec.io.control import ControlClient
-from gossiprec.io.ops import (
+from gossiprec.agent.daemon import Agent
+from gossiprec.local.control import ControlClient
+from gossiprec.agent.ops import (
     add_cli, cmd_members, cmd_status, format_members, member_rows, resolve_control_path,
 )
-from gossiprec.settings import AgentSettings, default_control_path
+from gossiprec.agent.settings import AgentSettings, default_control_path
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The progress page (gossiprec.io.progress): the record round trip, the seqlock and CRC refusing torn
+"""The progress page (gossiprec.local.progress): the record round trip, the seqlock and CRC refusing torn
 reads, refusing foreign files, and the agent taking a trainer's progress and state from it."""
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import pytest
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError
-from gossiprec.io import bell
-from gossiprec.io.agent import Agent
-from gossiprec.io.control import AsyncControlClient
-from gossiprec.io.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, VERSION, ProgressPage, page_path_for
-from gossiprec.settings import AgentSettings
+from gossiprec.local import bell
+from gossiprec.agent.daemon import Agent
+from gossiprec.local.control import AsyncControlClient
+from gossiprec.local.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, VERSION, ProgressPage, page_path_for
+from gossiprec.agent.settings import AgentSettings
 
 
 @pytest.fixture
@@ -137,7 +137,7 @@ async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
 # ---------------------------------------------------------------------- the exit bell
 _TRAINER = """
 import os, sys, time
-from gossiprec.io.progress import ProgressPage
+from gossiprec.local.progress import ProgressPage
 page = ProgressPage.open(sys.argv[1])
 print(page.arm_bell(), flush=True)
 page.report(1, 0, 10)

@@ -13,9 +13,9 @@ import pytest
 
 from gossiprec.core.node import AgreementConfig
 from gossiprec.demo import _timeline, run_demo
-from gossiprec.io.agent import Agent
-from gossiprec.io.control import AsyncControlClient, ControlError
-from gossiprec.settings import AgentSettings
+from gossiprec.agent.daemon import Agent
+from gossiprec.local.control import AsyncControlClient, ControlError
+from gossiprec.agent.settings import AgentSettings
 
 
 @pytest.fixture

@@ -29,11 +29,11 @@ from gossiprec.cli import main as cli_main
 from gossiprec.core.membership import MemberFailed, MemberLeft, MemberSuspected
 from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
 from gossiprec.core.wire import Ping, encode_packet
-from gossiprec.io.agent import Agent
-from gossiprec.io.control import AsyncControlClient
-from gossiprec.io.crypto import HEADER_SIZE, OVERHEAD, REASONS, CryptoLimits, Sealer
-from gossiprec.io.keyring import Keyring, key_id, key_id_hex
-from gossiprec.settings import AgentSettings
+from gossiprec.agent.daemon import Agent
+from gossiprec.local.control import AsyncControlClient
+from gossiprec.security.crypto import HEADER_SIZE, OVERHEAD, REASONS, CryptoLimits, Sealer
+from gossiprec.security.keyring import Keyring, key_id, key_id_hex
+from gossiprec.agent.settings import AgentSettings
 
 KEY_A = bytes(range(32))
 KEY_B = bytes(range(7, 39))
@@ -248,8 +248,8 @@ class Records(logging.Handler):
 
 @pytest.fixture
 def transport_log() -> Iterator[Records]:
-    """Records of gossiprec.io.transport, whatever handlers other tests configured."""
-    logger = logging.getLogger("gossiprec.io.transport")
+    """Records of gossiprec.agent.transport, whatever handlers other tests configured."""
+    logger = logging.getLogger("gossiprec.agent.transport")
     h = Records()
     logger.addHandler(h)
     old = logger.level

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.io.control import AsyncControlClient, ControlError
+from gossiprec.local.control import AsyncControlClient, ControlError
 
 MODES = ("exit", "kill")
 RESTORES = ("rejoin", "restart")
@@ -317,7 +317,7 @@ class LocalCluster:
     def start(self) -> None:
         spec = self.spec
         if spec.secure:
-            from gossiprec.io.keyring import Keyring
+            from gossiprec.security.keyring import Keyring
             self.keyring = self.dir / "keyring.json"
             if not self.keyring.exists():
                 Keyring([os.urandom(32)]).save(self.keyring)
@@ -604,7 +604,7 @@ def _cmd_agents(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gossiprec bench agents: error: {exc}", file=sys.stderr)
         return 2
-    from gossiprec.io.agent import run_async
+    from gossiprec.agent.daemon import run_async
     report = run_async(run_bench(spec, progress=None if args.quiet else sys.stderr))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

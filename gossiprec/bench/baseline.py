@@ -91,7 +91,7 @@ from gossiprec.bench.recovery import (
     LAYERS, WARMUP, RecoverySpec, TrialResult, _write_job, hidden_for_state, run_trial, state_params,
 )
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.io.launcher import THP_VAR
+from gossiprec.agent.launcher import THP_VAR
 
 OVERHEAD_TARGET = 0.01
 """The issue's target: gossiprec's step time <= (1 + this) x the plain loop's."""
@@ -484,7 +484,7 @@ def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
 def run_gossiprec_job(spec: BaselineSpec, name: str, tmp: Path, say: Callable[[str], None]) -> JobResult:
     """One failure-free gossiprec job: ``ranks`` recovery-bench trainers + 1 hot spare under agents."""
     from gossiprec.bench.agents import free_ports
-    from gossiprec.io.keyring import Keyring, decode_key, generate_key
+    from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
     tmp.mkdir(parents=True, exist_ok=True)
     res = JobResult(name, loadavg=[round(os.getloadavg()[0], 2)])

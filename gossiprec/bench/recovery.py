@@ -281,7 +281,7 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
     from gossiprec.bench.agents import free_ports
     from gossiprec.demo import _read_int, _timeline
-    from gossiprec.io.keyring import Keyring, decode_key, generate_key
+    from gossiprec.security.keyring import Keyring, decode_key, generate_key
     from gossiprec.trainer.transfer import loopback_tcp_baseline
 
     tmp.mkdir(parents=True, exist_ok=True)

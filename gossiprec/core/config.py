@@ -8,7 +8,7 @@ Every field documents its unit and, where it has one, the formula it feeds. Prof
 - ``sim``: ``lan`` (the simulator uses the production timings by default so that its figures are the
   figures users get).
 
-Nothing here reads the environment or files: that happens once, at the edge (``gossiprec.settings``).
+Nothing here reads the environment or files: that happens once, at the edge (``gossiprec.agent.settings``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ snapshot, so RNG and data position consumed by the interrupted step are undone).
 snapshots are kept, because the agent's state report of a new view can lag one commit behind the
 trainer; a donor serves whichever step the plan names. Every commit tells the agent its state
 (committed step, payload size) and every phase change its progress (step, phase, step time), by
-writing them into the agent's progress page (:mod:`gossiprec.io.progress`: shared memory, a few
+writing them into the agent's progress page (:mod:`gossiprec.local.progress`: shared memory, a few
 microseconds, no system call; the agent reads it when it handles a packet or a timer). Where the
 agent has no page, they go as non-blocking ``state`` and ``report`` messages on the control socket.
 
@@ -128,8 +128,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
-from gossiprec.io.control import ControlClient, ControlError
-from gossiprec.io.progress import ProgressPage
+from gossiprec.local.control import ControlClient, ControlError
+from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
 )
@@ -271,7 +271,7 @@ def transfer_key(cluster: str | None = None) -> bytes:
     """The 32-byte key state transfers are authenticated with (see the module docstring)."""
     path = os.environ.get("GOSSIPREC_KEYRING")
     if path:
-        from gossiprec.io.keyring import Keyring
+        from gossiprec.security.keyring import Keyring
 
         key = Keyring.load(path).primary
         if key is None:
@@ -520,7 +520,7 @@ class ResilientTrainer:
         self._step_ms = 0
         self._last_commit_at: float | None = None
         self._page: ProgressPage | None = None
-        """The agent's progress page (:mod:`gossiprec.io.progress`): reports and state go there, without
+        """The agent's progress page (:mod:`gossiprec.local.progress`): reports and state go there, without
         a system call or a wake-up of the agent; None: they go through the control socket."""
         self._stores: dict[tuple[str, int], Any] = {}
         self._store_server: Any = None

@@ -24,7 +24,7 @@ Layout (little-endian)::
                  last changed), committed_step i64 (-1: no state yet), inflight_step i64 (-1: none),
                  state_bytes u64, transfer_port i32 (-1: none), crc32 of the record's other bytes u32
 
-    1024  the exit bell: a process-shared robust pthread mutex (64 bytes; see :mod:`gossiprec.io.bell`)
+    1024  the exit bell: a process-shared robust pthread mutex (64 bytes; see :mod:`gossiprec.local.bell`)
     1088  u32 bell_ready (1: the agent set the bell up), u32 bell_pid (the trainer holding it; 0: none)
 
 A reader takes ``seq``, the record, then ``seq`` again, and keeps the record only if both are the same
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gossiprec.errors import ConfigError
-from gossiprec.io import bell
+from gossiprec.local import bell
 
 MAGIC = b"GRPP"
 VERSION = 2

@@ -5,20 +5,20 @@ Theory of operation
 One :class:`Transport` binds a UDP socket and a TCP listening socket to the same port. The protocol core
 hands the agent ``Send(addr, payload, reliable)``; the agent calls :meth:`Transport.send`:
 
-- ``reliable=False``: the payload is sealed with the process's :class:`~gossiprec.io.crypto.Sealer`
+- ``reliable=False``: the payload is sealed with the process's :class:`~gossiprec.security.crypto.Sealer`
   (one boot id per process) and sent as one datagram. Nothing waits; a full socket buffer drops the
   packet (SWIM tolerates loss) and counts it.
 - ``reliable=True``: a task in the transport's TaskGroup opens one short-lived TCP connection to the
-  address, writes one frame sealed by a fresh :class:`~gossiprec.io.crypto.StreamSealer`, and closes.
+  address, writes one frame sealed by a fresh :class:`~gossiprec.security.crypto.StreamSealer`, and closes.
   Connect and write are bounded by timeouts; at most ``max_outbound_streams`` run at once, further
   sends are dropped and counted (the core repeats what matters: push-pull, joins).
 
-Inbound, every datagram is opened with the :class:`~gossiprec.io.crypto.Opener` (size, header, key,
+Inbound, every datagram is opened with the :class:`~gossiprec.security.crypto.Opener` (size, header, key,
 replay window, tag) before its plaintext reaches ``on_message(payload, reliable=False)``. Every
-accepted TCP connection gets its own :class:`~gossiprec.io.crypto.StreamOpener`; each complete frame
+accepted TCP connection gets its own :class:`~gossiprec.security.crypto.StreamOpener`; each complete frame
 goes to ``on_message(payload, reliable=True)``. A connection is closed at its first bad frame, after
 ``max_frames_per_stream`` frames, or when ``io_timeout`` runs out. Refusals are counted by reason in
-:attr:`Transport.rejects` (the opener's :class:`~gossiprec.io.crypto.RejectCounter`) and logged at
+:attr:`Transport.rejects` (the opener's :class:`~gossiprec.security.crypto.RejectCounter`) and logged at
 most once per reason per ``log_interval`` seconds. No exception caused by a peer leaves this module.
 
 Accounting (:meth:`Transport.stats`, shown by the agent's ``status``): a *packet* is a datagram or a
@@ -26,7 +26,7 @@ stream frame. ``tx_packets``/``tx_bytes`` count what was handed to the kernel (s
 length prefix included); ``rx_bytes`` counts every byte that arrived (datagrams, and stream bytes read),
 ``rx_packets`` every datagram and stream frame that reached the opener, so that
 ``rx_packets == rx_datagrams + rx_streams + rejects.total`` (accepted plus refused). ``dropped`` lists
-every loss by reason: refusals (``rx_<reason>``, see :data:`~gossiprec.io.crypto.REASONS`) and local
+every loss by reason: refusals (``rx_<reason>``, see :data:`~gossiprec.security.crypto.REASONS`) and local
 drops (backpressure, sealing, resolution, capacity).
 
 Addresses are the core's ``"host:port"`` strings. IP literals are used as they are; host names are
@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from gossiprec.errors import ConfigError
-from gossiprec.io.crypto import CryptoLimits, Opener, OpenError, RejectCounter, RejectLog, Sealer, SealError
-from gossiprec.io.keyring import Keyring
-from gossiprec.settings import join_host_port, split_host_port
+from gossiprec.security.crypto import CryptoLimits, Opener, OpenError, RejectCounter, RejectLog, Sealer, SealError
+from gossiprec.security.keyring import Keyring
+from gossiprec.agent.settings import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
 

@@ -121,7 +121,7 @@ class AgentSettings:
     protocol: tuple[tuple[str, Any], ...] = ()
     """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
     job: str | None = None
-    """Job spec (TOML): the members of view 0, their ranks and the topology (see gossiprec.jobspec).
+    """Job spec (TOML): the members of view 0, their ranks and the topology (see gossiprec.agent.jobspec).
     None: this agent joins an existing job through its seeds, as a spare."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""

@@ -21,7 +21,7 @@ then requests, each optionally carrying an ``"id"`` (int or string) echoed in it
     {"op": "ping"}                                                      -> {"pong": true}
 
 The training loop of :mod:`gossiprec.trainer` does not send ``report`` and ``state`` on every step: it
-writes them into the agent's progress page (:mod:`gossiprec.io.progress`), whose path the ``status``
+writes them into the agent's progress page (:mod:`gossiprec.local.progress`), whose path the ``status``
 reply names (``progress_page``). The messages stay for other clients and as its fallback.
 
 Replies are ``{"ok": true, "id": ID, ...}`` or ``{"ok": false, "id": ID, "error": CODE, "message": TEXT}``.
@@ -598,7 +598,7 @@ class ControlClient:
     @classmethod
     def from_env(cls, **kwargs: Any) -> ControlClient:
         """Connect to the socket named by ``GOSSIPREC_CONTROL`` (set by ``gossiprec run``)."""
-        from gossiprec.settings import control_path_from_env
+        from gossiprec.agent.settings import control_path_from_env
         return cls(control_path_from_env(), **kwargs)
 
     def __enter__(self) -> ControlClient:

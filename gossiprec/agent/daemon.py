@@ -7,11 +7,11 @@ An :class:`Agent` owns these things and moves data between them; it decides noth
 - the *machine* (today :class:`~gossiprec.core.membership.Membership`, built by :func:`build_machine`;
   any object with the :class:`Machine` interface will do, so the agreement layer's bigger machine is a
   one-line change of factory),
-- the :class:`~gossiprec.io.transport.Transport` (sealed UDP datagrams and TCP messages),
-- the :class:`~gossiprec.io.control.ControlServer` (Unix socket for the training process) and the
-  :class:`~gossiprec.io.progress.ProgressPage` beside it, where the trainer writes its step, phase and
+- the :class:`~gossiprec.agent.transport.Transport` (sealed UDP datagrams and TCP messages),
+- the :class:`~gossiprec.local.control.ControlServer` (Unix socket for the training process) and the
+  :class:`~gossiprec.local.progress.ProgressPage` beside it, where the trainer writes its step, phase and
   state without waking the agent: the pump reads it before every packet and tick it hands the machine,
-- the trainer's exit bell (:class:`~gossiprec.io.bell.BellWatcher`, a thread started once the trainer
+- the trainer's exit bell (:class:`~gossiprec.local.bell.BellWatcher`, a thread started once the trainer
   has armed it): when the trainer dies the kernel rings it before tearing the trainer's memory down,
   and the agent leaves at once (:meth:`Agent.leave_now`) and stops, like the launcher does when its
   child exits, only tens of milliseconds earlier,
@@ -72,12 +72,12 @@ from gossiprec.core.config import Config
 from gossiprec.core.membership import MemberInfo, Membership
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
-from gossiprec.io.bell import BellWatcher
-from gossiprec.io.control import ControlServer, event_to_dict, state_problem
-from gossiprec.io.keyring import Keyring, KeyringError
-from gossiprec.io.progress import ProgressPage, page_path_for
-from gossiprec.io.transport import Throttle, Transport, TransportLimits, routable_ip
-from gossiprec.settings import (
+from gossiprec.local.bell import BellWatcher
+from gossiprec.local.control import ControlServer, event_to_dict, state_problem
+from gossiprec.security.keyring import Keyring, KeyringError
+from gossiprec.local.progress import ProgressPage, page_path_for
+from gossiprec.agent.transport import Throttle, Transport, TransportLimits, routable_ip
+from gossiprec.agent.settings import (
     AgentSettings, add_agent_arguments, default_control_path, default_node_name, join_host_port,
     settings_from_args, split_host_port,
 )
@@ -131,7 +131,7 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
     an agent started without a job spec, joins the running job through its seeds (as a spare).
     """
     from gossiprec.core.node import Node
-    from gossiprec.jobspec import load_view0
+    from gossiprec.agent.jobspec import load_view0
 
     view0 = load_view0(settings.job) if settings.job else None
     agreement = settings.agreement_config()
@@ -294,10 +294,10 @@ class Agent:
         self._progress = (-1, 0, 0)
         self.trainer_state: dict[str, Any] | None = None
         self._page: ProgressPage | None = None
-        """The trainer's progress page (see :mod:`gossiprec.io.progress`), read by :meth:`_sync_page`."""
+        """The trainer's progress page (see :mod:`gossiprec.local.progress`), read by :meth:`_sync_page`."""
         self._page_seq = 0
         self._bell: BellWatcher | None = None
-        """Waits on the trainer's exit bell (see :mod:`gossiprec.io.bell`) once the trainer armed it."""
+        """Waits on the trainer's exit bell (see :mod:`gossiprec.local.bell`) once the trainer armed it."""
         self._state = "new"
         self._closing = False
         self._stack: AsyncExitStack | None = None
@@ -314,7 +314,7 @@ class Agent:
         self._throttle = Throttle(log)
         self._signals: list[int] = []
         self.metrics: Any = None
-        """The Prometheus endpoint (gossiprec.io.metrics.MetricsServer) when ``metrics_port`` is set."""
+        """The Prometheus endpoint (gossiprec.agent.metrics.MetricsServer) when ``metrics_port`` is set."""
 
     # ------------------------------------------------------------------ life cycle
     async def __aenter__(self) -> Agent:
@@ -368,7 +368,7 @@ class Agent:
             if seeds:
                 tg.create_task(self._join_loop(list(seeds)), name="gossiprec-join")
             if s.metrics_port is not None:
-                from gossiprec.io.metrics import serve_agent_metrics
+                from gossiprec.agent.metrics import serve_agent_metrics
                 self.metrics = await serve_agent_metrics(self, stack, tg)
             if self.handle_signals:
                 self._install_signals()
@@ -999,6 +999,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the package's copy of this module, not __main__'s, so loggers and classes are the real ones.
-    from gossiprec.io.agent import main as _main
+    from gossiprec.agent.daemon import main as _main
 
     sys.exit(_main())

@@ -2,10 +2,10 @@
 
 Theory of operation
 -------------------
-Both commands are clients of the local agent's control socket (:class:`~gossiprec.io.control.ControlClient`);
+Both commands are clients of the local agent's control socket (:class:`~gossiprec.local.control.ControlClient`);
 they hold no state and change nothing. The socket is ``--control-socket PATH``, else the environment's
 ``GOSSIPREC_CONTROL`` (what ``gossiprec run`` hands its training process), else the agent's default path
-for ``--port`` / ``GOSSIPREC_PORT`` / the default port (:func:`~gossiprec.settings.default_control_path`).
+for ``--port`` / ``GOSSIPREC_PORT`` / the default port (:func:`~gossiprec.agent.settings.default_control_path`).
 
 ``members`` joins two replies: the ``members`` op (every member SWIM knows: address, liveness, gossiped
 training progress) and the ``status`` op (this agent's agreed view: epoch, role and rank of each member
@@ -32,8 +32,8 @@ import sys
 from typing import Any, Mapping, Sequence, TextIO
 
 from gossiprec.errors import GossiprecError
-from gossiprec.io.control import ControlClient, ControlError
-from gossiprec.settings import DEFAULT_PORT, ENV, default_control_path
+from gossiprec.local.control import ControlClient, ControlError
+from gossiprec.agent.settings import DEFAULT_PORT, ENV, default_control_path
 
 EXIT_NO_AGENT = 1
 

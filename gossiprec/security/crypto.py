@@ -37,7 +37,7 @@ Stream frames ride on an ordered transport, so a stream opener requires counters
 sender id per connection, and refuses a sender id it has already seen on another connection.
 
 Keys rotate live: the opener looks the key id up in the keyring on every packet, and the sealer
-re-derives its subkey whenever the keyring's primary changes (see :mod:`gossiprec.io.keyring`).
+re-derives its subkey whenever the keyring's primary changes (see :mod:`gossiprec.security.keyring`).
 
 Insecure mode (``--insecure`` only) uses the same header with plain kinds and no tag. An opener is
 built either with a keyring or as insecure, never both: a keyed opener refuses plain kinds as
@@ -68,7 +68,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gossiprec.errors import ConfigError, SecurityError
-from gossiprec.io.keyring import KEY_ID_SIZE, Keyring, KeySet, key_id
+from gossiprec.security.keyring import KEY_ID_SIZE, Keyring, KeySet, key_id
 
 MAGIC = b"GR"
 VERSION = 1

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:class:`Launcher` starts an :class:`~gossiprec.io.agent.Agent` (bound, control socket open, joining
+:class:`Launcher` starts an :class:`~gossiprec.agent.daemon.Agent` (bound, control socket open, joining
 its seeds) and then the training command as a child process, in a new session like torchrun does, with
 the agent's coordinates in its environment:
 
@@ -18,7 +18,7 @@ the CPUs cannot starve its own failure detector (see :data:`DEFAULT_CHILD_NICE`)
 
 It then awaits the child (``proc.wait()``, i.e. the event loop's child watcher), so the child's exit
 is noticed at once, whatever the cause. A trainer that dies holding its exit bell (see
-:mod:`gossiprec.io.bell`) is noticed earlier still, by the agent, before the kernel has torn its memory
+:mod:`gossiprec.local.bell`) is noticed earlier still, by the agent, before the kernel has torn its memory
 down; the exit then only records the exit code. The exit is an alarm: the agent broadcasts its own departure
 immediately (:meth:`Agent.leave_now`, which sends the Dead-about-itself directly to several members
 and gossips it), so peers see this node gone within a gossip round instead of a probe-and-suspicion
@@ -53,8 +53,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.io.agent import Agent, configure_logging, run_async
-from gossiprec.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
+from gossiprec.agent.daemon import Agent, configure_logging, run_async
+from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +349,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Run the package's copy of this module, not __main__'s, so loggers and classes are the real ones.
-    from gossiprec.io.launcher import main as _main
+    from gossiprec.agent.launcher import main as _main
 
     sys.exit(_main())

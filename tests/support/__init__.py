@@ -1,0 +1,1 @@
+"""Test tooling shared by several test modules (not part of the package)."""
