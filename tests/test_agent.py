@@ -19,7 +19,8 @@ import pytest
 from gossiprec.core.membership import MemberFailed, MemberJoined, MemberLeft
 from gossiprec.core.wire import Alive, encode_packet
 from gossiprec.errors import ConfigError
-from gossiprec.agent.daemon import Agent, AgentLeaving, build_machine
+from gossiprec.agent.hub import AgentLeaving
+from gossiprec.agent.pump import Agent, build_machine
 from gossiprec.security.crypto import Sealer
 from gossiprec.security.keyring import Keyring
 from gossiprec.agent.settings import (
@@ -60,7 +61,7 @@ async def cluster(sockdir: str, n: int, **kw: object) -> AsyncIterator[list[Agen
             agents.append(a)
         for a in agents:
             try:
-                await a.wait_until(lambda a=a: a._live_count() == n, 10)
+                await a.wait_until(lambda a=a: a.live_count() == n, 10)
             except TimeoutError:
                 seen = {x.name: sorted(m.name for m in x.machine.members() if m.live) if x.machine else None
                         for x in agents}
@@ -131,7 +132,7 @@ async def test_stop_makes_run_leave_and_return(sockdir: str) -> None:
         async with asyncio.TaskGroup() as tg:
             task = tg.create_task(extra.run())
             await agents[0].wait_for_event(lambda e: isinstance(e, MemberJoined) and e.name == "n9", 10, sub)
-            await extra.wait_until(lambda: extra._live_count() == 3, 10)  # it knows whom to tell
+            await extra.wait_until(lambda: extra.live_count() == 3, 10)  # it knows whom to tell
             extra.stop()
             ev = await agents[0].wait_for_event(lambda e: isinstance(e, MemberLeft) and e.name == "n9", 5, sub)
         assert task.done() and ev.name == "n9"
@@ -189,7 +190,7 @@ async def test_node_with_another_key_cannot_join(sockdir: str) -> None:
             assert t is not None
             await agents[0].wait_until(lambda: t.rejects["unknown_key"] >= 1, 5)
             assert agents[0].member_status("n7") is None
-            assert outsider._live_count() == 1
+            assert outsider.live_count() == 1
 
 
 async def test_keyring_rotation_is_picked_up(sockdir: str) -> None:
@@ -230,7 +231,7 @@ async def test_machine_errors_are_contained(sockdir: str) -> None:
     async with a:
         b = Agent(node_settings(sockdir, 1, (a.addr,)), join_retry_s=0.1)
         async with b:
-            await a.wait_until(lambda: a._live_count() == 2, 10)
+            await a.wait_until(lambda: a.live_count() == 2, 10)
         assert a.counters["machine_errors"] == 1
 
 
@@ -314,7 +315,7 @@ def test_protocol_table_sets_agreement_fields_too(tmp_path: Path) -> None:
     # the agent's machine (joining without a job spec here) runs with exactly these parameters
     import random
 
-    from gossiprec.agent.daemon import node_factory
+    from gossiprec.agent.pump import node_factory
 
     machine = node_factory(s)(s.protocol_config(), "n1", "127.0.0.1:1", incarnation=1, role="spare", now=0.0,
                               rng=random.Random(1), seeds=())

@@ -13,7 +13,7 @@ import pytest
 
 from gossiprec.bench.agents import BenchSpec, job_spec, percentile, run_bench, summary
 from gossiprec.errors import ConfigError
-from gossiprec.agent.daemon import run_async
+from gossiprec.agent.cli import run_async
 from gossiprec.agent.jobspec import view0_from_dict
 
 TRIAL_KEYS = {"index", "victim", "new_view_s", "survivor_p50_s", "first_alert_s", "epoch", "agreed",

@@ -17,7 +17,7 @@ import msgpack
 import pytest
 
 from gossiprec.errors import ConfigError
-from gossiprec.agent.daemon import Agent, build_machine
+from gossiprec.agent.pump import Agent, build_machine
 from gossiprec.local.control import (
     MAX_REQUEST_FRAME, AsyncControlClient, ControlClient, ControlError, bind_unix_socket, encode_frame,
     event_to_dict,

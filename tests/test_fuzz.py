@@ -41,7 +41,7 @@ from gossiprec.core.node import Node
 from gossiprec.core.view import View
 from gossiprec.core.wire import PHASES, Message, decode_packet, encode_packet
 from gossiprec.errors import DecodeError, ProtocolError
-from gossiprec.agent.daemon import Agent
+from gossiprec.agent.pump import Agent
 from gossiprec.local.control import (
     CONTROL_VERSION, DISCONNECTING, AsyncControlClient, ControlServer, encode_frame,
 )

@@ -20,9 +20,9 @@ from typing import Any, Iterator
 import pytest
 
 from gossiprec.core.membership import MemberFailed, MemberLeft
-from gossiprec.agent import daemon as agent_mod
+from gossiprec.agent import cli as agent_mod
 from gossiprec.agent import launcher as launcher_mod
-from gossiprec.agent.daemon import Agent
+from gossiprec.agent.pump import Agent
 from gossiprec.local.control import ControlClient
 from gossiprec.errors import ConfigError
 from gossiprec.agent.launcher import Launcher, child_environment, describe_exit, exit_code_of
@@ -103,7 +103,7 @@ async def test_child_death_is_seen_by_peers_within_a_second(sockdir: str) -> Non
                 await asyncio.wait_for(launcher.started.wait(), 10)
                 node = launcher.agent
                 assert node is not None
-                await node.wait_until(lambda: node._live_count() == 3, 10)
+                await node.wait_until(lambda: node.live_count() == 3, 10)
                 for peer in (a, b):
                     await peer.wait_until(lambda p=peer: p.member_status("n5") == "alive", 10)
                 assert launcher.proc is not None
@@ -212,7 +212,7 @@ def wait_started(proc: subprocess.Popen[bytes], timeout: float = 15) -> dict[str
 
 
 def agent_cmd(sockdir: str, name: str, *extra: str) -> list[str]:
-    return [PY, "-m", "gossiprec.agent.daemon", "--insecure", "--bind", "127.0.0.1", "--port", "0",
+    return [PY, "-m", "gossiprec.agent.cli", "--insecure", "--bind", "127.0.0.1", "--port", "0",
             "--name", name, "--control-socket", f"{sockdir}/{name}.sock", "--log-format", "json",
             "--protocol", "suspicion_floor=0.5", *extra]
 

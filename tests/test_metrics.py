@@ -19,7 +19,7 @@ from gossiprec.bench.agents import free_ports, job_spec
 from gossiprec.core.membership import MemberAlive, MemberFailed, ProbeResult
 from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
 from gossiprec.errors import ConfigError
-from gossiprec.agent.daemon import Agent
+from gossiprec.agent.pump import Agent
 from gossiprec.agent.metrics import AgentMetrics, require_prometheus
 from gossiprec.agent.settings import AgentSettings
 
@@ -123,7 +123,7 @@ async def test_endpoint_serves_state_rejections_and_view_changes(sockdir: str) -
             await a.start()
             agents.append(a)
         for a in agents:
-            await a.wait_until(lambda a=a: a._live_count() == n, 10)
+            await a.wait_until(lambda a=a: a.live_count() == n, 10)
             # view-0 members count as live from the job spec, but a crash is judged only by members that
             # heard from the crashed one (the startup grace): crashing m2 before anyone heard it would be
             # seen only when the 30 s grace ends

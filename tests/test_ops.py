@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterator
 import pytest
 
 from gossiprec.bench.agents import free_ports, job_spec
-from gossiprec.agent.daemon import Agent
+from gossiprec.agent.pump import Agent
 from gossiprec.local.control import ControlClient
 from gossiprec.agent.ops import (
     add_cli, cmd_members, cmd_status, format_members, member_rows, resolve_control_path,
@@ -47,7 +47,7 @@ async def job_cluster(sockdir: str, n: int = 3, spares: int = 1) -> AsyncIterato
             await a.start()
             agents.append(a)
         for a in agents:
-            await a.wait_until(lambda a=a: a._live_count() == n, 10)
+            await a.wait_until(lambda a=a: a.live_count() == n, 10)
         yield agents
     finally:
         for a in reversed(agents):

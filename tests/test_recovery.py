@@ -13,7 +13,7 @@ import pytest
 
 from gossiprec.core.node import AgreementConfig
 from gossiprec.demo import _timeline, run_demo
-from gossiprec.agent.daemon import Agent
+from gossiprec.agent.pump import Agent
 from gossiprec.local.control import AsyncControlClient, ControlError
 from gossiprec.agent.settings import AgentSettings
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-:class:`Launcher` starts an :class:`~gossiprec.agent.daemon.Agent` (bound, control socket open, joining
+:class:`Launcher` starts an :class:`~gossiprec.agent.pump.Agent` (bound, control socket open, joining
 its seeds) and then the training command as a child process, in a new session like torchrun does, with
 the agent's coordinates in its environment:
 
@@ -53,7 +53,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.agent.daemon import Agent, configure_logging, run_async
+from gossiprec.agent.cli import run_async
+from gossiprec.agent.logs import configure_logging
+from gossiprec.agent.pump import Agent
 from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
 
 log = logging.getLogger(__name__)

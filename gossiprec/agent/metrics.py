@@ -8,7 +8,7 @@ Two kinds of figures, kept apart:
   dict the ``status`` control op returns), so nothing is copied on the hot path: live and known
   members, epoch, health score, fenced, leaving (gauges); packets refused by reason, transport, machine,
   agent and control-socket counters (counters; they only grow within a process).
-- *Events* the agent's :class:`~gossiprec.agent.daemon.EventHub` publishes, followed by one task
+- *Events* the agent's :class:`~gossiprec.agent.hub.EventHub` publishes, followed by one task
   (:meth:`AgentMetrics.follow`) in the agent's TaskGroup: views installed, alerts this node raised,
   fences (counters), and two histograms:
 

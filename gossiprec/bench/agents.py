@@ -604,7 +604,7 @@ def _cmd_agents(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"gossiprec bench agents: error: {exc}", file=sys.stderr)
         return 2
-    from gossiprec.agent.daemon import run_async
+    from gossiprec.agent.cli import run_async
     report = run_async(run_bench(spec, progress=None if args.quiet else sys.stderr))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0

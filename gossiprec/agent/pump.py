@@ -52,38 +52,32 @@ keys in memory.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import logging
 import math
 import random
 import signal
-import sys
 import time
-from collections import deque
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Iterable, Protocol, TypeVar
+from typing import Any, Callable, Iterable, Protocol
 
-from gossiprec import __version__
+from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
+from gossiprec.agent.logs import log_event
+from gossiprec.agent.settings import (
+    AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
+)
+from gossiprec.agent.status import agent_status, member_rows, status_name
+from gossiprec.agent.transport import Throttle, Transport, TransportLimits, routable_ip
 from gossiprec.core.config import Config
 from gossiprec.core.membership import MemberInfo, Membership
-from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
-from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
+from gossiprec.errors import ConfigError, ProtocolError
 from gossiprec.local.bell import BellWatcher
-from gossiprec.local.control import ControlServer, event_to_dict, state_problem
-from gossiprec.security.keyring import Keyring, KeyringError
+from gossiprec.local.control import ControlServer, state_problem
 from gossiprec.local.progress import ProgressPage, page_path_for
-from gossiprec.agent.transport import Throttle, Transport, TransportLimits, routable_ip
-from gossiprec.agent.settings import (
-    AgentSettings, add_agent_arguments, default_control_path, default_node_name, join_host_port,
-    settings_from_args, split_host_port,
-)
+from gossiprec.security.keyring import Keyring, KeyringError
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 _FINISH_EARLY_S = 0.002
 """A timer that fires at most this early sleeps out the rest in place (see Agent._on_timer)."""
@@ -158,98 +152,6 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
                     seeds=seeds, agreement=agreement)
 
     return make
-
-
-@dataclass(frozen=True, slots=True)
-class AgentLeaving:
-    """Published by the agent itself when it starts to leave (before its sockets close)."""
-
-    name: str
-    reason: str
-    failed: bool
-    at: float
-
-
-# --- events to subscribers --------------------------------------------------------------------------
-class Subscription:
-    """A bounded queue of events. :meth:`get` returns None once closed; on overflow it is closed
-    (``overflowed`` set) and its backlog dropped: a consumer that falls behind must resynchronise."""
-
-    def __init__(self, hub: EventHub, maxsize: int) -> None:
-        self._hub = hub
-        self._items: deque[Any] = deque()
-        self._maxsize = maxsize
-        self._waiter: asyncio.Future[None] | None = None
-        self.overflowed = False
-        self.closed = False
-
-    def push(self, event: Any) -> None:
-        if self.closed:
-            return
-        if len(self._items) >= self._maxsize:
-            self.overflowed = True
-            self._items.clear()
-            self.close()
-            return
-        self._items.append(event)
-        self._wake()
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def get(self) -> Any | None:
-        while not self._items:
-            if self.closed:
-                return None
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return self._items.popleft()
-
-    def get_nowait(self) -> Any | None:
-        return self._items.popleft() if self._items else None
-
-    def close(self) -> None:
-        self.closed = True
-        self._hub.discard(self)
-        self._wake()
-
-    def __aiter__(self) -> Subscription:
-        return self
-
-    async def __anext__(self) -> Any:
-        ev = await self.get()
-        if ev is None:
-            raise StopAsyncIteration
-        return ev
-
-
-class EventHub:
-    def __init__(self) -> None:
-        self._subs: set[Subscription] = set()
-
-    def subscribe(self, maxsize: int = 10_000) -> Subscription:
-        sub = Subscription(self, maxsize)
-        self._subs.add(sub)
-        return sub
-
-    def discard(self, sub: Subscription) -> None:
-        self._subs.discard(sub)
-
-    def publish(self, event: Any) -> None:
-        for sub in list(self._subs):
-            sub.push(event)
-
-    def close_all(self) -> None:
-        for sub in list(self._subs):
-            sub.close()
-
-    def __len__(self) -> int:
-        return len(self._subs)
 
 
 # --- the agent --------------------------------------------------------------------------------------
@@ -461,6 +363,21 @@ class Agent:
     def leaving(self) -> bool:
         return self.leave_reason is not None
 
+    @property
+    def state(self) -> str:
+        """Where the agent is in its life: new, starting, running, leaving, aborted, closing, closed."""
+        return self._state
+
+    @property
+    def my_progress(self) -> tuple[int, int, int]:
+        """The trainer's (step, phase index, step_ms) as the machine last got it."""
+        return self._progress
+
+    @property
+    def progress_page_path(self) -> str | None:
+        """Where the trainer's progress page is (None before start and after close)."""
+        return self._page.path if self._page is not None else None
+
     # ------------------------------------------------------------------ the pump
     def _on_message(self, payload: bytes, reliable: bool) -> None:
         m = self.machine
@@ -498,7 +415,7 @@ class Agent:
             hub = self.hub
             for ev in events:
                 hub.publish(ev)
-                _log_event(ev)
+                log_event(log, ev)
         if self._pump_waiters:
             self._release_waiters()
 
@@ -579,7 +496,7 @@ class Agent:
     async def _join_loop(self, seeds: list[str]) -> None:
         delay = self.join_retry_s
         while not self._closing and not self.leaving:
-            if self._live_count() > 1:
+            if self.live_count() > 1:
                 return
             m = self.machine
             assert m is not None
@@ -591,7 +508,7 @@ class Agent:
                 log.exception("machine.join failed")
             self._flush()
             try:
-                await self.wait_until(lambda: self._closing or self._live_count() > 1, delay)
+                await self.wait_until(lambda: self._closing or self.live_count() > 1, delay)
             except TimeoutError:
                 log.warning("no seed answered within %.1f s (%s); retrying", delay, ", ".join(seeds))
                 delay = min(delay * 2, 30.0)
@@ -666,10 +583,10 @@ class Agent:
             return None
         for rec in m.members():
             if rec.name == name:
-                return str(_status_name(rec.status))
+                return str(status_name(rec.status))
         return None
 
-    def _live_count(self) -> int:
+    def live_count(self) -> int:
         m = self.machine
         if m is None:
             return 0
@@ -777,74 +694,11 @@ class Agent:
 
     def control_members(self) -> list[dict[str, Any]]:
         self._sync_page()
-        m = self.machine
-        if m is None:
-            return []
-        now = time.monotonic()
-        rows: list[dict[str, Any]] = []
-        for rec in m.members():
-            row: dict[str, Any] = {
-                "name": rec.name, "addr": rec.addr, "incarnation": rec.incarnation,
-                "status": _status_name(rec.status), "role": _role_name(getattr(rec, "role", 0)),
-                "self": rec.name == self.name,
-            }
-            if rec.name == self.name:
-                step, phase, step_ms = self._progress
-                row.update(step=step, phase=PHASES[phase], step_ms=step_ms, progress_age_s=0.0)
-            else:
-                p = m.progress(rec.name)
-                if p is not None:
-                    row.update(step=p.step, phase=PHASES[p.phase] if 0 <= p.phase < len(PHASES) else p.phase,
-                               step_ms=p.step_ms, progress_age_s=round(now - p.seen_at, 6))
-                else:
-                    row.update(step=-1, phase=None, step_ms=0, progress_age_s=None)
-            rows.append(row)
-        return rows
-
-    def _unheard_count(self, members: list[Any]) -> int:
-        """Members not heard from yet during the startup grace: their silence is not judged until they
-        are (or until the grace ends), so a crash of one is seen only then."""
-        has_heard = getattr(self.machine, "has_heard", None)
-        return 0 if has_heard is None else sum(1 for rec in members if not has_heard(rec.name))
+        return member_rows(self, time.monotonic())
 
     def control_status(self) -> dict[str, Any]:
         self._sync_page()
-        m = self.machine
-        s = self.settings
-        members = m.members() if m is not None else []
-        return {
-            "node": self.name, "addr": self.addr, "cluster": self.config.cluster,
-            "version": __version__, "incarnation": getattr(m, "incarnation", self.incarnation),
-            "role": s.role, "rank": s.rank, "profile": s.profile, "secure": not s.insecure,
-            "health": m.health() if m is not None else None,
-            "live": self._live_count(), "known": len(members), "unheard": self._unheard_count(members),
-            "state": self._state, "leaving": self.leaving, "leave_reason": self.leave_reason,
-            "uptime_s": round(time.monotonic() - self.started_at, 3) if self.started_at else 0.0,
-            "layout_registered": self.layout is not None,
-            "trainer_state": self.trainer_state,
-            "progress_page": self._page.path if self._page is not None else None,
-            "machine": dict(m.counters) if m is not None else {},
-            "agent": dict(self.counters),
-            "transport": self.transport.stats() if self.transport is not None else {},
-            "control": dict(self.control.counters) if self.control is not None else {},
-            "subscribers": len(self.hub),
-            **self._view_status(),
-        }
-
-    def _view_status(self) -> dict[str, Any]:
-        """The agreed view and plan, when the machine runs the agreement core."""
-        view = getattr(self.machine, "view", None)
-        if view is None:
-            return {"view": None}
-        plan = getattr(self.machine, "plan", None)
-        return {
-            "view": {"epoch": view.epoch, "config_id": view.config_id,
-                     "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in view.members],
-                     "replica_groups": [list(g) for g in view.topology.replica_groups],
-                     "stopped": view.stopped},
-            "fenced": getattr(self.machine, "fenced", "") or None,
-            "plan": plan.to_dict() if plan is not None else None,
-        }
+        return agent_status(self, time.monotonic())
 
     def control_set_layout(self, layout: dict[Any, Any]) -> None:
         self.layout = layout
@@ -885,120 +739,3 @@ class Agent:
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
-
-
-def _status_name(status: Any) -> Any:
-    return STATUS_NAMES[status] if type(status) is int and 0 <= status < len(STATUS_NAMES) else status
-
-
-def _role_name(role: Any) -> Any:
-    return ROLES[role] if type(role) is int and 0 <= role < len(ROLES) else role
-
-
-_QUIET_EVENTS = frozenset({"ProbeResult"})
-
-
-def _log_event(ev: Any) -> None:
-    name = type(ev).__name__
-    level = logging.DEBUG if name in _QUIET_EVENTS else logging.INFO
-    if log.isEnabledFor(level):
-        log.log(level, "event %s", name, extra={"fields": event_to_dict(ev)})
-
-
-# --- process entry ----------------------------------------------------------------------------------
-def install_event_loop() -> str:
-    """Use uvloop's event loop policy when importable; returns ``"uvloop"`` or ``"asyncio"``."""
-    try:
-        import uvloop
-    except ImportError:
-        return "asyncio"
-    uvloop.install()
-    return "uvloop"
-
-
-def run_async(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on uvloop when available."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
-
-
-class _TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
-        fields = getattr(record, "fields", None)
-        if fields:
-            base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
-        return base
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname.lower(),
-                               "logger": record.name, "msg": record.getMessage()}
-        fields = getattr(record, "fields", None)
-        if fields:
-            doc.update(fields)
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
-def configure_logging(fmt: str = "text", level: str = "info", stream: Any = None) -> None:
-    """Log ``gossiprec.*`` to stderr as text or JSON lines. Called by the CLI only (never at import)."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("gossiprec")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
-
-
-async def serve(settings: AgentSettings, **agent_kwargs: Any) -> int:
-    """Run one agent until SIGTERM/SIGINT; 0 after a graceful leave."""
-    agent = Agent(settings, handle_signals=True, **agent_kwargs)
-    await agent.run()
-    return 0
-
-
-def _cmd_agent(args: argparse.Namespace) -> int:
-    try:
-        settings = settings_from_args(args)
-    except ConfigError as exc:
-        print(f"gossiprec agent: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level)
-    try:
-        return run_async(serve(settings))
-    except GossiprecError as exc:
-        print(f"gossiprec agent: error: {exc}", file=sys.stderr)
-        return 1
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add the ``agent`` sub-command (sets ``func``: ``args.func(args) -> exit code``)."""
-    p = subparsers.add_parser(
-        "agent", help="run a membership agent without a training process",
-        description="Run a gossiprec agent: failure detection and progress gossip for this node. "
-                    "SIGTERM/SIGINT leave the cluster gracefully; SIGHUP reloads the keyring.")
-    add_agent_arguments(p)
-    p.set_defaults(func=_cmd_agent)
-    return p  # type: ignore[no-any-return]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gossiprec agent")
-    add_agent_arguments(parser)
-    return _cmd_agent(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    # Run the package's copy of this module, not __main__'s, so loggers and classes are the real ones.
-    from gossiprec.agent.daemon import main as _main
-
-    sys.exit(_main())

@@ -1,0 +1,100 @@
+"""What the agent reports about itself and its members: the ``status`` and ``members`` replies.
+
+Both are plain dicts (msgpack- and JSON-able) built from the machine's tables and the agent's own
+counters at the moment of the request; the control socket, ``gossiprec status`` / ``members`` and
+the metrics collector all read these and nothing else. Numeric codes of the wire (statuses, roles,
+phases) are turned into their names here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gossiprec import __version__
+from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
+
+if TYPE_CHECKING:
+    from gossiprec.agent.pump import Agent
+
+
+def status_name(status: Any) -> Any:
+    return STATUS_NAMES[status] if type(status) is int and 0 <= status < len(STATUS_NAMES) else status
+
+
+def role_name(role: Any) -> Any:
+    return ROLES[role] if type(role) is int and 0 <= role < len(ROLES) else role
+
+
+def member_rows(agent: Agent, now: float) -> list[dict[str, Any]]:
+    """One row per known member: address, status, role and the progress last heard (this node's own
+    is the trainer's as of now)."""
+    m = agent.machine
+    if m is None:
+        return []
+    rows: list[dict[str, Any]] = []
+    for rec in m.members():
+        row: dict[str, Any] = {
+            "name": rec.name, "addr": rec.addr, "incarnation": rec.incarnation,
+            "status": status_name(rec.status), "role": role_name(getattr(rec, "role", 0)),
+            "self": rec.name == agent.name,
+        }
+        if rec.name == agent.name:
+            step, phase, step_ms = agent.my_progress
+            row.update(step=step, phase=PHASES[phase], step_ms=step_ms, progress_age_s=0.0)
+        else:
+            p = m.progress(rec.name)
+            if p is not None:
+                row.update(step=p.step, phase=PHASES[p.phase] if 0 <= p.phase < len(PHASES) else p.phase,
+                           step_ms=p.step_ms, progress_age_s=round(now - p.seen_at, 6))
+            else:
+                row.update(step=-1, phase=None, step_ms=0, progress_age_s=None)
+        rows.append(row)
+    return rows
+
+
+def _unheard_count(agent: Agent, members: list[Any]) -> int:
+    """Members not heard from yet during the startup grace: their silence is not judged until they
+    are (or until the grace ends), so a crash of one is seen only then."""
+    has_heard = getattr(agent.machine, "has_heard", None)
+    return 0 if has_heard is None else sum(1 for rec in members if not has_heard(rec.name))
+
+
+def agent_status(agent: Agent, now: float) -> dict[str, Any]:
+    """The ``status`` reply: identity, settings, life cycle, trainer state, every counter, the view."""
+    m = agent.machine
+    s = agent.settings
+    members = m.members() if m is not None else []
+    return {
+        "node": agent.name, "addr": agent.addr, "cluster": agent.config.cluster,
+        "version": __version__, "incarnation": getattr(m, "incarnation", agent.incarnation),
+        "role": s.role, "rank": s.rank, "profile": s.profile, "secure": not s.insecure,
+        "health": m.health() if m is not None else None,
+        "live": agent.live_count(), "known": len(members), "unheard": _unheard_count(agent, members),
+        "state": agent.state, "leaving": agent.leaving, "leave_reason": agent.leave_reason,
+        "uptime_s": round(now - agent.started_at, 3) if agent.started_at else 0.0,
+        "layout_registered": agent.layout is not None,
+        "trainer_state": agent.trainer_state,
+        "progress_page": agent.progress_page_path,
+        "machine": dict(m.counters) if m is not None else {},
+        "agent": dict(agent.counters),
+        "transport": agent.transport.stats() if agent.transport is not None else {},
+        "control": dict(agent.control.counters) if agent.control is not None else {},
+        "subscribers": len(agent.hub),
+        **view_status(agent),
+    }
+
+
+def view_status(agent: Agent) -> dict[str, Any]:
+    """The agreed view and plan, when the machine runs the agreement core."""
+    view = getattr(agent.machine, "view", None)
+    if view is None:
+        return {"view": None}
+    plan = getattr(agent.machine, "plan", None)
+    return {
+        "view": {"epoch": view.epoch, "config_id": view.config_id,
+                 "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in view.members],
+                 "replica_groups": [list(g) for g in view.topology.replica_groups],
+                 "stopped": view.stopped},
+        "fenced": getattr(agent.machine, "fenced", "") or None,
+        "plan": plan.to_dict() if plan is not None else None,
+    }
