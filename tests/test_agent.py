@@ -12,15 +12,17 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
+from gossiprec.core.machine import Machine
 from gossiprec.core.membership import MemberFailed, MemberJoined, MemberLeft
 from gossiprec.core.wire import Alive, encode_packet
 from gossiprec.errors import ConfigError
 from gossiprec.agent.hub import AgentLeaving
-from gossiprec.agent.pump import Agent, build_machine
+from gossiprec.agent.jobspec import node_factory
+from gossiprec.agent.pump import Agent
 from gossiprec.security.crypto import Sealer
 from gossiprec.security.keyring import Keyring
 from gossiprec.agent.settings import (
@@ -213,9 +215,11 @@ async def test_keyring_rotation_is_picked_up(sockdir: str) -> None:
 
 async def test_machine_errors_are_contained(sockdir: str) -> None:
     calls = {"n": 0}
+    s = node_settings(sockdir, 0)
+    make = node_factory(s)
 
-    def fragile(*args: object, **kw: object) -> object:
-        machine = build_machine(*args, **kw)  # type: ignore[arg-type]
+    def fragile(*args: Any, **kw: Any) -> Machine:
+        machine = make(*args, **kw)
         real = machine.receive
 
         def receive(data: bytes, now: float, reliable: bool = False) -> None:
@@ -227,7 +231,7 @@ async def test_machine_errors_are_contained(sockdir: str) -> None:
         machine.receive = receive  # type: ignore[method-assign]
         return machine
 
-    a = Agent(node_settings(sockdir, 0), machine_factory=fragile)
+    a = Agent(s, machine_factory=fragile)
     async with a:
         b = Agent(node_settings(sockdir, 1, (a.addr,)), join_retry_s=0.1)
         async with b:
@@ -314,8 +318,6 @@ def test_protocol_table_sets_agreement_fields_too(tmp_path: Path) -> None:
         settings_from_args(parse(["--insecure", "--protocol", "k=0"]), {})
     # the agent's machine (joining without a job spec here) runs with exactly these parameters
     import random
-
-    from gossiprec.agent.pump import node_factory
 
     machine = node_factory(s)(s.protocol_config(), "n1", "127.0.0.1:1", incarnation=1, role="spare", now=0.0,
                               rng=random.Random(1), seeds=())

@@ -17,7 +17,8 @@ import msgpack
 import pytest
 
 from gossiprec.errors import ConfigError
-from gossiprec.agent.pump import Agent, build_machine
+from gossiprec.agent.jobspec import node_factory
+from gossiprec.agent.pump import Agent
 from gossiprec.local.control import (
     MAX_REQUEST_FRAME, AsyncControlClient, ControlClient, ControlError, bind_unix_socket, encode_frame,
     event_to_dict,
@@ -189,8 +190,10 @@ def test_event_to_dict_is_generic() -> None:
 async def test_subscribe_streams_machine_events_generically(sockdir: str) -> None:
     """A factory whose machine emits an extra event type: it reaches control clients unchanged."""
 
+    make = node_factory(settings(sockdir, 0))
+
     def factory(*args: Any, **kw: Any) -> Any:
-        machine = build_machine(*args, **kw)
+        machine = make(*args, **kw)
         real = machine.take_events
 
         def take_events() -> list[Any]:

@@ -15,15 +15,22 @@ A TOML file, read once at the edge (the core never reads files)::
     host = "host-a"         # optional; placement for choosing a nearby spare
     rack = "rack-1"         # optional
 
-Every agent of the job reads the same file, so all derive the same view 0 without any coordinator.
+Every agent of the job reads the same file, so all derive the same view 0 without any coordinator;
+:func:`node_factory` builds the machine an agent runs from it.
 """
 
 from __future__ import annotations
 
+import random
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from gossiprec.agent.settings import AgentSettings
+from gossiprec.core.config import Config
+from gossiprec.core.machine import Machine, MachineFactory
+from gossiprec.core.node import Node
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
 from gossiprec.errors import ConfigError
@@ -68,3 +75,36 @@ def load_view0(path: str) -> View:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"job spec {path} is not valid TOML: {exc}") from None
     return view0_from_dict(doc, path)
+
+
+def node_factory(settings: AgentSettings) -> MachineFactory:
+    """The machine agents run by default: the whole core (:class:`~gossiprec.core.node.Node`).
+
+    With a job spec (``--job``) every agent starts from the same view 0; a node not listed there, or
+    an agent started without a job spec, joins the running job through its seeds (as a spare).
+    """
+    view0 = load_view0(settings.job) if settings.job else None
+    agreement = settings.agreement_config()
+
+    def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
+             rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
+        view = view0
+        host = rack = ""
+        if view is not None:
+            me = view.member(name)
+            if me is None:
+                view = None  # not in view 0: join as a spare
+            else:
+                if me.addr != addr:
+                    raise ConfigError(f"job spec lists {name} at {me.addr}, but this agent is reachable at "
+                                      f"{addr}; fix --advertise or the job spec")
+                role, host, rack = me.role, me.host, me.rack
+        if view is not None:
+            members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
+            return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=view, role=role,
+                        host=host, rack=rack, members=members, agreement=agreement)
+        # not in view 0: joins the running job through its seeds; the view admits it as a spare
+        return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
+                    seeds=seeds, agreement=agreement)
+
+    return make

@@ -120,7 +120,7 @@ def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
     env[ENV["control_socket"]] = agent.control_path
     env[ENV["name"]] = agent.name
     role, rank = s.role, s.rank
-    if hasattr(agent.machine, "view"):  # the agreement core: its view says (a joiner enters as a spare)
+    if agent.machine is not None:  # its view says (a joiner enters as a spare)
         view = agent.machine.view
         me = view.member(agent.name) if view is not None else None
         role, rank = (me.role, me.rank) if me is not None else ("spare", None)
@@ -224,7 +224,7 @@ class Launcher:
     async def _fence_watch(self, agent: Agent, proc: asyncio.subprocess.Process, events: Any) -> None:
         """SIGKILL the child's process group once this node is out of the agreed view (see the module
         docstring); the child may be stopped or stuck, so nothing gentler is sure to work."""
-        view = getattr(agent.machine, "view", None)
+        view = agent.machine.view if agent.machine is not None else None
         member = view is not None and agent.name in view
         async for ev in events:
             name = type(ev).__name__

@@ -4,9 +4,8 @@ Theory of operation
 -------------------
 An :class:`Agent` owns these things and moves data between them; it decides nothing itself:
 
-- the *machine* (today :class:`~gossiprec.core.membership.Membership`, built by :func:`build_machine`;
-  any object with the :class:`Machine` interface will do, so the agreement layer's bigger machine is a
-  one-line change of factory),
+- the *machine*, any :class:`~gossiprec.core.machine.Machine` (by default the whole core,
+  :class:`~gossiprec.core.node.Node`, built by :func:`~gossiprec.agent.jobspec.node_factory`),
 - the :class:`~gossiprec.agent.transport.Transport` (sealed UDP datagrams and TCP messages),
 - the :class:`~gossiprec.local.control.ControlServer` (Unix socket for the training process) and the
   :class:`~gossiprec.local.progress.ProgressPage` beside it, where the trainer writes its step, phase and
@@ -60,7 +59,7 @@ import signal
 import time
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable
 
 from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
 from gossiprec.agent.logs import log_event
@@ -69,9 +68,9 @@ from gossiprec.agent.settings import (
 )
 from gossiprec.agent.status import agent_status, member_rows, status_name
 from gossiprec.agent.transport import Throttle, Transport, TransportLimits, routable_ip
-from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo, Membership
-from gossiprec.errors import ConfigError, ProtocolError
+from gossiprec.agent.jobspec import node_factory
+from gossiprec.core.machine import Machine, MachineFactory
+from gossiprec.errors import ProtocolError
 from gossiprec.local.bell import BellWatcher
 from gossiprec.local.control import ControlServer, state_problem
 from gossiprec.local.progress import ProgressPage, page_path_for
@@ -83,75 +82,6 @@ _FINISH_EARLY_S = 0.002
 """A timer that fires at most this early sleeps out the rest in place (see Agent._on_timer)."""
 _STATE_KEYS = ("committed_step", "inflight_step", "state_bytes", "transfer_port")
 """The fields of ``trainer_state`` in the status reply (the control socket's ``state`` message)."""
-
-
-# --- the machine seam -------------------------------------------------------------------------------
-class Machine(Protocol):
-    """What the agent needs of a protocol machine (Membership today, the agreement machine later)."""
-
-    counters: dict[str, int]
-
-    def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
-    def tick(self, now: float) -> None: ...
-    def next_deadline(self) -> float: ...
-    def take_sends(self) -> list[Any]: ...
-    def take_events(self) -> list[Any]: ...
-    def join(self, seed_addrs: Iterable[str], now: float) -> None: ...
-    def leave(self, now: float) -> None: ...
-    def set_progress(self, step: int, phase: int, step_ms: int) -> None: ...
-    def members(self) -> list[Any]: ...
-    def progress(self, name: str) -> Any | None: ...
-    def health(self) -> int: ...
-
-
-MachineFactory = Callable[..., Machine]
-"""``factory(config, name, addr, *, incarnation, role, now, rng, seeds) -> Machine``."""
-
-
-def build_machine(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
-                  rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
-    """Membership alone (failure detection without agreement), for tools and tests.
-
-    ``seeds`` (``host:port``, this node's own address removed) is for machines that join by
-    themselves; Membership is joined by the agent's join loop through :meth:`Machine.join`.
-    """
-    return Membership(config, name, addr, incarnation=incarnation, rng=rng, now=now, role=role)
-
-
-def node_factory(settings: AgentSettings) -> MachineFactory:
-    """The machine agents run by default: the whole core (:class:`~gossiprec.core.node.Node`).
-
-    With a job spec (``--job``) every agent starts from the same view 0; a node not listed there, or
-    an agent started without a job spec, joins the running job through its seeds (as a spare).
-    """
-    from gossiprec.core.node import Node
-    from gossiprec.agent.jobspec import load_view0
-
-    view0 = load_view0(settings.job) if settings.job else None
-    agreement = settings.agreement_config()
-
-    def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
-             rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
-        view = view0
-        host = rack = ""
-        if view is not None:
-            me = view.member(name)
-            if me is None:
-                view = None  # not in view 0: join as a spare
-            else:
-                if me.addr != addr:
-                    raise ConfigError(f"job spec lists {name} at {me.addr}, but this agent is reachable at "
-                                      f"{addr}; fix --advertise or the job spec")
-                role, host, rack = me.role, me.host, me.rack
-        if view is not None:
-            members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
-            return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=view, role=role,
-                        host=host, rack=rack, members=members, agreement=agreement)
-        # not in view 0: joins the running job through its seeds; the view admits it as a spare
-        return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
-                    seeds=seeds, agreement=agreement)
-
-    return make
 
 
 # --- the agent --------------------------------------------------------------------------------------
@@ -587,13 +517,8 @@ class Agent:
         return None
 
     def live_count(self) -> int:
-        m = self.machine
-        if m is None:
-            return 0
-        n = getattr(m, "n_live", None)
-        if isinstance(n, int):
-            return n
-        return sum(1 for rec in m.members() if getattr(rec, "live", True))
+        """Members this node holds alive or suspect, itself included (0 before start)."""
+        return self.machine.n_live if self.machine is not None else 0
 
     # ------------------------------------------------------------------ ControlBackend
     @property
@@ -609,19 +534,18 @@ class Agent:
 
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
                           transfer_port: int | None) -> None:
-        """The trainer's donatable state; machines without a plan (plain membership) ignore it."""
+        """The trainer's donatable state, reported to the plan of each new view."""
         self.trainer_state = dict(zip(_STATE_KEYS, (committed_step, inflight_step, state_bytes, transfer_port)))
-        set_state = getattr(self.machine, "set_state", None)
-        if set_state is not None:
-            set_state(committed_step, inflight_step, state_bytes)
+        if self.machine is not None:
+            self.machine.set_state(committed_step, inflight_step, state_bytes)
 
     def control_finished(self, step: int) -> None:
         """The trainer finished training at ``step``: tell the cluster the job is done."""
-        finish = getattr(self.machine, "finish", None)
-        if finish is None or self._closing:
+        m = self.machine
+        if m is None or self._closing:
             return
         self._sync_page()
-        finish(step, time.monotonic())
+        m.finish(step, time.monotonic())
         self._flush()
 
     def _sync_page(self) -> None:

@@ -15,6 +15,8 @@ from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 
 if TYPE_CHECKING:
     from gossiprec.agent.pump import Agent
+    from gossiprec.core.machine import Machine
+    from gossiprec.core.records import MemberInfo
 
 
 def status_name(status: Any) -> Any:
@@ -35,7 +37,7 @@ def member_rows(agent: Agent, now: float) -> list[dict[str, Any]]:
     for rec in m.members():
         row: dict[str, Any] = {
             "name": rec.name, "addr": rec.addr, "incarnation": rec.incarnation,
-            "status": status_name(rec.status), "role": role_name(getattr(rec, "role", 0)),
+            "status": status_name(rec.status), "role": role_name(rec.role),
             "self": rec.name == agent.name,
         }
         if rec.name == agent.name:
@@ -52,11 +54,10 @@ def member_rows(agent: Agent, now: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _unheard_count(agent: Agent, members: list[Any]) -> int:
+def _unheard_count(machine: Machine, members: list[MemberInfo]) -> int:
     """Members not heard from yet during the startup grace: their silence is not judged until they
     are (or until the grace ends), so a crash of one is seen only then."""
-    has_heard = getattr(agent.machine, "has_heard", None)
-    return 0 if has_heard is None else sum(1 for rec in members if not has_heard(rec.name))
+    return sum(1 for rec in members if not machine.has_heard(rec.name))
 
 
 def agent_status(agent: Agent, now: float) -> dict[str, Any]:
@@ -66,10 +67,10 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
     members = m.members() if m is not None else []
     return {
         "node": agent.name, "addr": agent.addr, "cluster": agent.config.cluster,
-        "version": __version__, "incarnation": getattr(m, "incarnation", agent.incarnation),
+        "version": __version__, "incarnation": m.incarnation if m is not None else agent.incarnation,
         "role": s.role, "rank": s.rank, "profile": s.profile, "secure": not s.insecure,
         "health": m.health() if m is not None else None,
-        "live": agent.live_count(), "known": len(members), "unheard": _unheard_count(agent, members),
+        "live": agent.live_count(), "known": len(members), "unheard": _unheard_count(m, members) if m is not None else 0,
         "state": agent.state, "leaving": agent.leaving, "leave_reason": agent.leave_reason,
         "uptime_s": round(now - agent.started_at, 3) if agent.started_at else 0.0,
         "layout_registered": agent.layout is not None,
@@ -80,21 +81,21 @@ def agent_status(agent: Agent, now: float) -> dict[str, Any]:
         "transport": agent.transport.stats() if agent.transport is not None else {},
         "control": dict(agent.control.counters) if agent.control is not None else {},
         "subscribers": len(agent.hub),
-        **view_status(agent),
+        **view_status(m),
     }
 
 
-def view_status(agent: Agent) -> dict[str, Any]:
-    """The agreed view and plan, when the machine runs the agreement core."""
-    view = getattr(agent.machine, "view", None)
-    if view is None:
+def view_status(machine: Machine | None) -> dict[str, Any]:
+    """The agreed view and plan (just ``view: None`` before this member is admitted to one)."""
+    view = machine.view if machine is not None else None
+    if machine is None or view is None:
         return {"view": None}
-    plan = getattr(agent.machine, "plan", None)
+    plan = machine.plan
     return {
         "view": {"epoch": view.epoch, "config_id": view.config_id,
                  "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in view.members],
                  "replica_groups": [list(g) for g in view.topology.replica_groups],
                  "stopped": view.stopped},
-        "fenced": getattr(agent.machine, "fenced", "") or None,
+        "fenced": machine.fenced or None,
         "plan": plan.to_dict() if plan is not None else None,
     }
