@@ -14,7 +14,7 @@ import pytest
 
 from gossiprec.bench.agents import free_ports
 from gossiprec.errors import GossiprecError
-from gossiprec.local.control import ControlClient
+from gossiprec.local.client import ControlClient
 
 N = 16
 SPARES = 2

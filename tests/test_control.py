@@ -19,10 +19,9 @@ import pytest
 from gossiprec.errors import ConfigError
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import (
-    MAX_REQUEST_FRAME, AsyncControlClient, ControlClient, ControlError, bind_unix_socket, encode_frame,
-    event_to_dict,
-)
+from gossiprec.local.client import AsyncControlClient, ControlClient
+from gossiprec.local.protocol import MAX_REQUEST_FRAME, ControlError, encode_frame, event_to_dict
+from gossiprec.local.server import bind_unix_socket
 from gossiprec.agent.settings import AgentSettings, control_path_from_env
 
 FAST = (("suspicion_floor", 0.5),)

@@ -42,9 +42,9 @@ from gossiprec.core.view import View
 from gossiprec.core.wire import PHASES, Message, decode_packet, encode_packet
 from gossiprec.errors import DecodeError, ProtocolError
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import (
-    CONTROL_VERSION, DISCONNECTING, AsyncControlClient, ControlServer, encode_frame,
-)
+from gossiprec.local.client import AsyncControlClient
+from gossiprec.local.protocol import CONTROL_VERSION, DISCONNECTING, encode_frame
+from gossiprec.local.server import ControlServer
 from gossiprec.security.crypto import REASONS, CryptoLimits, Opener, OpenError, Sealer
 from gossiprec.security.keyring import Keyring, key_id
 from gossiprec.agent.jobspec import view0_from_dict
@@ -719,7 +719,7 @@ class Records(logging.Handler):
 
 @pytest.fixture
 def control_log() -> Iterator[Records]:
-    logger = logging.getLogger("gossiprec.local.control")
+    logger = logging.getLogger("gossiprec.local.server")
     h = Records()
     old = logger.level
     logger.addHandler(h)

@@ -23,7 +23,7 @@ from gossiprec.core.membership import MemberFailed, MemberLeft
 from gossiprec.agent import cli as agent_mod
 from gossiprec.agent import launcher as launcher_mod
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import ControlClient
+from gossiprec.local.client import ControlClient
 from gossiprec.errors import ConfigError
 from gossiprec.agent.launcher import Launcher, child_environment, describe_exit, exit_code_of
 from gossiprec.agent.settings import AgentSettings

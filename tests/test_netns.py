@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 
-from gossiprec.local.control import AsyncControlClient, ControlError
+from gossiprec.local.client import AsyncControlClient
+from gossiprec.local.protocol import ControlError
 from gossiprec.security.keyring import Keyring
 from tests.support.netns import NetnsCluster, NetnsHost, netns_unavailable, reap_stale
 

@@ -17,7 +17,7 @@ import pytest
 
 from gossiprec.bench.agents import free_ports, job_spec
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import ControlClient
+from gossiprec.local.client import ControlClient
 from gossiprec.agent.ops import (
     add_cli, cmd_members, cmd_status, format_members, member_rows, resolve_control_path,
 )

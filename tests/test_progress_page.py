@@ -21,7 +21,7 @@ from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError
 from gossiprec.local import bell
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import AsyncControlClient
+from gossiprec.local.client import AsyncControlClient
 from gossiprec.local.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, VERSION, ProgressPage, page_path_for
 from gossiprec.agent.settings import AgentSettings
 

@@ -14,7 +14,8 @@ import pytest
 from gossiprec.core.node import AgreementConfig
 from gossiprec.demo import _timeline, run_demo
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import AsyncControlClient, ControlError
+from gossiprec.local.client import AsyncControlClient
+from gossiprec.local.protocol import ControlError
 from gossiprec.agent.settings import AgentSettings
 
 

@@ -30,7 +30,7 @@ from gossiprec.core.membership import MemberFailed, MemberLeft, MemberSuspected
 from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
 from gossiprec.core.wire import Ping, encode_packet
 from gossiprec.agent.pump import Agent
-from gossiprec.local.control import AsyncControlClient
+from gossiprec.local.client import AsyncControlClient
 from gossiprec.security.crypto import HEADER_SIZE, OVERHEAD, REASONS, CryptoLimits, Sealer
 from gossiprec.security.keyring import Keyring, key_id, key_id_hex
 from gossiprec.agent.settings import AgentSettings

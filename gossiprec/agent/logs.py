@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from gossiprec.local.control import event_to_dict
+from gossiprec.local.protocol import event_to_dict
 
 _QUIET_EVENTS = frozenset({"ProbeResult"})
 """Events logged at debug level: one per probe, far too many for info."""

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Both commands are clients of the local agent's control socket (:class:`~gossiprec.local.control.ControlClient`);
+Both commands are clients of the local agent's control socket (:class:`~gossiprec.local.client.ControlClient`);
 they hold no state and change nothing. The socket is ``--control-socket PATH``, else the environment's
 ``GOSSIPREC_CONTROL`` (what ``gossiprec run`` hands its training process), else the agent's default path
 for ``--port`` / ``GOSSIPREC_PORT`` / the default port (:func:`~gossiprec.agent.settings.default_control_path`).
@@ -32,7 +32,8 @@ import sys
 from typing import Any, Mapping, Sequence, TextIO
 
 from gossiprec.errors import GossiprecError
-from gossiprec.local.control import ControlClient, ControlError
+from gossiprec.local.client import ControlClient
+from gossiprec.local.protocol import ControlError
 from gossiprec.agent.settings import DEFAULT_PORT, ENV, default_control_path
 
 EXIT_NO_AGENT = 1

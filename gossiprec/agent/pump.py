@@ -7,7 +7,7 @@ An :class:`Agent` owns these things and moves data between them; it decides noth
 - the *machine*, any :class:`~gossiprec.core.machine.Machine` (by default the whole core,
   :class:`~gossiprec.core.node.Node`, built by :func:`~gossiprec.agent.jobspec.node_factory`),
 - the :class:`~gossiprec.agent.transport.Transport` (sealed UDP datagrams and TCP messages),
-- the :class:`~gossiprec.local.control.ControlServer` (Unix socket for the training process) and the
+- the :class:`~gossiprec.local.server.ControlServer` (Unix socket for the training process) and the
   :class:`~gossiprec.local.progress.ProgressPage` beside it, where the trainer writes its step, phase and
   state without waking the agent: the pump reads it before every packet and tick it hands the machine,
 - the trainer's exit bell (:class:`~gossiprec.local.bell.BellWatcher`, a thread started once the trainer
@@ -72,7 +72,8 @@ from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.machine import Machine, MachineFactory
 from gossiprec.errors import ProtocolError
 from gossiprec.local.bell import BellWatcher
-from gossiprec.local.control import ControlServer, state_problem
+from gossiprec.local.protocol import state_problem
+from gossiprec.local.server import ControlServer
 from gossiprec.local.progress import ProgressPage, page_path_for
 from gossiprec.security.keyring import Keyring, KeyringError
 

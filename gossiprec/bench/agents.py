@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.local.control import AsyncControlClient, ControlError
+from gossiprec.local.client import AsyncControlClient
+from gossiprec.local.protocol import ControlError
 
 MODES = ("exit", "kill")
 RESTORES = ("rejoin", "restart")

@@ -128,7 +128,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
-from gossiprec.local.control import ControlClient, ControlError
+from gossiprec.local.client import ControlClient
+from gossiprec.local.protocol import ControlError
 from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,

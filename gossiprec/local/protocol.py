@@ -1,0 +1,197 @@
+"""The control protocol between the agent and the training process: framing, messages, error codes.
+
+Frames in both directions are a 4-byte big-endian length followed by one msgpack map. A connection
+starts with a handshake::
+
+    -> {"op": "hello", "version": 1}
+    <- {"ok": true, "version": 1, "node": NAME, "max_frame": BYTES}
+
+then requests, each optionally carrying an ``"id"`` (int or string) echoed in its reply, and
+``"noreply": true`` to skip the reply on success (errors are always answered)::
+
+    {"op": "report", "step": 12, "phase": "compute", "step_ms": 840}   -> machine.set_progress
+    {"op": "state", "committed_step": 12, "inflight_step": None,
+     "state_bytes": N, "transfer_port": P}                              -> machine.set_state
+    {"op": "finished", "step": 100}                                     -> machine.finish
+    {"op": "members"}                                                   -> {"members": [...]}
+    {"op": "status"}                                                    -> {"status": {...}}
+    {"op": "subscribe"} / {"op": "unsubscribe"}                         -> event stream on/off
+    {"op": "register_layout", "layout": {...}} / {"op": "get_layout"}   -> opaque dict kept by the agent
+    {"op": "ping"}                                                      -> {"pong": true}
+
+Replies are ``{"ok": true, "id": ID, ...}`` or ``{"ok": false, "id": ID, "error": CODE, "message": TEXT}``.
+A subscribed connection also receives every event of the protocol machine as
+``{"event": ClassName, field: value, ...}`` (:func:`event_to_dict`: dataclasses turned into maps
+generically, so new machine events need no change here), interleaved with replies; replies never
+carry an ``"event"`` key.
+
+Error codes: ``bad_frame`` (a length of 0 or above the limit), ``bad_msgpack``, ``bad_request`` (not a
+map with a string ``op``), ``bad_handshake``, ``unsupported_version``, ``unknown_op``, ``timeout``,
+``overflow`` (a subscriber read too slowly) and ``shutdown`` end the connection (:data:`DISCONNECTING`);
+``bad_args`` (a bad value for a known op, checked by the ``*_args`` functions here) is answered and
+the connection stays. The clients add ``unavailable``, ``disconnected`` and ``bad_reply``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Mapping
+
+import msgpack
+
+from gossiprec.core.wire import PHASES
+from gossiprec.errors import ProtocolError
+
+CONTROL_VERSION = 1
+MAX_REQUEST_FRAME = 1024 * 1024
+"""Largest frame a client may send the agent (bytes)."""
+MAX_REPLY_FRAME = 64 * 1024 * 1024
+"""Largest frame a client accepts from the agent (a member list of 100,000 nodes fits)."""
+DISCONNECTING = frozenset({"bad_frame", "bad_msgpack", "bad_request", "bad_handshake",
+                           "unsupported_version", "unknown_op", "timeout", "overflow", "shutdown"})
+"""Error codes after which the server closes the connection."""
+LENGTH_PREFIX = 4
+"""Bytes of the big-endian length before each frame's body."""
+
+
+class ControlError(ProtocolError):
+    """A control request failed. ``code`` is machine-readable, the message says what to do."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --- encoding ---------------------------------------------------------------------------------------
+def encode_frame(obj: Mapping[str, Any]) -> bytes:
+    """Length prefix + msgpack map."""
+    body: bytes = msgpack.packb(obj, use_bin_type=True)
+    return len(body).to_bytes(LENGTH_PREFIX, "big") + body
+
+
+def frame_length(head: bytes) -> int:
+    """The body length a frame's prefix announces."""
+    return int.from_bytes(head[:LENGTH_PREFIX], "big")
+
+
+def decode_body(body: bytes) -> Any:
+    """msgpack -> Python; raises ControlError("bad_msgpack") on any defect."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=False, max_ext_len=0)
+    except Exception as exc:  # msgpack raises assorted types on hostile input
+        raise ControlError("bad_msgpack", f"frame is not valid msgpack ({type(exc).__name__})") from None
+
+
+def to_plain(value: Any) -> Any:
+    """Any event field -> msgpack-able data (dataclasses become maps, tuples lists, enums names)."""
+    if value is None or isinstance(value, (bool, str, bytes)):
+        return value
+    if isinstance(value, int):
+        return value if -2**63 <= value < 2**64 else str(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, enum.Enum):
+        return value.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {(k if isinstance(k, (str, int)) else str(k)): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return [to_plain(v) for v in items]
+    return str(value)
+
+
+def event_to_dict(event: Any) -> dict[str, Any]:
+    """``{"event": ClassName, field: value, ...}`` for any machine event (dataclass or mapping)."""
+    if isinstance(event, Mapping):
+        out = {str(k): to_plain(v) for k, v in event.items()}
+        out.setdefault("event", "Event")
+        return out
+    body = to_plain(event)
+    if not isinstance(body, dict):
+        body = {"value": body}
+    return {"event": type(event).__name__, **body}
+
+
+# --- checks -----------------------------------------------------------------------------------------
+def check_request(req: Any) -> tuple[str, Any]:
+    """A decoded request -> (op, id); ControlError("bad_request") if it is not a request."""
+    if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+        raise ControlError("bad_request", "a request is a map with a string \"op\"")
+    rid = req.get("id")
+    if rid is not None and not isinstance(rid, (int, str)):
+        raise ControlError("bad_request", "\"id\" must be an integer or a string")
+    return req["op"], rid
+
+
+def check_reply(frame: Any) -> dict[str, Any]:
+    """A decoded frame from the agent; ControlError("bad_reply") if it is not a map."""
+    if not isinstance(frame, dict):
+        raise ControlError("bad_reply", "the agent sent something that is not a map")
+    return frame
+
+
+def state_problem(committed_step: Any, inflight_step: Any, state_bytes: Any, transfer_port: Any) -> str | None:
+    """What is wrong with a trainer's state (the ``state`` message, or the progress page), or None."""
+    if type(committed_step) is not int or not 0 <= committed_step <= 2**62:
+        return f"committed_step must be an integer 0..2**62, got {committed_step!r}"
+    if inflight_step is not None and (type(inflight_step) is not int or not committed_step < inflight_step <= 2**62):
+        return f"inflight_step must be null or an integer above committed_step {committed_step}, got {inflight_step!r}"
+    if type(state_bytes) is not int or not 0 <= state_bytes <= 2**62:
+        return f"state_bytes must be an integer 0..2**62, got {state_bytes!r}"
+    if transfer_port is not None and (type(transfer_port) is not int or not 0 < transfer_port < 65536):
+        return f"transfer_port must be null or a TCP port 1..65535, got {transfer_port!r}"
+    return None
+
+
+def _int_arg(req: Mapping[str, Any], name: str, lo: int, hi: int) -> int:
+    v = req.get(name)
+    if type(v) is not int or not lo <= v <= hi:
+        raise ControlError("bad_args", f"{name} must be an integer {lo}..{hi}, got {v!r}")
+    return v
+
+
+def report_args(req: Mapping[str, Any]) -> tuple[int, int, int]:
+    """``report`` -> (step, phase index, step_ms); ControlError("bad_args") for a bad value."""
+    step = _int_arg(req, "step", -1, 2**62)
+    phase = req.get("phase", "compute")
+    if isinstance(phase, str) and phase in PHASES:
+        phase_i = PHASES.index(phase)
+    elif type(phase) is int and 0 <= phase < len(PHASES):
+        phase_i = phase
+    else:
+        raise ControlError("bad_args", f"phase must be one of {', '.join(PHASES)} (or its index), "
+                                       f"got {phase!r}")
+    step_ms = req.get("step_ms", 0)
+    if type(step_ms) is float and math.isfinite(step_ms):
+        step_ms = int(round(step_ms))
+    if type(step_ms) is not int or not 0 <= step_ms <= 2**31 - 1:
+        raise ControlError("bad_args", f"step_ms must be a number of milliseconds 0..2**31-1, got "
+                                       f"{step_ms!r}")
+    return step, phase_i, step_ms
+
+
+def state_args(req: Mapping[str, Any]) -> tuple[int, int | None, int, int | None]:
+    """``state`` -> (committed_step, inflight_step, state_bytes, transfer_port)."""
+    args = (req.get("committed_step"), req.get("inflight_step"), req.get("state_bytes"), req.get("transfer_port"))
+    problem = state_problem(*args)
+    if problem is not None:
+        raise ControlError("bad_args", problem)
+    return args  # type: ignore[return-value]  # checked by state_problem
+
+
+def finished_args(req: Mapping[str, Any]) -> int:
+    """``finished`` -> the step training ended at."""
+    return _int_arg(req, "step", 0, 2**62)
+
+
+def layout_args(req: Mapping[str, Any]) -> dict[Any, Any]:
+    """``register_layout`` -> the layout map."""
+    layout = req.get("layout")
+    if not isinstance(layout, dict):
+        raise ControlError("bad_args", "layout must be a map")
+    return layout
