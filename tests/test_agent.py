@@ -23,6 +23,7 @@ from gossiprec.errors import ConfigError
 from gossiprec.agent.hub import AgentLeaving
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.agent.pump import Agent
+from gossiprec.agent.timers import AlignedTimer, PlainTimer, loop_timer
 from gossiprec.security.crypto import Sealer
 from gossiprec.security.keyring import Keyring
 from gossiprec.agent.settings import (
@@ -322,6 +323,54 @@ def test_protocol_table_sets_agreement_fields_too(tmp_path: Path) -> None:
     machine = node_factory(s)(s.protocol_config(), "n1", "127.0.0.1:1", incarnation=1, role="spare", now=0.0,
                               rng=random.Random(1), seeds=())
     assert machine.acfg == agreement
+
+
+def test_timer_alignment_and_exit_bell_switches(tmp_path: Path) -> None:
+    on = settings_from_args(parse(["--insecure"]), {})
+    assert on.align_timers is True and on.exit_bell is True  # both on by default
+    off = settings_from_args(parse(["--insecure", "--no-align-timers", "--no-exit-bell"]), {})
+    assert off.align_timers is False and off.exit_bell is False
+    env = settings_from_args(parse(["--insecure"]), {"GOSSIPREC_ALIGN_TIMERS": "0", "GOSSIPREC_EXIT_BELL": "no"})
+    assert env.align_timers is False and env.exit_bell is False
+    toml = tmp_path / "agent.toml"
+    toml.write_text("insecure = true\nalign_timers = false\nexit-bell = false\n")
+    f = load_settings({}, {"GOSSIPREC_CONFIG": str(toml)})
+    assert f.align_timers is False and f.exit_bell is False
+    with pytest.raises(ConfigError, match="GOSSIPREC_EXIT_BELL: expected a boolean"):
+        load_settings({}, {"GOSSIPREC_INSECURE": "1", "GOSSIPREC_EXIT_BELL": "maybe"})
+
+
+@pytest.mark.parametrize(("align", "ms_clock", "deadline", "now", "tick_at"), [
+    (False, False, 10.0, 10.0, 10.0),      # due: tick now
+    (False, False, 10.001, 10.0, None),    # a plain timer that fired early is set again
+    (True, True, 10.001, 10.0, "slept"),   # an aligned one sleeps the fraction out, then ticks
+    (True, True, 10.5, 10.0, None),        # a deadline that moved later: set again
+    (True, False, 9.0, 10.0, 10.0),        # overdue: tick now
+])
+def test_the_loop_timer_ticks_when_due(align: bool, ms_clock: bool, deadline: float, now: float,
+                                       tick_at: object) -> None:
+    clock = iter([10.0015])
+    timer = AlignedTimer(lambda: next(clock), ms_clock) if align else PlainTimer(lambda: next(clock))
+    got = timer.settle(deadline, now)
+    assert got == (10.0015 if tick_at == "slept" else tick_at)
+
+
+async def test_the_loop_timer_follows_the_loop(sockdir: str) -> None:
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop_timer(loop, time.monotonic, False), PlainTimer)
+    aligned = loop_timer(loop, time.monotonic, True)
+    assert isinstance(aligned, AlignedTimer) and aligned.ms_clock is False  # not uvloop: no ms rounding
+    fired = asyncio.Event()
+    aligned.arm(loop, time.monotonic() + 0.001, fired.set)
+    await asyncio.wait_for(fired.wait(), 5)
+    for align in (True, False):  # an agent with either timer ticks when its machine's deadline comes
+        agent = Agent(node_settings(sockdir, 0, align_timers=align))
+        async with agent:
+            assert isinstance(agent._loop_timer, AlignedTimer) is align
+            m = agent.machine
+            assert m is not None
+            first = m.next_deadline()
+            await agent.wait_until(lambda: m.next_deadline() > first, 5)  # a tick moved it on
 
 
 def test_settings_default_keyring_and_addresses(tmp_path: Path) -> None:

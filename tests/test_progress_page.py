@@ -236,3 +236,16 @@ async def test_the_agent_leaves_when_its_trainer_dies_holding_the_bell(tmpdir_: 
         finally:
             p.kill()
             p.wait()
+
+
+@pytest.mark.skipif(bell.pthreads() is None, reason="no robust mutexes on this system")
+async def test_with_the_exit_bell_off_there_is_none_to_arm(tmpdir_: str) -> None:
+    s = AgentSettings(name="n0", bind_host="127.0.0.1", port=0, insecure=True,
+                      control_socket=f"{tmpdir_}/n0.sock", exit_bell=False)
+    async with Agent(s) as agent:
+        with ProgressPage.open(page_path_for(agent.control_path)) as page:
+            assert not page.arm_bell() and page.bell_pid() == 0
+            page.report(5, PHASES.index("compute"), 10)
+            me = [r for r in agent.control_members() if r["self"]][0]
+            assert me["step"] == 5  # the page still carries the progress
+            assert agent._bell is None  # and nothing watches a bell

@@ -67,6 +67,7 @@ from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
 )
 from gossiprec.agent.status import agent_status, member_rows, status_name
+from gossiprec.agent.timers import LoopTimer, PlainTimer, loop_timer
 from gossiprec.agent.transport import Throttle, Transport, TransportLimits, routable_ip
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.machine import Machine, MachineFactory
@@ -79,8 +80,6 @@ from gossiprec.security.keyring import Keyring, KeyringError
 
 log = logging.getLogger(__name__)
 
-_FINISH_EARLY_S = 0.002
-"""A timer that fires at most this early sleeps out the rest in place (see Agent._on_timer)."""
 _STATE_KEYS = ("committed_step", "inflight_step", "state_bytes", "transfer_port")
 """The fields of ``trainer_state`` in the status reply (the control socket's ``state`` message)."""
 
@@ -140,9 +139,8 @@ class Agent:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         """Monotonic time the timer is armed for (inf: not armed)."""
+        self._loop_timer: LoopTimer = PlainTimer(time.monotonic)
         self._keyring_due = math.inf
-        self._ms_clock = False
-        """The loop's timers run on a millisecond clock in time.monotonic()'s scale (uvloop)."""
         self._pump_waiters: list[asyncio.Future[None]] = []
         self._throttle = Throttle(log)
         self._signals: list[int] = []
@@ -164,8 +162,7 @@ class Agent:
         self._state = "starting"
         s = self.settings
         self._loop = loop = asyncio.get_running_loop()
-        self._ms_clock = (type(loop).__module__.startswith("uvloop")
-                          and abs(loop.time() - time.monotonic()) < 0.05)
+        self._loop_timer = loop_timer(loop, time.monotonic, s.align_timers)
         stack = AsyncExitStack()
         await stack.__aenter__()
         self._stack = stack
@@ -193,7 +190,8 @@ class Agent:
             self.control_path = s.control_socket or default_control_path(port)
             self.control = ControlServer(self.control_path, self)
             await stack.enter_async_context(self.control)
-            self._page = ProgressPage.create(page_path_for(self.control_path))  # the socket's directory: checked
+            # in the control socket's directory, which bind_unix_socket checked
+            self._page = ProgressPage.create(page_path_for(self.control_path), with_bell=s.exit_bell)
             stack.callback(self._close_page)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.keyring is not None and self.keyring.path is not None:
@@ -377,16 +375,7 @@ class Agent:
         if deadline == math.inf:
             self._timer = None
             return
-        if self._ms_clock:
-            # uvloop's timers run on a cached millisecond clock in time.monotonic()'s scale and fire
-            # within the millisecond after the one they are set for. Aim at the millisecond the
-            # deadline falls in: the timer fires at most ~1 ms early and _on_timer sleeps out the rest
-            # (measured: ticks 0.36 ms late on average, was 0.46; aiming a millisecond later saves
-            # those short sleeps but makes ticks ~1.2 ms late; a plain call_later fires up to ~1 ms
-            # early and then spins through the loop until the deadline).
-            self._timer = loop.call_at(math.floor(deadline * 1000.0) / 1000.0, self._on_timer)
-        else:
-            self._timer = loop.call_later(max(0.0, deadline - time.monotonic()), self._on_timer)
+        self._timer = self._loop_timer.arm(loop, deadline, self._on_timer)
 
     def _disarm(self) -> None:
         h, self._timer = self._timer, None
@@ -408,14 +397,11 @@ class Agent:
                 self._keyring_due = now + self.keyring_check_s
                 self.reload_keyring()
             deadline = m.next_deadline()
-            if deadline > now:
-                if deadline - now > _FINISH_EARLY_S:
-                    self._arm(deadline)  # the keyring's wake-up, or a deadline that moved
-                    return
-                # A millisecond timer fired just before the deadline: sleep out the fraction instead
-                # of going around the loop (a re-arm rounds to 0 or 1 ms: a spin or a late tick).
-                time.sleep(deadline - now)
-                now = time.monotonic()
+            at = self._loop_timer.settle(deadline, now)
+            if at is None:
+                self._arm(deadline)  # the keyring's wake-up, or a deadline that moved
+                return
+            now = at
             m.tick(now)
         except Exception:
             self._count("machine_errors")

@@ -24,7 +24,8 @@ Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC
     GOSSIPREC_NODE GOSSIPREC_BIND GOSSIPREC_PORT GOSSIPREC_ADVERTISE GOSSIPREC_SEEDS (comma separated)
     GOSSIPREC_ROLE GOSSIPREC_RANK GOSSIPREC_PROFILE GOSSIPREC_CLUSTER GOSSIPREC_KEYRING
     GOSSIPREC_INSECURE (1/0, true/false, yes/no) GOSSIPREC_CONTROL GOSSIPREC_LOG_FORMAT
-    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_CONFIG (path of the TOML file)
+    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
+    GOSSIPREC_EXIT_BELL (1/0) GOSSIPREC_CONFIG (path of the TOML file)
 
 TOML file: the same names as the dataclass fields at top level (``port = 7980``, ``seeds = ["a:7980"]``),
 plus an optional ``[protocol]`` table of ``Config`` overrides (``probe_interval = 0.2``).
@@ -77,6 +78,8 @@ ENV: dict[str, str] = {
     "log_level": "GOSSIPREC_LOG_LEVEL",
     "metrics_port": "GOSSIPREC_METRICS_PORT",
     "job": "GOSSIPREC_JOB",
+    "align_timers": "GOSSIPREC_ALIGN_TIMERS",
+    "exit_bell": "GOSSIPREC_EXIT_BELL",
 }
 """Setting field -> environment variable."""
 ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
@@ -123,6 +126,14 @@ class AgentSettings:
     job: str | None = None
     """Job spec (TOML): the members of view 0, their ranks and the topology (see gossiprec.agent.jobspec).
     None: this agent joins an existing job through its seeds, as a spare."""
+    align_timers: bool = True
+    """Set the pump's timer on uvloop's millisecond clock and sleep out a timer that fires up to 2 ms
+    early (see gossiprec.agent.timers). False: plain ``call_later``; a timer that fires early goes once
+    more around the event loop."""
+    exit_bell: bool = True
+    """Watch the trainer's exit bell (gossiprec.local.bell), so that a dying trainer is seen before the
+    kernel has torn its memory down. False: no bell; its death is seen when it has exited (by the
+    launcher of ``gossiprec run``)."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -330,6 +341,7 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "job": _as_opt_str,
+    "align_timers": _as_bool, "exit_bell": _as_bool,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 _AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
@@ -484,6 +496,10 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", dest="log_level", choices=LOG_LEVELS, default=None)
     g.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
                    help="Prometheus endpoint port (default: none)")
+    g.add_argument("--align-timers", dest="align_timers", action=argparse.BooleanOptionalAction, default=None,
+                   help="align the protocol timer with uvloop's millisecond clock (default on)")
+    g.add_argument("--exit-bell", dest="exit_bell", action=argparse.BooleanOptionalAction, default=None,
+                   help="watch the trainer's exit bell: see a dying trainer before it has exited (default on)")
     g.add_argument("--protocol", metavar="NAME=VALUE", action="append", default=None,
                    help="override a protocol Config field (repeatable), e.g. probe_interval=0.2")
 

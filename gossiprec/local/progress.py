@@ -104,8 +104,9 @@ class ProgressPage:
         self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1]
 
     @classmethod
-    def create(cls, path: str) -> ProgressPage:
-        """Create (or replace) the page at ``path``, mode 0600; the caller's directory is already checked."""
+    def create(cls, path: str, with_bell: bool = True) -> ProgressPage:
+        """Create (or replace) the page at ``path``, mode 0600; the caller's directory is already checked.
+        ``with_bell=False``: no exit bell (a trainer finds none to arm)."""
         p = Path(path)
         try:
             # one left by an agent that died (the control socket, bound first, refused a live agent)
@@ -121,7 +122,7 @@ class ProgressPage:
             os.close(fd)
             p.unlink(missing_ok=True)
             raise
-        _BELL_INFO.pack_into(page._mm, BELL_INFO_AT, int(bell.init_bell(page._mm)), 0)
+        _BELL_INFO.pack_into(page._mm, BELL_INFO_AT, int(with_bell and bell.init_bell(page._mm)), 0)
         _HEAD.pack_into(page._mm, 0, MAGIC, VERSION)
         return page
 
