@@ -67,8 +67,10 @@ from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
 )
 from gossiprec.agent.status import agent_status, member_rows, status_name
-from gossiprec.agent.timers import LoopTimer, PlainTimer, loop_timer
-from gossiprec.agent.transport import Throttle, Transport, TransportLimits, routable_ip
+from gossiprec.agent.timers import Clock, LoopTimer, PlainTimer, loop_timer
+from gossiprec.agent.transport import (
+    NetTransport, Throttle, Transport, TransportFactory, TransportLimits, routable_ip,
+)
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.machine import Machine, MachineFactory
 from gossiprec.errors import ProtocolError
@@ -100,6 +102,8 @@ class Agent:
         join_retry_s: float = 1.0,
         handle_signals: bool = False,
         rng: random.Random | None = None,
+        clock: Clock = time.monotonic,
+        transport_factory: TransportFactory = NetTransport,
     ) -> None:
         self.settings = settings
         self.config = settings.protocol_config()
@@ -110,6 +114,9 @@ class Agent:
         self.join_retry_s = join_retry_s
         self.handle_signals = handle_signals
         self.rng = rng if rng is not None else random.Random()
+        self.clock = clock
+        """The time every input is handed to the machine with (the loop's timers must follow it)."""
+        self.transport_factory = transport_factory
         self._limits = limits
         self.machine: Machine | None = None
         self.transport: Transport | None = None
@@ -138,8 +145,8 @@ class Agent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
-        """Monotonic time the timer is armed for (inf: not armed)."""
-        self._loop_timer: LoopTimer = PlainTimer(time.monotonic)
+        """The time (on :attr:`clock`) the timer is armed for (inf: not armed)."""
+        self._loop_timer: LoopTimer = PlainTimer(clock)
         self._keyring_due = math.inf
         self._pump_waiters: list[asyncio.Future[None]] = []
         self._throttle = Throttle(log)
@@ -162,7 +169,7 @@ class Agent:
         self._state = "starting"
         s = self.settings
         self._loop = loop = asyncio.get_running_loop()
-        self._loop_timer = loop_timer(loop, time.monotonic, s.align_timers)
+        self._loop_timer = loop_timer(loop, self.clock, s.align_timers)
         stack = AsyncExitStack()
         await stack.__aenter__()
         self._stack = stack
@@ -174,15 +181,18 @@ class Agent:
             limits = self._limits or TransportLimits(
                 max_datagram_payload=self.config.mtu,
                 max_stream_payload=min(self.config.max_stream, 8 * 1024 * 1024))
-            self.transport = Transport(s.bind_host, s.port, cluster=self.config.cluster,
-                                       on_message=self._on_message, keyring=self.keyring,
-                                       insecure=s.insecure, limits=limits)
-            await stack.enter_async_context(self.transport)
-            port = self.transport.port
+            self._limits = limits
+            transport = self.transport_factory(s.bind_host, s.port, cluster=self.config.cluster,
+                                               on_message=self._on_message, keyring=self.keyring,
+                                               insecure=s.insecure, limits=limits)
+            self.transport = transport
+            await transport.start()
+            stack.push_async_callback(transport.aclose)
+            port = transport.port
             self.name = s.name or default_node_name(port)
             self.addr = await self._advertise(port)
             self.incarnation = int(time.time() * 1000)
-            self.started_at = time.monotonic()
+            self.started_at = self.clock()
             seeds = tuple(a for a in s.seed_addrs() if a != self.addr)
             self.machine = self.machine_factory(self.config, self.name, self.addr,
                                                 incarnation=self.incarnation, role=s.role,
@@ -195,7 +205,7 @@ class Agent:
             stack.callback(self._close_page)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.keyring is not None and self.keyring.path is not None:
-                self._keyring_due = time.monotonic() + self.keyring_check_s
+                self._keyring_due = self.clock() + self.keyring_check_s
             if seeds:
                 tg.create_task(self._join_loop(list(seeds)), name="gossiprec-join")
             if s.metrics_port is not None:
@@ -225,8 +235,8 @@ class Agent:
             self._state = "leaving"
             self.leave_now("shutdown")
             await self._sleep(self.leave_drain)
-            if self.transport is not None:
-                await self.transport.drain(self.transport.limits.connect_timeout)
+            if self.transport is not None and self._limits is not None:
+                await self.transport.drain(self._limits.connect_timeout)
         self._state = "closing"
         self._closing = True
         self._closed_evt.set()
@@ -274,7 +284,7 @@ class Agent:
         m = self.machine
         if m is None or self._closing or self.leave_reason is not None:
             return
-        now = time.monotonic()
+        now = self.clock()
         self.leave_reason = reason
         if failed:
             log.warning("leaving the cluster at once: %s", reason, extra={"fields": {"node": self.name}})
@@ -315,7 +325,7 @@ class Agent:
             return
         self._sync_page()
         try:
-            m.receive(payload, time.monotonic(), reliable)
+            m.receive(payload, self.clock(), reliable)
         except Exception:
             self._count("machine_errors")
             self._throttle.warn("receive", "machine.receive raised; message dropped", exc_info=True)
@@ -337,7 +347,7 @@ class Agent:
         except Exception:
             self._count("machine_errors")
             self._throttle.warn("flush", "machine output failed", exc_info=True)
-            self._arm(time.monotonic() + 0.01)  # retry soon; do not spin on a persistent bug
+            self._arm(self.clock() + 0.01)  # retry soon; do not spin on a persistent bug
             return
         self._arm(deadline)  # before publishing: nothing below may leave the machine without a timer
         if events:
@@ -391,7 +401,7 @@ class Agent:
         m = self.machine
         assert m is not None
         self._sync_page()
-        now = time.monotonic()
+        now = self.clock()
         try:
             if now >= self._keyring_due:
                 self._keyring_due = now + self.keyring_check_s
@@ -419,7 +429,7 @@ class Agent:
             assert m is not None
             log.info("joining through %s", ", ".join(seeds))
             try:
-                m.join(seeds, time.monotonic())
+                m.join(seeds, self.clock())
             except Exception:
                 self._count("machine_errors")
                 log.exception("machine.join failed")
@@ -516,7 +526,7 @@ class Agent:
         m = self.machine
         if m is None:
             return
-        m.set_progress(step, phase, step_ms, time.monotonic())
+        m.set_progress(step, phase, step_ms, self.clock())
         self._progress = (step, phase, step_ms)
 
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
@@ -532,7 +542,7 @@ class Agent:
         if m is None or self._closing:
             return
         self._sync_page()
-        m.finish(step, time.monotonic())
+        m.finish(step, self.clock())
         self._flush()
 
     def _sync_page(self) -> None:
@@ -563,7 +573,9 @@ class Agent:
                 if self.trainer_state != dict(zip(_STATE_KEYS, state)):
                     self.control_set_state(*state)
             if (rec.step, rec.phase, rec.step_ms) != self._progress:
-                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(rec.since, time.monotonic()))
+                now = self.clock()
+                since = now - (time.monotonic() - rec.since)  # the page's stamps are CLOCK_MONOTONIC
+                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(since, now))
                 self._progress = (rec.step, rec.phase, rec.step_ms)
         except ProtocolError as exc:
             self._count("progress_page_invalid")
@@ -605,11 +617,11 @@ class Agent:
 
     def control_members(self) -> list[dict[str, Any]]:
         self._sync_page()
-        return member_rows(self, time.monotonic())
+        return member_rows(self, self.clock())
 
     def control_status(self) -> dict[str, Any]:
         self._sync_page()
-        return agent_status(self, time.monotonic())
+        return agent_status(self, self.clock())
 
     def control_set_layout(self, layout: dict[Any, Any]) -> None:
         self.layout = layout

@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-One :class:`Transport` binds a UDP socket and a TCP listening socket to the same port. The protocol core
-hands the agent ``Send(addr, payload, reliable)``; the agent calls :meth:`Transport.send`:
+One :class:`NetTransport` binds a UDP socket and a TCP listening socket to the same port. The protocol core
+hands the agent ``Send(addr, payload, reliable)``; the agent calls :meth:`NetTransport.send`:
 
 - ``reliable=False``: the payload is sealed with the process's :class:`~gossiprec.security.crypto.Sealer`
   (one boot id per process) and sent as one datagram. Nothing waits; a full socket buffer drops the
@@ -18,10 +18,10 @@ replay window, tag) before its plaintext reaches ``on_message(payload, reliable=
 accepted TCP connection gets its own :class:`~gossiprec.security.crypto.StreamOpener`; each complete frame
 goes to ``on_message(payload, reliable=True)``. A connection is closed at its first bad frame, after
 ``max_frames_per_stream`` frames, or when ``io_timeout`` runs out. Refusals are counted by reason in
-:attr:`Transport.rejects` (the opener's :class:`~gossiprec.security.crypto.RejectCounter`) and logged at
+:attr:`NetTransport.rejects` (the opener's :class:`~gossiprec.security.crypto.RejectCounter`) and logged at
 most once per reason per ``log_interval`` seconds. No exception caused by a peer leaves this module.
 
-Accounting (:meth:`Transport.stats`, shown by the agent's ``status``): a *packet* is a datagram or a
+Accounting (:meth:`NetTransport.stats`, shown by the agent's ``status``): a *packet* is a datagram or a
 stream frame. ``tx_packets``/``tx_bytes`` count what was handed to the kernel (sealed bytes, frame
 length prefix included); ``rx_bytes`` counts every byte that arrived (datagrams, and stream bytes read),
 ``rx_packets`` every datagram and stream frame that reached the opener, so that
@@ -47,7 +47,7 @@ import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from gossiprec.errors import ConfigError
 from gossiprec.security.crypto import CryptoLimits, Opener, OpenError, RejectCounter, RejectLog, Sealer, SealError
@@ -62,10 +62,51 @@ DROP_COUNTERS = frozenset({
     "tx_wrong_family", "tx_streams_dropped", "tx_stream_errors", "tx_seal_too_large", "tx_seal_no_key",
     "tx_seal_exhausted", "rx_streams_refused", "rx_stream_errors", "rx_handler_errors",
 })
-"""Counters of :attr:`Transport.counters` that count a lost message (reported under ``dropped``)."""
+"""Counters of :attr:`NetTransport.counters` that count a lost message (reported under ``dropped``)."""
 
 OnMessage = Callable[[bytes, bool], None]
 """``on_message(payload, reliable)``: called on the event loop for every authenticated message."""
+
+
+class Transport(Protocol):
+    """What the agent needs of its network: best-effort datagrams and reliable messages to
+    ``"host:port"``, each delivered to the peer's ``on_message``. :class:`NetTransport` is the real one;
+    tests run agents on an in-memory network through the same interface."""
+
+    port: int
+    """The port bound (meaningful once :meth:`start` returned)."""
+
+    async def start(self) -> None:
+        """Bind and start receiving; ConfigError if the address is taken or invalid."""
+        ...
+
+    async def aclose(self, grace: float = 0.0) -> None:
+        """Stop, give reliable messages in flight ``grace`` seconds, release everything."""
+        ...
+
+    async def drain(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for reliable messages in flight."""
+        ...
+
+    def abort(self) -> None:
+        """Stop all traffic at once (a crash); :meth:`aclose` still finishes the cleanup."""
+        ...
+
+    def send(self, addr: str, payload: bytes, reliable: bool = False) -> None:
+        """Send one message; never raises (losses are counted)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``status`` and metrics (the shape of :meth:`NetTransport.stats`)."""
+        ...
+
+
+class TransportFactory(Protocol):
+    """How the agent builds its transport (:class:`NetTransport` itself is one)."""
+
+    def __call__(self, bind_host: str, port: int, *, cluster: str, on_message: OnMessage,
+                 keyring: Keyring | None = None, insecure: bool = False,
+                 limits: TransportLimits | None = None) -> Transport: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +166,7 @@ class Throttle:
 
 
 class _UdpProtocol(asyncio.DatagramProtocol):
-    def __init__(self, owner: Transport) -> None:
+    def __init__(self, owner: NetTransport) -> None:
         self.owner = owner
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
@@ -139,8 +180,8 @@ class _UdpProtocol(asyncio.DatagramProtocol):
         pass
 
 
-class Transport:
-    """UDP + TCP endpoint with sealing. Use as ``async with Transport(...) as t`` from one task."""
+class NetTransport:
+    """UDP + TCP endpoint with sealing. Use as ``async with NetTransport(...) as t`` from one task."""
 
     def __init__(
         self,
@@ -189,7 +230,7 @@ class Transport:
     def closed(self) -> bool:
         return self._closing
 
-    async def __aenter__(self) -> Transport:
+    async def __aenter__(self) -> NetTransport:
         await self.start()
         return self
 
