@@ -1,5 +1,7 @@
-"""The asyncio agent on real loopback sockets: cluster formation, crash and leave detection, sealing,
-refusal counting, keyring reload; and the settings loader (flags > env > file > defaults)."""
+"""The asyncio agent: cluster formation, crash and leave detection and contained machine errors on an
+in-memory network in virtual time (tests.support.memnet, .vtime); sealing, refusal counting, bind
+conflicts and keyring reload on real loopback sockets; the timer strategies; and the settings loader
+(flags > env > file > defaults)."""
 
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from gossiprec.security.keyring import Keyring
 from gossiprec.agent.settings import (
     DEFAULT_PORT, AgentSettings, add_agent_arguments, load_settings, settings_from_args, split_host_port,
 )
+from tests.support.memnet import MemNetwork
+from tests.support.vtime import virtual_time
 
 FAST = (("suspicion_floor", 0.5),)
 """Shorter suspicion for tests (the lan default is 1.2 s); probing stays at production timings."""
@@ -51,15 +55,17 @@ def node_settings(sockdir: str, i: int, seeds: tuple[str, ...] = (), **kw: objec
 
 
 @contextlib.asynccontextmanager
-async def cluster(sockdir: str, n: int, **kw: object) -> AsyncIterator[list[Agent]]:
-    """``n`` agents in this event loop, joined through the first; yields once all see ``n`` live."""
+async def cluster(sockdir: str, n: int, net: MemNetwork | None = None, **kw: object) -> AsyncIterator[list[Agent]]:
+    """``n`` agents in this event loop, joined through the first; yields once all see ``n`` live. On
+    ``net`` (in memory, the loop's clock) when given, else on loopback sockets."""
+    make = Agent if net is None else net.agent
     agents: list[Agent] = []
     try:
-        first = Agent(node_settings(sockdir, 0, **kw))  # type: ignore[arg-type]
+        first = make(node_settings(sockdir, 0, **kw))  # type: ignore[arg-type]
         await first.start()
         agents.append(first)
         for i in range(1, n):
-            a = Agent(node_settings(sockdir, i, (first.addr,), **kw))  # type: ignore[arg-type]
+            a = make(node_settings(sockdir, i, (first.addr,), **kw))  # type: ignore[arg-type]
             await a.start()
             agents.append(a)
         for a in agents:
@@ -83,9 +89,10 @@ def live_names(agent: Agent) -> set[str]:
     return {m.name for m in agent.machine.members() if m.live}
 
 
-# --- cluster behaviour ------------------------------------------------------------------------------
+# --- cluster behaviour (in memory, virtual time) -----------------------------------------------------
+@virtual_time
 async def test_cluster_forms_through_seeds(sockdir: str) -> None:
-    async with cluster(sockdir, 4) as agents:
+    async with cluster(sockdir, 4, MemNetwork()) as agents:
         names = {a.name for a in agents}
         for a in agents:
             assert live_names(a) == names
@@ -95,29 +102,32 @@ async def test_cluster_forms_through_seeds(sockdir: str) -> None:
         assert abs(agents[0].incarnation - time.time() * 1000) < 60_000
 
 
+@virtual_time
 async def test_abrupt_stop_is_detected_as_failure(sockdir: str) -> None:
-    async with cluster(sockdir, 4) as agents:
+    clock = asyncio.get_running_loop().time
+    async with cluster(sockdir, 4, MemNetwork()) as agents:
         victim, survivors = agents[3], agents[:3]
         subs = [a.subscribe() for a in survivors]
         victim.abort()  # sockets closed, no leave: a crash
-        t0 = time.monotonic()
+        t0 = clock()
         for a, sub in zip(survivors, subs):
             ev = await a.wait_for_event(lambda e: isinstance(e, (MemberFailed, MemberLeft)) and e.name == "n3",
                                         15, sub)
             assert isinstance(ev, MemberFailed), ev
-        detect = time.monotonic() - t0
+        detect = clock() - t0
         assert detect < 15
         for a in survivors:
             assert a.member_status("n3") == "dead"
             assert live_names(a) == {"n0", "n1", "n2"}
 
 
+@virtual_time
 async def test_graceful_stop_is_seen_as_left(sockdir: str) -> None:
-    async with cluster(sockdir, 3) as agents:
+    async with cluster(sockdir, 3, MemNetwork()) as agents:
         leaver, stay = agents[2], agents[:2]
         subs = [a.subscribe() for a in stay]
         own = leaver.subscribe()
-        t0 = time.monotonic()
+        t0 = leaver.clock()
         await leaver.aclose()  # graceful: leave, drain a few gossip intervals, close
         assert isinstance(own.get_nowait(), AgentLeaving)
         for a, sub in zip(stay, subs):
@@ -128,10 +138,12 @@ async def test_graceful_stop_is_seen_as_left(sockdir: str) -> None:
             assert a.member_status("n2") == "left"
 
 
+@virtual_time
 async def test_stop_makes_run_leave_and_return(sockdir: str) -> None:
-    async with cluster(sockdir, 2) as agents:
+    net = MemNetwork()
+    async with cluster(sockdir, 2, net) as agents:
         sub = agents[0].subscribe()
-        extra = Agent(node_settings(sockdir, 9, (agents[0].addr,)))
+        extra = net.agent(node_settings(sockdir, 9, (agents[0].addr,)))
         async with asyncio.TaskGroup() as tg:
             task = tg.create_task(extra.run())
             await agents[0].wait_for_event(lambda e: isinstance(e, MemberJoined) and e.name == "n9", 10, sub)
@@ -141,7 +153,7 @@ async def test_stop_makes_run_leave_and_return(sockdir: str) -> None:
         assert task.done() and ev.name == "n9"
 
 
-# --- sealing and refusals ---------------------------------------------------------------------------
+# --- sealing and refusals (loopback sockets) -----------------------------------------------------------
 def keyring_file(directory: str, key: bytes, name: str = "keys.json") -> str:
     path = os.path.join(directory, name)
     ring = Keyring([key])
@@ -214,7 +226,9 @@ async def test_keyring_rotation_is_picked_up(sockdir: str) -> None:
         assert agent.counters["keyring_errors"] == 1
 
 
+@virtual_time
 async def test_machine_errors_are_contained(sockdir: str) -> None:
+    net = MemNetwork()
     calls = {"n": 0}
     s = node_settings(sockdir, 0)
     make = node_factory(s)
@@ -232,9 +246,9 @@ async def test_machine_errors_are_contained(sockdir: str) -> None:
         machine.receive = receive  # type: ignore[method-assign]
         return machine
 
-    a = Agent(s, machine_factory=fragile)
+    a = net.agent(s, machine_factory=fragile)
     async with a:
-        b = Agent(node_settings(sockdir, 1, (a.addr,)), join_retry_s=0.1)
+        b = net.agent(node_settings(sockdir, 1, (a.addr,)), join_retry_s=0.1)
         async with b:
             await a.wait_until(lambda: a.live_count() == 2, 10)
         assert a.counters["machine_errors"] == 1
@@ -355,16 +369,18 @@ def test_the_loop_timer_ticks_when_due(align: bool, ms_clock: bool, deadline: fl
     assert got == (10.0015 if tick_at == "slept" else tick_at)
 
 
+@virtual_time
 async def test_the_loop_timer_follows_the_loop(sockdir: str) -> None:
     loop = asyncio.get_running_loop()
-    assert isinstance(loop_timer(loop, time.monotonic, False), PlainTimer)
-    aligned = loop_timer(loop, time.monotonic, True)
+    assert isinstance(loop_timer(loop, loop.time, False), PlainTimer)
+    aligned = loop_timer(loop, loop.time, True)
     assert isinstance(aligned, AlignedTimer) and aligned.ms_clock is False  # not uvloop: no ms rounding
     fired = asyncio.Event()
-    aligned.arm(loop, time.monotonic() + 0.001, fired.set)
+    aligned.arm(loop, loop.time() + 0.001, fired.set)
     await asyncio.wait_for(fired.wait(), 5)
+    net = MemNetwork()
     for align in (True, False):  # an agent with either timer ticks when its machine's deadline comes
-        agent = Agent(node_settings(sockdir, 0, align_timers=align))
+        agent = net.agent(node_settings(sockdir, 0, align_timers=align))
         async with agent:
             assert isinstance(agent._loop_timer, AlignedTimer) is align
             m = agent.machine

@@ -1,5 +1,6 @@
 """Control socket: handshake, requests, progress reports reaching peers, the event stream (generic
-event encoding), garbage handling, permissions, and the blocking client used by training loops."""
+event encoding), garbage handling, permissions, and the blocking client used by training loops. The
+tests that wait for the protocol (peers, events, timeouts) run on an in-memory network in virtual time."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from gossiprec.local.client import AsyncControlClient, ControlClient
 from gossiprec.local.protocol import MAX_REQUEST_FRAME, ControlError, encode_frame, event_to_dict
 from gossiprec.local.server import bind_unix_socket
 from gossiprec.agent.settings import AgentSettings, control_path_from_env
+from tests.support.memnet import MemNetwork
+from tests.support.vtime import virtual_time
 
 FAST = (("suspicion_floor", 0.5),)
 
@@ -95,9 +98,11 @@ async def test_handshake_and_requests(sockdir: str) -> None:
     assert not os.path.exists(agent.control_path)  # removed on close
 
 
+@virtual_time
 async def test_report_reaches_peers(sockdir: str) -> None:
-    async with Agent(settings(sockdir, 0)) as a:
-        async with Agent(settings(sockdir, 1, (a.addr,))) as b:
+    net = MemNetwork()
+    async with net.agent(settings(sockdir, 0)) as a:
+        async with net.agent(settings(sockdir, 1, (a.addr,))) as b:
             async with await AsyncControlClient.connect(a.control_path) as c:
                 await c.report(step=1234, phase="communicate", step_ms=250)
 
@@ -142,8 +147,9 @@ async def test_garbage_gets_an_error_and_a_disconnect(sockdir: str, payload: byt
         assert agent.control is not None and agent.control.counters[f"refused_{code}"] == 1
 
 
+@virtual_time
 async def test_handshake_timeout_and_client_vanishing(sockdir: str) -> None:
-    async with Agent(settings(sockdir, 0)) as agent:
+    async with MemNetwork().agent(settings(sockdir, 0)) as agent:
         assert agent.control is not None
         agent.control.hello_timeout = 0.05
         reader, writer = await raw_connect(agent.control_path)
@@ -186,8 +192,10 @@ def test_event_to_dict_is_generic() -> None:
     assert event_to_dict({"event": "Custom", "n": (1, 2)}) == {"event": "Custom", "n": [1, 2]}
 
 
+@virtual_time
 async def test_subscribe_streams_machine_events_generically(sockdir: str) -> None:
     """A factory whose machine emits an extra event type: it reaches control clients unchanged."""
+    net = MemNetwork()
 
     make = node_factory(settings(sockdir, 0))
 
@@ -204,10 +212,10 @@ async def test_subscribe_streams_machine_events_generically(sockdir: str) -> Non
         machine.take_events = take_events  # type: ignore[method-assign]
         return machine
 
-    async with Agent(settings(sockdir, 0), machine_factory=factory) as a:
+    async with net.agent(settings(sockdir, 0), machine_factory=factory) as a:
         async with await AsyncControlClient.connect(a.control_path) as c:
             await c.subscribe()
-            async with Agent(settings(sockdir, 1, (a.addr,))):
+            async with net.agent(settings(sockdir, 1, (a.addr,))):
                 async with asyncio.timeout(10):
                     joined = await c.next_event()
                     while joined["event"] != "MemberJoined":

@@ -1,5 +1,6 @@
 """Prometheus metrics: the event accounting (detection and agreement times from event stamps), and the
-endpoint of real agents scraped over loopback HTTP: refused packets by reason, views, live members."""
+endpoint scraped over loopback HTTP: refused packets by reason and live members of real agents, and a
+view change of agents on an in-memory network in virtual time."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
 from gossiprec.errors import ConfigError
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.metrics import AgentMetrics, require_prometheus
-from gossiprec.agent.settings import AgentSettings
+from gossiprec.agent.settings import AgentSettings, split_host_port
+from tests.support.memnet import MemNetwork
+from tests.support.vtime import virtual_time
 
 pytest.importorskip("prometheus_client")
 
@@ -108,28 +111,57 @@ def _sample(text: str, name: str) -> float:
     raise AssertionError(f"{name} not in the scrape:\n{text}")
 
 
-async def test_endpoint_serves_state_rejections_and_view_changes(sockdir: str) -> None:
-    n = 3
+async def _aget(port: int, path: str = "/metrics") -> tuple[int, str]:
+    """GET over loopback from this event loop (no thread: the virtual clock must not run ahead of it)."""
+    async with asyncio.timeout(5):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            data = await reader.read()  # the server closes after one response
+        finally:
+            writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+async def _start_job(sockdir: str, n: int, ports: list[int], net: MemNetwork | None = None) -> list[Agent]:
+    """``n`` agents of one job spec with metrics endpoints, once each has heard from every other: view-0
+    members count as live from the job spec, but a crash is judged only by members that heard from the
+    crashed one (the startup grace), so crashing one before anyone heard it would be seen only when the
+    grace ends."""
     names = [f"m{i}" for i in range(n)]
-    ports = free_ports(n)
     job = Path(sockdir) / "job.toml"
     job.write_text(job_spec(list(zip(names, ports)), 0))
     agents: list[Agent] = []
     try:
         for name, port in zip(names, ports):
-            a = Agent(AgentSettings(name=name, bind_host="127.0.0.1", port=port, insecure=True, metrics_port=0,
-                                    control_socket=f"{sockdir}/{name}.sock", job=str(job),
-                                    seeds=(f"127.0.0.1:{ports[0]}",)))
+            s = AgentSettings(name=name, bind_host="127.0.0.1", port=port, insecure=True, metrics_port=0,
+                              control_socket=f"{sockdir}/{name}.sock", job=str(job),
+                              seeds=(f"127.0.0.1:{ports[0]}",))
+            a = Agent(s) if net is None else net.agent(s)
             await a.start()
             agents.append(a)
         for a in agents:
             await a.wait_until(lambda a=a: a.live_count() == n, 10)
-            # view-0 members count as live from the job spec, but a crash is judged only by members that
-            # heard from the crashed one (the startup grace): crashing m2 before anyone heard it would be
-            # seen only when the 30 s grace ends
             assert a.machine is not None
-            await a.wait_until(lambda a=a: all(a.machine.swim.has_heard(x) for x in names), 10)
+            await a.wait_until(lambda a=a: all(a.machine.has_heard(x) for x in names), 10)
             assert a.control_status()["unheard"] == 0
+    except BaseException:
+        await _stop(agents)
+        raise
+    return agents
+
+
+async def _stop(agents: list[Agent]) -> None:
+    for a in reversed(agents):
+        a.abort()
+    for a in reversed(agents):
+        await a.aclose()
+
+
+async def test_endpoint_serves_state_and_rejections(sockdir: str) -> None:
+    agents = await _start_job(sockdir, 3, free_ports(3))
+    try:
         a0 = agents[0]
         url = f"http://127.0.0.1:{a0.metrics.port}/metrics"
 
@@ -147,18 +179,34 @@ async def test_endpoint_serves_state_rejections_and_view_changes(sockdir: str) -
         assert a0.transport is not None
         before = a0.transport.rejects.total
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.sendto(b"\x01\x02", ("127.0.0.1", ports[0]))
+            s.sendto(b"\x01\x02", ("127.0.0.1", split_host_port(a0.addr, 0)[1]))
         await a0.wait_until(lambda: a0.transport.rejects.total > before, 5)
         _, _, text = await asyncio.to_thread(_get, url)
         refused = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
                    for line in text.splitlines() if line.startswith("gossiprec_packets_rejected_total{")}
         assert sum(refused.values()) == before + 1, refused
 
+        assert (await asyncio.to_thread(_get, url.replace("/metrics", "/nope")))[0] == 404
+        status, _, body = await asyncio.to_thread(_get, url, "HEAD")
+        assert status == 200 and body == ""
+        port = a0.metrics.port
+    finally:
+        await _stop(agents)
+    with pytest.raises(OSError):  # the endpoint closed with the agent
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+@virtual_time
+async def test_endpoint_follows_a_view_change(sockdir: str) -> None:
+    agents = await _start_job(sockdir, 3, [7001, 7002, 7003], MemNetwork())
+    try:
+        a0 = agents[0]
         # a crash: the survivors install view 1 and the endpoint says so
         sub = a0.subscribe()
         agents[2].abort()
         await a0.wait_for_event(lambda ev: isinstance(ev, ViewInstalled) and ev.epoch == 1, 15, sub)
-        _, _, text = await asyncio.to_thread(_get, url)
+        status, text = await _aget(a0.metrics.port)
+        assert status == 200
         assert _sample(text, "gossiprec_epoch") == 1
         assert _sample(text, "gossiprec_view_members") == 2
         views = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -167,15 +215,5 @@ async def test_endpoint_serves_state_rejections_and_view_changes(sockdir: str) -
         if _sample(text, 'gossiprec_alerts_raised_total{reason="unreachable"}') >= 1:  # a0 observed m2
             assert _sample(text, 'gossiprec_detection_seconds_count{reason="unreachable"}') >= 1
             assert _sample(text, "gossiprec_agreement_seconds_count") == 1
-
-        assert (await asyncio.to_thread(_get, url.replace("/metrics", "/nope")))[0] == 404
-        status, _, body = await asyncio.to_thread(_get, url, "HEAD")
-        assert status == 200 and body == ""
-        port = a0.metrics.port
     finally:
-        for a in reversed(agents):
-            a.abort()
-        for a in reversed(agents):
-            await a.aclose()
-    with pytest.raises(OSError):  # the endpoint closed with the agent
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        await _stop(agents)

@@ -24,6 +24,8 @@ from gossiprec.agent.pump import Agent
 from gossiprec.local.client import AsyncControlClient
 from gossiprec.local.progress import PAGE_SIZE, RECORD_AT, SEQ_AT, VERSION, ProgressPage, page_path_for
 from gossiprec.agent.settings import AgentSettings
+from tests.support.memnet import MemNetwork
+from tests.support.vtime import virtual_time
 
 
 @pytest.fixture
@@ -102,10 +104,11 @@ def test_foreign_files_are_refused(tmpdir_: str) -> None:
         assert page.read() is None and os.path.getsize(stale) == PAGE_SIZE
 
 
+@virtual_time
 async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
     s = AgentSettings(name="n0", bind_host="127.0.0.1", port=0, insecure=True,
                       control_socket=f"{tmpdir_}/n0.sock")
-    async with Agent(s) as agent:
+    async with MemNetwork().agent(s) as agent:
         async with await AsyncControlClient.connect(agent.control_path) as c:
             status = await c.status()
             path = status["progress_page"]
