@@ -97,8 +97,14 @@ async def test_cluster_forms_through_seeds(sockdir: str) -> None:
         for a in agents:
             assert live_names(a) == names
             assert a.member_status("n3") == "alive"
-        assert len({a.incarnation for a in agents}) >= 1
-        # incarnations are wall-clock milliseconds: a restart always comes back newer
+        for a in agents:  # every member is known to every other under the incarnation it holds
+            assert a.machine is not None and a.machine.incarnation >= a.incarnation > 0
+            for b in agents:
+                assert b.machine is not None
+                assert {m.name: m.incarnation for m in b.machine.members()}[a.name] == a.machine.incarnation
+        # incarnations are wall-clock milliseconds taken at start: a later start (a restart) is never older
+        incarnations = [a.incarnation for a in agents]
+        assert incarnations == sorted(incarnations)
         assert abs(agents[0].incarnation - time.time() * 1000) < 60_000
 
 

@@ -171,9 +171,12 @@ def test_the_exit_bell_tells_a_death_from_a_clean_end(tmpdir_: str, mode: str) -
         try:
             assert agent_side.bell_pid() == p.pid
             rang: list[tuple[int, float]] = []
-            w = bell.BellWatcher(path, p.pid, lambda pid: rang.append((pid, time.monotonic())))
-            time.sleep(0.1)
-            assert w.thread.is_alive() and w.outcome is None  # the trainer holds it: the watcher waits
+            w = bell.BellWatcher(path, p.pid, lambda pid: rang.append((pid, time.monotonic())), wait_s=0.02)
+            deadline = time.monotonic() + 5
+            while w.waits < 2 and w.thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            # the trainer holds it: the watcher's waits time out, it neither rings nor ends
+            assert w.waits >= 2 and w.thread.is_alive() and w.outcome is None and not rang
             t0 = time.monotonic()
             if mode == "kill":
                 os.kill(p.pid, signal.SIGKILL)
@@ -186,8 +189,8 @@ def test_the_exit_bell_tells_a_death_from_a_clean_end(tmpdir_: str, mode: str) -
             if mode == "kill":
                 assert w.outcome == "rang" and rang[0][0] == p.pid and rang[0][1] - t0 < 2.0
             elif mode == "clean":
+                assert p.wait(5) == 0  # first: the trainer clears bell_pid after it released the bell
                 assert w.outcome == "released" and not rang and agent_side.bell_pid() == 0
-                assert p.wait(5) == 0
             else:  # exec releases the lock too, but the process lives on: not a death
                 assert w.outcome == "alive" and not rang and p.poll() is None
         finally:

@@ -196,10 +196,10 @@ class BellWatcher:
 
     ``on_ring(pid)`` is called (from the watcher thread) when the trainer died holding the bell. The
     thread maps the page itself and unmaps it when it ends, so :meth:`stop` never waits on it: the
-    thread ends within :data:`WAIT_S` after it, or at once when the trainer releases the bell.
+    thread ends within ``wait_s`` (:data:`WAIT_S`) after it, or at once when the trainer releases the bell.
     """
 
-    def __init__(self, path: str, pid: int, on_ring: Callable[[int], None]) -> None:
+    def __init__(self, path: str, pid: int, on_ring: Callable[[int], None], wait_s: float = WAIT_S) -> None:
         lib = pthreads()
         if lib is None:
             raise OSError(errno.ENOSYS, "no robust mutexes on this system")
@@ -209,6 +209,9 @@ class BellWatcher:
             self._mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        self.wait_s = wait_s
+        self.waits = 0
+        """Waits that timed out with the trainer still holding the bell."""
         self.outcome: str | None = None
         """"rang", "released" (a clean end), "alive" (released by a process still running), "stopped", or an error."""
         self._stop = threading.Event()
@@ -223,8 +226,9 @@ class BellWatcher:
         try:
             view, addr = _address(self._mm)
             while not self._stop.is_set():
-                rc = lib.timedlock(addr, WAIT_S)
+                rc = lib.timedlock(addr, self.wait_s)
                 if rc == errno.ETIMEDOUT:
+                    self.waits += 1
                     continue
                 if rc == errno.EOWNERDEAD:
                     lib.mutex_consistent(ctypes.c_void_p(addr))
