@@ -62,15 +62,21 @@ class _Timespec(ctypes.Structure):
 class Pthreads:
     """The few pthread calls the bell needs, from the C library this process already uses."""
 
-    NAMES = ("pthread_mutexattr_init", "pthread_mutexattr_setpshared", "pthread_mutexattr_setrobust",
-             "pthread_mutexattr_destroy", "pthread_mutex_init", "pthread_mutex_trylock",
-             "pthread_mutex_timedlock", "pthread_mutex_unlock", "pthread_mutex_consistent")
-
     def __init__(self, lib: Any) -> None:
-        for name in self.NAMES:
-            fn = getattr(lib, name)
+        def call(name: str) -> Callable[..., int]:
+            fn = getattr(lib, "pthread_" + name)  # AttributeError: not there
             fn.restype = ctypes.c_int
-            setattr(self, name[len("pthread_"):], fn)
+            return fn  # type: ignore[no-any-return]
+
+        self.mutexattr_init = call("mutexattr_init")
+        self.mutexattr_setpshared = call("mutexattr_setpshared")
+        self.mutexattr_setrobust = call("mutexattr_setrobust")
+        self.mutexattr_destroy = call("mutexattr_destroy")
+        self.mutex_init = call("mutex_init")
+        self.mutex_trylock = call("mutex_trylock")
+        self.mutex_timedlock = call("mutex_timedlock")
+        self.mutex_unlock = call("mutex_unlock")
+        self.mutex_consistent = call("mutex_consistent")
 
     def init(self, addr: int) -> None:
         attr = ctypes.create_string_buffer(64)  # pthread_mutexattr_t is 4 bytes on glibc

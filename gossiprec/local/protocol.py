@@ -72,7 +72,7 @@ def encode_frame(obj: Mapping[str, Any]) -> bytes:
     return len(body).to_bytes(LENGTH_PREFIX, "big") + body
 
 
-def frame_length(head: bytes) -> int:
+def frame_length(head: bytes | bytearray) -> int:
     """The body length a frame's prefix announces."""
     return int.from_bytes(head[:LENGTH_PREFIX], "big")
 
