@@ -64,11 +64,11 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 DEFAULT_CHILD_NICE = 5
 """How much lower than the agent's the training process's CPU priority is (``nice`` increment).
 
-A failure detector must not be starved by the job it watches: when the CPUs are saturated (a 17-rank
-job importing torch on 2 cores here: load average 20), agents at the same priority as their trainers
-missed their probe deadlines for seconds, suspected healthy members and fenced the whole cluster.
-The agent needs about 1% of a core; with a nice gap it gets it first, and the trainer loses nothing
-measurable when a core is free. ``--trainer-nice 0`` turns this off."""
+A failure detector must not be starved by the job it watches: when the CPUs are saturated (many ranks
+importing torch at once), agents at the same priority as their trainers miss their probe deadlines
+for seconds, suspect healthy members and fence the whole cluster. The agent needs a small fraction of
+a core; with a nice gap it gets it first, and the trainer loses next to nothing when a core is free.
+``--trainer-nice 0`` turns this off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +106,9 @@ def describe_exit(returncode: int) -> str:
 THP_VAR = "THP_MEM_ALLOC_ENABLE"
 """PyTorch's switch for transparent huge pages in its CPU allocator (large tensors 2 MiB-aligned and
 ``madvise(MADV_HUGEPAGE)``). The launcher turns it on for the child unless the environment sets it: the
-kernel tears a killed process's memory down before its parent can see it exit, and with 4 KiB pages that
-took 80-100 ms for a 400 MB trainer here against 31-38 ms with huge pages, i.e. detection latency of a
-crashed trainer. It also makes page faults on large tensors (gradients, snapshots) cheaper."""
+kernel tears a killed process's memory down before its parent can see it exit, and huge pages make
+that teardown, i.e. the detection latency of a crashed trainer, much shorter. It also makes
+page faults on large tensors (gradients, snapshots) cheaper."""
 
 
 def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:

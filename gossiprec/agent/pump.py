@@ -1,52 +1,36 @@
-"""The agent: a thin asyncio pump around the sans-IO protocol machine.
+"""The agent's pump: a thin asyncio loop around the sans-IO protocol machine.
 
 Theory of operation
 -------------------
-An :class:`Agent` owns these things and moves data between them; it decides nothing itself:
+An :class:`Agent` owns these things and moves data between them; it decides nothing itself: the
+*machine*, any :class:`~gossiprec.core.machine.Machine` (by default the whole core, built by
+:func:`~gossiprec.agent.jobspec.node_factory`); a :class:`~gossiprec.agent.transport.Transport` (sealed
+UDP and TCP, or an in-memory network in tests); the :class:`~gossiprec.local.server.ControlServer` for
+the training process and the :class:`~gossiprec.local.progress.ProgressPage` beside it, where the
+trainer writes its step, phase and state without waking the agent (read before every packet and tick
+handed to the machine); the trainer's exit bell (:class:`~gossiprec.local.bell.BellWatcher`), which
+rings when the trainer dies, before the kernel has torn its memory down, so the agent leaves at once
+and stops; and an :class:`~gossiprec.agent.hub.EventHub` that hands every machine event to subscribers.
 
-- the *machine*, any :class:`~gossiprec.core.machine.Machine` (by default the whole core,
-  :class:`~gossiprec.core.node.Node`, built by :func:`~gossiprec.agent.jobspec.node_factory`),
-- the :class:`~gossiprec.agent.transport.Transport` (sealed UDP datagrams and TCP messages),
-- the :class:`~gossiprec.local.server.ControlServer` (Unix socket for the training process) and the
-  :class:`~gossiprec.local.progress.ProgressPage` beside it, where the trainer writes its step, phase and
-  state without waking the agent: the pump reads it before every packet and tick it hands the machine,
-- the trainer's exit bell (:class:`~gossiprec.local.bell.BellWatcher`, a thread started once the trainer
-  has armed it): when the trainer dies the kernel rings it before tearing the trainer's memory down,
-  and the agent leaves at once (:meth:`Agent.leave_now`) and stops, like the launcher does when its
-  child exits, only tens of milliseconds earlier,
-- an :class:`EventHub` that hands every machine event to subscribers (control clients, the launcher,
-  tests) through bounded queues.
-
-The pump: every input (a message from the transport, a control request, a join) is handed to the
-machine with ``now = time.monotonic()``, then :meth:`Agent._flush` sends what the machine wants sent,
-re-arms the timer at ``machine.next_deadline()`` if that moved (earlier or later) and publishes the
-machine's events. The timer is one event-loop callback (``loop.call_at``), not a task: when it
-fires it calls ``machine.tick(now)`` if the deadline is due and flushes, which arms it again. Inputs
-run synchronously in the transport's callbacks, so a packet is processed as soon as the event loop
-sees it. Anything the machine raises on an input or a tick is counted and logged (rate limited);
-nothing from the network can stop the agent.
-
-Idle cost: an idle agent's CPU goes mostly to wake-ups, each of which runs on cold caches (on a
-loaded 2-core VM ~125 us before any protocol work, ~0.4% of a core at the lan profile's ~30 wake-ups
-per second), so the pump wakes only for the machine's deadlines and for packets and does little per
-wake-up: a deadline that moved later (an answered probe) re-arms the timer instead of waking for
-nothing, no timeout/cancellation machinery runs per sleep, a timer that fires a fraction of a
-millisecond early does not spin through the loop (see :meth:`Agent._arm`), and the keyring check
-rides on the protocol timer instead of a task of its own.
+Every input (a message, a control request, a join) is handed to the machine with ``now =
+clock()`` (``time.monotonic`` unless given), then :meth:`Agent._flush` sends what the machine wants
+sent, re-arms the timer at ``machine.next_deadline()`` if that moved and publishes the events. The
+timer is one event-loop callback (:mod:`gossiprec.agent.timers`), not a task; it ticks the machine
+when the deadline is due. An idle agent's CPU goes mostly to wake-ups, each on cold caches, so the pump
+wakes only for deadlines and packets and does little per wake-up: a deadline that moved later re-arms
+the timer instead of waking for nothing, no timeout machinery runs per sleep, and the keyring check
+(one ``stat`` every ``keyring_check_s``; a bad file keeps the keys in memory) rides on the protocol
+timer. Anything the machine raises is counted and logged (rate limited): nothing from the network can
+stop the agent.
 
 Life cycle: ``async with Agent(settings) as agent`` (or ``await agent.run()``, which also handles
 SIGTERM/SIGINT/SIGHUP when asked). Leaving the block, :meth:`Agent.stop` or a signal performs a
-graceful leave: ``machine.leave(now)`` is flushed at once, the agent keeps pumping for
-``leave_drain`` seconds (a few gossip intervals) so the leave spreads, waits briefly for reliable
-messages in flight, then closes the control socket and the transport. :meth:`Agent.abort` closes every
-socket at once without leaving (a crash, for tests). Every task belongs to the agent's TaskGroup (or
-to the transport's / control server's own), entered in :meth:`start` and awaited in :meth:`aclose`;
-both must run in the same task, as ``async with`` does.
-
-A new process takes wall-clock milliseconds as its incarnation, so a restarted node always comes back
-newer than every record of its previous life. The keyring file is checked for changes every
-``keyring_check_s`` seconds (one ``stat``, on the timer; and reloaded on SIGHUP); a bad file keeps the
-keys in memory.
+graceful leave: ``machine.leave(now)`` is flushed at once, the agent keeps pumping for ``leave_drain``
+seconds (a few gossip intervals) so the leave spreads, waits briefly for reliable messages in flight,
+then closes everything. :meth:`Agent.abort` closes every socket at once without leaving (a crash, for
+tests). Every task belongs to the agent's TaskGroup (or the transport's / control server's own),
+entered in :meth:`start` and awaited in :meth:`aclose`, in the same task. The incarnation is wall-clock
+milliseconds, so a restarted node always comes back newer than every record of its previous life.
 """
 
 from __future__ import annotations

@@ -51,9 +51,9 @@ DEFAULT_PORT = 7980
 """UDP and TCP port of the agent (both protocols share the number)."""
 AGENT_STARTUP_GRACE = 30.0
 """Seconds an agent waits before probing a view-0 member it has not heard from yet (see the core's
-``Config.startup_grace``). Measured: 17 ranks starting on 2 cores, the last agents came up ~10 s after the
-first; without a grace their peers suspected them, raised alerts that could not be decided under that
-load, and fenced the whole cluster before training began."""
+``Config.startup_grace``). On a loaded machine a job's agents come up seconds apart; without a grace
+their peers suspected the late ones, raised alerts that could not be decided under that load, and
+fenced the whole cluster before training began."""
 ROLES = ("trainer", "spare")
 AGENT_PROFILES = ("lan", "wan")
 LOG_FORMATS = ("json", "text")

@@ -4,9 +4,7 @@ Theory of operation
 -------------------
 A SIGKILLed (or crashed) trainer is seen by its launcher when the process has exited: ``waitpid`` and
 pidfds report it after the kernel has freed the whole address space and closed every file. For a
-trainer holding hundreds of MB that teardown is itself the largest part of detection: measured on
-this 2-core machine with 4 busy processes beside it, a 600 MB process was reported by its pidfd 67-80
-ms after SIGKILL.
+trainer holding hundreds of MB that teardown is itself the largest part of detection.
 
 The kernel does one thing for a dying thread before it frees any memory: it walks the thread's
 *robust futex list* (``exit_mm`` -> ``mm_release`` -> ``futex_exit_release``) and marks every robust
@@ -14,8 +12,7 @@ mutex the thread holds as owner-dead, waking one waiter. So the progress page ho
 robust ``pthread_mutex_t`` (initialised by the agent, :func:`init_bell`); the trainer's main thread
 locks it when it opens the page (:func:`arm`) and unlocks it when it closes the page (a clean end);
 one watcher thread in the agent (:class:`BellWatcher`) waits on it. If the trainer dies holding it,
-the watcher's lock returns ``EOWNERDEAD``: measured in the same setting, 4-16 ms after SIGKILL
-instead of 67-80 ms.
+the watcher's lock returns ``EOWNERDEAD``, before the teardown.
 
 A ring is believed only if the trainer (its pid is in the page) is really going: ``/proc/<pid>/stat``
 is gone, is a zombie, or has ``PF_EXITING`` set (the kernel sets it before it walks the list). A
@@ -26,8 +23,8 @@ process), once per process. While armed, the page's mapping is never unmapped (t
 linked through the mutex itself, so glibc would follow a dangling pointer): :func:`disarm` unlocks
 before the page closes, and an armed mapping is kept alive by this module until then.
 
-Where the C library has no robust mutexes (not Linux/glibc), :func:`pthreads` returns None and the
-launcher's exit watch (``waitpid``) is the only signal, as before.
+Where the C library has no robust mutexes (not Linux/glibc), or the agent runs with ``exit_bell``
+off, there is no bell and the launcher's exit watch (``waitpid``) is the only signal.
 """
 
 from __future__ import annotations

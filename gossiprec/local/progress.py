@@ -2,13 +2,12 @@
 
 Theory of operation
 -------------------
-A trainer changes phase three or four times per step (compute, communicate, optimizer, committed). As
-control-socket messages, each change woke the agent, which on a machine whose cores all compute
-preempted a trainer (the agent runs at a higher priority, so that a busy job cannot starve its failure
-detector): measured on 2 cores, 2 ranks, 100 ms steps, the reports cost ~1.4 ms of every step. Here the
-trainer writes each change into a small file both processes map instead, and the agent reads it when
-it handles a packet or a timer anyway, i.e. just before anything it sends could carry the progress. A
-write is a few microseconds and no system call; the agent never wakes for it.
+A trainer changes phase three or four times per step (compute, communicate, optimizer, committed). A
+control-socket message for each change would wake the agent, which on a machine whose cores all
+compute preempts a trainer (the agent runs at a higher priority, so that a busy job cannot starve its
+failure detector). So the trainer writes each change into a small file both processes map, and the
+agent reads it when it handles a packet or a timer anyway, i.e. just before anything it sends could
+carry the progress. A write is no system call; the agent never wakes for it.
 
 The agent creates the page beside its control socket (``<socket>.progress``, mode 0600, in the same
 private directory) and names it in its ``status`` reply (``progress_page``); a trainer that cannot

@@ -21,29 +21,18 @@ pair is never used twice, even across restarts (a new process has a new boot id)
 
 Opening checks, cheapest first, and stops at the first failure: size limit (before looking at any
 byte), header truncation, magic and kind, version, tag truncation, key id known to the keyring, replay
-window, then the AEAD tag. Only a packet that authenticates updates the replay state and the caches,
-so forged traffic costs one HKDF and one failed decryption each and can evict nothing. Refusals
-raise :class:`OpenError` (a :class:`~gossiprec.errors.SecurityError`) whose ``reason`` is one of
-:data:`REASONS`; the opener counts them in a :class:`RejectCounter` and :class:`RejectLog`
-rate-limits the log lines. The steady state (a known sender, its subkey cached, a fresh counter) makes
-the same checks in one short pass; anything else takes the step-by-step path. Sealing keeps the header
-up to the counter and the nonce prefix precomputed. Both run for every datagram, on cold caches when
-the agent is idle, so their Python part is kept short; the AES-GCM call itself costs about as much.
-
-Replay protection for datagrams is the IPsec/WireGuard sliding window: per sender id, the highest
-counter seen and a bitmap of the ``window`` counters below it; duplicates and counters older than the
-window are refused, reordering within it is accepted. Senders are tracked in a bounded LRU.
-Stream frames ride on an ordered transport, so a stream opener requires counters 0, 1, 2, ... with one
-sender id per connection, and refuses a sender id it has already seen on another connection.
+(:class:`ReplayWindow` for datagrams, consecutive counters for streams: :class:`StreamOpener`), then
+the AEAD tag. Only a packet that authenticates updates the replay state and the caches, so forged
+traffic costs one HKDF and one failed decryption each and can evict nothing. Refusals raise
+:class:`OpenError` (a :class:`~gossiprec.errors.SecurityError`) whose ``reason`` is one of
+:data:`REASONS`, counted in a :class:`RejectCounter`; :class:`RejectLog` rate-limits the log lines.
 
 Keys rotate live: the opener looks the key id up in the keyring on every packet, and the sealer
 re-derives its subkey whenever the keyring's primary changes (see :mod:`gossiprec.security.keyring`).
-
-Insecure mode (``--insecure`` only) uses the same header with plain kinds and no tag. An opener is
-built either with a keyring or as insecure, never both: a keyed opener refuses plain kinds as
-``bad_magic``, so a key set means insecure packets cannot be accepted. In insecure mode the key-id
-field carries a hash of the cluster name, which keeps clusters from cross-talking by mistake (it is
-not security: anyone can forge it) and there is no replay check.
+Insecure mode (``--insecure`` only) uses the same header with plain kinds, no tag and no replay check;
+a keyed opener refuses plain kinds (``bad_magic``), so a key set means insecure packets are never
+accepted. The key-id field then carries a hash of the cluster name: clusters do not cross-talk by
+mistake (it is not security).
 
 Known limits: replay state lives in bounded LRUs, so a packet from a sender id evicted long ago (a
 process that restarted thousands of sender-ids back) or a stream id evicted from the seen-streams
@@ -236,7 +225,12 @@ class RejectLog:
 
 
 class ReplayWindow:
-    """Sliding anti-replay window (RFC 4303 / WireGuard style) over a 64-bit counter."""
+    """Sliding anti-replay window (RFC 4303 / WireGuard style) over a 64-bit counter.
+
+    Per sender id: the highest counter seen and a bitmap of the ``size`` counters below it; duplicates
+    and counters older than the window are refused, reordering within it is accepted. The opener keeps
+    one per sender in a bounded LRU.
+    """
 
     __slots__ = ("size", "highest", "bitmap", "_mask")
 
@@ -488,7 +482,8 @@ class Opener(_OpenerCore):
         """``(boot_id, plaintext)`` of a datagram, or raise :class:`OpenError` (and count it)."""
         # Fast path, the steady state: a well-formed datagram from a known sender (window and subkey
         # cached) with a fresh counter. It makes exactly the checks of the full path below, in the same
-        # order, and anything unusual (including every refusal but a bad tag) takes the full path.
+        # order, and anything unusual (including every refusal but a bad tag) takes the full path. It
+        # runs for every datagram, on cold caches when the agent is idle: its Python part is kept short.
         if type(data) is bytes and not self.insecure and OVERHEAD <= len(data) <= self._max_datagram \
                 and data[:4] == _DATAGRAM_PREFIX:
             kid, sender, counter = _TAIL.unpack_from(data, 4)
