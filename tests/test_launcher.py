@@ -154,8 +154,8 @@ async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None
         if not task.done():
             task.cancel()
     assert launcher.fenced == "removed from the view (epoch 4)"  # not for the minority fence before it
-    assert launcher.agent.leave_reason is not None and "fenced (removed from the view (epoch 4))" in launcher.agent.leave_reason
-    assert "no quorum" not in launcher.agent.leave_reason
+    reason = launcher.agent.leave_reason
+    assert reason is not None and "fenced (removed from the view (epoch 4))" in reason and "no quorum" not in reason
 
 
 # --- command line ------------------------------------------------------------------------------------
