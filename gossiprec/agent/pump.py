@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
+from gossiprec.agent.jobspec import node_factory
 from gossiprec.agent.logs import log_event
 from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
@@ -55,13 +56,12 @@ from gossiprec.agent.timers import Clock, LoopTimer, PlainTimer, loop_timer
 from gossiprec.agent.transport import (
     NetTransport, Throttle, Transport, TransportFactory, TransportLimits, routable_ip,
 )
-from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.machine import Machine, MachineFactory
 from gossiprec.errors import ProtocolError
 from gossiprec.local.bell import BellWatcher
 from gossiprec.local.protocol import state_problem
-from gossiprec.local.server import ControlServer
 from gossiprec.local.progress import ProgressPage, page_path_for
+from gossiprec.local.server import ControlServer
 from gossiprec.security.keyring import Keyring, KeyringError
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ class Agent:
         self.handle_signals = handle_signals
         self.rng = rng if rng is not None else random.Random()
         self.clock = clock
-        """The time every input is handed to the machine with (the loop's timers must follow it)."""
+        """The time every input is handed to the machine with. It must run at the event loop's pace, as
+        the timer is set on the loop: time.monotonic on a real loop, loop.time on a virtual one."""
         self.transport_factory = transport_factory
         self._limits = limits
         self.machine: Machine | None = None
