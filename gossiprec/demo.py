@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
-from gossiprec.bench.agents import free_ports
+from gossiprec.harness.ports import free_ports
 from gossiprec.errors import ConfigError, GossiprecError
 
 if TYPE_CHECKING:

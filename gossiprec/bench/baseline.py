@@ -483,7 +483,7 @@ def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
 
 def run_gossiprec_job(spec: BaselineSpec, name: str, tmp: Path, say: Callable[[str], None]) -> JobResult:
     """One failure-free gossiprec job: ``ranks`` recovery-bench trainers + 1 hot spare under agents."""
-    from gossiprec.bench.agents import free_ports
+    from gossiprec.harness.ports import free_ports
     from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
     tmp.mkdir(parents=True, exist_ok=True)

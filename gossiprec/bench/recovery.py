@@ -279,7 +279,7 @@ def _write_job(tmp: Path, names: Sequence[str], ports: Sequence[int], ranks: int
 
 def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], None]) -> TrialResult:
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
-    from gossiprec.bench.agents import free_ports
+    from gossiprec.harness.ports import free_ports
     from gossiprec.demo import _read_int, _timeline
     from gossiprec.security.keyring import Keyring, decode_key, generate_key
     from gossiprec.trainer.transfer import loopback_tcp_baseline
