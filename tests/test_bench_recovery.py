@@ -73,7 +73,7 @@ def test_hidden_for_state_is_the_smallest_width_that_fits() -> None:
 def test_state_params_matches_the_demo_model() -> None:
     torch = pytest.importorskip("torch")
     del torch
-    from gossiprec.demo import build
+    from gossiprec.harness.workload import build
 
     for hidden, layers in ((16, 2), (40, 3), (7, 1)):
         model, _, _ = build(hidden, layers)

@@ -292,7 +292,7 @@ def load_torch_checkpoint(path: Path, model: Any, opt: Any, cursor: Any) -> int:
 
 def state_sha256(model: Any, opt: Any, cursor: Any, step: int) -> str:
     """The recovery trainer's hash of the final state (header + payload of :func:`capture_state`)."""
-    from gossiprec.demo import objects_of
+    from gossiprec.harness.workload import objects_of
     from gossiprec.trainer.state import capture_state, pack_header
 
     final = capture_state(objects_of(model, opt, cursor), step=step, copy=False, checksum=False)
@@ -314,7 +314,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gossiprec.demo import build, local_gradients
+    from gossiprec.harness.workload import build, local_gradients
 
     t_torch = time.monotonic()
     torch.set_num_threads(1)

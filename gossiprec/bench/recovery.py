@@ -142,7 +142,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     """Train the demo's workload to ``args.steps``, paced, and write what the bench reads."""
     import torch
 
-    from gossiprec.demo import build, local_gradients, objects_of
+    from gossiprec.harness.workload import build, local_gradients, objects_of
     from gossiprec.trainer.loop import ResilientTrainer
     from gossiprec.trainer.state import capture_state, pack_header
 
@@ -280,7 +280,8 @@ def _write_job(tmp: Path, names: Sequence[str], ports: Sequence[int], ranks: int
 def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], None]) -> TrialResult:
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
     from gossiprec.harness.ports import free_ports
-    from gossiprec.demo import _read_int, _timeline
+    from gossiprec.harness.job import read_int
+    from gossiprec.harness.timeline import timeline
     from gossiprec.security.keyring import Keyring, decode_key, generate_key
     from gossiprec.trainer.transfer import loopback_tcp_baseline
 
@@ -312,18 +313,18 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
         started = False
         while True:
-            if not started and all(_read_int(tmp / f"{n}.pid") > 0 for n in names) and \
-                    min(_read_int(tmp / f"{n}.step") for n in names[:ranks]) >= 1:
+            if not started and all(read_int(tmp / f"{n}.pid") > 0 for n in names) and \
+                    min(read_int(tmp / f"{n}.step") for n in names[:ranks]) >= 1:
                 started = True
                 res.startup_s = round(time.monotonic() - t_start, 2)
                 say(f"trial {index}: {ranks} ranks + {spec.spares} spare training after {res.startup_s} s")
-            if min(_read_int(tmp / f"{n}.step") for n in names[:ranks]) >= spec.kill_at:
+            if min(read_int(tmp / f"{n}.step") for n in names[:ranks]) >= spec.kill_at:
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RecoveryBenchError(f"trial {index}: the job did not reach step {spec.kill_at}; "
                                          f"see the logs in {tmp}")
             time.sleep(0.005)
-        pid = _read_int(tmp / f"{names[victim]}.pid")
+        pid = read_int(tmp / f"{names[victim]}.pid")
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
         res.loadavg_1m = round(os.getloadavg()[0], 2)
@@ -339,7 +340,7 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
         if bad:
             raise RecoveryBenchError(f"trial {index}: trainers failed with exit codes {bad}; see {tmp}")
         outs = [json.loads((tmp / f"{n}.json").read_text()) for i, n in enumerate(names) if i != victim]
-        _collect(res, outs, t_kill, _timeline)
+        _collect(res, outs, t_kill, timeline)
         res.tcp_mb_s = [round(loopback_tcp_baseline(res.state_bytes), 1) for _ in range(TCP_REPEATS)]
         return res
     finally:
