@@ -12,10 +12,11 @@ import sys
 import pytest
 
 from gossiprec.bench.recovery import (
-    PHASES, RecoverySpec, TrialResult, _sizes, hidden_for_state, normal_step_s, state_params,
-    stats, summarize,
+    RecoverySpec, TrialResult, _sizes, hidden_for_state, normal_step_s, stats, summarize,
 )
 from gossiprec.errors import ConfigError
+from gossiprec.harness.timeline import PHASES
+from gossiprec.harness.workload import state_params
 
 
 @pytest.mark.slow

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.harness.job import job_toml, reap
 from gossiprec.harness.ports import free_ports
 from gossiprec.local.control import AsyncControlClient, ControlError
 
@@ -216,15 +217,10 @@ def loopback_bytes(pid: int) -> int:
 
 
 def job_spec(members: Sequence[tuple[str, int]], spares: int) -> str:
-    """TOML of view 0: the first ``len(members) - spares`` are trainers with ranks 0.., then spares."""
-    lines = ["[job]", 'topology = "ddp"', "allow_shrink = true", ""]
-    trainers = len(members) - spares
-    for i, (name, port) in enumerate(members):
-        role = "trainer" if i < trainers else "spare"
-        rank = f"rank = {i}\n" if role == "trainer" else ""
-        lines.append(f'[[members]]\nname = "{name}"\naddr = "127.0.0.1:{port}"\nrole = "{role}"\n{rank}'
-                     f'host = "h{i}"\nrack = "r{i % 4}"\n')
-    return "\n".join(lines)
+    """TOML of view 0: the first ``len(members) - spares`` are trainers with ranks 0.., then spares;
+    shrinking allowed, member i on host ``h<i>`` in rack ``r<i % 4>``."""
+    return job_toml([n for n, _ in members], [p for _, p in members], len(members) - spares,
+                    allow_shrink=True, placement=True)
 
 
 # --- the cluster ----------------------------------------------------------------------------------
@@ -281,16 +277,7 @@ class LocalCluster:
     def stop(self) -> None:
         """SIGTERM everyone (graceful leave), SIGKILL what is left after 10 s, and their children."""
         children = [c for a in self.agents.values() if (c := a.child_pid()) is not None]
-        for a in self.agents.values():
-            if a.proc.poll() is None:
-                a.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for a in self.agents.values():
-            try:
-                a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                a.proc.kill()
-                a.proc.wait()
+        reap([a.proc for a in self.agents.values()])
         for pid in children:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -72,7 +72,6 @@ JSON object) to stdout. A failed job is reported with its error and the work dir
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -86,12 +85,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from gossiprec.agent.launcher import THP_VAR
 from gossiprec.bench.agents import percentile
 from gossiprec.bench.recovery import (
-    LAYERS, WARMUP, RecoverySpec, TrialResult, _write_job, hidden_for_state, run_trial, state_params,
+    WARMUP, RecoverySpec, TrialResult, hidden_for_state, run_trial, trainer_argv,
 )
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.agent.launcher import THP_VAR
+from gossiprec.harness.job import LocalJob, read_float, read_int, reap
+from gossiprec.harness.workload import LAYERS, state_params
 
 OVERHEAD_TARGET = 0.01
 """The issue's target: gossiprec's step time <= (1 + this) x the plain loop's."""
@@ -291,15 +292,11 @@ def load_torch_checkpoint(path: Path, model: Any, opt: Any, cursor: Any) -> int:
 
 
 def state_sha256(model: Any, opt: Any, cursor: Any, step: int) -> str:
-    """The recovery trainer's hash of the final state (header + payload of :func:`capture_state`)."""
-    from gossiprec.harness.workload import objects_of
-    from gossiprec.trainer.state import capture_state, pack_header
+    """The hash of the final state every job reports (the recovery trainer's too:
+    :func:`~gossiprec.harness.workload.state_digest`)."""
+    from gossiprec.harness.workload import objects_of, state_digest
 
-    final = capture_state(objects_of(model, opt, cursor), step=step, copy=False, checksum=False)
-    digest = hashlib.sha256(pack_header(final.header))
-    for view in final.views():
-        digest.update(view)
-    return digest.hexdigest()
+    return state_digest(objects_of(model, opt, cursor), step)[0]
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -378,25 +375,6 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", THP_VAR: env.get(THP_VAR, "1")}
 
 
-def _read_int(path: Path) -> int:
-    try:
-        return int(path.read_text() or -1)
-    except (OSError, ValueError):
-        return -1
-
-
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bool, kill: bool,
                      say: Callable[[str], None]) -> JobResult:
     """One torchrun job of plain workers; with ``kill``, SIGKILL the last rank at ``kill_at``."""
@@ -417,12 +395,12 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
                                 stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:
-                done = min(_read_int(tmp / f"r{r}-a0.step") for r in range(spec.ranks))
+                done = min(read_int(tmp / f"r{r}-a0.step") for r in range(spec.ranks))
                 if res.startup_s is None and done >= 1:
                     res.startup_s = round(time.monotonic() - t_start, 2)
                     say(f"{name}: {spec.ranks} ranks training after {res.startup_s} s")
                 if kill and res.t_kill is None and done >= spec.kill_at:
-                    pid = _read_int(tmp / f"r{victim}-a0.pid")
+                    pid = read_int(tmp / f"r{victim}-a0.pid")
                     os.kill(pid, signal.SIGKILL)
                     res.t_kill = time.monotonic()
                     say(f"{name}: SIGKILL worker of rank {victim} (pid {pid}) after step {spec.kill_at}")
@@ -431,7 +409,7 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
                                              f"see {tmp}/torchrun.log")
                 time.sleep(0.005)
         finally:
-            _stop([proc])
+            reap([proc])
     if proc.returncode != 0:
         raise BaselineBenchError(f"{name}: torchrun exited with {proc.returncode}; see {tmp}/torchrun.log")
     if kill and res.t_kill is None:
@@ -453,7 +431,7 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
     if kill:
         assert res.t_kill is not None
         # attempt 0 died without a report: its step-1 commits are in its ``.t1`` files
-        res.first = [[(1, t)] for r in range(spec.ranks) if (t := _read_float(tmp / f"r{r}-a0.t1")) is not None]
+        res.first = [[(1, t)] for r in range(spec.ranks) if (t := read_float(tmp / f"r{r}-a0.t1")) is not None]
         res.resumed_from = min(int(o["resumed_from"]) for o in outs)
         res.restart_s = {k: _r(max(float(o[key]) for o in outs) - res.t_kill) for k, key in (
             ("workers_started", "t_main"), ("torch_imported", "t_torch"), ("model_built", "t_built"),
@@ -463,13 +441,6 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
         res.first = res.last
     res.loadavg.append(round(os.getloadavg()[0], 2))
     return res
-
-
-def _read_float(path: Path) -> float | None:
-    try:
-        return float(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
@@ -483,47 +454,27 @@ def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
 
 def run_gossiprec_job(spec: BaselineSpec, name: str, tmp: Path, say: Callable[[str], None]) -> JobResult:
     """One failure-free gossiprec job: ``ranks`` recovery-bench trainers + 1 hot spare under agents."""
-    from gossiprec.harness.ports import free_ports
-    from gossiprec.security.keyring import Keyring, decode_key, generate_key
-
-    tmp.mkdir(parents=True, exist_ok=True)
     res = JobResult(name, loadavg=[round(os.getloadavg()[0], 2)])
-    names = [f"n{i}" for i in range(spec.ranks + 1)]
-    ports = free_ports(len(names), width=3)
-    _write_job(tmp, names, ports, spec.ranks)
-    Keyring([decode_key(generate_key())]).save(tmp / "keyring.json")
-    env = {**_env(), "GOSSIPREC_KEYRING": str(tmp / "keyring.json")}
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Any] = []
-    t_start = time.monotonic()
-    deadline = t_start + spec.timeout
-    try:
-        for node, port in zip(names, ports):
-            cmd = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", "127.0.0.1",
-                   "--port", str(port), "--job", str(tmp / "job.toml"), "--seed", f"127.0.0.1:{ports[0]}",
-                   "--control-socket", str(tmp / f"{node}.sock"), "--log-level", spec.agent_log_level, "--",
-                   sys.executable, "-m", "gossiprec.bench.recovery", "trainer", "--steps", str(spec.steps),
-                   "--hidden", str(spec.width), "--layers", str(LAYERS), "--step-ms", str(spec.step_ms),
-                   "--timeout", str(spec.pg_timeout), "--out", str(tmp / f"{node}.json")]
-            logs.append(open(tmp / f"{node}.log", "wb"))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+    with LocalJob(tmp, spec.ranks, 1, env=_env()) as job:  # leaving it ends the spare, which waits for a rank
+        t_start = time.monotonic()
+        deadline = t_start + spec.timeout
+        for node in job.names:
+            job.spawn(node, trainer_argv(job.path(node, ".json"), spec.steps, spec.width, spec.step_ms,
+                                         spec.pg_timeout), agent_log_level=spec.agent_log_level)
+        procs = list(job.procs.values())
         trainers = procs[:spec.ranks]
         while any(p.poll() is None for p in trainers):
-            if res.startup_s is None and min(_read_int(tmp / f"{n}.step") for n in names[:spec.ranks]) >= 1:
+            if res.startup_s is None and min(read_int(job.path(n, ".step")) for n in job.trainers) >= 1:
                 res.startup_s = round(time.monotonic() - t_start, 2)
                 say(f"{name}: {spec.ranks} ranks + 1 spare training after {res.startup_s} s")
             if time.monotonic() > deadline or procs[-1].poll() is not None:
                 raise BaselineBenchError(f"{name}: the job did not finish within {spec.timeout:.0f} s (or the "
                                          f"spare's agent exited); see the logs in {tmp}")
             time.sleep(0.01)
-        bad = {n: p.returncode for n, p in zip(names, trainers) if p.returncode}
+        bad = {n: p.returncode for n, p in zip(job.trainers, trainers) if p.returncode}
         if bad:
             raise BaselineBenchError(f"{name}: trainers failed with exit codes {bad}; see the logs in {tmp}")
-    finally:
-        _stop(procs)  # the spare waits for a rank that never comes
-        for f in logs:
-            f.close()
-    _gossiprec_outputs(res, [json.loads((tmp / f"{n}.json").read_text()) for n in names[:spec.ranks]])
+    _gossiprec_outputs(res, [json.loads(job.path(n, ".json").read_text()) for n in job.trainers])
     res.loadavg.append(round(os.getloadavg()[0], 2))
     return res
 

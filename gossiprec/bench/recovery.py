@@ -51,7 +51,6 @@ reported with its error and the working directory (logs of every agent and train
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -67,21 +66,18 @@ from typing import Any, Callable, Sequence
 
 from gossiprec.bench.agents import percentile
 from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.harness.job import LocalJob, read_int
+from gossiprec.harness.timeline import PHASES, timeline
+from gossiprec.harness.workload import DIM, LAYERS, state_params
 
 WARMUP = 2
 """Commits at the start of a run whose intervals are not "normal" steps (first all-reduce, caches)."""
 TCP_REPEATS = 3
 """Loopback TCP baseline measurements after each trial."""
-DIM = 32
-"""Input/output width of the demo's MLP (:func:`gossiprec.demo.build`)."""
-LAYERS = 2
 RTO_TARGET_S = 0.3
 """The issue's target: median RTO <= this + one normal step."""
 TRANSFER_TARGET = 0.7
 """The issue's target: transfer throughput >= this fraction of plain loopback TCP."""
-PHASES = ("detected", "noticed_by_trainers", "agreed", "planned", "state_moved", "group_rebuilt",
-          "first_step_done")
-"""The phases of :func:`gossiprec.demo._timeline`; from ``agreed`` on they are ordered on every rank."""
 SCALE_TARGET = 1.5
 """The issue's target: RTO at the largest size <= this times the RTO at the smallest."""
 
@@ -92,11 +88,6 @@ class RecoveryBenchError(GossiprecError):
 
 # --------------------------------------------------------------------------------------------------
 # sizing and statistics (pure)
-
-
-def state_params(hidden: int, layers: int = LAYERS, dim: int = DIM) -> int:
-    """Parameters of :func:`gossiprec.demo.build`'s MLP: dim->h, (layers-1) x h->h, h->dim."""
-    return dim * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * dim + dim
 
 
 def hidden_for_state(nbytes: int, layers: int = LAYERS, dim: int = DIM) -> int:
@@ -142,9 +133,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     """Train the demo's workload to ``args.steps``, paced, and write what the bench reads."""
     import torch
 
-    from gossiprec.harness.workload import build, local_gradients, objects_of
+    from gossiprec.harness.workload import build, local_gradients, objects_of, state_digest
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.state import capture_state, pack_header
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -175,13 +165,10 @@ def trainer_main(args: argparse.Namespace) -> int:
         commits.append((rt.step, t1))
         busy.append(t1 - t0 - slept)
         progress.write_text(str(rt.step))
-    final = capture_state(objects_of(model, opt, cursor), step=rt.step, copy=False, checksum=False)
-    digest = hashlib.sha256(pack_header(final.header))
-    for view in final.views():
-        digest.update(view)
+    sha256, nbytes = state_digest(objects_of(model, opt, cursor), rt.step)
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "step": rt.step, "records": records,
-                               "commits": commits, "busy_s": busy, "state_sha256": digest.hexdigest(),
-                               "state_bytes": final.header.total_nbytes}))
+                               "commits": commits, "busy_s": busy, "state_sha256": sha256,
+                               "state_bytes": nbytes}))
     rt.finish()
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
 
@@ -268,63 +255,44 @@ class TrialResult:
     error: str | None = None
 
 
-def _write_job(tmp: Path, names: Sequence[str], ports: Sequence[int], ranks: int) -> None:
-    lines = ["[job]", 'topology = "ddp"', ""]
-    for i, (name, port) in enumerate(zip(names, ports)):
-        role = "trainer" if i < ranks else "spare"
-        rank = f"rank = {i}\n" if role == "trainer" else ""
-        lines.append(f'[[members]]\nname = "{name}"\naddr = "127.0.0.1:{port}"\nrole = "{role}"\n{rank}')
-    (tmp / "job.toml").write_text("\n".join(lines))
+def trainer_argv(out: Path, steps: int, hidden: int, step_ms: float, timeout: float,
+                 exact: bool = False) -> list[str]:
+    """The command line of :func:`trainer_main` writing its report to ``out``."""
+    return [sys.executable, "-m", "gossiprec.bench.recovery", "trainer", "--steps", str(steps),
+            "--hidden", str(hidden), "--layers", str(LAYERS), "--step-ms", str(step_ms),
+            "--timeout", str(timeout), *(["--exact"] if exact else []), "--out", str(out)]
 
 
 def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], None]) -> TrialResult:
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
-    from gossiprec.harness.ports import free_ports
-    from gossiprec.harness.job import read_int
-    from gossiprec.harness.timeline import timeline
-    from gossiprec.security.keyring import Keyring, decode_key, generate_key
     from gossiprec.trainer.transfer import loopback_tcp_baseline
 
-    tmp.mkdir(parents=True, exist_ok=True)
     ranks = spec.ranks
-    names = [f"n{i}" for i in range(ranks + spec.spares)]
-    ports = free_ports(len(names), width=3)
-    _write_job(tmp, names, ports, ranks)
-    Keyring([decode_key(generate_key())]).save(tmp / "keyring.json")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GOSSIPREC_KEYRING": str(tmp / "keyring.json"),
-           "OMP_NUM_THREADS": "1"}
     victim = ranks - 1 if spec.victim is None else spec.victim
     steps = spec.kill_at + spec.post_steps
-    res = TrialResult(index, victim=names[victim])
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Any] = []
-    t_start = time.monotonic()
-    deadline = t_start + spec.trial_timeout
-    try:
-        for name, port in zip(names, ports):
-            cmd = [sys.executable, "-m", "gossiprec", "run", "--name", name, "--bind", "127.0.0.1",
-                   "--port", str(port), "--job", str(tmp / "job.toml"), "--seed", f"127.0.0.1:{ports[0]}",
-                   "--control-socket", str(tmp / f"{name}.sock"), "--log-level", spec.agent_log_level, "--",
-                   sys.executable, "-m", "gossiprec.bench.recovery", "trainer", "--steps", str(steps),
-                   "--hidden", str(spec.width), "--layers", str(LAYERS), "--step-ms", str(spec.step_ms),
-                   "--timeout", str(spec.pg_timeout), *(["--exact"] if spec.exact else []),
-                   "--out", str(tmp / f"{name}.json")]
-            logs.append(open(tmp / f"{name}.log", "wb"))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+    with LocalJob(tmp, ranks, spec.spares) as job:
+        names = job.names
+        res = TrialResult(index, victim=names[victim])
+        t_start = time.monotonic()
+        deadline = t_start + spec.trial_timeout
+        for name in names:
+            job.spawn(name, trainer_argv(job.path(name, ".json"), steps, spec.width, spec.step_ms,
+                                         spec.pg_timeout, spec.exact), agent_log_level=spec.agent_log_level)
+        procs = list(job.procs.values())
         started = False
         while True:
-            if not started and all(read_int(tmp / f"{n}.pid") > 0 for n in names) and \
-                    min(read_int(tmp / f"{n}.step") for n in names[:ranks]) >= 1:
+            if not started and all(job.pid(n) > 0 for n in names) and \
+                    min(read_int(job.path(n, ".step")) for n in job.trainers) >= 1:
                 started = True
                 res.startup_s = round(time.monotonic() - t_start, 2)
                 say(f"trial {index}: {ranks} ranks + {spec.spares} spare training after {res.startup_s} s")
-            if min(read_int(tmp / f"{n}.step") for n in names[:ranks]) >= spec.kill_at:
+            if min(read_int(job.path(n, ".step")) for n in job.trainers) >= spec.kill_at:
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RecoveryBenchError(f"trial {index}: the job did not reach step {spec.kill_at}; "
                                          f"see the logs in {tmp}")
             time.sleep(0.005)
-        pid = read_int(tmp / f"{names[victim]}.pid")
+        pid = job.pid(names[victim])
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
         res.loadavg_1m = round(os.getloadavg()[0], 2)
@@ -339,26 +307,13 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
         bad = {n: p.returncode for i, (n, p) in enumerate(zip(names, procs)) if i != victim and p.returncode}
         if bad:
             raise RecoveryBenchError(f"trial {index}: trainers failed with exit codes {bad}; see {tmp}")
-        outs = [json.loads((tmp / f"{n}.json").read_text()) for i, n in enumerate(names) if i != victim]
-        _collect(res, outs, t_kill, timeline)
+        outs = [json.loads(job.path(n, ".json").read_text()) for i, n in enumerate(names) if i != victim]
+        _collect(res, outs, t_kill)
         res.tcp_mb_s = [round(loopback_tcp_baseline(res.state_bytes), 1) for _ in range(TCP_REPEATS)]
         return res
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
 
 
-def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float,
-             timeline: Callable[[float, Sequence[dict[str, Any]]], dict[str, Any]]) -> None:
+def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float) -> None:
     tl = timeline(t_kill, [r for o in outs for r in o["records"]])
     res.rto_s = tl["rto_s"]
     res.phases_s = dict(tl["phases_s"])
