@@ -2,50 +2,38 @@
 
 Theory of operation
 -------------------
-Each trial is a fresh job on loopback, started with the demo's machinery (:mod:`gossiprec.demo`):
-one ``gossiprec run`` per member (agent + trainer child), ``ranks`` trainers and ``spares`` = 1 hot
-spare, one generated job spec and keyring. The trainers (``python -m gossiprec.bench.recovery
-trainer``) train the demo's MLP (:func:`gossiprec.demo.build`: model, AdamW with its moments
-allocated, data cursor) with :class:`~gossiprec.trainer.loop.ResilientTrainer`; the width is chosen
-so that the state (parameters + both AdamW moments + RNG and data position, i.e. about 12 bytes per
-parameter) is at least ``--state-mb`` MB (10**6 bytes). A step is: local gradients, then pacing
-(sleep until ``step_ms`` has passed since the step began: it stands in for a longer forward/backward,
-so it sits *before* the all-reduce and the first step after a recovery pays it too), then an
-all-reduce (``avg``; ``--exact`` uses the rank-ordered reduction of the demo, ``world_size`` times
-the bytes), the optimizer step and :meth:`commit`. Each trainer writes its committed step to a file
-after every commit and, at the end, its recovery records, its commit times and a SHA-256 of its
-final state.
+Each trial is a fresh local job (:class:`~gossiprec.harness.job.LocalJob`: one ``gossiprec run`` per
+member, ``ranks`` trainers and one hot spare). The trainers (:func:`trainer_main`) train the harness
+workload's MLP (:func:`gossiprec.harness.workload.build`), its width chosen so that the state
+(parameters + both AdamW moments, about 12 bytes per parameter) is at least ``--state-mb`` MB (10**6
+bytes). A step is: local gradients, then pacing (sleep until ``step_ms`` has passed since the step
+began: it stands in for a longer forward/backward, so it sits *before* the all-reduce and the first
+step after a recovery pays it too), an all-reduce (``avg``; ``--exact``: rank-ordered, ``world_size``
+times the bytes), the optimizer step and the commit.
 
 When every rank has committed ``kill_at`` steps, the bench SIGKILLs the last rank's trainer
-(``--victim`` chooses another) and stamps ``t_kill = time.monotonic()`` (CLOCK_MONOTONIC, the same
-clock the trainers stamp their records with). The survivors and the spare train to ``kill_at +
-post_steps`` and exit. Per trial the report gives, all in seconds after the kill (see
-:func:`gossiprec.demo._timeline`): ``detected`` (first failure event an agent reported),
-``noticed_by_trainers``, ``agreed`` (new view installed), ``planned``, ``state_moved``,
-``group_rebuilt``, ``first_step_done``; ``rto_s`` = ``first_step_done`` = kill -> the last rank has
-committed the first step after recovery (every rank commits the same step). ``normal_step_s`` is the
-median commit-to-commit interval before the kill (the first ``WARMUP`` steps excluded), pooled over
-the survivors; ``rto_minus_step_s = rto_s - normal_step_s`` is what the issue's target bounds
-(median <= 0.3 s). ``replicas_identical``: every survivor ended with the same state hash. A phase
-that comes out negative (a failure event before the kill, e.g. a starved member suspected during
-start-up, is the earliest one a record holds) is reported as None with a note. ``loadavg_1m`` at
-the kill says how much other work shared the CPUs.
+(``--victim`` chooses another) and stamps ``t_kill`` on the clock the trainers stamp their records
+with. The survivors and the spare train ``post_steps`` more and exit. Per trial the report gives the
+phases of :func:`gossiprec.harness.timeline.timeline` in seconds after the kill, ``rto_s`` (kill ->
+every rank has committed its first step after the recovery), ``normal_step_s`` (the median
+commit-to-commit interval before the kill, after ``WARMUP``, pooled over the survivors),
+``rto_minus_step_s`` (what :data:`RTO_TARGET_S` bounds), ``replicas_identical`` (every survivor ended
+with the same state hash) and ``loadavg_1m`` at the kill (how much other work shared the CPUs). A
+phase that comes out negative (a failure event before the kill, e.g. a starved member suspected
+during start-up, is the earliest one a record holds) is reported as None with a note.
 
-Throughput: ``transfer_mb_s`` is the receiver's bytes over its fetch time (connect to last byte
-authenticated, donor-side sealing included). ``tcp_mb_s`` is plain loopback TCP
-(:func:`gossiprec.trainer.transfer.loopback_tcp_baseline`: one connection, ``sendall`` /
-``recv_into`` of preallocated buffers, no authentication) moving the same number of bytes, measured
-in this process ``TCP_REPEATS`` times after each trial, when the job's processes are gone: the
-baseline has the CPUs to itself while the recovery's transfer shares them with the job, so the ratio
-is conservative.
+Throughput: ``transfer_mb_s`` is the receivers' bytes over their fetch time (connect to last byte
+authenticated, donor-side sealing included); ``tcp_mb_s`` is plain loopback TCP
+(:func:`gossiprec.trainer.transfer.loopback_tcp_baseline`, no authentication) moving as many bytes,
+``TCP_REPEATS`` times after each trial, when the job's trainers are gone: the baseline has the CPUs
+to itself while the recovery shares them with the job, so the ratio is conservative.
 
-``--scale 4,8,16`` runs the same trials (a small model by default) for each size and reports the
-ratio of the largest size's median RTO to the smallest's (``ratio_16_over_4``; target <= 1.5).
-Everything runs on this machine's CPUs (``cpu_count`` is in the report): with more processes than
-cores, pick ``--step-ms`` large enough that the ranks are not starved, or the figures measure the
-scheduler. Progress lines go to stderr; the report is one JSON object on stdout. A failed trial is
-reported with its error and the working directory (logs of every agent and trainer; run with
-``--agent-log-level info`` to have every agent event in them) is kept.
+``--scale 4,8,16`` runs the trials (a small model by default) for each size and reports the ratio of
+the largest size's median RTO to the smallest's (``ratio_16_over_4``, bounded by
+:data:`SCALE_TARGET`). Everything runs on this machine's CPUs: with more processes than cores, pick
+``--step-ms`` large enough that the ranks are not starved, or the figures measure the scheduler. The
+report is one JSON object on stdout, progress goes to stderr; a failed trial keeps its working
+directory (every agent's and trainer's log; ``--agent-log-level info`` logs every agent event).
 """
 
 from __future__ import annotations
@@ -75,11 +63,11 @@ WARMUP = 2
 TCP_REPEATS = 3
 """Loopback TCP baseline measurements after each trial."""
 RTO_TARGET_S = 0.3
-"""The issue's target: median RTO <= this + one normal step."""
+"""The target: median RTO <= this + one normal step."""
 TRANSFER_TARGET = 0.7
-"""The issue's target: transfer throughput >= this fraction of plain loopback TCP."""
+"""The target: transfer throughput >= this fraction of plain loopback TCP."""
 SCALE_TARGET = 1.5
-"""The issue's target: RTO at the largest size <= this times the RTO at the smallest."""
+"""The target: RTO at the largest size <= this times the RTO at the smallest."""
 
 
 class RecoveryBenchError(GossiprecError):
@@ -130,7 +118,9 @@ def normal_step_s(commits: Sequence[Sequence[float]], t_kill: float, warmup: int
 
 
 def trainer_main(args: argparse.Namespace) -> int:
-    """Train the demo's workload to ``args.steps``, paced, and write what the bench reads."""
+    """Train the harness workload to ``args.steps``, paced, and write what the bench reads: ``.pid``
+    once the model is built, ``.step`` after every commit and, at the end, the report (recovery
+    records, commit times, busy times, the final state's SHA-256 and size)."""
     import torch
 
     from gossiprec.harness.workload import build, local_gradients, objects_of, state_digest
@@ -210,7 +200,7 @@ class RecoverySpec:
         if self.ranks < 2:
             raise ConfigError(f"--ranks must be at least 2 (a survivor must donate the state), got {self.ranks}")
         if self.spares != 1:
-            raise ConfigError(f"--spares must be 1 (the demo machinery starts one hot spare), got {self.spares}")
+            raise ConfigError(f"--spares must be 1 (the bench starts one hot spare), got {self.spares}")
         if self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if not self.state_mb > 0 or (self.hidden is not None and self.hidden < 1):

@@ -3,10 +3,12 @@
 Every trainer that took part in a recovery writes one record (``RecoveryRecord.to_dict()``) with
 ``time.monotonic()`` stamps (CLOCK_MONOTONIC: the same clock on every process of the machine, so a
 fault stamped by the orchestrator or by the victim itself is comparable with them). :func:`timeline`
-takes the first recovery (the lowest epoch) among the records it is given and reports each phase in
-seconds after the fault: :data:`PHASES`, each the last rank's stamp but ``detected`` (the first
-failure event any agent reported). ``rto_s`` is ``first_step_done``: the fault until every rank has
-committed its first step after the recovery.
+takes the first recovery (the lowest epoch) among the records it is given and reports each phase of
+:data:`PHASES` in seconds after the fault: ``detected`` is the first failure event any agent
+reported, ``noticed_by_trainers`` the last rank that was a trainer before to notice, every other
+phase the last rank's stamp. ``rto_s`` is ``first_step_done``: the fault until every rank has
+committed its first step after the recovery; ``transfer_mb_s`` the receivers' bytes over their fetch
+time.
 """
 
 from __future__ import annotations
