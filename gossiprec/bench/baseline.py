@@ -282,7 +282,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gossiprec.harness.workload import build, local_gradients
+    from gossiprec.harness.workload import build, local_gradients, set_flat_grads
 
     t_torch = time.monotonic()
     torch.set_num_threads(1)
@@ -309,11 +309,7 @@ def worker_main(args: argparse.Namespace) -> int:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)
         flat.div_(world)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        set_flat_grads(params, flat)
         opt.step()
         cursor.index += 1
         step += 1

@@ -136,15 +136,20 @@ def _reference(steps: int, world: int, hidden: int, worlds: list[tuple[int, int]
             local_gradients(model, cursor, rank)
             flat = torch.cat([p.grad.reshape(-1) for p in params])
             rows.append(torch.zeros_like(flat) + flat)  # what the rank's row of the all-reduce holds
-        mean = rank_ordered_mean(rows)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(mean[offset:offset + n].view_as(p))
-            offset += n
+        set_flat_grads(params, rank_ordered_mean(rows))
         opt.step()
         cursor.index += 1
     return state_bytes(capture_state(objects_of(model, opt, cursor), step=steps, checksum=False))
+
+
+def set_flat_grads(params: Sequence[Any], flat: torch.Tensor) -> None:
+    """Copy ``flat`` (every gradient, flattened and concatenated in ``params``' order) into the
+    parameters' gradients."""
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p))
+        offset += n
 
 
 def state_bytes(snap: Any) -> bytes:
