@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Self, Sequence
 
 from gossiprec.errors import ConfigError
 from gossiprec.harness.ports import free_ports
@@ -196,7 +196,7 @@ class LocalJob:
                 pass
         return out
 
-    def __enter__(self) -> LocalJob:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
