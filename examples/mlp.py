@@ -21,6 +21,9 @@ import torch
 from gossiprec.trainer import JobFinished, JobStopped, Released, ResilientTrainer, training_state
 
 
+SEED = 0
+
+
 class DataPosition:
     """Which block of the synthetic data set the next step reads (a Stateful)."""
 
@@ -34,11 +37,22 @@ class DataPosition:
         self.index = int(sd["index"])
 
 
+def build(dim: int, hidden: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, DataPosition]:
+    """Model, optimizer and data position, identical on every rank."""
+    torch.manual_seed(SEED)  # every generator in the state seeded alike on every rank (checked)
+    random.seed(SEED)
+    numpy.random.seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, dim))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, DataPosition()
+
+
 def batch(index: int, rank: int, dim: int, size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic data: y = tanh(x W) + noise, x drawn from (index, rank); nothing to download."""
-    g = torch.Generator().manual_seed(1_000_003 * index + rank)
+    """Rank ``rank``'s batch at data position ``index``: y = tanh(x W) + noise, from seeds alone
+    (nothing to download)."""
+    g = torch.Generator().manual_seed(SEED * 1_000_003 + index * 1009 + rank)
     x = torch.randn(size, dim, generator=g)
-    w = torch.randn(dim, dim, generator=torch.Generator().manual_seed(7))
+    w = torch.randn(dim, dim, generator=torch.Generator().manual_seed(SEED))
     return x, torch.tanh(x @ w) + 0.01 * torch.randn(size, dim, generator=g)
 
 
@@ -49,13 +63,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    torch.manual_seed(0)  # every generator in the state seeded alike on every rank (checked)
-    random.seed(0)
-    numpy.random.seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(args.dim, args.hidden), torch.nn.GELU(),
-                                torch.nn.Linear(args.hidden, args.dim))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    pos = DataPosition()
+    model, opt, pos = build(args.dim, args.hidden)
     try:
         rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
         while rt.step < args.steps:

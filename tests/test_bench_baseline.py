@@ -204,7 +204,7 @@ def test_torch_checkpoint_round_trip(tmp_path: Path) -> None:
     import torch
 
     from gossiprec.bench.baseline import load_torch_checkpoint, save_torch_checkpoint, state_sha256
-    from gossiprec.demo import build, local_gradients
+    from gossiprec.harness.workload import build, local_gradients
 
     model, opt, cursor = build(8)
     for _ in range(3):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gossiprec.bench.agents import free_ports
+from gossiprec.harness.ports import free_ports
 from gossiprec.errors import GossiprecError
 from gossiprec.local.client import ControlClient
 

@@ -285,7 +285,7 @@ def test_cli_command_owners_are_complete_and_an_agent_imports_no_tooling() -> No
 
 
 async def test_the_childs_role_and_rank_come_from_the_job_spec(sockdir: str) -> None:
-    from gossiprec.bench.agents import free_ports
+    from gossiprec.harness.ports import free_ports
 
     ports = free_ports(3)
     rows = [("n0", "trainer", 0), ("n1", "trainer", 1), ("n2", "spare", None)]

@@ -16,7 +16,8 @@ from typing import Iterator
 
 import pytest
 
-from gossiprec.bench.agents import free_ports, job_spec
+from gossiprec.bench.agents import job_spec
+from gossiprec.harness.ports import free_ports
 from gossiprec.core.membership import MemberAlive, MemberFailed, ProbeResult
 from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
 from gossiprec.errors import ConfigError

@@ -15,7 +15,8 @@ from typing import AsyncIterator, Iterator
 
 import pytest
 
-from gossiprec.bench.agents import free_ports, job_spec
+from gossiprec.bench.agents import job_spec
+from gossiprec.harness.ports import free_ports
 from gossiprec.agent.pump import Agent
 from gossiprec.local.client import ControlClient
 from gossiprec.agent.ops import (

@@ -12,7 +12,8 @@ from typing import Iterator
 import pytest
 
 from gossiprec.core.node import AgreementConfig
-from gossiprec.demo import _timeline, run_demo
+from gossiprec.demo import run_demo
+from gossiprec.harness.timeline import timeline
 from gossiprec.agent.pump import Agent
 from gossiprec.local.client import AsyncControlClient
 from gossiprec.local.protocol import ControlError
@@ -70,12 +71,12 @@ def test_timeline_phases_from_records() -> None:
            "first_step_at": base + 0.7, "bytes_received": 0, "transfer_s": 0.0, "role": "donor"}
     recv = dict(rec, rank=1, role="receiver", bytes_received=2_000_000, transfer_s=0.01,
                 first_step_at=base + 0.75, detected_at=None)
-    out = _timeline(base, [rec, recv])
+    out = timeline(base, [rec, recv])
     assert out["rto_s"] == pytest.approx(0.75)
     assert out["phases_s"]["detected"] == pytest.approx(0.05)
     assert out["transfer_mb_s"] == pytest.approx(200.0)
     assert out["lost_steps"] == 0 and out["roles"] == {0: "donor", 1: "receiver"}
-    assert _timeline(base, [])["rto_s"] is None
+    assert timeline(base, [])["rto_s"] is None
 
 
 @pytest.mark.slow

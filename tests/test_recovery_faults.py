@@ -1,11 +1,12 @@
 """Recovery under every kind of fault, end to end, and the pieces the fault runs rest on.
 
-The end-to-end tests start real agents and trainer processes on loopback (``gossiprec.demo``'s
-orchestrator) and inject faults from inside the trainers at exact phases of exact steps
-(:class:`~gossiprec.demo.FaultInjector`): a SIGKILL in the forward pass, with the gradient all-reduce
-in flight, in the optimizer step and between steps; a donor killed while a slowed receiver streams
-its state; a SIGSTOPped (hung) trainer with no spare left, so the world shrinks; a trainer frozen
-inside the all-reduce; and a shard whose only holder dies, so every rank reloads the checkpoint.
+The end-to-end tests start real agents and trainer processes on loopback (the harness's
+orchestrator, :func:`~gossiprec.harness.scenario.run_scenario`) and inject faults from inside the
+trainers at exact phases of exact steps (:class:`~gossiprec.harness.faults.FaultInjector`): a
+SIGKILL in the forward pass, with the gradient all-reduce in flight, in the optimizer step and
+between steps; a donor killed while a slowed receiver streams its state; a SIGSTOPped (hung) trainer
+with no spare left, so the world shrinks; a trainer frozen inside the all-reduce; and a shard whose
+only holder dies, so every rank reloads the checkpoint.
 Every run must end bit-identical to the failure-free run (model, optimizer, data position, RNG).
 Each run is bounded by its ``timeout``.
 """
@@ -23,9 +24,9 @@ import pytest
 
 from gossiprec.core.node import AgreementConfig
 from gossiprec.core.wire import PHASES
-from gossiprec.demo import (
-    Fault, FaultInjector, build, load_checkpoint, objects_of, reference_state, run_scenario, save_checkpoint,
-)
+from gossiprec.harness.faults import Fault, FaultInjector
+from gossiprec.harness.scenario import run_scenario
+from gossiprec.harness.workload import build, load_checkpoint, objects_of, reference_state, save_checkpoint
 from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, start_store_server, wait_interruptible
 

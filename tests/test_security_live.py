@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import pytest
 
-from gossiprec.bench.agents import free_ports
+from gossiprec.harness.ports import free_ports
 from gossiprec.cli import build_parser
 from gossiprec.cli import main as cli_main
 from gossiprec.core.membership import MemberFailed, MemberLeft, MemberSuspected

@@ -45,7 +45,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.harness.job import job_toml, reap
+from gossiprec.harness.ports import free_ports
 from gossiprec.local.client import AsyncControlClient
 from gossiprec.local.protocol import ControlError
 
@@ -161,56 +162,6 @@ class AgentProc:
 
 
 # --- helpers --------------------------------------------------------------------------------------
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for outgoing connections' local ports (Linux; a common default elsewhere)."""
-    try:
-        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def free_ports(n: int, width: int = 1) -> list[int]:
-    """``n`` ports p such that TCP p..p+width-1 and UDP p are free on 127.0.0.1 (bound, then released;
-    ``width`` 3 for a trainer's agent, store and donor).
-
-    Drawn below the ephemeral range when there is room: a port handed out from that range is free
-    now but may be taken by any outgoing connection (gloo's full mesh opens hundreds) before the
-    trainer binds its store and donor servers seconds later.
-    """
-    lo, _ = _ephemeral_range()
-    rng = random.Random()
-    ports: list[int] = []
-    tries = 0
-    while len(ports) < n:
-        tries += 1
-        if lo - 10_000 > 1_000 and tries < 10_000:
-            base = rng.randrange(10_000, lo - width)
-        else:  # no room below (or no luck): any port the kernel hands out
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-            s.close()
-        if base + width >= 65535 or any(abs(base - p) < width + 1 for p in ports):
-            continue
-        held: list[socket.socket] = []
-        try:
-            for i in range(width):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                held.append(t)
-            u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            u.bind(("127.0.0.1", base))
-            held.append(u)
-            ports.append(base)
-        except OSError:
-            pass
-        finally:
-            for h in held:
-                h.close()
-    return ports
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Linear-interpolation percentile (q in 0..100) of a non-empty sequence."""
     xs = sorted(values)
@@ -267,15 +218,10 @@ def loopback_bytes(pid: int) -> int:
 
 
 def job_spec(members: Sequence[tuple[str, int]], spares: int) -> str:
-    """TOML of view 0: the first ``len(members) - spares`` are trainers with ranks 0.., then spares."""
-    lines = ["[job]", 'topology = "ddp"', "allow_shrink = true", ""]
-    trainers = len(members) - spares
-    for i, (name, port) in enumerate(members):
-        role = "trainer" if i < trainers else "spare"
-        rank = f"rank = {i}\n" if role == "trainer" else ""
-        lines.append(f'[[members]]\nname = "{name}"\naddr = "127.0.0.1:{port}"\nrole = "{role}"\n{rank}'
-                     f'host = "h{i}"\nrack = "r{i % 4}"\n')
-    return "\n".join(lines)
+    """TOML of view 0: the first ``len(members) - spares`` are trainers with ranks 0.., then spares;
+    shrinking allowed, member i on host ``h<i>`` in rack ``r<i % 4>``."""
+    return job_toml([n for n, _ in members], [p for _, p in members], len(members) - spares,
+                    allow_shrink=True, placement=True)
 
 
 # --- the cluster ----------------------------------------------------------------------------------
@@ -332,16 +278,7 @@ class LocalCluster:
     def stop(self) -> None:
         """SIGTERM everyone (graceful leave), SIGKILL what is left after 10 s, and their children."""
         children = [c for a in self.agents.values() if (c := a.child_pid()) is not None]
-        for a in self.agents.values():
-            if a.proc.poll() is None:
-                a.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for a in self.agents.values():
-            try:
-                a.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                a.proc.kill()
-                a.proc.wait()
+        reap([a.proc for a in self.agents.values()])
         for pid in children:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -2,67 +2,38 @@
 
 Theory of operation
 -------------------
-Every job trains the demo's workload (:func:`gossiprec.demo.build`: MLP, AdamW with its moments
-allocated, data cursor; width from ``--state-mb`` as in :mod:`gossiprec.bench.recovery`) with the
-same step: local gradients, pacing (sleep until ``step_ms`` has passed since the step began; it stands
-in for a longer forward/backward), one flat gloo all-reduce of the gradients (sum, then divide by the
-world size: what ``ResilientTrainer.allreduce_gradients`` does), the optimizer step, and a progress
-file written after the commit. Five kinds of job, one job after the other, each of ``steps`` steps on
-``ranks`` ranks (the first two kinds ``rounds`` times, see below):
+Every job trains the harness workload (:func:`gossiprec.harness.workload.build`, width from
+``--state-mb`` as in :mod:`gossiprec.bench.recovery`) with the same step: local gradients, pacing
+(it stands in for a longer forward/backward), one flat gloo all-reduce of the gradients (sum, then
+divide by the world size, as ``ResilientTrainer.allreduce_gradients`` does), the optimizer step and
+a progress file. Five kinds of job run one after the other, each ``steps`` steps on ``ranks`` ranks:
 
 ``plain``
-    ``torchrun --standalone``, ``init_process_group("gloo")`` on rank 0's TCPStore, no gossiprec, no
-    checkpoint: the reference.
+    ``torchrun --standalone`` workers (:func:`worker_main`), no gossiprec, no checkpoint: the reference.
 ``gossiprec``
-    the recovery bench's trainer (:func:`gossiprec.bench.recovery.trainer_main`: ``ResilientTrainer``,
-    a snapshot per commit, reports to the agent) under one ``gossiprec run`` agent per member, plus
-    the hot spare the failure job needs; no failure.
+    the recovery bench's trainer under one ``gossiprec run`` per member, plus the hot spare the
+    failure job needs; no failure.
 ``torchrun``
-    ``plain`` plus a checkpoint: every ``checkpoint_every`` steps rank 0 writes ``torch.save`` of
-    model, optimizer, data position and RNG (torch, Python) to a local directory (temporary file, then
-    ``os.replace``; no fsync, which favours this baseline) before it commits the step; no failure.
+    ``plain`` plus a checkpoint every ``checkpoint_every`` steps: rank 0 ``torch.save``-s model,
+    optimizer, data position and RNG (temporary file, then ``os.replace``; no fsync, which favours
+    this baseline) before it commits the step.
 ``torchrun-kill``
-    ``torchrun`` with ``--max-restarts 1``: once every rank has committed ``kill_at`` steps, the bench
-    SIGKILLs the last rank's worker. torchrun's elastic agent notices (it polls its workers every
-    ``--monitor-interval`` = 0.1 s, torchrun's default), stops *all* workers, runs the next rendezvous
-    round and starts fresh worker processes; they import torch, build the model, rendezvous, load the
-    last checkpoint and redo the steps since it. Every torchrun job runs with
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (rank 0 of each round hosts a fresh TCPStore): with the
-    agent's shared store, torch 2.13's restarted gloo group reads the previous round's addresses and
-    fails ``connectFullMesh`` (pytorch issues 135712 and 167288; that variable is their workaround).
+    ``torchrun`` with one restart: once every rank has committed ``kill_at`` steps the bench SIGKILLs
+    the last rank's worker; torchrun's agent notices (it polls every :data:`MONITOR_INTERVAL_S`),
+    stops *all* workers and starts fresh ones, which load the last checkpoint and redo the steps since.
 ``gossiprec-kill``
     ``gossiprec`` with the same kill (:func:`gossiprec.bench.recovery.run_trial`): the spare takes the
     dead rank's place in place; nothing committed is lost.
 
-**Overhead** compares ``plain`` with ``gossiprec``. A job's step time is the interval between two
-consecutive commits of the job (the last rank's commit of each step), the first ``WARMUP`` steps
-excluded. The report gives, per job, the median, p10, p90 and mean; the overhead is the ratio of the
-medians minus one, with a 95 % bootstrap interval (resampling both series, :func:`overhead_ci`), so a
-figure inside the noise shows as an interval around 0. The wall-time ratio of the two jobs is
-given too. The target (issue 5) is overhead <= 1 % of the step time. The pair runs ``rounds`` times
-(default 2), alternating which goes first (plain, gossiprec, gossiprec, plain, ...), so a load that
-drifts linearly over the run biases neither: step times are pooled over the rounds, and a kind's
-wall time is the median of its rounds'.
-
-**Lost time.** A job's training wall time runs from the last rank's first commit of step 1 to the
-last rank's commit of step ``steps`` (start-up before step 1 is a one-time cost and is left out; a
-restart's start-up is in). Per approach: ``steady_overhead_s`` = its failure-free wall minus the
-plain wall (checkpoint saves for the torchrun way, snapshots and reports for gossiprec);
-``failure_s`` = its wall with the kill minus its wall without; ``total_lost_s`` = wall with the
-kill minus the plain wall (both together, the issue's "total lost time"). These are differences of
-separately measured walls, so each carries the run-to-run noise of a whole job (a few ms per step on
-a loaded machine). The *event* view is less noisy: ``back_at_kill_step_s`` = kill -> every rank has
-committed step ``kill_at + 1`` (for the torchrun way after redoing the steps since the checkpoint,
-for gossiprec the recovery bench's RTO), minus one normal step = ``event_lost_s``, the time the
-failure cost the job. ``ratio_total`` and ``ratio_event`` are torchrun's over gossiprec's (target >=
-10); a gossiprec loss <= 0 (inside the noise) gives no ratio. The torchrun way's restart is broken
-into phases after the kill, each the last of the new workers to get there: process started, torch
-imported, model and optimizer built, group initialised (rendezvous on rank 0's new TCPStore),
-checkpoint loaded.
-
-Every job writes the SHA-256 of its final state (:func:`gossiprec.trainer.state.capture_state`, the
-recovery trainer's hash): all five must agree (``final_states_identical``), which checks that the
-jobs did the same training, across restarts and recoveries, bit for bit.
+**Overhead** compares ``plain`` with ``gossiprec`` by their step times (the intervals between the
+job's consecutive commits, after ``WARMUP``): the ratio of the medians minus one, with a bootstrap
+interval (:func:`overhead_ci`), so a figure inside the noise shows as an interval around 0. The pair
+runs ``rounds`` times, alternating which goes first, so that a load drifting over the run biases
+neither. **Lost time** compares the walls of the jobs (the last rank's first commit of step 1 to its
+commit of step ``steps``) and, less noisy, the time from the kill until every rank is back at step
+``kill_at + 1`` (:func:`_torchrun_loss`, :func:`_gossiprec_loss`). Every job reports the SHA-256 of
+its final state: all must agree (``final_states_identical``), i.e. the jobs did the same training,
+across restarts and recoveries, bit for bit.
 
 Everything runs on this machine's CPUs (``cpu_count`` and load averages are in the report): with more
 processes than cores the figures include scheduling. Progress lines go to stderr, the report (one
@@ -72,7 +43,6 @@ JSON object) to stdout. A failed job is reported with its error and the work dir
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -86,19 +56,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from gossiprec.agent.launcher import THP_VAR
 from gossiprec.bench.agents import percentile
 from gossiprec.bench.recovery import (
-    LAYERS, WARMUP, RecoverySpec, TrialResult, _write_job, hidden_for_state, run_trial, state_params,
+    WARMUP, RecoverySpec, TrialResult, hidden_for_state, run_trial, trainer_argv,
 )
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.agent.launcher import THP_VAR
+from gossiprec.harness.job import LocalJob, read_float, read_int, reap
+from gossiprec.harness.workload import LAYERS, state_params
 
 OVERHEAD_TARGET = 0.01
-"""The issue's target: gossiprec's step time <= (1 + this) x the plain loop's."""
+"""The target: gossiprec's step time <= (1 + this) x the plain loop's."""
 LOSS_RATIO_TARGET = 10.0
-"""The issue's target: the torchrun way loses at least this many times more time than gossiprec."""
+"""The target: the torchrun way loses at least this many times more time than gossiprec."""
 MONITOR_INTERVAL_S = 0.1
-"""torchrun's ``--monitor-interval`` (its default since torch 2.2)."""
+"""torchrun's ``--monitor-interval``, at its default."""
 BOOTSTRAP_SAMPLES = 1000
 JOBS = ("plain", "gossiprec", "torchrun", "torchrun-kill", "gossiprec-kill")
 
@@ -291,15 +263,11 @@ def load_torch_checkpoint(path: Path, model: Any, opt: Any, cursor: Any) -> int:
 
 
 def state_sha256(model: Any, opt: Any, cursor: Any, step: int) -> str:
-    """The recovery trainer's hash of the final state (header + payload of :func:`capture_state`)."""
-    from gossiprec.demo import objects_of
-    from gossiprec.trainer.state import capture_state, pack_header
+    """The hash of the final state every job reports (the recovery trainer's too:
+    :func:`~gossiprec.harness.workload.state_digest`)."""
+    from gossiprec.harness.workload import objects_of, state_digest
 
-    final = capture_state(objects_of(model, opt, cursor), step=step, copy=False, checksum=False)
-    digest = hashlib.sha256(pack_header(final.header))
-    for view in final.views():
-        digest.update(view)
-    return digest.hexdigest()
+    return state_digest(objects_of(model, opt, cursor), step)[0]
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -314,7 +282,7 @@ def worker_main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from gossiprec.demo import build, local_gradients
+    from gossiprec.harness.workload import build, local_gradients, set_flat_grads
 
     t_torch = time.monotonic()
     torch.set_num_threads(1)
@@ -341,11 +309,7 @@ def worker_main(args: argparse.Namespace) -> int:
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)
         flat.div_(world)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+        set_flat_grads(params, flat)
         opt.step()
         cursor.index += 1
         step += 1
@@ -378,25 +342,6 @@ def _env() -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", THP_VAR: env.get(THP_VAR, "1")}
 
 
-def _read_int(path: Path) -> int:
-    try:
-        return int(path.read_text() or -1)
-    except (OSError, ValueError):
-        return -1
-
-
-def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bool, kill: bool,
                      say: Callable[[str], None]) -> JobResult:
     """One torchrun job of plain workers; with ``kill``, SIGKILL the last rank at ``kill_at``."""
@@ -413,16 +358,18 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
     t_start = time.monotonic()
     deadline = t_start + spec.timeout
     with open(tmp / "torchrun.log", "wb") as log:
+        # rank 0 of each rendezvous round hosts a fresh TCPStore: with the agent's shared store, a
+        # restarted gloo group reads the previous round's addresses and fails connectFullMesh
         proc = subprocess.Popen(cmd, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, stdout=log,
                                 stderr=subprocess.STDOUT)
         try:
             while proc.poll() is None:
-                done = min(_read_int(tmp / f"r{r}-a0.step") for r in range(spec.ranks))
+                done = min(read_int(tmp / f"r{r}-a0.step") for r in range(spec.ranks))
                 if res.startup_s is None and done >= 1:
                     res.startup_s = round(time.monotonic() - t_start, 2)
                     say(f"{name}: {spec.ranks} ranks training after {res.startup_s} s")
                 if kill and res.t_kill is None and done >= spec.kill_at:
-                    pid = _read_int(tmp / f"r{victim}-a0.pid")
+                    pid = read_int(tmp / f"r{victim}-a0.pid")
                     os.kill(pid, signal.SIGKILL)
                     res.t_kill = time.monotonic()
                     say(f"{name}: SIGKILL worker of rank {victim} (pid {pid}) after step {spec.kill_at}")
@@ -431,7 +378,7 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
                                              f"see {tmp}/torchrun.log")
                 time.sleep(0.005)
         finally:
-            _stop([proc])
+            reap([proc])
     if proc.returncode != 0:
         raise BaselineBenchError(f"{name}: torchrun exited with {proc.returncode}; see {tmp}/torchrun.log")
     if kill and res.t_kill is None:
@@ -453,7 +400,7 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
     if kill:
         assert res.t_kill is not None
         # attempt 0 died without a report: its step-1 commits are in its ``.t1`` files
-        res.first = [[(1, t)] for r in range(spec.ranks) if (t := _read_float(tmp / f"r{r}-a0.t1")) is not None]
+        res.first = [[(1, t)] for r in range(spec.ranks) if (t := read_float(tmp / f"r{r}-a0.t1")) is not None]
         res.resumed_from = min(int(o["resumed_from"]) for o in outs)
         res.restart_s = {k: _r(max(float(o[key]) for o in outs) - res.t_kill) for k, key in (
             ("workers_started", "t_main"), ("torch_imported", "t_torch"), ("model_built", "t_built"),
@@ -463,13 +410,6 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
         res.first = res.last
     res.loadavg.append(round(os.getloadavg()[0], 2))
     return res
-
-
-def _read_float(path: Path) -> float | None:
-    try:
-        return float(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
@@ -483,47 +423,27 @@ def _gossiprec_outputs(res: JobResult, outs: Sequence[dict[str, Any]]) -> None:
 
 def run_gossiprec_job(spec: BaselineSpec, name: str, tmp: Path, say: Callable[[str], None]) -> JobResult:
     """One failure-free gossiprec job: ``ranks`` recovery-bench trainers + 1 hot spare under agents."""
-    from gossiprec.bench.agents import free_ports
-    from gossiprec.security.keyring import Keyring, decode_key, generate_key
-
-    tmp.mkdir(parents=True, exist_ok=True)
     res = JobResult(name, loadavg=[round(os.getloadavg()[0], 2)])
-    names = [f"n{i}" for i in range(spec.ranks + 1)]
-    ports = free_ports(len(names), width=3)
-    _write_job(tmp, names, ports, spec.ranks)
-    Keyring([decode_key(generate_key())]).save(tmp / "keyring.json")
-    env = {**_env(), "GOSSIPREC_KEYRING": str(tmp / "keyring.json")}
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Any] = []
-    t_start = time.monotonic()
-    deadline = t_start + spec.timeout
-    try:
-        for node, port in zip(names, ports):
-            cmd = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", "127.0.0.1",
-                   "--port", str(port), "--job", str(tmp / "job.toml"), "--seed", f"127.0.0.1:{ports[0]}",
-                   "--control-socket", str(tmp / f"{node}.sock"), "--log-level", spec.agent_log_level, "--",
-                   sys.executable, "-m", "gossiprec.bench.recovery", "trainer", "--steps", str(spec.steps),
-                   "--hidden", str(spec.width), "--layers", str(LAYERS), "--step-ms", str(spec.step_ms),
-                   "--timeout", str(spec.pg_timeout), "--out", str(tmp / f"{node}.json")]
-            logs.append(open(tmp / f"{node}.log", "wb"))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+    with LocalJob(tmp, spec.ranks, 1, env=_env()) as job:  # leaving it ends the spare, which waits for a rank
+        t_start = time.monotonic()
+        deadline = t_start + spec.timeout
+        for node in job.names:
+            job.spawn(node, trainer_argv(job.path(node, ".json"), spec.steps, spec.width, spec.step_ms,
+                                         spec.pg_timeout), agent_log_level=spec.agent_log_level)
+        procs = list(job.procs.values())
         trainers = procs[:spec.ranks]
         while any(p.poll() is None for p in trainers):
-            if res.startup_s is None and min(_read_int(tmp / f"{n}.step") for n in names[:spec.ranks]) >= 1:
+            if res.startup_s is None and min(read_int(job.path(n, ".step")) for n in job.trainers) >= 1:
                 res.startup_s = round(time.monotonic() - t_start, 2)
                 say(f"{name}: {spec.ranks} ranks + 1 spare training after {res.startup_s} s")
             if time.monotonic() > deadline or procs[-1].poll() is not None:
                 raise BaselineBenchError(f"{name}: the job did not finish within {spec.timeout:.0f} s (or the "
                                          f"spare's agent exited); see the logs in {tmp}")
             time.sleep(0.01)
-        bad = {n: p.returncode for n, p in zip(names, trainers) if p.returncode}
+        bad = {n: p.returncode for n, p in zip(job.trainers, trainers) if p.returncode}
         if bad:
             raise BaselineBenchError(f"{name}: trainers failed with exit codes {bad}; see the logs in {tmp}")
-    finally:
-        _stop(procs)  # the spare waits for a rank that never comes
-        for f in logs:
-            f.close()
-    _gossiprec_outputs(res, [json.loads((tmp / f"{n}.json").read_text()) for n in names[:spec.ranks]])
+    _gossiprec_outputs(res, [json.loads(job.path(n, ".json").read_text()) for n in job.trainers])
     res.loadavg.append(round(os.getloadavg()[0], 2))
     return res
 
@@ -606,7 +526,14 @@ def _job_report(spec: BaselineSpec, job: JobResult) -> dict[str, Any]:
 
 def summarize(spec: BaselineSpec, jobs: dict[str, JobResult], errors: dict[str, str] | None = None,
               workdir: str | None = None) -> dict[str, Any]:
-    """The report from the jobs that ran (pure; a missing job leaves its figures None)."""
+    """The report from the jobs that ran (pure; a missing job leaves its figures None).
+
+    ``overhead``: per kind the step times' median, p10, p90 and mean, pooled over the rounds; the
+    overhead is the ratio of the medians minus one, with its 95 % bootstrap interval, and the ratio
+    of the walls (each kind's wall: the median of its rounds'). ``lost_time``: per approach (see
+    :func:`_torchrun_loss`), and ``ratio_*`` = torchrun's over gossiprec's (none where gossiprec's
+    loss is <= 0, i.e. inside the noise).
+    """
     by_kind: dict[str, list[JobResult]] = {}
     for n, j in jobs.items():
         by_kind.setdefault(kind_of(n), []).append(j)
@@ -675,6 +602,15 @@ def summarize(spec: BaselineSpec, jobs: dict[str, JobResult], errors: dict[str, 
 
 def _torchrun_loss(spec: BaselineSpec, jobs: dict[str, JobResult], walls: dict[str, float | None],
                    normal_step: float | None) -> dict[str, Any]:
+    """The torchrun way's lost time. A job's wall runs from the last rank's first commit of step 1 to
+    the last commit of step ``steps`` (the start-up before step 1 is left out, a restart's is in).
+    ``steady_overhead_s`` = its failure-free wall minus the plain one (checkpoint saves);
+    ``failure_s`` = its wall with the kill minus without; ``total_lost_s`` = with the kill minus
+    plain. These differences of separately measured walls carry the run-to-run noise of whole jobs;
+    the event view is less noisy: ``back_at_kill_step_s`` = kill -> every rank has committed step
+    ``kill_at + 1`` (after redoing the steps since the checkpoint), ``event_lost_s`` = that minus one
+    normal step. ``restart_phases_s``: after the kill, the last new worker to have started, imported
+    torch, built the model, initialised the group (rendezvous) and loaded the checkpoint."""
     kill = jobs.get("torchrun-kill")
     saves = jobs["torchrun"].saves_s if "torchrun" in jobs else []
     back = None
@@ -696,6 +632,8 @@ def _torchrun_loss(spec: BaselineSpec, jobs: dict[str, JobResult], walls: dict[s
 
 
 def _gossiprec_loss(jobs: dict[str, JobResult], walls: dict[str, float | None]) -> dict[str, Any]:
+    """gossiprec's lost time, as :func:`_torchrun_loss` (its steady overhead: snapshots and reports);
+    back at the kill step is the recovery bench's RTO."""
     trial = jobs["gossiprec-kill"].trial if "gossiprec-kill" in jobs else None
     return {
         "steady_overhead_s": _r(_sub(walls.get("gossiprec"), walls.get("plain"))),

@@ -2,56 +2,43 @@
 
 Theory of operation
 -------------------
-Each trial is a fresh job on loopback, started with the demo's machinery (:mod:`gossiprec.demo`):
-one ``gossiprec run`` per member (agent + trainer child), ``ranks`` trainers and ``spares`` = 1 hot
-spare, one generated job spec and keyring. The trainers (``python -m gossiprec.bench.recovery
-trainer``) train the demo's MLP (:func:`gossiprec.demo.build`: model, AdamW with its moments
-allocated, data cursor) with :class:`~gossiprec.trainer.loop.ResilientTrainer`; the width is chosen
-so that the state (parameters + both AdamW moments + RNG and data position, i.e. about 12 bytes per
-parameter) is at least ``--state-mb`` MB (10**6 bytes). A step is: local gradients, then pacing
-(sleep until ``step_ms`` has passed since the step began: it stands in for a longer forward/backward,
-so it sits *before* the all-reduce and the first step after a recovery pays it too), then an
-all-reduce (``avg``; ``--exact`` uses the rank-ordered reduction of the demo, ``world_size`` times
-the bytes), the optimizer step and :meth:`commit`. Each trainer writes its committed step to a file
-after every commit and, at the end, its recovery records, its commit times and a SHA-256 of its
-final state.
+Each trial is a fresh local job (:class:`~gossiprec.harness.job.LocalJob`: one ``gossiprec run`` per
+member, ``ranks`` trainers and one hot spare). The trainers (:func:`trainer_main`) train the harness
+workload's MLP (:func:`gossiprec.harness.workload.build`), its width chosen so that the state
+(parameters + both AdamW moments, about 12 bytes per parameter) is at least ``--state-mb`` MB (10**6
+bytes). A step is: local gradients, then pacing (sleep until ``step_ms`` has passed since the step
+began: it stands in for a longer forward/backward, so it sits *before* the all-reduce and the first
+step after a recovery pays it too), an all-reduce (``avg``; ``--exact``: rank-ordered, ``world_size``
+times the bytes), the optimizer step and the commit.
 
 When every rank has committed ``kill_at`` steps, the bench SIGKILLs the last rank's trainer
-(``--victim`` chooses another) and stamps ``t_kill = time.monotonic()`` (CLOCK_MONOTONIC, the same
-clock the trainers stamp their records with). The survivors and the spare train to ``kill_at +
-post_steps`` and exit. Per trial the report gives, all in seconds after the kill (see
-:func:`gossiprec.demo._timeline`): ``detected`` (first failure event an agent reported),
-``noticed_by_trainers``, ``agreed`` (new view installed), ``planned``, ``state_moved``,
-``group_rebuilt``, ``first_step_done``; ``rto_s`` = ``first_step_done`` = kill -> the last rank has
-committed the first step after recovery (every rank commits the same step). ``normal_step_s`` is the
-median commit-to-commit interval before the kill (the first ``WARMUP`` steps excluded), pooled over
-the survivors; ``rto_minus_step_s = rto_s - normal_step_s`` is what the issue's target bounds
-(median <= 0.3 s). ``replicas_identical``: every survivor ended with the same state hash. A phase
-that comes out negative (a failure event before the kill, e.g. a starved member suspected during
-start-up, is the earliest one a record holds) is reported as None with a note. ``loadavg_1m`` at
-the kill says how much other work shared the CPUs.
+(``--victim`` chooses another) and stamps ``t_kill`` on the clock the trainers stamp their records
+with. The survivors and the spare train ``post_steps`` more and exit. Per trial the report gives the
+phases of :func:`gossiprec.harness.timeline.timeline` in seconds after the kill, ``rto_s`` (kill ->
+every rank has committed its first step after the recovery), ``normal_step_s`` (the median
+commit-to-commit interval before the kill, after ``WARMUP``, pooled over the survivors),
+``rto_minus_step_s`` (what :data:`RTO_TARGET_S` bounds), ``replicas_identical`` (every survivor ended
+with the same state hash) and ``loadavg_1m`` at the kill (how much other work shared the CPUs). A
+phase that comes out negative (a failure event before the kill, e.g. a starved member suspected
+during start-up, is the earliest one a record holds) is reported as None with a note.
 
-Throughput: ``transfer_mb_s`` is the receiver's bytes over its fetch time (connect to last byte
-authenticated, donor-side sealing included). ``tcp_mb_s`` is plain loopback TCP
-(:func:`gossiprec.trainer.transfer.loopback_tcp_baseline`: one connection, ``sendall`` /
-``recv_into`` of preallocated buffers, no authentication) moving the same number of bytes, measured
-in this process ``TCP_REPEATS`` times after each trial, when the job's processes are gone: the
-baseline has the CPUs to itself while the recovery's transfer shares them with the job, so the ratio
-is conservative.
+Throughput: ``transfer_mb_s`` is the receivers' bytes over their fetch time (connect to last byte
+authenticated, donor-side sealing included); ``tcp_mb_s`` is plain loopback TCP
+(:func:`gossiprec.trainer.transfer.loopback_tcp_baseline`, no authentication) moving as many bytes,
+``TCP_REPEATS`` times after each trial, when the job's trainers are gone: the baseline has the CPUs
+to itself while the recovery shares them with the job, so the ratio is conservative.
 
-``--scale 4,8,16`` runs the same trials (a small model by default) for each size and reports the
-ratio of the largest size's median RTO to the smallest's (``ratio_16_over_4``; target <= 1.5).
-Everything runs on this machine's CPUs (``cpu_count`` is in the report): with more processes than
-cores, pick ``--step-ms`` large enough that the ranks are not starved, or the figures measure the
-scheduler. Progress lines go to stderr; the report is one JSON object on stdout. A failed trial is
-reported with its error and the working directory (logs of every agent and trainer; run with
-``--agent-log-level info`` to have every agent event in them) is kept.
+``--scale 4,8,16`` runs the trials (a small model by default) for each size and reports the ratio of
+the largest size's median RTO to the smallest's (``ratio_16_over_4``, bounded by
+:data:`SCALE_TARGET`). Everything runs on this machine's CPUs: with more processes than cores, pick
+``--step-ms`` large enough that the ranks are not starved, or the figures measure the scheduler. The
+report is one JSON object on stdout, progress goes to stderr; a failed trial keeps its working
+directory (every agent's and trainer's log; ``--agent-log-level info`` logs every agent event).
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -67,23 +54,20 @@ from typing import Any, Callable, Sequence
 
 from gossiprec.bench.agents import percentile
 from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.harness.job import LocalJob, read_int
+from gossiprec.harness.timeline import PHASES, timeline
+from gossiprec.harness.workload import DIM, LAYERS, state_params
 
 WARMUP = 2
 """Commits at the start of a run whose intervals are not "normal" steps (first all-reduce, caches)."""
 TCP_REPEATS = 3
 """Loopback TCP baseline measurements after each trial."""
-DIM = 32
-"""Input/output width of the demo's MLP (:func:`gossiprec.demo.build`)."""
-LAYERS = 2
 RTO_TARGET_S = 0.3
-"""The issue's target: median RTO <= this + one normal step."""
+"""The target: median RTO <= this + one normal step."""
 TRANSFER_TARGET = 0.7
-"""The issue's target: transfer throughput >= this fraction of plain loopback TCP."""
-PHASES = ("detected", "noticed_by_trainers", "agreed", "planned", "state_moved", "group_rebuilt",
-          "first_step_done")
-"""The phases of :func:`gossiprec.demo._timeline`; from ``agreed`` on they are ordered on every rank."""
+"""The target: transfer throughput >= this fraction of plain loopback TCP."""
 SCALE_TARGET = 1.5
-"""The issue's target: RTO at the largest size <= this times the RTO at the smallest."""
+"""The target: RTO at the largest size <= this times the RTO at the smallest."""
 
 
 class RecoveryBenchError(GossiprecError):
@@ -92,11 +76,6 @@ class RecoveryBenchError(GossiprecError):
 
 # --------------------------------------------------------------------------------------------------
 # sizing and statistics (pure)
-
-
-def state_params(hidden: int, layers: int = LAYERS, dim: int = DIM) -> int:
-    """Parameters of :func:`gossiprec.demo.build`'s MLP: dim->h, (layers-1) x h->h, h->dim."""
-    return dim * hidden + hidden + (layers - 1) * (hidden * hidden + hidden) + hidden * dim + dim
 
 
 def hidden_for_state(nbytes: int, layers: int = LAYERS, dim: int = DIM) -> int:
@@ -139,12 +118,13 @@ def normal_step_s(commits: Sequence[Sequence[float]], t_kill: float, warmup: int
 
 
 def trainer_main(args: argparse.Namespace) -> int:
-    """Train the demo's workload to ``args.steps``, paced, and write what the bench reads."""
+    """Train the harness workload to ``args.steps``, paced, and write what the bench reads: ``.pid``
+    once the model is built, ``.step`` after every commit and, at the end, the report (recovery
+    records, commit times, busy times, the final state's SHA-256 and size)."""
     import torch
 
-    from gossiprec.demo import build, local_gradients, objects_of
+    from gossiprec.harness.workload import build, local_gradients, objects_of, state_digest
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.state import capture_state, pack_header
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -175,13 +155,10 @@ def trainer_main(args: argparse.Namespace) -> int:
         commits.append((rt.step, t1))
         busy.append(t1 - t0 - slept)
         progress.write_text(str(rt.step))
-    final = capture_state(objects_of(model, opt, cursor), step=rt.step, copy=False, checksum=False)
-    digest = hashlib.sha256(pack_header(final.header))
-    for view in final.views():
-        digest.update(view)
+    sha256, nbytes = state_digest(objects_of(model, opt, cursor), rt.step)
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "step": rt.step, "records": records,
-                               "commits": commits, "busy_s": busy, "state_sha256": digest.hexdigest(),
-                               "state_bytes": final.header.total_nbytes}))
+                               "commits": commits, "busy_s": busy, "state_sha256": sha256,
+                               "state_bytes": nbytes}))
     rt.finish()
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
 
@@ -223,7 +200,7 @@ class RecoverySpec:
         if self.ranks < 2:
             raise ConfigError(f"--ranks must be at least 2 (a survivor must donate the state), got {self.ranks}")
         if self.spares != 1:
-            raise ConfigError(f"--spares must be 1 (the demo machinery starts one hot spare), got {self.spares}")
+            raise ConfigError(f"--spares must be 1 (the bench starts one hot spare), got {self.spares}")
         if self.trials < 1:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if not self.state_mb > 0 or (self.hidden is not None and self.hidden < 1):
@@ -268,62 +245,44 @@ class TrialResult:
     error: str | None = None
 
 
-def _write_job(tmp: Path, names: Sequence[str], ports: Sequence[int], ranks: int) -> None:
-    lines = ["[job]", 'topology = "ddp"', ""]
-    for i, (name, port) in enumerate(zip(names, ports)):
-        role = "trainer" if i < ranks else "spare"
-        rank = f"rank = {i}\n" if role == "trainer" else ""
-        lines.append(f'[[members]]\nname = "{name}"\naddr = "127.0.0.1:{port}"\nrole = "{role}"\n{rank}')
-    (tmp / "job.toml").write_text("\n".join(lines))
+def trainer_argv(out: Path, steps: int, hidden: int, step_ms: float, timeout: float,
+                 exact: bool = False) -> list[str]:
+    """The command line of :func:`trainer_main` writing its report to ``out``."""
+    return [sys.executable, "-m", "gossiprec.bench.recovery", "trainer", "--steps", str(steps),
+            "--hidden", str(hidden), "--layers", str(LAYERS), "--step-ms", str(step_ms),
+            "--timeout", str(timeout), *(["--exact"] if exact else []), "--out", str(out)]
 
 
 def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], None]) -> TrialResult:
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
-    from gossiprec.bench.agents import free_ports
-    from gossiprec.demo import _read_int, _timeline
-    from gossiprec.security.keyring import Keyring, decode_key, generate_key
     from gossiprec.trainer.transfer import loopback_tcp_baseline
 
-    tmp.mkdir(parents=True, exist_ok=True)
     ranks = spec.ranks
-    names = [f"n{i}" for i in range(ranks + spec.spares)]
-    ports = free_ports(len(names), width=3)
-    _write_job(tmp, names, ports, ranks)
-    Keyring([decode_key(generate_key())]).save(tmp / "keyring.json")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "GOSSIPREC_KEYRING": str(tmp / "keyring.json"),
-           "OMP_NUM_THREADS": "1"}
     victim = ranks - 1 if spec.victim is None else spec.victim
     steps = spec.kill_at + spec.post_steps
-    res = TrialResult(index, victim=names[victim])
-    procs: list[subprocess.Popen[bytes]] = []
-    logs: list[Any] = []
-    t_start = time.monotonic()
-    deadline = t_start + spec.trial_timeout
-    try:
-        for name, port in zip(names, ports):
-            cmd = [sys.executable, "-m", "gossiprec", "run", "--name", name, "--bind", "127.0.0.1",
-                   "--port", str(port), "--job", str(tmp / "job.toml"), "--seed", f"127.0.0.1:{ports[0]}",
-                   "--control-socket", str(tmp / f"{name}.sock"), "--log-level", spec.agent_log_level, "--",
-                   sys.executable, "-m", "gossiprec.bench.recovery", "trainer", "--steps", str(steps),
-                   "--hidden", str(spec.width), "--layers", str(LAYERS), "--step-ms", str(spec.step_ms),
-                   "--timeout", str(spec.pg_timeout), *(["--exact"] if spec.exact else []),
-                   "--out", str(tmp / f"{name}.json")]
-            logs.append(open(tmp / f"{name}.log", "wb"))
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=logs[-1]))
+    with LocalJob(tmp, ranks, spec.spares) as job:
+        names = job.names
+        res = TrialResult(index, victim=names[victim])
+        t_start = time.monotonic()
+        deadline = t_start + spec.trial_timeout
+        for name in names:
+            job.spawn(name, trainer_argv(job.path(name, ".json"), steps, spec.width, spec.step_ms,
+                                         spec.pg_timeout, spec.exact), agent_log_level=spec.agent_log_level)
+        procs = list(job.procs.values())
         started = False
         while True:
-            if not started and all(_read_int(tmp / f"{n}.pid") > 0 for n in names) and \
-                    min(_read_int(tmp / f"{n}.step") for n in names[:ranks]) >= 1:
+            if not started and all(job.pid(n) > 0 for n in names) and \
+                    min(read_int(job.path(n, ".step")) for n in job.trainers) >= 1:
                 started = True
                 res.startup_s = round(time.monotonic() - t_start, 2)
                 say(f"trial {index}: {ranks} ranks + {spec.spares} spare training after {res.startup_s} s")
-            if min(_read_int(tmp / f"{n}.step") for n in names[:ranks]) >= spec.kill_at:
+            if min(read_int(job.path(n, ".step")) for n in job.trainers) >= spec.kill_at:
                 break
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                 raise RecoveryBenchError(f"trial {index}: the job did not reach step {spec.kill_at}; "
                                          f"see the logs in {tmp}")
             time.sleep(0.005)
-        pid = _read_int(tmp / f"{names[victim]}.pid")
+        pid = job.pid(names[victim])
         os.kill(pid, signal.SIGKILL)
         t_kill = time.monotonic()
         res.loadavg_1m = round(os.getloadavg()[0], 2)
@@ -338,26 +297,13 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
         bad = {n: p.returncode for i, (n, p) in enumerate(zip(names, procs)) if i != victim and p.returncode}
         if bad:
             raise RecoveryBenchError(f"trial {index}: trainers failed with exit codes {bad}; see {tmp}")
-        outs = [json.loads((tmp / f"{n}.json").read_text()) for i, n in enumerate(names) if i != victim]
-        _collect(res, outs, t_kill, _timeline)
+        outs = [json.loads(job.path(n, ".json").read_text()) for i, n in enumerate(names) if i != victim]
+        _collect(res, outs, t_kill)
         res.tcp_mb_s = [round(loopback_tcp_baseline(res.state_bytes), 1) for _ in range(TCP_REPEATS)]
         return res
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
 
 
-def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float,
-             timeline: Callable[[float, Sequence[dict[str, Any]]], dict[str, Any]]) -> None:
+def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float) -> None:
     tl = timeline(t_kill, [r for o in outs for r in o["records"]])
     res.rto_s = tl["rto_s"]
     res.phases_s = dict(tl["phases_s"])

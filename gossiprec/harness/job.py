@@ -1,0 +1,204 @@
+"""A local job: one ``gossiprec run`` (agent + trainer child) per node on loopback, and its reaping.
+
+:class:`LocalJob` decides the members (``ranks`` trainers ``n0``.. with their ranks, then the spares),
+their ports (three in a row per node: agent, epoch store, state donor), and writes the job spec
+(``job.toml``) and a fresh keyring (agents and state transfers are authenticated) into the work
+directory; :meth:`LocalJob.spawn` starts a node's launcher with the trainer command the caller gives.
+The processes and the caller talk through files in the work directory named after the node
+(``<node>.log``: the launcher's and the trainer's stderr; ``<node>.pid``: the trainer's pid, which
+every trainer writes first); :func:`read_int` and :func:`read_json` read such files while they may
+still be half written.
+
+Reaping: leaving the ``with`` block of a job (on any path: a result, an error, a timeout, Ctrl-C)
+ends every process it started. A stopped trainer (SIGSTOP, a hang under test) ignores its launcher's
+SIGTERM, so it is SIGKILLed first; then every launcher still running gets SIGTERM (it passes it on to
+its trainer) and, ``grace`` seconds later, SIGKILL; a trainer that outlived its launcher is SIGKILLed
+last. A trainer is known by its environment (it names the job's keyring), not by its pid alone,
+which may have been reused. :func:`reap` is the launcher part, for any process a harness user starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Iterable, Mapping, Self, Sequence
+
+from gossiprec.errors import ConfigError
+from gossiprec.harness.ports import free_ports
+
+NODE_PORTS = 3
+"""Ports per node, from its agent's: agent (UDP and TCP), epoch store (+1), state donor (+2)."""
+REAP_GRACE_S = 10.0
+"""How long a launcher has to end its trainer and leave after SIGTERM before it is SIGKILLed."""
+
+
+def job_toml(names: Sequence[str], ports: Sequence[int], trainers: int, *, allow_shrink: bool = False,
+             tp_pp: int = 1, placement: bool = False) -> str:
+    """The job spec of view 0 on 127.0.0.1: the first ``trainers`` members are trainers with ranks
+    0.., the rest spares. ``tp_pp`` > 1 declares a grid of ``trainers // tp_pp`` replicas of ``tp_pp``
+    shards; ``placement`` gives member i host ``h<i>`` and rack ``r<i % 4>``."""
+    if tp_pp < 1 or trainers % tp_pp:
+        raise ConfigError(f"tp_pp must divide ranks ({trainers}), got {tp_pp}")
+    topology = ['topology = "ddp"'] if tp_pp == 1 else ['topology = "grid"', f"dp = {trainers // tp_pp}",
+                                                        f"tp_pp = {tp_pp}"]
+    lines = ["[job]", *topology, f'allow_shrink = {"true" if allow_shrink else "false"}', ""]
+    for i, (name, port) in enumerate(zip(names, ports)):
+        role = "trainer" if i < trainers else "spare"
+        rank = f"rank = {i}\n" if role == "trainer" else ""
+        where = f'host = "h{i}"\nrack = "r{i % 4}"\n' if placement else ""
+        lines.append(f'[[members]]\nname = "{name}"\naddr = "127.0.0.1:{port}"\nrole = "{role}"\n{rank}{where}')
+    return "\n".join(lines)
+
+
+def read_int(path: Path) -> int:
+    """The integer in ``path``; -1 while it is missing, empty or half written."""
+    try:
+        return int(path.read_text() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def read_float(path: Path) -> float | None:
+    """The float in ``path``; None while it is missing or half written."""
+    try:
+        return float(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None while it is missing or half written."""
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return out if isinstance(out, dict) else None
+
+
+def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S) -> None:
+    """SIGTERM every process of ``procs`` still running, SIGKILL those left after ``grace`` seconds,
+    and wait for all of them (also when interrupted while waiting)."""
+    procs = list(procs)
+    try:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``/proc/<pid>/stat``); None if there is none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class LocalJob:
+    """The members, job spec, keyring and processes of one local job in ``workdir``.
+
+    ``env``: the environment the launchers start from (default: this process's), plus an unbuffered
+    Python, one OpenMP thread and the keyring. Use it as a context manager: leaving the block reaps
+    every process (see the module docstring).
+    """
+
+    def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
+                 tp_pp: int = 1, env: Mapping[str, str] | None = None) -> None:
+        from gossiprec.security.keyring import Keyring, decode_key, generate_key
+
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ranks = ranks
+        self.names = [f"n{i}" for i in range(ranks + spares)]
+        self.ports = free_ports(len(self.names), width=NODE_PORTS)
+        (self.dir / "job.toml").write_text(job_toml(self.names, self.ports, ranks, allow_shrink=allow_shrink,
+                                                    tp_pp=tp_pp))
+        Keyring([decode_key(generate_key())]).save(self.dir / "keyring.json")
+        self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+                    "GOSSIPREC_KEYRING": str(self.dir / "keyring.json")}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        """Each node's launcher (``gossiprec run``), in the order they were spawned."""
+
+    @property
+    def trainers(self) -> list[str]:
+        """The nodes that hold a rank in view 0."""
+        return self.names[:self.ranks]
+
+    def path(self, node: str, suffix: str) -> Path:
+        """``<workdir>/<node><suffix>``: where ``node``'s processes leave what they report."""
+        return self.dir / f"{node}{suffix}"
+
+    def spawn(self, node: str, trainer: Sequence[str], *, agent_log_level: str = "warning",
+              protocol: Mapping[str, Any] = {}) -> subprocess.Popen[bytes]:
+        """Start ``gossiprec run`` for ``node`` with ``trainer`` as its child; ``protocol``: agreement
+        settings (``--protocol KEY=VALUE``)."""
+        port = self.ports[self.names.index(node)]
+        argv = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", "127.0.0.1",
+                "--port", str(port), "--job", str(self.dir / "job.toml"), "--seed", f"127.0.0.1:{self.ports[0]}",
+                "--control-socket", str(self.path(node, ".sock")), "--log-level", agent_log_level]
+        argv += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
+        with open(self.path(node, ".log"), "wb") as log:  # the child keeps its own copy of the file
+            proc = subprocess.Popen([*argv, "--", *trainer], env=self.env, stdout=subprocess.DEVNULL,
+                                    stderr=log)
+        self.procs[node] = proc
+        return proc
+
+    def pid(self, node: str) -> int:
+        """``node``'s trainer's pid (-1 before it has written it)."""
+        return read_int(self.path(node, ".pid"))
+
+    def close(self, grace: float = REAP_GRACE_S) -> None:
+        """End every process the job started (see the module docstring); idempotent."""
+        for pid in self._trainers():
+            if _state(pid) in ("T", "t"):  # stopped: it would ignore its launcher's SIGTERM
+                _kill(pid)
+        try:
+            reap(self.procs.values(), grace)
+        finally:
+            for pid in self._trainers():  # outlived its launcher
+                if _state(pid) not in (None, "Z", "X"):
+                    _kill(pid)
+
+    def _trainers(self) -> list[int]:
+        """The trainers' pids that are still this job's processes: their environment names this job's
+        keyring (a pid from a ``.pid`` file may have been reused by then)."""
+        mark = f"GOSSIPREC_KEYRING={self.env['GOSSIPREC_KEYRING']}".encode()
+        out = []
+        for node in self.procs:
+            pid = self.pid(node)
+            try:
+                if pid > 0 and mark in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    out.append(pid)
+            except OSError:  # gone, or not ours to read
+                pass
+        return out
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,189 @@
+"""Run a local job under faults and check it: the state it ends with, and each fault's timeline.
+
+:func:`run_scenario` starts a :class:`~gossiprec.harness.job.LocalJob` of ``ranks`` trainers and
+``spares`` hot spares, each running the demo's trainer (:mod:`gossiprec.harness.trainer`), and lets
+them begin together once every one has loaded. It sends the faults that have no phase itself (in list
+order, each once its node has committed the fault's step); the others the trainers fire themselves.
+When every rank of the final world has committed the last step, it waits for the rest of the
+processes to end by themselves (the launchers of fenced nodes kill their stopped trainers; unused
+spares leave with the job) and then builds the result:
+
+- ``bit_identical``: every finished trainer's final state (model, optimizer, data position, RNG) equals,
+  byte for byte, the failure-free run's (:func:`~gossiprec.harness.workload.reference_state`),
+  computed here with the world sizes the recoveries chose;
+- ``faults``: per fault, whether it fired, its step, and the :func:`~gossiprec.harness.timeline.timeline`
+  of the first recovery after it (the records whose plan came after it and before the next fault),
+  the epochs of its recoveries and which node holds which rank after them; the first fault's keys
+  are repeated at the top level;
+- ``median_step_s`` (step periods longer than 5 median steps, i.e. the recoveries, left out),
+  ``final_step``, ``worlds``, ``resizes``, ``checkpoint_loads``, ``released``, ``exits`` and
+  ``hung_killed_by_launcher``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Collection, Mapping, Sequence
+
+from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.harness.faults import Fault
+from gossiprec.harness.job import LocalJob, read_int, read_json
+from gossiprec.harness.timeline import timeline
+from gossiprec.harness.workload import reference_state
+
+END_WAIT_S = 10.0
+"""After the last step, how long the processes left have to end by themselves."""
+
+
+def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *, hidden: int = 256,
+                 step_ms: float = 20.0, workdir: str | None = None, timeout: float = 100.0,
+                 allow_shrink: bool = False, checkpoint_every: int = 0, slow_fetch: float = 0.0,
+                 lr_scale: bool = False, tp_pp: int = 1, trainer_timeout: float = 30.0, log: Any = None,
+                 verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
+                 mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = ()) -> dict[str, Any]:
+    """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
+    ones without a phase sent from here, in list order) and compare the final states with the
+    failure-free run.
+
+    ``timeout`` bounds the whole run (GossiprecError on expiry, logs kept in the work directory).
+    ``allow_shrink`` goes into the job spec; ``lr_scale`` makes ``on_resize`` apply
+    :func:`~gossiprec.harness.workload.scale_lr`; ``checkpoint_every`` makes rank 0 checkpoint
+    (``on_no_replica`` loads it); ``slow_fetch`` slows every receiver by that many seconds per chunk.
+    ``tp_pp`` > 1 declares the job a grid of ``ranks // tp_pp`` replicas of ``tp_pp`` shards (the
+    trainers still train data-parallel: only the agents' notion of which ranks hold the same state
+    changes), e.g. ``tp_pp=ranks`` leaves every shard without a replica. ``protocol``: agreement
+    settings for every agent (``--protocol``); ``mistakes``: node -> a loop mistake of
+    :data:`~gossiprec.harness.trainer.MISTAKES` its trainer makes; ``may_fail``: nodes whose trainer
+    may exit with an error without failing the run. Once the job is done, every process left must end
+    by itself: ``exits`` holds each launcher's exit code (None: still running :data:`END_WAIT_S` later).
+    """
+    def say(msg: str) -> None:
+        if log is not None:
+            print(msg, file=log, flush=True)
+
+    tmp = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-demo-"))
+    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp) as job:
+        names = job.names
+        # slow and hold are stalls the trainers make themselves, not faults to report on
+        everything, faults = list(faults), [f for f in faults if f.kind not in ("slow", "hold")]
+        unknown = {f.node for f in everything} - set(names)
+        if unknown:
+            raise ConfigError(f"faults name unknown nodes {sorted(unknown)}; nodes are {names}")
+        for name in names:
+            cmd = [sys.executable, "-m", "gossiprec.harness.trainer", "--steps", str(steps),
+                   "--hidden", str(hidden), "--step-ms", str(step_ms), "--timeout", str(trainer_timeout),
+                   "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch), "--go", str(tmp / "go")]
+            cmd += [a for f in everything if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
+            cmd += ["--mistake", mistakes[name]] if name in mistakes else []
+            if checkpoint_every:
+                cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
+            cmd += ["--lr-scale"] * lr_scale + ["--verbose"] * verbose
+            job.spawn(name, cmd, agent_log_level=agent_log_level, protocol=protocol)
+        say(f"started {ranks} ranks + {spares} spare(s) in {tmp}")
+        procs = job.procs
+        result: dict[str, Any] = {"ranks": ranks, "spares": spares, "steps": steps,
+                                  "victim": faults[0].node if faults else None}
+        sent = [f for f in faults if f.phase is None]
+        fault_at: dict[int, float] = {}
+        deadline = time.monotonic() + timeout
+        victims = {f.node for f in faults}
+        while not all((tmp / f"{n}.ready").exists() for n in names):  # every trainer and spare loaded
+            ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
+            if ended:
+                raise GossiprecError(f"trainers failed before training began: {ended}; see the logs in {tmp}")
+            if time.monotonic() > deadline:
+                raise GossiprecError(f"the trainers did not start within {timeout:.0f}s; see the logs in {tmp}")
+            time.sleep(0.01)
+        (tmp / "go").write_text("1")
+        while True:
+            if time.monotonic() > deadline:
+                raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
+            failed = {n: p.returncode for n, p in procs.items()
+                      if n not in victims and n not in may_fail and p.poll() not in (None, 0)}
+            if failed:
+                raise GossiprecError(f"trainers failed: {failed}; see the logs in {tmp}")
+            i = len(fault_at)
+            if i < len(sent) and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
+                f = sent[i]
+                pid = job.pid(f.node)
+                os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                fault_at[i] = time.monotonic()
+                say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
+                    f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+            outs = [o for o in (read_json(tmp / f"{n}.json") for n in names) if o is not None]
+            done = [o for o in outs if o.get("step") == steps and not o.get("released")]
+            if len(fault_at) == len(sent) and done and len(done) >= max(o["world_size"] for o in done):
+                break
+            time.sleep(0.01)
+        stopped = [f.node for f in faults if f.kind == "stop"]
+        end_by = time.monotonic() + END_WAIT_S  # the trainers that finished leave, and so do the unused spares
+        while any(p.poll() is None for p in procs.values()) and time.monotonic() < end_by:
+            time.sleep(0.02)
+        result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
+        result["exits"] = {n: p.poll() for n, p in procs.items()}
+        return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
+
+
+def _results(result: dict[str, Any], tmp: Path, names: list[str], faults: Sequence[Fault], sent: list[Fault],
+             fault_at: dict[int, float], steps: int, ranks: int, hidden: int, lr_scale: bool) -> dict[str, Any]:
+    """Compare the finished trainers' states with the reference and build the per-fault timelines."""
+    outs = {n: o for n in names if (o := read_json(tmp / f"{n}.json")) is not None}
+    finished = {n: o for n, o in outs.items() if not o.get("released")}
+    records = [json.loads(line) for n in names if (tmp / f"{n}.records").exists()
+               for line in (tmp / f"{n}.records").read_text().splitlines() if line.strip()]
+    by_epoch = {r["epoch"]: (r["target_step"], r["world_size"]) for r in sorted(records, key=lambda r: r["epoch"])}
+    worlds, world = [], ranks
+    for target, w in by_epoch.values():
+        if w != world:
+            worlds.append((target, w))
+            world = w
+    t_ref = time.monotonic()
+    expected = reference_state(steps, ranks, hidden, worlds=worlds, lr_scale=lr_scale)
+    result["reference_s"] = round(time.monotonic() - t_ref, 3)
+    result["bit_identical"] = bool(finished) and all((tmp / f"{n}.state").read_bytes() == expected
+                                                    for n in finished)
+    result["worlds"] = worlds
+    times: list[float | None] = []
+    for f in faults:
+        if f.phase is None:
+            times.append(fault_at.get(sent.index(f)))
+        else:
+            rec = read_json(tmp / f"{f.node}.fault")
+            times.append(float(rec["t"]) if rec else None)
+    entries = []
+    for i, (f, t) in enumerate(zip(faults, times)):
+        entry: dict[str, Any] = {"node": f.node, "kind": f.kind, "phase": f.phase or "any", "fired": t is not None}
+        if t is not None:
+            rec = read_json(tmp / f"{f.node}.fault") if f.phase else None
+            entry["step"] = rec["step"] if rec else f.step
+            later = [u for u in times[i + 1:] if u is not None and u >= t]
+            end = min(later, default=float("inf"))
+            mine = [r for r in records if t <= r["planned_at"] < end]
+            entry.update(timeline(t, mine))
+            entry["epochs"] = sorted({r["epoch"] for r in mine})
+            # who holds which rank once the fault's recoveries are over (the latest record per rank)
+            entry["assignment_after"] = {r["rank"]: r["node"] for r in sorted(mine, key=lambda r: r["epoch"])}
+        entries.append(entry)
+    result["faults"] = entries
+    first = next((e for e in entries if e["fired"]), {})
+    result.update({k: first.get(k) for k in ("rto_s", "phases_s", "lost_steps", "transfer_mb_s",
+                                              "transfer_bytes", "epoch", "roles")})
+    periods = [b - a for o in finished.values() for a, b in zip(o["commit_times"], o["commit_times"][1:])]
+    if periods:
+        typical = statistics.median(periods)
+        result["median_step_s"] = round(statistics.median(p for p in periods if p < 5 * typical), 4)
+    result["state_bytes"] = next(iter(finished.values()))["state_bytes"] if finished else 0
+    result["final_step"] = sorted({o["step"] for o in finished.values()})
+    result["resizes"] = {n: o["resizes"] for n, o in finished.items() if o.get("resizes")}
+    result["checkpoint_loads"] = {n: o["checkpoint_loads"] for n, o in finished.items()
+                                  if o.get("checkpoint_loads")}
+    result["released"] = sorted(n for n, o in outs.items() if o.get("released"))
+    result["workdir"] = str(tmp)
+    return result

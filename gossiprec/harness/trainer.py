@@ -1,0 +1,166 @@
+"""The demo's trainer process (``python -m gossiprec.harness.trainer``): one rank or spare under ``gossiprec run``.
+
+It trains the demo workload (:mod:`gossiprec.harness.workload`) with
+:class:`~gossiprec.trainer.loop.ResilientTrainer`, the gradients reduced in rank order
+(``exact=True``) so that the orchestrator can replay the run bit for bit, each step paced to
+``--step-ms``. It waits for the ``--go`` file before joining, so that every trainer and spare has
+loaded (torch imported, model built) before a fault can find one still loading. Its ``--fault``
+arguments fire at their phases (:class:`~gossiprec.harness.faults.FaultInjector`); ``--mistake``
+makes it commit one of the loop mistakes of :data:`MISTAKES`, for the tests of what catches them.
+
+What it leaves next to ``--out`` (``<node>.json``), for the orchestrator: ``.pid`` and ``.ready`` at
+start-up, ``.step`` (the last committed step) after every commit, ``.records`` (one recovery record
+per line, appended as they happen, so that they survive a later death), ``.fault`` (when a fault
+fired), and at the end ``.state`` (its complete state as bytes) and the ``.json`` report (or
+``{"released": true}`` when a shrink released it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gossiprec.harness.faults import Fault, FaultInjector
+from gossiprec.harness.workload import (
+    build, load_checkpoint, local_gradients, objects_of, save_checkpoint, scale_lr, state_bytes,
+)
+
+MISTAKES = ("data-write", "numpy-per-rank", "no-data-position", "wide-model")
+"""Loop mistakes a trainer can be told to make (``--mistake``), for the tests of what catches them."""
+
+
+def trainer_main(args: argparse.Namespace) -> int:
+    """One rank (or a spare) under ``gossiprec run``."""
+    import torch
+
+    from gossiprec.trainer.loop import JobFinished, JobStopped, NoReplica, Released, ResilientTrainer
+    from gossiprec.trainer.state import capture_state
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    (out.with_suffix(".pid")).write_text(str(os.getpid()))
+    mistake = args.mistake
+    model, opt, cursor = build(args.hidden * (2 if mistake == "wide-model" else 1))
+    if mistake == "numpy-per-rank":
+        import numpy as np
+
+        np.random.seed(int(os.environ.get("GOSSIPREC_RANK", "99")))  # the classic: a seed per rank
+    records: list[dict[str, Any]] = []
+    resizes: list[list[int]] = []
+    loads: list[int] = []
+    ckpt = Path(args.checkpoint) if args.checkpoint else None
+    faults = [Fault.parse("", f) for f in args.fault]
+
+    def on_resize(old: int, new: int) -> None:
+        resizes.append([old, new])
+        if args.lr_scale:
+            scale_lr(opt, old, new)
+
+    def on_no_replica(info: NoReplica) -> int:
+        assert ckpt is not None
+        if not ckpt.exists():
+            raise JobStopped(f"no replica left ({info.reason}) and no checkpoint at {ckpt} yet")
+        loads.append(load_checkpoint(ckpt, rt.objects))
+        return loads[-1]
+
+    def on_recovered(rec: Any) -> None:
+        records.append({**rec.to_dict(), "node": rt.node})
+        with open(out.with_suffix(".records"), "a") as f:  # kept even if this trainer dies later
+            f.write(json.dumps(records[-1]) + "\n")
+
+    def plan_epoch() -> int:
+        plan = rt.control.status().get("plan")
+        return int(plan["epoch"]) if plan else -1
+
+    hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=plan_epoch)
+            if faults or args.slow_fetch else None)
+    objects = objects_of(model, opt, cursor)
+    if mistake == "no-data-position":
+        del objects["data"]  # the cursor still moves, but nobody carries it to a spare
+    rt = ResilientTrainer(objects, timeout=args.timeout,
+                          on_recovered=on_recovered, on_resize=on_resize,
+                          on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook)
+    out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
+    if args.go:  # start together: a fault must not find a spare still loading
+        while not Path(args.go).exists():
+            time.sleep(0.01)
+    t_start = time.monotonic()
+    progress = out.with_suffix(".step")
+    commits: list[float] = []
+    try:
+        rt.start()
+        print(f"gossiprec demo trainer {rt.node}: joined as rank {rt.rank} in "
+              f"{time.monotonic() - t_start:.2f}s", file=sys.stderr, flush=True)
+        while rt.step < args.steps:
+            rt.begin_step()
+            t0 = time.monotonic()
+            if mistake == "data-write":
+                with torch.no_grad():
+                    next(model.parameters()).data.mul_(0.999)  # a hand-made decay, in the forbidden window
+            local_gradients(model, cursor, rt.rank)
+            if not rt.allreduce_gradients(model.parameters(), exact=True):
+                continue
+            opt.step()
+            cursor.index += 1
+            rt.commit()
+            commits.append(time.monotonic())
+            progress.write_text(str(rt.step))
+            if ckpt is not None and args.checkpoint_every and rt.rank == 0 \
+                    and rt.step % args.checkpoint_every == 0:
+                save_checkpoint(ckpt, rt.objects, rt.step)
+            if args.verbose and rt.step % 10 == 0:
+                print(f"{rt.node} step {rt.step} at {time.monotonic():.3f} ({rt._step_ms} ms)", file=sys.stderr,
+                      flush=True)
+            left = args.step_ms / 1000.0 - (time.monotonic() - t0)
+            if left > 0:
+                time.sleep(left)  # pacing: stands in for a longer compute step
+    except (Released, JobFinished) as exc:
+        print(f"gossiprec demo trainer {rt.node}: {exc}", file=sys.stderr, flush=True)
+        if isinstance(exc, Released):
+            out.write_text(json.dumps({"node": rt.node, "released": True, "step": rt.step, "records": records}))
+        rt.close()
+        os._exit(0)
+    except JobStopped as exc:
+        print(f"gossiprec demo trainer {rt.node}: {exc}", file=sys.stderr, flush=True)
+        rt.close()
+        os._exit(3)
+    final = capture_state(objects_of(model, opt, cursor), step=rt.step, checksum=False)
+    out.with_suffix(".state").write_bytes(state_bytes(final))
+    out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "world_size": rt.world_size, "step": rt.step,
+                               "records": records, "resizes": resizes, "checkpoint_loads": loads,
+                               "commit_times": commits, "state_bytes": final.header.total_nbytes}))
+    rt.finish()
+    os._exit(0)  # a graveyard may hold a hung group whose destructor would block
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gossiprec.harness.trainer",
+                                description="One rank or spare of a local job (see the module docstring).")
+    p.add_argument("--steps", type=int, required=True, help="train until this step is committed")
+    p.add_argument("--hidden", type=int, default=256, help="MLP width")
+    p.add_argument("--step-ms", dest="step_ms", type=float, default=20.0, help="pace each step to this long")
+    p.add_argument("--timeout", type=float, default=30.0, help="group and collective timeout, seconds")
+    p.add_argument("--out", required=True, help="the report's path; the other files go beside it")
+    p.add_argument("--go", default="", help="wait for this file before joining")
+    p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
+    p.add_argument("--slow-fetch", dest="slow_fetch", type=float, default=0.0,
+                   help="sleep this long per received chunk of state")
+    p.add_argument("--checkpoint", default="", help="checkpoint file (rank 0 writes it, on_no_replica loads it)")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
+    p.add_argument("--lr-scale", dest="lr_scale", action="store_true", help="on_resize scales the learning rate")
+    p.add_argument("--mistake", choices=MISTAKES, default=None)
+    p.add_argument("--verbose", action="store_true", help="a progress line every 10 steps")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return trainer_main(_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
