@@ -130,7 +130,7 @@ def local_gradients(model: Any, cursor: DataCursor, rank: int) -> None:
 
 
 def objects_of(model: Any, opt: Any, cursor: DataCursor) -> dict[str, Any]:
-    from gossiprec.trainer.state import training_state
+    from gossiprec.trainer.objects import training_state
 
     return training_state(model, opt, data=cursor)
 
@@ -162,7 +162,7 @@ def _reference(steps: int, world: int, hidden: int, worlds: list[tuple[int, int]
     import torch
 
     from gossiprec.trainer.loop import rank_ordered_mean
-    from gossiprec.trainer.state import capture_state
+    from gossiprec.trainer.capture import capture_state
 
     model, opt, cursor = build(hidden)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -189,14 +189,15 @@ def _reference(steps: int, world: int, hidden: int, worlds: list[tuple[int, int]
 
 def _state_bytes(snap: Any) -> bytes:
     """Header (every non-tensor value: optimizer settings, data position, RNG) + payload."""
-    from gossiprec.trainer.state import pack_header
+    from gossiprec.trainer.header import pack_header
 
     return pack_header(snap.header) + snap.payload()
 
 
 def save_checkpoint(path: Path, objects: Any, step: int) -> None:
     """Write ``objects`` at ``step`` to ``path`` atomically: 8-byte header length, header, payload."""
-    from gossiprec.trainer.state import capture_state, pack_header
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import pack_header
 
     snap = capture_state(objects, step=step, copy=False, checksum=True)
     header = pack_header(snap.header)
@@ -213,7 +214,8 @@ def save_checkpoint(path: Path, objects: Any, step: int) -> None:
 
 def load_checkpoint(path: Path, objects: Any) -> int:
     """Load a :func:`save_checkpoint` file into ``objects`` (crc32-verified); returns its step."""
-    from gossiprec.trainer.state import restore_state, unpack_header
+    from gossiprec.trainer.header import unpack_header
+    from gossiprec.trainer.receive import restore_state
 
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "big")
@@ -320,7 +322,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     import torch
 
     from gossiprec.trainer.loop import JobFinished, JobStopped, NoReplica, Released, ResilientTrainer
-    from gossiprec.trainer.state import capture_state
+    from gossiprec.trainer.capture import capture_state
 
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -16,22 +16,14 @@ except ImportError:  # pragma: no cover - depends on the environment
     np = None
 
 from gossiprec.errors import ConfigError, DecodeError, TransferError
-from gossiprec.trainer import state as state_mod
-from gossiprec.trainer.state import (
-    ChecksumMismatch,
-    LayoutMismatch,
-    ReceiveTarget,
-    RNGState,
-    StateHeader,
-    capture_deferred,
-    capture_state,
-    materialize_optimizer_state,
-    pack_header,
-    restore_state,
-    tensor_bytes,
-    training_state,
-    unpack_header,
+from gossiprec.trainer import rng as rng_mod
+from gossiprec.trainer.capture import capture_deferred, capture_state
+from gossiprec.trainer.header import StateHeader, pack_header, tensor_bytes, unpack_header
+from gossiprec.trainer.objects import training_state
+from gossiprec.trainer.receive import (
+    ChecksumMismatch, LayoutMismatch, ReceiveTarget, materialize_optimizer_state, restore_state,
 )
+from gossiprec.trainer.rng import RNGState
 
 
 class DataPosition:
@@ -155,10 +147,8 @@ def test_rng_state_continues_the_same_streams() -> None:
         assert isinstance(snap.header.trees["rng"]["numpy"]["keys"], bytes)
 
 
-def _rng_dict_via_public_api(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    with monkeypatch.context() as m:
-        m.setattr(state_mod, "_RAW_READERS", [None, None])  # getstate() / get_state(), as before the readers
-        return RNGState().state_dict()
+def _rng_dict_via_public_api() -> dict[str, Any]:
+    return RNGState(raw=False).state_dict()  # getstate() / get_state() only: the readers switched off
 
 
 def _same_rng_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -166,8 +156,8 @@ def _same_rng_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
         torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
-def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.MonkeyPatch) -> None:
-    readers = state_mod._raw_readers()
+def test_raw_rng_readers_read_what_the_public_apis_return() -> None:
+    readers = rng_mod.raw_readers()
     assert readers[0] is not None, "CPython on x86-64/arm64: the python reader must pass its probe"
     if np is not None:
         assert readers[1] is not None, "numpy's legacy MT19937 layout: the numpy reader must pass its probe"
@@ -184,7 +174,7 @@ def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.Mo
         if np is not None:
             np.random.standard_normal(i % 3 + 1)
         fast = RNGState().state_dict()
-        assert _same_rng_dict(fast, _rng_dict_via_public_api(monkeypatch)), f"draw {i}"
+        assert _same_rng_dict(fast, _rng_dict_via_public_api()), f"draw {i}"
         gauss_cached["python"] += fast["python"][2] is not None
         if np is not None:
             gauss_cached["numpy"] += fast["numpy"]["has_gauss"]
@@ -193,8 +183,24 @@ def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.Mo
         assert 0 < gauss_cached["numpy"] < 40
 
 
+def test_rng_state_without_raw_readers_uses_only_the_public_apis(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gossiprec.trainer import rng_raw
+
+    random.seed(12)
+    random.gauss(0, 1)
+    expected = RNGState().state_dict()
+
+    def refuse(*_: Any) -> Any:
+        raise AssertionError("RNGState(raw=False) must not probe or use the struct readers")
+
+    monkeypatch.setattr(rng_raw, "readers", refuse)
+    assert _same_rng_dict(RNGState(raw=False).state_dict(), expected)
+    with pytest.raises(AssertionError, match="must not probe"):
+        RNGState().state_dict()
+
+
 def test_raw_rng_readers_step_aside_when_the_global_generators_are_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    python_reader, numpy_reader = state_mod._raw_readers()
+    python_reader, numpy_reader = rng_mod.raw_readers()
     assert python_reader is not None
     monkeypatch.setattr(random, "_inst", random.Random(5))
     assert python_reader.read() is None  # not the probed generator: the caller uses getstate()
@@ -204,7 +210,7 @@ def test_raw_rng_readers_step_aside_when_the_global_generators_are_replaced(monk
         assert numpy_reader.read() is None
     monkeypatch.undo()
     assert python_reader.read() is not None
-    assert _same_rng_dict(RNGState().state_dict(), _rng_dict_via_public_api(monkeypatch))
+    assert _same_rng_dict(RNGState().state_dict(), _rng_dict_via_public_api())
 
 
 def test_rng_state_loads_the_older_list_form() -> None:
@@ -237,14 +243,14 @@ def test_header_is_plain_msgpack_and_round_trips() -> None:
 
 
 def test_module_metadata_is_reused_only_while_it_is_unchanged() -> None:
-    from gossiprec.trainer.state import _META_CACHE, _decode
+    from gossiprec.trainer.header import _META_CACHE, decode_tree
 
     model, opt, sched, data = build()
     objects = training_state(model, opt, sched, data)
 
     def versions() -> dict[str, int]:
         snap = capture_state(objects, step=1, checksum=False)
-        sd = _decode(snap.header.trees["model"], snap.tensors)
+        sd = decode_tree(snap.header.trees["model"], snap.tensors)
         return {k: v["version"] for k, v in sd._metadata.items()}
 
     first = versions()

@@ -293,7 +293,8 @@ def load_torch_checkpoint(path: Path, model: Any, opt: Any, cursor: Any) -> int:
 def state_sha256(model: Any, opt: Any, cursor: Any, step: int) -> str:
     """The recovery trainer's hash of the final state (header + payload of :func:`capture_state`)."""
     from gossiprec.demo import objects_of
-    from gossiprec.trainer.state import capture_state, pack_header
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import pack_header
 
     final = capture_state(objects_of(model, opt, cursor), step=step, copy=False, checksum=False)
     digest = hashlib.sha256(pack_header(final.header))

@@ -75,8 +75,10 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
           say: Any) -> tuple[list[float], int, bool | None]:
     import torch
 
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import tensor_bytes
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.state import RNGState, capture_state, tensor_bytes
+    from gossiprec.trainer.rng import RNGState
 
     model, opt, x, y = _build(device, nbytes, batch)
     params = list(model.parameters())

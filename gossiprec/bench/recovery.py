@@ -144,7 +144,8 @@ def trainer_main(args: argparse.Namespace) -> int:
 
     from gossiprec.demo import build, local_gradients, objects_of
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.state import capture_state, pack_header
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import pack_header
 
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -3,14 +3,15 @@
 Importing this package does not import torch; torch is loaded when a function that needs it runs.
 """
 
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
+from gossiprec.trainer.capture import capture_state
 from gossiprec.trainer.digest import ReplicaMismatch
+from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
 from gossiprec.trainer.loop import (
     JobFinished, JobStopped, NoReplica, RecoveryRecord, Released, ResilientTrainer, rank_ordered_mean, transfer_key,
 )
-from gossiprec.trainer.state import (
-    RNGState, Stateful, capture_state, materialize_optimizer_state, restore_state, training_state,
-)
+from gossiprec.trainer.objects import Stateful, training_state
+from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
+from gossiprec.trainer.rng import RNGState
 from gossiprec.trainer.transfer import DonorServer, fetch_state
 
 __all__ = [

@@ -24,7 +24,7 @@ tensors, and :meth:`allreduce_gradients` waits for the copy before it returns (b
 and if the loop reaches the all-reduce before the thread has started, the main thread makes the copy
 in the collective's shadow). Tensors on a GPU go to
 pinned host buffers on a side stream that waits for the optimizer step's kernels, so the DMA runs
-beside the next step's kernels (see :class:`~gossiprec.trainer.state.DeferredCopies`). Each source's in-place
+beside the next step's kernels (see :class:`~gossiprec.trainer.capture.DeferredCopies`). Each source's in-place
 version counter is checked then, so a loop that changes parameters between :meth:`commit` and
 :meth:`allreduce_gradients` gets a clear error instead of a torn snapshot (``background_snapshot=False``
 copies everything inside :meth:`commit`). Everything else (buffers a forward pass updates, RNG, data
@@ -130,14 +130,15 @@ from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.local.control import ControlClient, ControlError
 from gossiprec.local.progress import ProgressPage
+from gossiprec.trainer.capture import DeferredCopies, StateSnapshot, capture_deferred
 from gossiprec.trainer.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
 )
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, connect_store, start_store_server
-from gossiprec.trainer.state import (
-    DeferredCopies, LayoutMismatch, ReceiveTarget, RNGState, StateSnapshot, Stateful, capture_deferred,
-    materialize_optimizer_state, restore_state, tensor_bytes,
-)
+from gossiprec.trainer.header import tensor_bytes
+from gossiprec.trainer.objects import Stateful
+from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state, restore_state
+from gossiprec.trainer.rng import RNGState
 from gossiprec.trainer.transfer import DonorServer, fetch_state
 
 if TYPE_CHECKING:
@@ -853,9 +854,9 @@ class ResilientTrainer:
         """The parameters and optimizer state must still hold the bytes ``snap`` checksummed at commit."""
         import zlib
 
-        from gossiprec.trainer.state import _walk_objects
+        from gossiprec.trainer.header import walk_objects
 
-        _, found = _walk_objects(self.objects)
+        _, found = walk_objects(self.objects)
         late = self._late
         changed = [spec.name for spec, (name, t) in zip(snap.header.tensors, found, strict=False)
                    if spec.name == name and t.data_ptr() in late and t.is_cpu and t.is_contiguous()

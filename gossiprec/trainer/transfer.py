@@ -54,6 +54,7 @@ hold garbage until a fetch succeeds).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import socket
@@ -72,15 +73,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gossiprec.errors import ConfigError, DecodeError, GossiprecError, SecurityError, TransferError
-from gossiprec.trainer.state import (
-    BoundTarget,
-    ReceiveTarget,
-    StateHeader,
-    StateSnapshot,
-    even_stripes,
-    plan_chunks,
-    select_chunks,
-)
+from gossiprec.trainer.capture import StateSnapshot
+from gossiprec.trainer.header import StateHeader, TensorSpec
+from gossiprec.trainer.receive import BoundTarget, ReceiveTarget
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +172,48 @@ class TransferStats:
     @property
     def mb_per_s(self) -> float:
         return self.nbytes / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------------
+# payload geometry: chunks (never across a tensor) and stripes (byte ranges served by one donor each)
+
+
+def plan_chunks(specs: Sequence[TensorSpec], start: int, end: int,
+                chunk_size: int) -> list[tuple[int, int, int]]:
+    """Chunks ``(tensor index, first byte, end byte)`` covering payload bytes ``[start, end)``.
+
+    Chunks are at most ``chunk_size`` bytes and never cross a tensor boundary; empty tensors get none.
+    Donor and receiver compute the same list from the same header.
+    """
+    if chunk_size < 1:
+        raise ConfigError("chunk_size must be >= 1")
+    out: list[tuple[int, int, int]] = []
+    first = max(0, bisect.bisect_right([s.offset for s in specs], start) - 1)
+    for i in range(first, len(specs)):
+        s = specs[i]
+        if s.offset >= end:
+            break
+        pos, stop = max(start, s.offset), min(end, s.offset + s.nbytes)
+        while pos < stop:
+            nxt = min(pos + chunk_size, stop)
+            out.append((i, pos - s.offset, nxt - s.offset))
+            pos = nxt
+    return out
+
+
+def select_chunks(chunks: Sequence[tuple[int, int, int]], specs: Sequence[TensorSpec], start: int,
+                  end: int) -> range:
+    """Indices of the chunks whose first payload byte lies in ``[start, end)``."""
+    starts = [specs[ti].offset + lo for ti, lo, _ in chunks]
+    return range(bisect.bisect_left(starts, start), bisect.bisect_left(starts, end))
+
+
+def even_stripes(total: int, n: int, align: int = 4096) -> list[tuple[int, int]]:
+    """Split ``[0, total)`` into ``n`` contiguous ranges of nearly equal size, cut at ``align``."""
+    if n < 1:
+        raise ConfigError("need at least one stripe")
+    cuts = [0] + [min(total, (total * k // n) // align * align) for k in range(1, n)] + [total]
+    return [(cuts[k], cuts[k + 1]) for k in range(n)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -871,7 +908,7 @@ def benchmark(nbytes: int = 100 * 1000 * 1000, n_donors: int = 1, chunk_size: in
     """
     import torch
 
-    from gossiprec.trainer.state import capture_state
+    from gossiprec.trainer.capture import capture_state
 
     class _Blob:
         def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
