@@ -90,7 +90,7 @@ def _donor_main(conn: Any, device: str, nbytes: int, seed: int, key: bytes, repe
     """A donor process: build, commit into pinned buffers (timed), serve until told to stop."""
     try:
         from gossiprec.trainer.capture import capture_state
-        from gossiprec.trainer.transfer import DonorServer
+        from gossiprec.trainer.donor import DonorServer
 
         objects = _build(device, nbytes, seed)
         first = capture_state(objects, step=1, copy=True, checksum=False)
@@ -148,7 +148,9 @@ def run(device: str, nbytes: int, donors: list[int], repeats: int,
 
     from gossiprec.trainer.capture import capture_state
     from gossiprec.trainer.receive import ReceiveTarget
-    from gossiprec.trainer.transfer import KEY_SIZE, fetch_state, loopback_tcp_baseline
+    from gossiprec.bench.transfer import loopback_tcp_baseline
+    from gossiprec.trainer.fetch import fetch_state
+    from gossiprec.trainer.transfer_wire import KEY_SIZE
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here (use --device cpu)")

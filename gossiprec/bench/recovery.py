@@ -283,7 +283,7 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
     from gossiprec.bench.agents import free_ports
     from gossiprec.demo import _read_int, _timeline
     from gossiprec.security.keyring import Keyring, decode_key, generate_key
-    from gossiprec.trainer.transfer import loopback_tcp_baseline
+    from gossiprec.bench.transfer import loopback_tcp_baseline
 
     tmp.mkdir(parents=True, exist_ok=True)
     ranks = spec.ranks

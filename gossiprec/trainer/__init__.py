@@ -12,7 +12,8 @@ from gossiprec.trainer.loop import (
 from gossiprec.trainer.objects import Stateful, training_state
 from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
 from gossiprec.trainer.rng import RNGState
-from gossiprec.trainer.transfer import DonorServer, fetch_state
+from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.fetch import fetch_state
 
 __all__ = [
     "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "JobFinished", "JobStopped", "NoReplica",

@@ -139,7 +139,8 @@ from gossiprec.trainer.header import tensor_bytes
 from gossiprec.trainer.objects import Stateful
 from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state, restore_state
 from gossiprec.trainer.rng import RNGState
-from gossiprec.trainer.transfer import DonorServer, fetch_state
+from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.fetch import fetch_state
 
 if TYPE_CHECKING:
     import torch
