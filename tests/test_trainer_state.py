@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 from gossiprec.errors import ConfigError, DecodeError, TransferError
 from gossiprec.trainer import rng as rng_mod
 from gossiprec.trainer.capture import capture_deferred, capture_state
+from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.header import StateHeader, pack_header, tensor_bytes, unpack_header
 from gossiprec.trainer.objects import training_state
 from gossiprec.trainer.receive import (
@@ -478,8 +479,8 @@ def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
             return [{"name": "n0", "addr": "127.0.0.1:1"}, {"name": "n2", "addr": f"127.0.0.1:{port}"}]
 
     model, opt, sched, data = build()
-    rt = ResilientTrainer(training_state(model, opt, sched, data), control=Control(),  # type: ignore[arg-type]
-                          bind_host="127.0.0.1")
+    rt = ResilientTrainer(training_state(model, opt, sched, data), TrainerConfig(bind_host="127.0.0.1"),
+                          control=Control())  # type: ignore[arg-type]
     waited: list[int] = []
     rt._recover = lambda cause, spare=False: waited.append(rt.epoch)  # type: ignore[method-assign]
     rt._follow_events = lambda: None  # type: ignore[method-assign]
@@ -680,8 +681,8 @@ def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
-    rt = ResilientTrainer(training_state(model, opt, rng=False), control=_StubControl(),  # type: ignore[arg-type]
-                          stateless_data=True)
+    rt = ResilientTrainer(training_state(model, opt, rng=False), TrainerConfig(stateless_data=True),
+                          control=_StubControl())  # type: ignore[arg-type]
     params = list(model.parameters())
     rt._update_late(params)
     first = rt._late

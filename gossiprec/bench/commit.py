@@ -77,6 +77,7 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
 
     from gossiprec.trainer.capture import capture_state
     from gossiprec.trainer.header import tensor_bytes
+    from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.loop import ResilientTrainer
     from gossiprec.trainer.rng import RNGState
 
@@ -84,9 +85,9 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
     params = list(model.parameters())
     rt = None
     if mode != "none":
-        rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)},
-                              control=_StubControl(), key=bytes(32),  # type: ignore[arg-type]
-                              background_snapshot=mode == "deferred", stateless_data=True)
+        config = TrainerConfig(background_snapshot=mode == "deferred", stateless_data=True)
+        rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)}, config,
+                              control=_StubControl(), key=bytes(32))  # type: ignore[arg-type]
     times: list[float] = []
     sync(device)
     t_prev = time.perf_counter()

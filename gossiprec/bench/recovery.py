@@ -143,6 +143,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     import torch
 
     from gossiprec.demo import build, local_gradients, objects_of
+    from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.loop import ResilientTrainer
     from gossiprec.trainer.capture import capture_state
     from gossiprec.trainer.header import pack_header
@@ -151,7 +152,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     model, opt, cursor = build(args.hidden, args.layers)
     records: list[dict[str, Any]] = []
-    rt = ResilientTrainer(objects_of(model, opt, cursor), timeout=args.timeout,
+    rt = ResilientTrainer(objects_of(model, opt, cursor), TrainerConfig(timeout=args.timeout),
                           on_recovered=lambda r: records.append(r.to_dict()))
     out.with_suffix(".pid").write_text(str(os.getpid()))  # the model is built: a warm spare from here
     rt.start()

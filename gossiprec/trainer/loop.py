@@ -118,7 +118,6 @@ agents judge hangs by is the commit-to-commit period (``step_ms`` in reports).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import threading
@@ -130,6 +129,8 @@ from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.local.control import ControlClient, ControlError
 from gossiprec.local.progress import ProgressPage
+from gossiprec.trainer.config import TrainerConfig
+from gossiprec.trainer.settings import TrainerSettings
 from gossiprec.trainer.capture import DeferredCopies, StateSnapshot, capture_deferred
 from gossiprec.trainer.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
@@ -147,12 +148,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STORE_OFFSET = 1
-DONOR_OFFSET = 2
 FAILURE_EVENTS = frozenset({"MemberFailed", "MemberLeft", "AlertRaised", "MemberSuspected"})
 CONTROL_TIMEOUT = 30.0
 """Seconds a trainer waits for its agent's reply to a request (the state and report messages of every
-step are not requests: they never wait). A dead agent closes the socket, which fails at once."""
+step are not requests: they never wait). Generous: when a whole job starts at once on few cores, an
+agent may take many seconds to answer its first request; a dead agent closes the socket, which fails
+at once."""
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 BACKGROUND_MIN_BYTES = 8 * 1024 * 1024
 """A commit's parameter and optimizer-state copies below this size (host to host) are *held* by
@@ -267,20 +268,6 @@ def _has_data_position(objects: Mapping[str, Stateful]) -> bool:
 
     plain = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, RNGState)
     return any(not isinstance(o, plain) for o in objects.values())
-
-
-def transfer_key(cluster: str | None = None) -> bytes:
-    """The 32-byte key state transfers are authenticated with (see the module docstring)."""
-    path = os.environ.get("GOSSIPREC_KEYRING")
-    if path:
-        from gossiprec.security.keyring import Keyring
-
-        key = Keyring.load(path).primary
-        if key is None:
-            raise ConfigError(f"keyring {path} has no primary key; run `gossiprec keys use KEY`")
-        return key
-    name = cluster or os.environ.get("GOSSIPREC_CLUSTER", "gossiprec")
-    return hashlib.sha256(b"gossiprec-insecure-transfer\x00" + name.encode()).digest()
 
 
 def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -427,32 +414,31 @@ class ResilientTrainer:
     (:attr:`step`, :attr:`rank`); without it, objects with no data position are refused.
     """
 
-    def __init__(self, objects: Mapping[str, Stateful], *, control: ControlClient | None = None,
-                 control_path: str | None = None, key: bytes | None = None, backend: str = "gloo",
-                 timeout: float = 30.0, poll_interval: float = 0.002, store_offset: int = STORE_OFFSET,
-                 donor_offset: int = DONOR_OFFSET, bind_host: str = "0.0.0.0", linger: float = 5.0,
+    def __init__(self, objects: Mapping[str, Stateful], config: TrainerConfig | None = None, *,
+                 settings: TrainerSettings | None = None, control: ControlClient | None = None,
+                 key: bytes | None = None,
                  on_recovered: Callable[[RecoveryRecord], None] | None = None,
                  on_resize: Callable[[int, int], None] | None = None,
                  on_no_replica: Callable[[NoReplica], int] | None = None,
-                 on_phase: Callable[[int, str], None] | None = None,
-                 wait_report_after: float = 0.25, background_snapshot: bool = True,
-                 verify_replicas: bool = True, verify_every: int = 0, stateless_data: bool = False) -> None:
+                 on_phase: Callable[[int, str], None] | None = None) -> None:
+        config = TrainerConfig() if config is None else config
+        if not isinstance(config, TrainerConfig):
+            raise ConfigError(f"config must be a TrainerConfig, got {type(config).__name__}")
         if not objects:
             raise ConfigError("ResilientTrainer needs the objects that make up the training state")
         if JOB_ENTRY in objects:
             raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
                               "rename that object")
-        if isinstance(verify_every, bool) or not isinstance(verify_every, int) or verify_every < 0:
-            raise ConfigError(f"verify_every must be an int >= 0 (0: no periodic check), got {verify_every!r}")
-        if not stateless_data and not _has_data_position(objects):
+        if not config.stateless_data and not _has_data_position(objects):
             raise ConfigError(
                 f"no data position among the objects {sorted(objects)}: a spare that takes a rank would read "
                 "its data from the start, training silently on other batches than the rank it replaces. "
                 "Register the position (training_state(model, opt, data=position), any object with "
-                "state_dict/load_state_dict), or pass stateless_data=True if every batch is a function of "
-                "rt.step and rt.rank")
-        self.verify_replicas = verify_replicas
-        self.verify_every = verify_every
+                "state_dict/load_state_dict), or pass TrainerConfig(stateless_data=True) if every batch is a "
+                "function of rt.step and rt.rank")
+        self.config = config
+        self.verify_replicas = config.verify_replicas
+        self.verify_every = config.verify_every
         self._check: tuple[str, PendingDigest | StateDigest] | None = None
         """A cross-replica comparison due at the next all-reduce of gradients: (when, digest)."""
         self._verify_live: StateSnapshot | None = None
@@ -464,8 +450,8 @@ class ResilientTrainer:
         self.on_resize = on_resize
         self.on_no_replica = on_no_replica
         self.on_phase = on_phase
-        self.wait_report_after = wait_report_after
-        self.background_snapshot = background_snapshot
+        self.wait_report_after = config.wait_report_after
+        self.background_snapshot = config.background_snapshot
         self._copier = _Copier()
         self._late: frozenset[int] = frozenset()
         """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`_commit_snapshot`)."""
@@ -477,22 +463,25 @@ class ResilientTrainer:
         """Snapshot buffers nothing refers to (a spare's, allocated while it waits): reused by commits."""
         self._owner = threading.get_ident()
         """The thread that runs the loop (the only one that checks and takes finished snapshot copies)."""
+        if settings is None and (control is None or key is None):
+            settings = TrainerSettings.from_env()  # the edge: only when the caller passed neither
         if control is None:
-            # generous: when a whole job starts at once on few cores (every rank importing torch beside
-            # its agent), an agent may take many seconds to answer its first request
-            control = (ControlClient(control_path, timeout=CONTROL_TIMEOUT) if control_path
-                       else ControlClient.from_env(timeout=CONTROL_TIMEOUT))
+            assert settings is not None
+            control = settings.connect(timeout=CONTROL_TIMEOUT)
         self.control = control
         self._control_path = control.path
         self.node: str = str(control.node)
-        self.key = key if key is not None else transfer_key()
-        self.backend = backend
-        self.timeout = timeout
-        self.poll_interval = poll_interval
-        self.store_offset = store_offset
-        self.donor_offset = donor_offset
-        self.bind_host = bind_host
-        self.linger = linger
+        if key is None:
+            assert settings is not None
+            key = settings.transfer_key()
+        self.key = key
+        self.backend = config.backend
+        self.timeout = config.timeout
+        self.poll_interval = config.poll_interval
+        self.store_offset = config.store_offset
+        self.donor_offset = config.donor_offset
+        self.bind_host = config.bind_host
+        self.linger = config.linger
         self.on_recovered = on_recovered
         self.rank: int = -1
         self.world_size: int = 0
@@ -870,7 +859,7 @@ class ResilientTrainer:
                 f"allreduce_gradients() without torch seeing it ({', '.join(changed[:3])}): a write through "
                 ".data or another alias of the memory. With background_snapshot=True only the optimizer "
                 "step may change parameters and optimizer state; move such writes after "
-                "allreduce_gradients() or pass background_snapshot=False to ResilientTrainer")
+                "allreduce_gradients() or pass TrainerConfig(background_snapshot=False) to ResilientTrainer")
 
     def _snapshot_at(self, step: int) -> StateSnapshot | None:
         self._settle_snapshot(main=threading.get_ident() == self._owner)
@@ -892,7 +881,7 @@ class ResilientTrainer:
                 f"{len(changed)} tensor(s) of the step-{self.step} snapshot were modified in place before "
                 f"the optimizer step ({', '.join(changed[:3])}): with background_snapshot=True only the "
                 "optimizer step, after allreduce_gradients(), may change parameters and optimizer state; "
-                "pass background_snapshot=False to ResilientTrainer")
+                "pass TrainerConfig(background_snapshot=False) to ResilientTrainer")
 
     def _update_late(self, params: list[torch.Tensor]) -> None:
         """Set :attr:`_late` for ``params``; on the training step's path, so it is rebuilt only when a
