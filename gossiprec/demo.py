@@ -322,7 +322,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     import torch
 
     from gossiprec.trainer.config import TrainerConfig
-    from gossiprec.trainer.loop import JobFinished, JobStopped, NoReplica, Released, ResilientTrainer
+    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, Released
     from gossiprec.trainer.capture import capture_state
 
     torch.set_num_threads(1)

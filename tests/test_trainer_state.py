@@ -483,7 +483,7 @@ def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
                           control=Control())  # type: ignore[arg-type]
     waited: list[int] = []
     rt._recover = lambda cause, spare=False: waited.append(rt.epoch)  # type: ignore[method-assign]
-    rt._follow_events = lambda: None  # type: ignore[method-assign]
+    rt._follower.start = lambda: None  # type: ignore[method-assign]
     rt.start()
     assert waited == [0]  # the plan of epoch 1 (> 0) is the one it waits for
     rt.close()
@@ -509,20 +509,20 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
 
 def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer import loop
+    from gossiprec.trainer import snapshots
     from gossiprec.trainer.loop import ResilientTrainer
 
-    monkeypatch.setattr(loop, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
+    monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     control = _StubControl()
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=control)  # type: ignore[arg-type]
     rt._commit_snapshot(1)
-    rt._update_late(list(model.parameters()))  # what allreduce_gradients does
+    rt._snaps.update_late(list(model.parameters()))  # what allreduce_gradients does
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)  # parameters and moments are copied by the background thread
     expected = capture_state(rt.objects, step=2, checksum=False)
-    snap = rt._snapshot_at(2)  # waits for the copy
+    snap = rt._snaps.at(2)  # waits for the copy
     assert snap is not None and snap.payload() == expected.payload()
     assert control.states == [1, 2]
 
@@ -531,53 +531,54 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a loop changing a parameter before the next allreduce_gradients
     with pytest.raises(RecoveryError, match="background_snapshot=False"):
-        rt._settle_snapshot()
-    assert [s.step for s in rt._snapshots] == [2] and not rt.background_snapshot
+        rt._snaps.settle()
+    assert [s.step for s in rt._snaps.held] == [2] and not rt._snaps.background
     rt.close()
 
 
 def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_to_need_it() -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer.loop import BACKGROUND_MIN_BYTES, ResilientTrainer
+    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.snapshots import BACKGROUND_MIN_BYTES
 
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=_StubControl())  # type: ignore[arg-type]
     rt._commit_snapshot(1)
-    rt._update_late(list(model.parameters()))
-    assert rt._late  # parameters and moments could be deferred ...
+    rt._snaps.update_late(list(model.parameters()))
+    assert rt._snaps.late  # parameters and moments could be deferred ...
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)
-    assert rt._snapshots[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
+    assert rt._snaps.held[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
     # ... and under BACKGROUND_MIN_BYTES commit() holds them: no thread is woken between two steps
-    assert rt._copier._waits_for == "caller" and rt._copier._thread is None
+    assert rt._snaps.copier._waits_for == "caller" and rt._snaps.copier._thread is None
     expected = capture_state(rt.objects, step=2, checksum=False)
     rt.begin_step()  # hands them to the thread, which copies while the step computes
-    assert rt._copier._thread is not None and rt._copier._thread.is_alive()
-    snap = rt._snapshot_at(2)
-    assert rt._copier._waits_for is None
+    assert rt._snaps.copier._thread is not None and rt._snaps.copier._thread.is_alive()
+    snap = rt._snaps.at(2)
+    assert rt._snaps.copier._waits_for is None
     assert snap is not None and snap.payload() == expected.payload()
-    rt._settle_snapshot()
+    rt._snaps.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(3)  # a loop without begin_step: the main thread copies once the collective is launched
-    assert rt._copier._waits_for == "caller"
+    assert rt._snaps.copier._waits_for == "caller"
     expected = capture_state(rt.objects, step=3, checksum=False)
-    rt._copier.run_held()  # what allreduce() does after issuing the collective
-    assert rt._copier._waits_for is None and not rt._copier._running
-    snap = rt._snapshot_at(3)
+    rt._snaps.copier.run_held()  # what allreduce() does after issuing the collective
+    assert rt._snaps.copier._waits_for is None and not rt._snaps.copier._running
+    snap = rt._snaps.at(3)
     assert snap is not None and snap.payload() == expected.payload()
-    rt._settle_snapshot()
+    rt._snaps.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(4)
     expected = capture_state(rt.objects, step=4, checksum=False)
     got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(rt._snapshot_at(4)))  # a donor thread asking first
+    waiter = threading.Thread(target=lambda: got.append(rt._snaps.at(4)))  # a donor thread asking first
     waiter.start()
     waiter.join()
-    assert rt._copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
-    rt._settle_snapshot()
+    assert rt._snaps.copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    rt._snaps.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(5)
@@ -585,8 +586,8 @@ def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_t
         model[0].weight.add_(1.0)  # against the contract: a parameter changed before the copies were made
     rt.begin_step()
     with pytest.raises(RecoveryError, match="modified in place"):
-        rt._settle_snapshot()
-    assert [s.step for s in rt._snapshots] == [4]  # the torn snapshot is dropped
+        rt._snaps.settle()
+    assert [s.step for s in rt._snaps.held] == [4]  # the torn snapshot is dropped
     rt.close()
 
 
@@ -605,9 +606,9 @@ class _Job:
 
 def test_copier_leaves_submitted_jobs_to_its_thread_and_reports_an_error_once() -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer.loop import _Copier
+    from gossiprec.trainer.copier import Copier
 
-    copier = _Copier()
+    copier = Copier()
     for _ in range(20):  # a submitted job (large, or from a GPU) is never taken by the all-reduce's run_held
         job = _Job()
         copier.submit(job)  # type: ignore[arg-type]
@@ -684,17 +685,17 @@ def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
     rt = ResilientTrainer(training_state(model, opt, rng=False), TrainerConfig(stateless_data=True),
                           control=_StubControl())  # type: ignore[arg-type]
     params = list(model.parameters())
-    rt._update_late(params)
-    first = rt._late
+    rt._snaps.update_late(params)
+    first = rt._snaps.late
     assert first == {p.data_ptr() for p in params}  # no optimizer state yet
-    rt._update_late(params)
-    assert rt._late is first  # same key: not rebuilt on the training step's path
+    rt._snaps.update_late(params)
+    assert rt._snaps.late is first  # same key: not rebuilt on the training step's path
     model(torch.randn(3, 4)).sum().backward()
     opt.step()  # creates the moments: the key moves
-    rt._update_late(params)
+    rt._snaps.update_late(params)
     moments = {v.data_ptr() for st in opt.state.values() for v in st.values()}
-    assert rt._late == first | moments and rt._late is not first
-    rt._late = frozenset()  # what a recovery does
-    rt._update_late(params)
-    assert rt._late == first | moments
+    assert rt._snaps.late == first | moments and rt._snaps.late is not first
+    rt._snaps.late = frozenset()  # what a recovery does
+    rt._snaps.update_late(params)
+    assert rt._snaps.late == first | moments
     rt.close()

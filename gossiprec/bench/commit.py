@@ -96,9 +96,9 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         opt.zero_grad(set_to_none=False)
         loss.backward()
         if rt is not None:
-            rt._settle_snapshot()  # what allreduce_gradients does before it returns
-            if rt.background_snapshot:
-                rt._update_late(params)
+            rt._snaps.settle()  # what allreduce_gradients does before it returns
+            if rt._snaps.background:
+                rt._snaps.update_late(params)
         opt.step()
         if rt is not None:
             rt.commit()
@@ -110,7 +110,7 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
     same: bool | None = None
     state_bytes = 0
     if rt is not None:
-        snap = rt._snapshot_at(rt.step)  # settled: the background copies are done
+        snap = rt._snaps.at(rt.step)  # settled: the background copies are done
         assert snap is not None
         state_bytes = snap.header.total_nbytes
         ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)

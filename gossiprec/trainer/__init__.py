@@ -9,9 +9,10 @@ from gossiprec.trainer.digest import ReplicaMismatch
 from gossiprec.trainer.donor import DonorServer
 from gossiprec.trainer.fetch import fetch_state
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
-from gossiprec.trainer.loop import JobFinished, JobStopped, NoReplica, RecoveryRecord, Released, ResilientTrainer, rank_ordered_mean
+from gossiprec.trainer.loop import ResilientTrainer, rank_ordered_mean
 from gossiprec.trainer.objects import Stateful, training_state
 from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
+from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, RecoveryRecord, Released
 from gossiprec.trainer.rng import RNGState
 from gossiprec.trainer.settings import TrainerSettings, transfer_key
 

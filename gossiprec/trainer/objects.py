@@ -7,7 +7,7 @@ a given step; rank-specific choices are computed from the rank, not stored.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 from gossiprec.trainer.rng import RNGState
 
@@ -32,3 +32,29 @@ def training_state(model: Any, optimizer: Any, scheduler: Any = None, data: Any 
     if rng:
         objects["rng"] = RNGState()
     return objects
+
+
+JOB_ENTRY = "gossiprec"
+"""Name of the entry the trainer adds to the registered objects (the world size of the state)."""
+
+
+class JobState:
+    """The world size the registered state was last stepped in (a Stateful carried with the state, so
+    that every rank of a new world, survivor or receiver, sees the same change of world size)."""
+
+    def __init__(self) -> None:
+        self.world_size = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"world_size": self.world_size}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.world_size = int(sd["world_size"])
+
+
+def has_data_position(objects: Mapping[str, Stateful]) -> bool:
+    """Whether any object is something other than a model, optimizer, LR scheduler or RNG state."""
+    import torch
+
+    plain = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, RNGState)
+    return any(not isinstance(o, plain) for o in objects.values())

@@ -16,6 +16,7 @@ destination tensors hold a mix of old and new bytes: the target is only good for
 
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Sequence
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:  # torch is imported lazily: the non-torch parts of gossiprec 
     import torch
 
     from gossiprec.trainer.objects import Stateful
+
+log = logging.getLogger(__name__)
 
 
 class LayoutMismatch(TransferError):
@@ -257,3 +260,17 @@ def materialize_optimizer_state(optimizer: Any) -> None:
             g["lr"] = lr
         for p in trainable:
             p.grad = saved_grads[id(p)]
+
+
+def materialize_optimizers(objects: Mapping[str, Stateful]) -> None:
+    """:func:`materialize_optimizer_state` for every optimizer among ``objects``, so that a spare's state
+    arrives in memory already mapped; one that fails is left alone (its state then arrives anyway: a
+    receiver allocates what the donor has and it lacks)."""
+    import torch
+
+    for name, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            try:
+                materialize_optimizer_state(obj)
+            except Exception as exc:  # the optimizer's own step: any error; the state then arrives anyway
+                log.debug("could not allocate the state of optimizer %r in advance: %s", name, exc)

@@ -24,6 +24,11 @@ from gossiprec.errors import ConfigError
 if TYPE_CHECKING:
     from gossiprec.local.control import ControlClient
 
+CONTROL_TIMEOUT = 30.0
+"""Seconds a trainer waits for its agent's reply to a request (the state and report messages of every
+step are not requests: they never wait). Generous: when a whole job starts at once on few cores, an
+agent may take many seconds to answer its first request; a dead agent closes the socket, which fails
+at once."""
 DEFAULT_CLUSTER = "gossiprec"
 """The cluster name when ``GOSSIPREC_CLUSTER`` is not set (the agent's default too)."""
 
@@ -49,7 +54,7 @@ class TrainerSettings:
                    cluster=env.get(ENV["cluster"], DEFAULT_CLUSTER),
                    keyring=env.get(ENV["keyring"]) or None)
 
-    def connect(self, *, timeout: float) -> ControlClient:
+    def connect(self, *, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
         """A client connected to the agent's control socket (requests wait ``timeout`` seconds)."""
         from gossiprec.local.control import ControlClient
 
