@@ -461,7 +461,7 @@ class _StubControl:
 
 def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
     """A spare whose trainer comes up after the view that gave it a rank (slow start, loaded machine)
-    must apply that view's plan; it used to wait for a newer one while the survivors waited for it."""
+    must apply that view's plan, not wait for a newer one while the survivors wait for it."""
     from gossiprec.bench.agents import free_ports
     from gossiprec.trainer.loop import ResilientTrainer
 
