@@ -9,11 +9,12 @@ import random
 import pytest
 import torch
 
+from gossiprec.trainer.capture import capture_state
 from gossiprec.trainer.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
     tree_entries,
 )
-from gossiprec.trainer.state import capture_state, training_state
+from gossiprec.trainer.objects import training_state
 
 
 class Position:

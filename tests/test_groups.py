@@ -24,7 +24,7 @@ from gossiprec.trainer.groups import (
 )
 
 HOST = "127.0.0.1"
-BIG = 16 * 1024 * 1024  # floats: an allreduce long enough (>100 ms here) to be killed in the middle
+BIG = 16 * 1024 * 1024  # floats: an allreduce long enough to be killed in the middle
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_sigkill_mid_collective_then_new_epoch_with_a_spare(cluster: Cluster) ->
     victim = cluster.procs["victim"]
     killed_at = time.monotonic()
     os.kill(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
-    # gloo usually reports the reset connection itself (20-70 ms here) when the victim was already
+    # gloo usually reports the reset connection itself when the victim was already
     # exchanging data; when it died before its first byte, survivors wait on each other and only the
     # agent's abort frees them. The test plays the agent, which would have noticed the death anyway.
     try:

@@ -16,22 +16,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     np = None
 
 from gossiprec.errors import ConfigError, DecodeError, TransferError
-from gossiprec.trainer import state as state_mod
-from gossiprec.trainer.state import (
-    ChecksumMismatch,
-    LayoutMismatch,
-    ReceiveTarget,
-    RNGState,
-    StateHeader,
-    capture_deferred,
-    capture_state,
-    materialize_optimizer_state,
-    pack_header,
-    restore_state,
-    tensor_bytes,
-    training_state,
-    unpack_header,
+from gossiprec.trainer import rng as rng_mod
+from gossiprec.trainer.capture import capture_deferred, capture_state
+from gossiprec.trainer.config import TrainerConfig
+from gossiprec.trainer.header import StateHeader, pack_header, tensor_bytes, unpack_header
+from gossiprec.trainer.objects import training_state
+from gossiprec.trainer.receive import (
+    ChecksumMismatch, LayoutMismatch, ReceiveTarget, materialize_optimizer_state, restore_state,
 )
+from gossiprec.trainer.rng import RNGState
 
 
 class DataPosition:
@@ -155,10 +148,8 @@ def test_rng_state_continues_the_same_streams() -> None:
         assert isinstance(snap.header.trees["rng"]["numpy"]["keys"], bytes)
 
 
-def _rng_dict_via_public_api(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    with monkeypatch.context() as m:
-        m.setattr(state_mod, "_RAW_READERS", [None, None])  # getstate() / get_state(), as before the readers
-        return RNGState().state_dict()
+def _rng_dict_via_public_api() -> dict[str, Any]:
+    return RNGState(raw=False).state_dict()  # getstate() / get_state() only: the readers switched off
 
 
 def _same_rng_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -166,8 +157,8 @@ def _same_rng_dict(a: dict[str, Any], b: dict[str, Any]) -> bool:
         torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
-def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.MonkeyPatch) -> None:
-    readers = state_mod._raw_readers()
+def test_raw_rng_readers_read_what_the_public_apis_return() -> None:
+    readers = rng_mod.raw_readers()
     assert readers[0] is not None, "CPython on x86-64/arm64: the python reader must pass its probe"
     if np is not None:
         assert readers[1] is not None, "numpy's legacy MT19937 layout: the numpy reader must pass its probe"
@@ -184,7 +175,7 @@ def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.Mo
         if np is not None:
             np.random.standard_normal(i % 3 + 1)
         fast = RNGState().state_dict()
-        assert _same_rng_dict(fast, _rng_dict_via_public_api(monkeypatch)), f"draw {i}"
+        assert _same_rng_dict(fast, _rng_dict_via_public_api()), f"draw {i}"
         gauss_cached["python"] += fast["python"][2] is not None
         if np is not None:
             gauss_cached["numpy"] += fast["numpy"]["has_gauss"]
@@ -193,8 +184,24 @@ def test_raw_rng_readers_read_what_the_public_apis_return(monkeypatch: pytest.Mo
         assert 0 < gauss_cached["numpy"] < 40
 
 
+def test_rng_state_without_raw_readers_uses_only_the_public_apis(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gossiprec.trainer import rng_raw
+
+    random.seed(12)
+    random.gauss(0, 1)
+    expected = RNGState().state_dict()
+
+    def refuse(*_: Any) -> Any:
+        raise AssertionError("RNGState(raw=False) must not probe or use the struct readers")
+
+    monkeypatch.setattr(rng_raw, "readers", refuse)
+    assert _same_rng_dict(RNGState(raw=False).state_dict(), expected)
+    with pytest.raises(AssertionError, match="must not probe"):
+        RNGState().state_dict()
+
+
 def test_raw_rng_readers_step_aside_when_the_global_generators_are_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
-    python_reader, numpy_reader = state_mod._raw_readers()
+    python_reader, numpy_reader = rng_mod.raw_readers()
     assert python_reader is not None
     monkeypatch.setattr(random, "_inst", random.Random(5))
     assert python_reader.read() is None  # not the probed generator: the caller uses getstate()
@@ -204,7 +211,7 @@ def test_raw_rng_readers_step_aside_when_the_global_generators_are_replaced(monk
         assert numpy_reader.read() is None
     monkeypatch.undo()
     assert python_reader.read() is not None
-    assert _same_rng_dict(RNGState().state_dict(), _rng_dict_via_public_api(monkeypatch))
+    assert _same_rng_dict(RNGState().state_dict(), _rng_dict_via_public_api())
 
 
 def test_rng_state_loads_the_older_list_form() -> None:
@@ -237,14 +244,14 @@ def test_header_is_plain_msgpack_and_round_trips() -> None:
 
 
 def test_module_metadata_is_reused_only_while_it_is_unchanged() -> None:
-    from gossiprec.trainer.state import _META_CACHE, _decode
+    from gossiprec.trainer.header import _META_CACHE, decode_tree
 
     model, opt, sched, data = build()
     objects = training_state(model, opt, sched, data)
 
     def versions() -> dict[str, int]:
         snap = capture_state(objects, step=1, checksum=False)
-        sd = _decode(snap.header.trees["model"], snap.tensors)
+        sd = decode_tree(snap.header.trees["model"], snap.tensors)
         return {k: v["version"] for k, v in sd._metadata.items()}
 
     first = versions()
@@ -454,7 +461,7 @@ class _StubControl:
 
 def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
     """A spare whose trainer comes up after the view that gave it a rank (slow start, loaded machine)
-    must apply that view's plan; it used to wait for a newer one while the survivors waited for it."""
+    must apply that view's plan, not wait for a newer one while the survivors wait for it."""
     from gossiprec.harness.ports import free_ports
     from gossiprec.trainer.loop import ResilientTrainer
 
@@ -472,11 +479,11 @@ def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
             return [{"name": "n0", "addr": "127.0.0.1:1"}, {"name": "n2", "addr": f"127.0.0.1:{port}"}]
 
     model, opt, sched, data = build()
-    rt = ResilientTrainer(training_state(model, opt, sched, data), control=Control(),  # type: ignore[arg-type]
-                          bind_host="127.0.0.1")
+    rt = ResilientTrainer(training_state(model, opt, sched, data), TrainerConfig(bind_host="127.0.0.1"),
+                          control=Control())  # type: ignore[arg-type]
     waited: list[int] = []
     rt._recover = lambda cause, spare=False: waited.append(rt.epoch)  # type: ignore[method-assign]
-    rt._follow_events = lambda: None  # type: ignore[method-assign]
+    rt._follower.start = lambda: None  # type: ignore[method-assign]
     rt.start()
     assert waited == [0]  # the plan of epoch 1 (> 0) is the one it waits for
     rt.close()
@@ -502,20 +509,20 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
 
 def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer import loop
+    from gossiprec.trainer import snapshots
     from gossiprec.trainer.loop import ResilientTrainer
 
-    monkeypatch.setattr(loop, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
+    monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     control = _StubControl()
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=control)  # type: ignore[arg-type]
     rt._commit_snapshot(1)
-    rt._update_late(list(model.parameters()))  # what allreduce_gradients does
+    rt._snaps.update_late(list(model.parameters()))  # what allreduce_gradients does
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)  # parameters and moments are copied by the background thread
     expected = capture_state(rt.objects, step=2, checksum=False)
-    snap = rt._snapshot_at(2)  # waits for the copy
+    snap = rt._snaps.at(2)  # waits for the copy
     assert snap is not None and snap.payload() == expected.payload()
     assert control.states == [1, 2]
 
@@ -524,53 +531,54 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a loop changing a parameter before the next allreduce_gradients
     with pytest.raises(RecoveryError, match="background_snapshot=False"):
-        rt._settle_snapshot()
-    assert [s.step for s in rt._snapshots] == [2] and not rt.background_snapshot
+        rt._snaps.settle()
+    assert [s.step for s in rt._snaps.held] == [2] and not rt._snaps.background
     rt.close()
 
 
 def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_to_need_it() -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer.loop import BACKGROUND_MIN_BYTES, ResilientTrainer
+    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.snapshots import BACKGROUND_MIN_BYTES
 
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=_StubControl())  # type: ignore[arg-type]
     rt._commit_snapshot(1)
-    rt._update_late(list(model.parameters()))
-    assert rt._late  # parameters and moments could be deferred ...
+    rt._snaps.update_late(list(model.parameters()))
+    assert rt._snaps.late  # parameters and moments could be deferred ...
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)
-    assert rt._snapshots[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
+    assert rt._snaps.held[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
     # ... and under BACKGROUND_MIN_BYTES commit() holds them: no thread is woken between two steps
-    assert rt._copier._waits_for == "caller" and rt._copier._thread is None
+    assert rt._snaps.copier._waits_for == "caller" and rt._snaps.copier._thread is None
     expected = capture_state(rt.objects, step=2, checksum=False)
     rt.begin_step()  # hands them to the thread, which copies while the step computes
-    assert rt._copier._thread is not None and rt._copier._thread.is_alive()
-    snap = rt._snapshot_at(2)
-    assert rt._copier._waits_for is None
+    assert rt._snaps.copier._thread is not None and rt._snaps.copier._thread.is_alive()
+    snap = rt._snaps.at(2)
+    assert rt._snaps.copier._waits_for is None
     assert snap is not None and snap.payload() == expected.payload()
-    rt._settle_snapshot()
+    rt._snaps.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(3)  # a loop without begin_step: the main thread copies once the collective is launched
-    assert rt._copier._waits_for == "caller"
+    assert rt._snaps.copier._waits_for == "caller"
     expected = capture_state(rt.objects, step=3, checksum=False)
-    rt._copier.run_held()  # what allreduce() does after issuing the collective
-    assert rt._copier._waits_for is None and not rt._copier._running
-    snap = rt._snapshot_at(3)
+    rt._snaps.copier.run_held()  # what allreduce() does after issuing the collective
+    assert rt._snaps.copier._waits_for is None and not rt._snaps.copier._running
+    snap = rt._snaps.at(3)
     assert snap is not None and snap.payload() == expected.payload()
-    rt._settle_snapshot()
+    rt._snaps.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(4)
     expected = capture_state(rt.objects, step=4, checksum=False)
     got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(rt._snapshot_at(4)))  # a donor thread asking first
+    waiter = threading.Thread(target=lambda: got.append(rt._snaps.at(4)))  # a donor thread asking first
     waiter.start()
     waiter.join()
-    assert rt._copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
-    rt._settle_snapshot()
+    assert rt._snaps.copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    rt._snaps.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(5)
@@ -578,8 +586,8 @@ def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_t
         model[0].weight.add_(1.0)  # against the contract: a parameter changed before the copies were made
     rt.begin_step()
     with pytest.raises(RecoveryError, match="modified in place"):
-        rt._settle_snapshot()
-    assert [s.step for s in rt._snapshots] == [4]  # the torn snapshot is dropped
+        rt._snaps.settle()
+    assert [s.step for s in rt._snaps.held] == [4]  # the torn snapshot is dropped
     rt.close()
 
 
@@ -598,9 +606,9 @@ class _Job:
 
 def test_copier_leaves_submitted_jobs_to_its_thread_and_reports_an_error_once() -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer.loop import _Copier
+    from gossiprec.trainer.copier import Copier
 
-    copier = _Copier()
+    copier = Copier()
     for _ in range(20):  # a submitted job (large, or from a GPU) is never taken by the all-reduce's run_held
         job = _Job()
         copier.submit(job)  # type: ignore[arg-type]
@@ -674,20 +682,20 @@ def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
 
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters())
-    rt = ResilientTrainer(training_state(model, opt, rng=False), control=_StubControl(),  # type: ignore[arg-type]
-                          stateless_data=True)
+    rt = ResilientTrainer(training_state(model, opt, rng=False), TrainerConfig(stateless_data=True),
+                          control=_StubControl())  # type: ignore[arg-type]
     params = list(model.parameters())
-    rt._update_late(params)
-    first = rt._late
+    rt._snaps.update_late(params)
+    first = rt._snaps.late
     assert first == {p.data_ptr() for p in params}  # no optimizer state yet
-    rt._update_late(params)
-    assert rt._late is first  # same key: not rebuilt on the training step's path
+    rt._snaps.update_late(params)
+    assert rt._snaps.late is first  # same key: not rebuilt on the training step's path
     model(torch.randn(3, 4)).sum().backward()
     opt.step()  # creates the moments: the key moves
-    rt._update_late(params)
+    rt._snaps.update_late(params)
     moments = {v.data_ptr() for st in opt.state.values() for v in st.values()}
-    assert rt._late == first | moments and rt._late is not first
-    rt._late = frozenset()  # what a recovery does
-    rt._update_late(params)
-    assert rt._late == first | moments
+    assert rt._snaps.late == first | moments and rt._snaps.late is not first
+    rt._snaps.late = frozenset()  # what a recovery does
+    rt._snaps.update_late(params)
+    assert rt._snaps.late == first | moments
     rt.close()

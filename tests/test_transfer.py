@@ -17,26 +17,16 @@ import pytest
 import torch
 
 from gossiprec.errors import ConfigError, SecurityError, TransferError
-from gossiprec.trainer import transfer
-from gossiprec.trainer.state import (
-    LayoutMismatch,
-    ReceiveTarget,
-    StateSnapshot,
-    TensorSpec,
-    capture_state,
-    materialize_optimizer_state,
-    training_state,
-)
-from gossiprec.trainer.transfer import (
-    DonorServer,
-    TransferAuthError,
-    TransferRequest,
-    encode_request,
-    even_stripes,
-    fetch_state,
-    plan_chunks,
-    seal_state,
-    select_chunks,
+from gossiprec.bench.transfer import benchmark
+from gossiprec.trainer import transfer_wire
+from gossiprec.trainer.capture import StateSnapshot, capture_state
+from gossiprec.trainer.header import TensorSpec
+from gossiprec.trainer.objects import training_state
+from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state
+from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.fetch import fetch_state
+from gossiprec.trainer.transfer_wire import (
+    TransferAuthError, TransferRequest, encode_request, even_stripes, plan_chunks, seal_state, select_chunks,
 )
 
 KEY = bytes(range(32))
@@ -89,7 +79,7 @@ def donor_objects() -> dict[str, Any]:
     return training_state(*trained(), rng=False)
 
 
-def serve(snapshot: StateSnapshot | transfer.SealedState, **kw: Any) -> DonorServer:
+def serve(snapshot: StateSnapshot | transfer_wire.SealedState, **kw: Any) -> DonorServer:
     return DonorServer(lambda epoch, step: snapshot, KEY, host=LOCAL, **kw).start()
 
 
@@ -236,8 +226,8 @@ def test_replayed_request_is_refused(donor_objects: dict[str, Any]) -> None:
             with socket.create_connection((LOCAL, donor.port), timeout=5) as s:
                 s.sendall(frame)
                 replies.append(read_all(s))
-    assert replies[0][5] == transfer.KIND_OK
-    assert replies[1][5] == transfer.KIND_UNAUTHENTICATED_REFUSAL and b"replayed" in replies[1]
+    assert replies[0][5] == transfer_wire.KIND_OK
+    assert replies[1][5] == transfer_wire.KIND_UNAUTHENTICATED_REFUSAL and b"replayed" in replies[1]
 
 
 def test_stall_before_header_times_out_promptly() -> None:
@@ -258,14 +248,15 @@ def test_bad_arguments() -> None:
 
 
 def test_benchmark_reports_both_numbers() -> None:
-    out = transfer.benchmark(4_000_000)
+    out = benchmark(4_000_000)
     assert out["tcp_mb_s"] > 0 and out["transfer_mb_s"] > 0 and out["ratio"] > 0
 
 
 def test_no_pickle_anywhere_in_the_state_path() -> None:
-    root = Path(transfer.__file__).parent
-    for name in ("state.py", "transfer.py"):
-        text = (root / name).read_text()
+    modules = sorted(Path(transfer_wire.__file__).parent.glob("*.py"))  # every module of the trainer package
+    assert len(modules) > 5
+    for path in modules:
+        text = path.read_text()
         assert "pickle" not in text.replace("never pickle", "").replace("NEVER pickle", "")
         assert "torch.load" not in text
 
@@ -275,8 +266,9 @@ def test_no_pickle_anywhere_in_the_state_path() -> None:
 
 DONOR_PROGRAM = """
 import sys, torch
-from gossiprec.trainer.state import capture_state
-from gossiprec.trainer.transfer import DonorServer, seal_state
+from gossiprec.trainer.capture import capture_state
+from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.transfer_wire import seal_state
 
 class Blob:
     def __init__(self):

@@ -75,16 +75,19 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
           say: Any) -> tuple[list[float], int, bool | None]:
     import torch
 
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import tensor_bytes
+    from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.state import RNGState, capture_state, tensor_bytes
+    from gossiprec.trainer.rng import RNGState
 
     model, opt, x, y = _build(device, nbytes, batch)
     params = list(model.parameters())
     rt = None
     if mode != "none":
-        rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)},
-                              control=_StubControl(), key=bytes(32),  # type: ignore[arg-type]
-                              background_snapshot=mode == "deferred", stateless_data=True)
+        config = TrainerConfig(background_snapshot=mode == "deferred", stateless_data=True)
+        rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)}, config,
+                              control=_StubControl(), key=bytes(32))  # type: ignore[arg-type]
     times: list[float] = []
     sync(device)
     t_prev = time.perf_counter()
@@ -93,9 +96,9 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         opt.zero_grad(set_to_none=False)
         loss.backward()
         if rt is not None:
-            rt._settle_snapshot()  # what allreduce_gradients does before it returns
-            if rt.background_snapshot:
-                rt._update_late(params)
+            rt._snaps.settle()  # what allreduce_gradients does before it returns
+            if rt._snaps.background:
+                rt._snaps.update_late(params)
         opt.step()
         if rt is not None:
             rt.commit()
@@ -107,7 +110,7 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
     same: bool | None = None
     state_bytes = 0
     if rt is not None:
-        snap = rt._snapshot_at(rt.step)  # settled: the background copies are done
+        snap = rt._snaps.at(rt.step)  # settled: the background copies are done
         assert snap is not None
         state_bytes = snap.header.total_nbytes
         ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)

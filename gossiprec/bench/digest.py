@@ -97,7 +97,9 @@ def run(mb: float, batch: int, trials: int, world: int, say: Any = lambda m: Non
 
     from gossiprec.bench.commit import _build
     from gossiprec.trainer.digest import PendingDigest
-    from gossiprec.trainer.state import capture_deferred, tensor_bytes, training_state
+    from gossiprec.trainer.capture import capture_deferred
+    from gossiprec.trainer.header import tensor_bytes
+    from gossiprec.trainer.objects import training_state
 
     model, opt, x, y = _build("cpu", int(mb * 1e6), batch)
 

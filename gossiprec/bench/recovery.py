@@ -24,7 +24,7 @@ during start-up, is the earliest one a record holds) is reported as None with a 
 
 Throughput: ``transfer_mb_s`` is the receivers' bytes over their fetch time (connect to last byte
 authenticated, donor-side sealing included); ``tcp_mb_s`` is plain loopback TCP
-(:func:`gossiprec.trainer.transfer.loopback_tcp_baseline`, no authentication) moving as many bytes,
+(:func:`gossiprec.bench.transfer.loopback_tcp_baseline`, no authentication) moving as many bytes,
 ``TCP_REPEATS`` times after each trial, when the job's trainers are gone: the baseline has the CPUs
 to itself while the recovery shares them with the job, so the ratio is conservative.
 
@@ -124,13 +124,14 @@ def trainer_main(args: argparse.Namespace) -> int:
     import torch
 
     from gossiprec.harness.workload import build, local_gradients, objects_of, state_digest
+    from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.loop import ResilientTrainer
 
     torch.set_num_threads(1)
     out = Path(args.out)
     model, opt, cursor = build(args.hidden, args.layers)
     records: list[dict[str, Any]] = []
-    rt = ResilientTrainer(objects_of(model, opt, cursor), timeout=args.timeout,
+    rt = ResilientTrainer(objects_of(model, opt, cursor), TrainerConfig(timeout=args.timeout),
                           on_recovered=lambda r: records.append(r.to_dict()))
     out.with_suffix(".pid").write_text(str(os.getpid()))  # the model is built: a warm spare from here
     rt.start()
@@ -255,7 +256,7 @@ def trainer_argv(out: Path, steps: int, hidden: int, step_ms: float, timeout: fl
 
 def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], None]) -> TrialResult:
     """One fresh job: start, train to ``kill_at``, SIGKILL the victim, wait for the end, collect."""
-    from gossiprec.trainer.transfer import loopback_tcp_baseline
+    from gossiprec.bench.transfer import loopback_tcp_baseline
 
     ranks = spec.ranks
     victim = ranks - 1 if spec.victim is None else spec.victim

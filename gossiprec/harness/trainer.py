@@ -38,8 +38,10 @@ def trainer_main(args: argparse.Namespace) -> int:
     """One rank (or a spare) under ``gossiprec run``."""
     import torch
 
-    from gossiprec.trainer.loop import JobFinished, JobStopped, NoReplica, Released, ResilientTrainer
-    from gossiprec.trainer.state import capture_state
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.config import TrainerConfig
+    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, Released
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -82,7 +84,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     objects = objects_of(model, opt, cursor)
     if mistake == "no-data-position":
         del objects["data"]  # the cursor still moves, but nobody carries it to a spare
-    rt = ResilientTrainer(objects, timeout=args.timeout,
+    rt = ResilientTrainer(objects, TrainerConfig(timeout=args.timeout),
                           on_recovered=on_recovered, on_resize=on_resize,
                           on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built

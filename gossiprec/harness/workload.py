@@ -90,7 +90,7 @@ def local_gradients(model: Any, cursor: DataPosition, rank: int) -> None:
 
 def objects_of(model: Any, opt: Any, cursor: DataPosition) -> dict[str, Any]:
     """The objects whose state the trainers carry: model, optimizer, data position, RNG."""
-    from gossiprec.trainer.state import training_state
+    from gossiprec.trainer.objects import training_state
 
     return training_state(model, opt, data=cursor)
 
@@ -122,7 +122,7 @@ def _reference(steps: int, world: int, hidden: int, worlds: list[tuple[int, int]
     import torch
 
     from gossiprec.trainer.loop import rank_ordered_mean
-    from gossiprec.trainer.state import capture_state
+    from gossiprec.trainer.capture import capture_state
 
     model, opt, cursor = build(hidden)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -155,7 +155,7 @@ def set_flat_grads(params: Sequence[Any], flat: torch.Tensor) -> None:
 def state_bytes(snap: Any) -> bytes:
     """A captured state as bytes: header (every non-tensor value: optimizer settings, data position,
     RNG) + payload."""
-    from gossiprec.trainer.state import pack_header
+    from gossiprec.trainer.header import pack_header
 
     return pack_header(snap.header) + snap.payload()
 
@@ -163,7 +163,8 @@ def state_bytes(snap: Any) -> bytes:
 def state_digest(objects: Any, step: int) -> tuple[str, int]:
     """SHA-256 of ``objects``' state at ``step`` (of its :func:`state_bytes`, hashed piece by piece) and
     the size of its payload in bytes."""
-    from gossiprec.trainer.state import capture_state, pack_header
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import pack_header
 
     snap = capture_state(objects, step=step, copy=False, checksum=False)
     digest = hashlib.sha256(pack_header(snap.header))
@@ -174,7 +175,8 @@ def state_digest(objects: Any, step: int) -> tuple[str, int]:
 
 def save_checkpoint(path: Path, objects: Any, step: int) -> None:
     """Write ``objects`` at ``step`` to ``path`` atomically: 8-byte header length, header, payload."""
-    from gossiprec.trainer.state import capture_state, pack_header
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.header import pack_header
 
     snap = capture_state(objects, step=step, copy=False, checksum=True)
     header = pack_header(snap.header)
@@ -191,7 +193,8 @@ def save_checkpoint(path: Path, objects: Any, step: int) -> None:
 
 def load_checkpoint(path: Path, objects: Any) -> int:
     """Load a :func:`save_checkpoint` file into ``objects`` (crc32-verified); returns its step."""
-    from gossiprec.trainer.state import restore_state, unpack_header
+    from gossiprec.trainer.header import unpack_header
+    from gossiprec.trainer.receive import restore_state
 
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "big")

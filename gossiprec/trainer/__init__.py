@@ -3,18 +3,22 @@
 Importing this package does not import torch; torch is loaded when a function that needs it runs.
 """
 
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
+from gossiprec.trainer.capture import capture_state
+from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.digest import ReplicaMismatch
-from gossiprec.trainer.loop import (
-    JobFinished, JobStopped, NoReplica, RecoveryRecord, Released, ResilientTrainer, rank_ordered_mean, transfer_key,
-)
-from gossiprec.trainer.state import (
-    RNGState, Stateful, capture_state, materialize_optimizer_state, restore_state, training_state,
-)
-from gossiprec.trainer.transfer import DonorServer, fetch_state
+from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.fetch import fetch_state
+from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
+from gossiprec.trainer.loop import ResilientTrainer, rank_ordered_mean
+from gossiprec.trainer.objects import Stateful, training_state
+from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
+from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, RecoveryRecord, Released
+from gossiprec.trainer.rng import RNGState
+from gossiprec.trainer.settings import TrainerSettings, transfer_key
 
 __all__ = [
     "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "JobFinished", "JobStopped", "NoReplica",
-    "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch", "ResilientTrainer", "Stateful", "capture_state", "fetch_state", "materialize_optimizer_state",
-    "rank_ordered_mean", "restore_state", "training_state", "transfer_key",
+    "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch", "ResilientTrainer", "Stateful", "TrainerConfig",
+    "TrainerSettings", "capture_state", "fetch_state", "materialize_optimizer_state", "rank_ordered_mean",
+    "restore_state", "training_state", "transfer_key",
 ]

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence
 import msgpack
 
 from gossiprec.errors import RecoveryError
-from gossiprec.trainer.state import Stateful, StateSnapshot, capture_state, tensor_bytes
+from gossiprec.trainer.capture import StateSnapshot, capture_state
+from gossiprec.trainer.header import tensor_bytes
+from gossiprec.trainer.objects import Stateful
 
 if TYPE_CHECKING:
     import torch

@@ -15,24 +15,21 @@ group's abort event (:meth:`EpochGroup.abort`, set by the agent from another thr
 is ``work.wait(timeout)``, which returns the moment the work completes; elsewhere it is
 ``work.is_completed()`` polled with ``Event.wait``. Either way an abort is seen within one slice
 (5 ms by default) and raises :class:`CollectiveAborted`; so does the backend's own error when a peer
-dies (gloo reports a reset connection in tens of ms; the original exception is the ``__cause__``) and
-a per-call ``timeout``. A group that raised is poisoned: every later collective on it raises at once.
-Gloo's own report is best effort: it comes (20-100 ms after a SIGKILL here) only when the dead rank
-was exchanging data with this one; a rank that died before its first byte, or a rank waiting on
+dies (gloo reports a reset connection; the original exception is the ``__cause__``) and a per-call
+``timeout``. A group that raised is poisoned: every later collective on it raises at once. Gloo's own
+report is best effort: it comes only when the dead rank was exchanging data with this one; a rank that died before its first byte, or a rank waiting on
 another survivor, hangs until the timeout. The agent's abort is what bounds recovery time.
 
-Measured facts this design rests on (see TORCH-NOTES.md): abort/shutdown/destroy of a gloo group from
-another thread does not unblock a thread stuck in it, and dropping the last reference to a hung group
-blocks ~28 s in its destructor. So retired groups, and the work and tensors still pending on them, go
-to :attr:`EpochGroups.graveyard` and are never destroyed; a new group comes up in a few ms beside them.
+Two facts of torch's gloo backend shape the design: abort/shutdown/destroy of a group from another
+thread does not unblock a thread stuck in it, and dropping the last reference to a hung group blocks
+for a long time in its destructor. So retired groups, and the work and tensors still pending on them,
+go to :attr:`EpochGroups.graveyard` and are never destroyed; a new group comes up beside them.
 A process whose graveyard holds a hung group should leave with ``os._exit`` (interpreter teardown
 would run that destructor). A tensor given to a collective that was aborted may still be written by
 the dead group later: do not reuse it for the next step.
 
-NCCL (not run in CI; ``tests/test_groups_nccl.py`` ran on one H200 with torch 2.11 and NCCL 2.28.9: a
-world of one builds in 0.14 s, an abort from another thread is seen within a millisecond, and the next
-epoch's group comes up beside it; NCCL refuses two ranks on one GPU, so two ranks need two GPUs, which
-that test also covers but which no machine here had): communicators are created with
+NCCL (not run in CI; ``tests/test_groups_nccl.py`` covers it where CUDA is, two ranks only with two
+GPUs, as NCCL refuses two ranks on one GPU): communicators are created with
 ``config.blocking = False`` so that :meth:`EpochGroup.abort` can call ``pg.abort()`` without hanging,
 and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` must be 0 or 2 (the default, 3, kills the process on a
 timeout); building an NCCL group refuses otherwise, and refuses without CUDA.

@@ -1,0 +1,126 @@
+"""Replica checks: every replica of a shard must hold the same state; compare them, and the live tensors.
+
+The ranks of each replica group compare a digest of their state (:mod:`gossiprec.trainer.digest`) at
+the first all-reduce of gradients after the start, after the first step, after every recovery and
+every ``verify_every`` steps; a mismatch raises :class:`~gossiprec.trainer.digest.ReplicaMismatch`.
+The commits that are checked (the first step's, every ``verify_every``-th) are copied and
+checksummed in place, and the next all-reduce hashes the live parameters and optimizer state again:
+a write torch does not track (``.data``) between the two raises :class:`~gossiprec.errors.RecoveryError`,
+since the background copies of later commits would silently miss such writes.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Callable, Mapping
+
+from gossiprec.errors import RecoveryError
+from gossiprec.trainer.digest import (
+    PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
+)
+from gossiprec.trainer.header import tensor_bytes, walk_objects
+from gossiprec.trainer.snapshots import Snapshots, late_tensors
+
+if TYPE_CHECKING:
+    import torch
+
+    from gossiprec.trainer.capture import StateSnapshot
+    from gossiprec.trainer.objects import Stateful
+
+Collective = Callable[["torch.Tensor", str], bool]
+"""``(tensor, op) -> False`` when the all-reduce was interrupted (and recovery ran)."""
+
+
+class ReplicaChecks:
+    """The checks due at the next all-reduce of gradients, and whether a commit is checked.
+
+    ``enabled`` and ``every`` are the config's ``verify_replicas`` and ``verify_every``; :attr:`groups`
+    are the current replica groups (lists of ranks), set by whoever installs a view.
+    """
+
+    def __init__(self, objects: Mapping[str, Stateful], snaps: Snapshots, *, enabled: bool, every: int) -> None:
+        self.objects = objects
+        self.enabled = enabled
+        self.every = every
+        self.groups: tuple[tuple[int, ...], ...] = ()
+        self._snaps = snaps
+        self._due: tuple[str, PendingDigest | StateDigest] | None = None
+        """A cross-replica comparison due at the next all-reduce of gradients: (when, digest)."""
+        self._live: StateSnapshot | None = None
+        """A checksummed commit whose parameters and optimizer state must still equal the live ones at
+        the next all-reduce of gradients (catches writes torch does not see, e.g. through ``.data``)."""
+
+    @property
+    def pending(self) -> bool:
+        """Whether the next all-reduce of gradients has checks to run."""
+        return self._due is not None or self._live is not None
+
+    def checks_commit(self, step: int) -> bool:
+        """Whether the commit of ``step`` is copied with checksums and compared (the first, every
+        ``every``-th)."""
+        return self.enabled and (step == 1 or bool(self.every) and step % self.every == 0)
+
+    def committed(self, step: int, snap: StateSnapshot) -> None:
+        """``snap``, a checksummed commit of ``step``, is compared across replicas (and, when later
+        commits copy in the background, with the live tensors) at the next all-reduce of gradients."""
+        self._due = (f"after step {step}", digest_of_snapshot(snap))
+        self._live = snap if self._snaps.background else None
+
+    def expect(self, when: str, step: int) -> None:
+        """Compare the live state (as of now, at ``step``) across replica groups at the next all-reduce
+        of gradients; the tensors only the optimizer step changes are hashed on a thread meanwhile."""
+        self._live = None
+        if not self.enabled:
+            self._due = None
+            return
+        import torch
+
+        params = [p for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)
+                  for g in o.param_groups for p in g["params"]]
+        self._due = (when, PendingDigest(self.objects, step, late=late_tensors(self.objects, params)))
+
+    def run(self, collective: Collective, rank: int, world_size: int) -> bool:
+        """Run the checks due at this all-reduce; False when a collective was interrupted (recovered)."""
+        live, self._live = self._live, None
+        if live is not None:
+            self._check_live(live)
+        check = self._due
+        if check is None:
+            return True
+        when, digest = check
+        result = digest.result() if isinstance(digest, PendingDigest) else digest
+        rows = rows_tensor(result.summary(), rank, world_size)
+        if not collective(rows, "sum"):
+            return False
+        differ = differing_groups(rows, self.groups)
+        if differ:
+            layouts = [g for g in differ if len({tuple(rows[r, :2].tolist()) for r in g}) > 1]
+            if layouts:
+                raise ReplicaMismatch(
+                    f"replicas hold differently shaped state at step {result.step} ({when}): ranks of "
+                    f"replica group(s) {[list(g) for g in layouts]} hold "
+                    f"{sorted({int(rows[r, 0]) for g in layouts for r in g})} "
+                    "entries or differently named ones; every replica must register the same objects",
+                    step=result.step, entries=(), ranks=tuple(r for g in layouts for r in g))
+            full = rows_tensor(result.values, rank, world_size)
+            if not collective(full, "sum"):
+                return False
+            raise describe(result, full, differ, when)
+        self._due = None
+        return True
+
+    def _check_live(self, snap: StateSnapshot) -> None:
+        """The parameters and optimizer state must still hold the bytes ``snap`` checksummed at commit."""
+        _, found = walk_objects(self.objects)
+        late = self._snaps.late
+        changed = [spec.name for spec, (name, t) in zip(snap.header.tensors, found, strict=False)
+                   if spec.name == name and t.data_ptr() in late and t.is_cpu and t.is_contiguous()
+                   and zlib.crc32(tensor_bytes(t)) != spec.crc32]
+        if changed:
+            self._snaps.disable_background()
+            raise RecoveryError(
+                f"{len(changed)} tensor(s) changed between commit() of step {snap.step} and the next "
+                f"allreduce_gradients() without torch seeing it ({', '.join(changed[:3])}): a write through "
+                ".data or another alias of the memory. With background_snapshot=True only the optimizer "
+                "step may change parameters and optimizer state; move such writes after "
+                "allreduce_gradients() or pass TrainerConfig(background_snapshot=False) to ResilientTrainer")

@@ -1,0 +1,100 @@
+"""The trainer's tunables: one frozen, validated :class:`TrainerConfig`, handed to ``ResilientTrainer``.
+
+Every field has a unit and a default with its reason; a bad value raises
+:class:`~gossiprec.errors.ConfigError` when the config is built, before any process group or socket
+exists. The timeouts derived from ``timeout`` are properties, so their formulas live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gossiprec.errors import ConfigError
+from gossiprec.trainer.groups import BACKENDS
+
+STORE_OFFSET = 1
+"""Default port offset of every trainer's TCPStore server from its agent's port."""
+DONOR_OFFSET = 2
+"""Default port offset of every trainer's :class:`~gossiprec.trainer.donor.DonorServer` from its agent's port."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    """How a :class:`~gossiprec.trainer.loop.ResilientTrainer` runs; the defaults suit a LAN job."""
+
+    backend: str = "gloo"
+    """torch.distributed backend of every epoch's group: ``gloo`` (CPU tensors) or ``nccl``."""
+    timeout: float = 30.0
+    """Seconds that group construction and one collective may take before they fail. The state
+    transfer of a recovery gets :attr:`fetch_timeout`, a silent donor :attr:`stall_timeout`, the last
+    barrier of ``finish()`` :attr:`finish_timeout`."""
+    poll_interval: float = 0.002
+    """Seconds between two looks of a waiting collective at its abort event: how fast an agent's view
+    change interrupts it. In (0, 1]."""
+    wait_report_after: float = 0.25
+    """Seconds a collective may wait before this rank reports phase ``waiting``, so that the agents can
+    tell it (alive, waiting on peers) from a rank frozen inside the collective. >= 0."""
+    store_offset: int = STORE_OFFSET
+    """Port of this trainer's TCPStore server: its agent's port + this. Every member uses the same
+    offsets, so any member's store follows from the view's member address; no address is gossiped."""
+    donor_offset: int = DONOR_OFFSET
+    """Port of this trainer's state donor: its agent's port + this (differs from :attr:`store_offset`)."""
+    bind_host: str = "0.0.0.0"
+    """Address the store and donor servers listen on."""
+    linger: float = 5.0
+    """Seconds a rank released by a shrink keeps serving its state to the receivers before it leaves."""
+    background_snapshot: bool = True
+    """Copy a commit's parameters and optimizer state while the next step computes (only the optimizer
+    step may change them in between); False copies everything inside ``commit()``."""
+    verify_replicas: bool = True
+    """Compare a digest of the state across each replica group at the start, after the first step,
+    after every recovery and every :attr:`verify_every` steps; a mismatch raises
+    :class:`~gossiprec.trainer.digest.ReplicaMismatch`."""
+    verify_every: int = 0
+    """Steps between two periodic replica checks (0: none beyond those above). >= 0."""
+    stateless_data: bool = False
+    """The loop registers no data position because every batch is a function of (step, rank); without
+    it, objects with no data position are refused (a spare would read other batches)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("timeout", "poll_interval", "wait_report_after", "linger"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+        if self.timeout <= 0:
+            raise ConfigError(f"timeout must be > 0 s, got {self.timeout!r}")
+        if not 0 < self.poll_interval <= 1.0:
+            raise ConfigError(f"poll_interval must be in (0, 1] s, got {self.poll_interval!r}")
+        if self.wait_report_after < 0 or self.linger < 0:
+            raise ConfigError(f"wait_report_after and linger must be >= 0 s, got {self.wait_report_after!r} "
+                              f"and {self.linger!r}")
+        for name in ("store_offset", "donor_offset"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+                raise ConfigError(f"{name} must be an int port offset in [1, 65535], got {value!r}")
+        if self.store_offset == self.donor_offset:
+            raise ConfigError(f"store_offset and donor_offset must differ, both are {self.store_offset}")
+        if not isinstance(self.bind_host, str) or not self.bind_host:
+            raise ConfigError(f"bind_host must be a host name or address, got {self.bind_host!r}")
+        for name in ("background_snapshot", "verify_replicas", "stateless_data"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
+            raise ConfigError(f"verify_every must be an int >= 0 (0: no periodic check), got {self.verify_every!r}")
+
+    @property
+    def fetch_timeout(self) -> float:
+        """Seconds a recovery's whole state transfer may take: ``max(timeout, 60)``."""
+        return max(self.timeout, 60.0)
+
+    @property
+    def stall_timeout(self) -> float:
+        """Seconds a donor may send nothing before the transfer gives up on it: ``min(timeout, 5)``."""
+        return min(self.timeout, 5.0)
+
+    @property
+    def finish_timeout(self) -> float:
+        """Seconds the last barrier of ``finish()`` may take: ``min(timeout, 10)``."""
+        return min(self.timeout, 10.0)

@@ -1,0 +1,60 @@
+"""What a training state is made of: named objects with ``state_dict()`` / ``load_state_dict()``.
+
+A rank registers the complete replica state as ``name -> Stateful``: model, optimizer, LR scheduler,
+data position and :class:`~gossiprec.trainer.rng.RNGState`. It must be identical on every replica at
+a given step; rank-specific choices are computed from the rank, not stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from gossiprec.trainer.rng import RNGState
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()``: modules, optimizers, schedulers."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def training_state(model: Any, optimizer: Any, scheduler: Any = None, data: Any = None, *,
+                   rng: bool = True) -> dict[str, Stateful]:
+    """The usual objects under their conventional names (``model``, ``optimizer``, ...)."""
+    objects: dict[str, Stateful] = {"model": model, "optimizer": optimizer}
+    if scheduler is not None:
+        objects["scheduler"] = scheduler
+    if data is not None:
+        objects["data"] = data
+    if rng:
+        objects["rng"] = RNGState()
+    return objects
+
+
+JOB_ENTRY = "gossiprec"
+"""Name of the entry the trainer adds to the registered objects (the world size of the state)."""
+
+
+class JobState:
+    """The world size the registered state was last stepped in (a Stateful carried with the state, so
+    that every rank of a new world, survivor or receiver, sees the same change of world size)."""
+
+    def __init__(self) -> None:
+        self.world_size = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"world_size": self.world_size}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self.world_size = int(sd["world_size"])
+
+
+def has_data_position(objects: Mapping[str, Stateful]) -> bool:
+    """Whether any object is something other than a model, optimizer, LR scheduler or RNG state."""
+    import torch
+
+    plain = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, RNGState)
+    return any(not isinstance(o, plain) for o in objects.values())

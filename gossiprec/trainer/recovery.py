@@ -1,0 +1,455 @@
+"""Recovery in place: wait for the agreed plan, move the state it names, build the new epoch's group.
+
+This rank's new rank is the plan's assignment. A rank named as a receiver fetches the target step from
+the plan's donors, striped exactly as the plan says (:func:`~gossiprec.trainer.fetch.fetch_state`:
+bytes land in the local tensors); a rank at the target reloads its own snapshot; then the new epoch's
+group is built on the TCPStore of the plan's ``store_node`` and training continues from
+``target_step``. A hot spare blocks in its first recovery until a plan gives it a rank. A survivor may
+apply several plans in one recovery (a newer view supersedes one that could not finish); each restore
+bumps the version counters of what it writes, so the next one copies it again. After a recovery each
+rank reports ``(target, idle)`` once its group is built, so the agents' stall clock starts afresh for
+every rank instead of at the start of a long recovery.
+
+**Shrink.** With no spare left and ``allow_shrink`` in the job spec, the plan drops the lost ranks'
+data-parallel columns (action ``shrink``). The world size a state was last stepped in travels *with*
+the state (:class:`~gossiprec.trainer.objects.JobState`), so every rank of the new world, survivor or
+receiver, sees the same change and calls ``on_resize(old_world, new_world)`` before the next step. It
+always starts from the state restored at the target step, so when a newer view interrupts a recovery
+before its first step, the next recovery restores and calls it again. A survivor dropped by a shrink
+raises :class:`Released` once it has served its receivers for ``linger`` seconds.
+
+**No replica left.** A plan with action ``checkpoint`` (some replica group has no surviving holder)
+calls ``on_no_replica(NoReplica)`` on every rank of the new world: it loads the user's checkpoint into
+the objects and returns its step; the ranks check with one all-reduce that they all loaded the same
+step. Without the callback, and for a ``stop`` plan (no spare, no shrink), the trainer raises
+:class:`JobStopped`.
+
+Each recovery's timeline becomes a :class:`RecoveryRecord` at its first committed step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
+from gossiprec.local.protocol import ControlError
+from gossiprec.trainer.fetch import fetch_state
+from gossiprec.trainer.groups import CollectiveAborted
+from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, restore_state
+
+if TYPE_CHECKING:
+    from gossiprec.local.client import ControlClient
+    from gossiprec.trainer.checks import ReplicaChecks
+    from gossiprec.trainer.config import TrainerConfig
+    from gossiprec.trainer.donor import DonorServer
+    from gossiprec.trainer.follower import Follower
+    from gossiprec.trainer.groups import EpochGroup, EpochGroups
+    from gossiprec.trainer.objects import JobState, Stateful
+    from gossiprec.trainer.peers import Peers
+    from gossiprec.trainer.snapshots import Snapshots
+
+log = logging.getLogger(__name__)
+
+
+class Released(RecoveryError):
+    """A shrink dropped this rank from the world: leave the job (exit 0); the others go on without it."""
+
+
+class JobStopped(RecoveryError):
+    """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
+    ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
+
+
+class JobFinished(GossiprecError):
+    """The job's trainers finished training while this process was a spare: nothing left to do (exit 0)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NoReplica:
+    """What ``on_no_replica`` is told: no survivor holds the state of ``orphan_groups`` (replica groups,
+    previous numbering), so the new world (``rank`` of ``world_size``) restarts from a checkpoint."""
+
+    epoch: int
+    rank: int
+    world_size: int
+    orphan_groups: tuple[tuple[int, ...], ...]
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryRecord:
+    """Timeline of one recovery on this rank (``time.monotonic()`` seconds, comparable across the
+    processes of one machine) and what it moved."""
+
+    epoch: int
+    cause: str
+    role: str
+    """``receiver`` (fetched state), ``survivor`` (reloaded its own snapshot), ``donor`` (both
+    reloaded and served) or ``checkpoint`` (loaded by ``on_no_replica``)."""
+    rank: int
+    world_size: int
+    target_step: int
+    lost_steps: int
+    """Committed steps of this rank that the plan rolled back (0 means nothing committed was lost)."""
+    noticed_at: float
+    detected_at: float | None
+    """The agent's first failure event (alert, suspect, failed) seen, if any."""
+    agreed_at: float | None
+    planned_at: float
+    group_at: float
+    state_at: float
+    first_step_at: float
+    bytes_received: int
+    transfer_s: float
+    action: str = "resume"
+    """The plan's action: ``resume``, ``shrink`` or ``checkpoint``."""
+    previous_world_size: int = 0
+    """The world size of the state before this recovery (differs from ``world_size`` after a shrink)."""
+    previous_role: str = "trainer"
+    """``spare`` when this recovery gave a hot spare its first rank (its ``noticed_at`` is then when it
+    started waiting, not a failure)."""
+    superseded: tuple[tuple[int, int, str], ...] = ()
+    """Earlier plans of this recovery that did not complete: (epoch, target step, why), in order."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Pending:
+    cause: str
+    noticed_at: float
+    detected_at: float | None = None
+    agreed_at: float | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    attempts: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def replica_groups_of(groups: Any, world: int) -> tuple[tuple[int, ...], ...]:
+    """Replica groups (lists of ranks) from the agent, or one group of every rank when it sent none."""
+    if not groups:
+        return (tuple(range(world)),)
+    return tuple(tuple(int(r) for r in g) for g in groups)
+
+
+class Trainer(Protocol):
+    """What a recovery reads and moves of its trainer (:class:`~gossiprec.trainer.loop.ResilientTrainer`'s
+    public attributes)."""
+
+    node: str
+    objects: dict[str, Stateful]
+    config: TrainerConfig
+    key: bytes
+    control: ControlClient
+    groups: EpochGroups | None
+    epoch: int
+    rank: int
+    world_size: int
+    role: str
+    step: int
+    on_resize: Callable[[int, int], None] | None
+    on_no_replica: Callable[[NoReplica], int] | None
+    on_phase: Callable[[int, str], None] | None
+
+
+class Recovery:
+    """Recovers ``trainer`` in place (see the module docstring), with the trainer's parts.
+
+    ``report(step, phase)`` tells the agent this rank's progress; ``commit(step)`` commits the objects as
+    ``step`` (a snapshot this rank can donate, announced to the agent); ``closed`` is set when the
+    trainer closes.
+    """
+
+    def __init__(self, trainer: Trainer, *, job: JobState, follower: Follower, snaps: Snapshots,
+                 checks: ReplicaChecks, peers: Peers, closed: threading.Event,
+                 report: Callable[[int, str], None], commit: Callable[[int], None]) -> None:
+        self._t = trainer
+        self._job = job
+        self._follower = follower
+        self._snaps = snaps
+        self._checks = checks
+        self._peers = peers
+        self._closed = closed
+        self._report = report
+        self._commit = commit
+        self._pending: _Pending | None = None
+        """The recovery in progress."""
+        self._record_open: _Pending | None = None
+        """The last recovery, until its first step commits."""
+        self._last_recovered_at = 0.0
+        self.building_epoch: int | None = None
+        """The epoch whose group is being built, if one is."""
+
+    def recover(self, cause: str, spare: bool = False) -> None:
+        """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
+        t = self._t
+        pending = self._pending or self._record_open or _Pending(cause, time.monotonic())
+        if pending is self._record_open:  # the last recovery's first step never completed: still that one
+            pending.attempts.append((t.epoch, t.step, f"superseded before its first step ({cause})"))
+            self._record_open = None
+        self._pending = pending
+        self._snaps.settle()  # before anything (a fetch, a checkpoint load) writes into the live tensors
+        self._snaps.begin_recovery()
+        self._report(t.step, "recovering")
+        while True:
+            plan = self._wait_plan(spare)
+            pending.detected_at, pending.agreed_at = self._follower.detection_since(self._last_recovered_at)
+            try:
+                if self._apply_plan(plan, pending):
+                    return
+            except (FencedError, Released, JobStopped, JobFinished):
+                raise
+            except LayoutMismatch as exc:
+                # no later plan can fix this process's objects: leave, so that the agents replace it
+                raise LayoutMismatch(f"this process cannot take part in the recovery of epoch {plan['epoch']}: "
+                                     f"{exc}; it exits so that the others go on with another spare") from exc
+            except (CollectiveAborted, GossiprecError, OSError) as exc:
+                # Snapshots are copies, so a failed fetch spoils only the live tensors: whatever this
+                # rank committed can still be reloaded or served under the next plan.
+                log.warning("recovery with the plan of epoch %s failed (%s); waiting for the next plan",
+                            plan["epoch"], exc)
+                pending.attempts.append((int(plan["epoch"]), int(pending.fields.get("target_step", -1)),
+                                         f"{type(exc).__name__}: {exc}"[:300]))
+                t.epoch = max(t.epoch, int(plan["epoch"]))
+                continue
+
+    def first_step(self) -> RecoveryRecord | None:
+        """The record of the last recovery, once its first step has committed (None if none waits)."""
+        p = self._record_open
+        if p is None:
+            return None
+        self._record_open = None
+        f = p.fields
+        return RecoveryRecord(epoch=self._t.epoch, cause=p.cause, role=f["role"], rank=f["rank"],
+                              world_size=f["world_size"], target_step=f["target_step"],
+                              lost_steps=f["lost_steps"], noticed_at=p.noticed_at, detected_at=p.detected_at,
+                              agreed_at=p.agreed_at, planned_at=f["planned_at"], group_at=f["group_at"],
+                              state_at=f["state_at"], first_step_at=time.monotonic(),
+                              bytes_received=f["bytes_received"], transfer_s=f["transfer_s"],
+                              action=f.get("action", "resume"),
+                              previous_world_size=f.get("previous_world_size", 0),
+                              previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts))
+
+    def abort_older_than(self, epoch: int, reason: str) -> None:
+        """Abort the current group and a group being built, when they belong to an epoch < ``epoch``."""
+        groups = self._t.groups
+        if groups is None:
+            return
+        for e in {self._t.epoch, self.building_epoch}:
+            if e is not None and e < epoch:
+                groups.abort(epoch=e, reason=reason)
+
+    # ------------------------------------------------------------------ the plan
+    def _wait_plan(self, spare: bool) -> dict[str, Any]:
+        """The plan of the newest epoch this rank knows of (waits; polls status as a fallback)."""
+        t, f = self._t, self._follower
+        next_poll = time.monotonic()
+        while True:
+            with f.cond:
+                if f.lost:
+                    raise RecoveryError(f"lost the local agent ({f.lost}); this trainer stops")
+                if f.fenced:
+                    raise FencedError(f"this node was fenced ({f.fenced}): it is on the minority side "
+                                      "or was removed; the trainer must stop")
+                if f.finished is not None:
+                    raise JobFinished(f"the job finished at step {f.finished}; this {t.role} is no "
+                                      "longer needed")
+                if f.stopped:
+                    raise JobStopped(f"the agreed view stops the job ({f.stopped}); restart it from your "
+                                     "checkpoint with more spares, or set allow_shrink = true in the job spec")
+                newest = max(f.plans, default=-1)
+                if newest > t.epoch and newest >= f.newest_view:
+                    return f.plans[newest]
+                f.cond.wait(0.05 if not spare else 0.2)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + (0.1 if not spare else 0.5)
+                try:
+                    st = t.control.status()
+                except ControlError as exc:
+                    f.set_lost(str(exc))
+                    continue
+                f.absorb_status(st, t.epoch)
+
+    def _apply_plan(self, plan: dict[str, Any], pending: _Pending) -> bool:
+        """Move state and build the group as ``plan`` says; False when this process stays a spare."""
+        t = self._t
+        epoch = int(plan["epoch"])
+        action = str(plan["action"])
+        if action == "stop":
+            raise JobStopped(f"the plan of epoch {epoch} stops the job ({plan.get('reason')}); restart it "
+                             "from your checkpoint with more spares, or set allow_shrink = true in the job spec")
+        assignment = {int(r): str(n) for r, n in plan["assignment"]}
+        my_rank = next((r for r, n in assignment.items() if n == t.node), None)
+        world = int(plan["world_size"])
+        transfers = plan.get("transfers") or []
+        if my_rank is None:
+            if any(x["donor_node"] == t.node for x in transfers):
+                self._closed.wait(t.config.linger)  # released: serve the receivers for a while
+            t.epoch = epoch
+            if t.role == "spare":
+                self._last_recovered_at = time.monotonic()  # failures so far were handled without us
+                return False  # still a spare: wait for a later plan
+            raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.get('reason')}); "
+                           "leave the job (exit 0): the others go on without it")
+        if action == "checkpoint" and t.on_no_replica is None:
+            raise JobStopped(f"the plan of epoch {epoch} finds no surviving replica of some state "
+                             f"({plan.get('reason')}); pass on_no_replica= to ResilientTrainer to load your "
+                             "checkpoint in place, or restart the job from it")
+        pending.fields.update(rank=my_rank, world_size=world, action=action, previous_role=t.role,
+                              planned_at=float(plan.get("planned_at", time.monotonic())))
+        mine = sorted((x for x in transfers if x["receiver_node"] == t.node), key=lambda x: int(x["offset"]))
+        if action == "checkpoint":
+            target = self._load_checkpoint(plan, epoch, my_rank, world, pending)
+        else:
+            target = int(plan["target_step"])
+            self._move_state(plan, epoch, target, mine, pending)
+        assert t.groups is not None
+        self.building_epoch = epoch
+        try:
+            group = t.groups.build(epoch, my_rank, world, store=self._peers.store_for(str(plan["store_node"])),
+                                   cancelled=lambda: self._follower.superseded(epoch))
+        finally:
+            self.building_epoch = None
+        if action == "checkpoint":
+            _check_same_step(group, target)
+        # A new (step, phase) restarts the agents' stall clock for this rank: every rank sat at
+        # (target, recovering) during the recovery, and the first to start the next step would
+        # otherwise make the others look hung at once (their value unchanged for the whole recovery).
+        self._report(target, "idle")
+        pending.fields["group_at"] = time.monotonic()
+        t.epoch, t.rank, t.world_size, t.role = epoch, my_rank, world, "trainer"
+        t.step = target
+        if not mine and action != "checkpoint":
+            try:
+                snap = self._snaps.at(target)
+                t.control.set_state(target, None, snap.header.total_nbytes if snap else 0, None, wait=False)
+            except ControlError:
+                pass
+        old_world = self._job.world_size
+        pending.fields["previous_world_size"] = old_world
+        if old_world and old_world != world and t.on_resize is not None:
+            t.on_resize(old_world, world)
+        self._job.world_size = world
+        self._checks.groups = replica_groups_of(plan.get("replica_groups"), world)
+        self._checks.expect(f"after the recovery into epoch {epoch}", target)
+        self._record_open, self._pending = pending, None
+        self._last_recovered_at = time.monotonic()
+        log.info("recovered into epoch %d as rank %d/%d at step %d (%s, %s)", epoch, my_rank, world, target,
+                 action, pending.fields["role"])
+        return True
+
+    def _load_checkpoint(self, plan: dict[str, Any], epoch: int, rank: int, world: int, pending: _Pending) -> int:
+        """No replica left: the user's ``on_no_replica`` loads a checkpoint into the objects; returns its
+        step, committed as this rank's only snapshot."""
+        t = self._t
+        assert t.on_no_replica is not None
+        before = t.step
+        self._job.world_size = 0  # unknown unless the checkpoint holds the trainer's own entry
+        orphans = tuple(tuple(int(r) for r in g) for g in plan.get("orphan_groups") or ())
+        target = int(t.on_no_replica(NoReplica(epoch, rank, world, orphans, str(plan.get("reason")))))
+        if not self._job.world_size:
+            self._job.world_size = world  # the checkpoint did not say: no resize
+        pending.fields.update(role="checkpoint", target_step=target,
+                              lost_steps=max(0, before - target) if t.role == "trainer" else 0)
+        self._snaps.drop_all()  # the job's state is the checkpoint's now
+        self._commit(target)
+        pending.fields.update(state_at=time.monotonic(), bytes_received=0, transfer_s=0.0)
+        return target
+
+    def _move_state(self, plan: dict[str, Any], epoch: int, target: int, mine: list[dict[str, Any]],
+                    pending: _Pending) -> None:
+        """Get the state of ``target`` into the objects: fetched from this rank's donors (``mine``: the
+        plan's transfers to this node), or reloaded from this rank's own snapshot."""
+        t = self._t
+        pending.fields.update(target_step=target, lost_steps=max(0, t.step - target) if t.role == "trainer" else 0)
+        self._report(target, "recovering")
+        nbytes, xfer_s = 0, 0.0
+        if mine:
+            pending.fields["role"] = "receiver"
+            stats = self._fetch(mine, target, epoch)
+            nbytes, xfer_s = stats.nbytes, stats.seconds
+            self._commit(target)  # complete and authenticated: this rank can donate it now
+        else:
+            snap = self._snaps.at(target)
+            if snap is None:
+                raise RecoveryError(f"the plan of epoch {epoch} resumes at step {target} from this rank, "
+                                    f"but it holds steps {self._snaps.steps()}")
+            copied = restore_state(t.objects, snap, unchanged=self._snaps.unchanged)
+            log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
+            donor = any(x["donor_node"] == t.node for x in plan.get("transfers") or [])
+            pending.fields["role"] = "donor" if donor else "survivor"
+        pending.fields.update(state_at=time.monotonic(), bytes_received=nbytes, transfer_s=xfer_s)
+
+    # ------------------------------------------------------------------ fetching
+    def _fetch(self, mine: list[dict[str, Any]], target: int, epoch: int) -> Any:
+        """Fetch the state at ``target`` from this rank's donors, striped as the plan says."""
+        t = self._t
+        self._peers.refresh()
+        donors = [self._peers.donor_of(x["donor_node"]) for x in mine]
+        stripes = [(int(x["offset"]), int(x["offset"]) + int(x["length"])) for x in mine]
+        target_objects = ReceiveTarget(t.objects)
+        kwargs: dict[str, Any] = {"step": target, "epoch": epoch, "timeout": t.config.fetch_timeout,
+                                  "stall_timeout": t.config.stall_timeout}
+        if t.on_phase is not None:
+            kwargs["on_progress"] = lambda _donor, _got: self._hook(target, "fetch")
+        try:
+            return fetch_state(donors, t.key, target_objects, stripes=stripes, **kwargs)
+        except TransferError as exc:
+            if len(donors) == 1 or isinstance(exc, LayoutMismatch):
+                raise
+            # donors disagree (replicas not identical) or one failed: try each alone; a dead donor
+            # also makes the agents agree on a new view, whose plan supersedes this one
+            log.warning("striped fetch failed (%s); fetching from one donor", exc)
+            return self._fetch_from_any(donors, target_objects, kwargs, exc)
+
+    def _fetch_from_any(self, donors: list[tuple[str, int]], target: ReceiveTarget, kwargs: dict[str, Any],
+                        first: TransferError) -> Any:
+        last: TransferError = first
+        for donor in dict.fromkeys(donors):
+            if self._follower.newest_view > int(kwargs["epoch"]):
+                break  # a newer view: its plan decides
+            try:
+                return fetch_state([donor], self._t.key, target, **kwargs)
+            except TransferError as exc:
+                last = exc
+        raise last
+
+    def _hook(self, step: int, phase: str) -> None:
+        if self._t.on_phase is not None:
+            self._t.on_phase(step, phase)
+
+
+def _check_same_step(group: EpochGroup, step: int) -> None:
+    """After a checkpoint load: every rank must have restored the same step (one all-reduce)."""
+    import torch
+
+    t = torch.tensor([step, -step], dtype=torch.int64)
+    group.allreduce(t, "max")
+    lo, hi = -int(t[1]), int(t[0])
+    if lo != hi:
+        raise JobStopped(f"the ranks restored different checkpoint steps ({lo} to {hi}): on_no_replica "
+                         "must load the same checkpoint on every rank (shared storage)")
+
+
+def prepare_donation(plan: dict[str, Any], node: str, donor: DonorServer | None, snaps: Snapshots) -> None:
+    """When ``plan`` names ``node`` a donor, tag its stripes on a thread right away: the GMAC pass then
+    overlaps the receivers' connecting, not their transfer."""
+    ranges = [(int(x["offset"]), int(x["offset"]) + int(x["length"])) for x in plan.get("transfers") or ()
+              if x.get("donor_node") == node]
+    if donor is None or not ranges or plan.get("action") not in ("resume", "shrink"):
+        return
+    target = int(plan["target_step"])
+
+    def seal() -> None:
+        try:
+            snap = snaps.at(target)  # waits for the snapshot's copies (not the owner: takes nothing)
+            if snap is not None:
+                donor.prepare(snap, ranges)
+        except GossiprecError as exc:
+            log.debug("preparing the donation of step %d failed: %s", target, exc)
+
+    threading.Thread(target=seal, name="gossiprec-prepare", daemon=True).start()

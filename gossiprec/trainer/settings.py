@@ -1,0 +1,80 @@
+"""Where the trainer finds its agent and its key: the one place the trainer reads ``GOSSIPREC_*`` variables.
+
+``gossiprec run`` hands its training process the agent's coordinates in ``GOSSIPREC_*`` variables
+(see :mod:`gossiprec.agent.launcher`); :meth:`TrainerSettings.from_env` reads the ones the trainer
+uses, and ``ResilientTrainer`` calls it only when its caller passes no control client or no key.
+Everything else in the trainer takes these values as arguments. (The one other variable the trainer
+looks at is torch's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which NCCL reads itself: building an NCCL
+group checks it, see :mod:`gossiprec.trainer.groups`.)
+
+**Keys.** State transfers are authenticated with the primary key of the cluster's keyring
+(``GOSSIPREC_KEYRING``); without one (``--insecure`` clusters) a key derived from the cluster name is
+used, which protects against accidents, not attackers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+from gossiprec.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gossiprec.local.client import ControlClient
+
+CONTROL_TIMEOUT = 30.0
+"""Seconds a trainer waits for its agent's reply to a request (the state and report messages of every
+step are not requests: they never wait). Generous: when a whole job starts at once on few cores, an
+agent may take many seconds to answer its first request; a dead agent closes the socket, which fails
+at once."""
+DEFAULT_CLUSTER = "gossiprec"
+"""The cluster name when ``GOSSIPREC_CLUSTER`` is not set (the agent's default too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    """The trainer's coordinates, as ``gossiprec run`` hands them to its training process."""
+
+    control_path: str | None = None
+    """The agent's control socket (``GOSSIPREC_CONTROL``); None: not known (pass a connected client)."""
+    cluster: str = DEFAULT_CLUSTER
+    """The cluster name (``GOSSIPREC_CLUSTER``): what the insecure transfer key is derived from."""
+    keyring: str | None = None
+    """Path of the cluster's keyring (``GOSSIPREC_KEYRING``); None: an ``--insecure`` cluster."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerSettings:
+        """The settings ``environ`` (default :data:`os.environ`) holds; unset variables stay None."""
+        from gossiprec.agent.settings import ENV
+
+        env = os.environ if environ is None else environ
+        return cls(control_path=env.get(ENV["control_socket"]) or None,
+                   cluster=env.get(ENV["cluster"], DEFAULT_CLUSTER),
+                   keyring=env.get(ENV["keyring"]) or None)
+
+    def connect(self, *, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
+        """A client connected to the agent's control socket (requests wait ``timeout`` seconds)."""
+        from gossiprec.local.client import ControlClient
+
+        if not self.control_path:
+            raise ConfigError("GOSSIPREC_CONTROL is not set: start the training process with "
+                              "`gossiprec run ... -- python train.py`, or pass the agent's control socket path")
+        return ControlClient(self.control_path, timeout=timeout)
+
+    def transfer_key(self) -> bytes:
+        """The 32-byte key state transfers are authenticated with (see the module docstring)."""
+        return transfer_key(self.keyring, self.cluster)
+
+
+def transfer_key(keyring: str | None, cluster: str = DEFAULT_CLUSTER) -> bytes:
+    """The primary key of the keyring at ``keyring``, else a key derived from ``cluster`` (insecure)."""
+    if keyring:
+        from gossiprec.security.keyring import Keyring
+
+        key = Keyring.load(keyring).primary
+        if key is None:
+            raise ConfigError(f"keyring {keyring} has no primary key; run `gossiprec keys use KEY`")
+        return key
+    return hashlib.sha256(b"gossiprec-insecure-transfer\x00" + cluster.encode()).digest()

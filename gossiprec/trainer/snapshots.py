@@ -1,0 +1,178 @@
+"""Commit handling: the last two snapshots of the registered objects, and when their copies are made.
+
+Step ``s`` is committed on a rank when its optimizer step has finished and ``commit()`` has captured
+the objects into a snapshot (a copy, into a reused buffer). The bulk of that copy, the parameters
+handed to ``allreduce_gradients`` and the optimizer's state (the *late* tensors), is made by the
+:class:`~gossiprec.trainer.copier.Copier` while step ``s + 1`` computes: only the optimizer step
+changes those tensors, and the next all-reduce of gradients waits for the copy (:meth:`Snapshots.settle`)
+before it returns. Each source's in-place version counter is checked then, so a loop that changes
+parameters between ``commit()`` and ``allreduce_gradients()`` gets a clear error instead of a torn
+snapshot. Everything else (buffers a forward pass updates, RNG, data position) is copied inside
+``commit()``. Tensors on a GPU go to pinned host buffers on a side stream that waits for the optimizer
+step's kernels (:class:`~gossiprec.trainer.capture.DeferredCopies`).
+
+The last *two* snapshots are kept, because the agent's state report of a new view can lag one commit
+behind the trainer; a donor serves whichever step the plan names. Donor threads read them too, so the
+list is guarded by a lock, and only the owner thread (the training loop's) takes finished copies and
+checks them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+from gossiprec.errors import RecoveryError
+from gossiprec.trainer.capture import StateSnapshot, capture_deferred
+from gossiprec.trainer.copier import Copier
+
+if TYPE_CHECKING:
+    import torch
+
+    from gossiprec.trainer.objects import Stateful
+
+BACKGROUND_MIN_BYTES = 8 * 1024 * 1024
+"""Host-to-host late copies below this size are *held* by a commit and handed to the copier's thread by
+the next ``begin_step``: waking the thread costs more than such a copy, and from ``begin_step`` that cost
+falls in the step's compute instead of between two steps. Larger copies, and copies from a GPU, go to
+the thread at once."""
+
+
+class Snapshots:
+    """The committed snapshots of ``objects`` and the background copies of the last one.
+
+    ``background``: defer the late tensors' copies (see the module docstring); it turns itself off
+    after a torn snapshot or a write torch did not see, so that the loop's next commits copy everything.
+    """
+
+    def __init__(self, objects: Mapping[str, Stateful], *, background: bool) -> None:
+        self.objects = objects
+        self.background = background
+        self.copier = Copier()
+        self.late: frozenset[int] = frozenset()
+        """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`update_late`)."""
+        self.unchanged: frozenset[int] = frozenset()
+        """The late tensors as of the last recovery's start: a reload may skip those whose version
+        counter did not move since the snapshot (fetches and reloads bump what they write)."""
+        self._late_for: tuple[Any, ...] = ()
+        """The key :attr:`late` was computed for (see :meth:`update_late`)."""
+        self._optimizers: list[Any] | None = None
+        self._held: list[StateSnapshot] = []
+        self._pool: list[StateSnapshot] = []
+        """Snapshot buffers nothing refers to (a spare's, allocated while it waits): reused by commits."""
+        self._lock = threading.Lock()
+        self._owner = threading.get_ident()
+        """The thread that runs the loop (the only one that checks and takes finished copies)."""
+        self._job_step = 0
+        """The step of the snapshot the last deferred copies belong to."""
+
+    @property
+    def held(self) -> tuple[StateSnapshot, ...]:
+        """The committed snapshots, oldest first (at most two)."""
+        with self._lock:
+            return tuple(self._held)
+
+    def commit(self, step: int, *, checksum: bool = False) -> StateSnapshot:
+        """Capture the objects as step ``step``, into the older snapshot's buffers.
+
+        The late tensors are left to the copier (held or submitted, see :data:`BACKGROUND_MIN_BYTES`),
+        unless ``checksum``: then everything is copied here, with checksums.
+        """
+        self.settle()
+        if len(self._held) >= 2:
+            reuse: StateSnapshot | None = self._held[0]
+        else:
+            reuse = self._pool.pop() if self._pool else None
+        snap, deferred = capture_deferred(self.objects, step=step, copy=True, checksum=checksum, reuse=reuse,
+                                          defer=() if checksum else self.late)
+        with self._lock:
+            self._held = [*self._held[-1:], snap]
+        if deferred.pairs:
+            self._job_step = step
+            if deferred.ready or deferred.nbytes >= BACKGROUND_MIN_BYTES:
+                self.copier.submit(deferred)
+            else:
+                self.copier.hold(deferred)  # to the thread at the next begin_step (see BACKGROUND_MIN_BYTES)
+        return snap
+
+    def settle(self, main: bool = True) -> None:
+        """Wait for the last commit's background copies; refuse a snapshot whose sources changed.
+
+        ``main``: the owner thread, which takes the finished copies and checks them."""
+        done = self.copier.wait(take=main)
+        if done is None or not main:
+            return
+        changed = done.modified()
+        if changed:
+            with self._lock:
+                self._held = self._held[:-1]  # torn: holds parts of two steps
+            self.disable_background()
+            raise RecoveryError(
+                f"{len(changed)} tensor(s) of the step-{self._job_step} snapshot were modified in place before "
+                f"the optimizer step ({', '.join(changed[:3])}): with background_snapshot=True only the "
+                "optimizer step, after allreduce_gradients(), may change parameters and optimizer state; "
+                "pass TrainerConfig(background_snapshot=False) to ResilientTrainer")
+
+    def at(self, step: int) -> StateSnapshot | None:
+        """The settled snapshot of ``step``, if held (from any thread: donors ask too)."""
+        self.settle(main=threading.get_ident() == self._owner)
+        with self._lock:
+            return next((s for s in self._held if s.step == step), None)
+
+    def steps(self) -> list[int]:
+        """The steps held."""
+        with self._lock:
+            return [s.step for s in self._held]
+
+    def disable_background(self) -> None:
+        """Copy everything inside the commits from now on."""
+        self.late = frozenset()
+        self.background = False
+
+    def update_late(self, params: list[torch.Tensor]) -> None:
+        """Set :attr:`late` for ``params``; on the training step's path, so it is rebuilt only when a
+        cheap key moves (other parameters, optimizer state created or reloaded) or a recovery cleared it."""
+        if self._optimizers is None:
+            import torch
+
+            self._optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        key = (len(params), id(params[0]) if params else 0, id(params[-1]) if params else 0,
+               tuple((id(o.state), len(o.state)) for o in self._optimizers))
+        if not self.late or key != self._late_for:
+            self.late, self._late_for = late_tensors(self.objects, params), key
+
+    def begin_recovery(self) -> None:
+        """A recovery starts (the copies settled): fetches and reloads may move tensors, so the next
+        commit copies everything; a reload may skip the late tensors torch saw unchanged."""
+        self.unchanged = self.late
+        self.late = frozenset()
+
+    def drop_all(self) -> None:
+        """Forget every snapshot (a checkpoint replaced the job's state); their buffers are reused."""
+        with self._lock:
+            self._pool, self._held = self._held, []
+
+    def warm_pool(self) -> None:
+        """Map the memory of two future snapshots now (a hot spare, while it waits): its first commits
+        after taking a rank then copy into warm buffers instead of page-faulting on the critical path."""
+        self._pool = [capture_deferred(self.objects, step=0, checksum=False)[0] for _ in range(2)]
+
+    def close(self) -> None:
+        """Wait for copies in flight (their error, if any, is dropped)."""
+        try:
+            self.copier.wait(take=threading.get_ident() == self._owner)
+        except RecoveryError:
+            pass
+
+
+def late_tensors(objects: Mapping[str, Stateful], params: list[torch.Tensor]) -> frozenset[int]:
+    """``data_ptr()`` of ``params`` and of every optimizer state tensor among ``objects``."""
+    import torch
+
+    ptrs = {p.data_ptr() for p in params}
+    for obj in objects.values():
+        if isinstance(obj, torch.optim.Optimizer):
+            for st in obj.state.values():
+                ptrs.update(v.data_ptr() for v in st.values()
+                            if isinstance(v, torch.Tensor) and (v.is_cpu or v.is_cuda))
+    return frozenset(ptrs)
