@@ -80,3 +80,84 @@ def test_digest_of_snapshot_needs_checksums() -> None:
     _, _, objects = _objects()
     with pytest.raises(ValueError, match="checksum=True"):
         digest_of_snapshot(capture_state(objects, step=0, checksum=False))
+
+
+def test_a_digest_less_excluded_entries() -> None:
+    d = StateDigest(2, ("model/bn.running_mean", "model/w", "rng/numpy"), (1, 2, 3))
+    assert d.without(()) is d
+    assert d.without(("model/bn.", "rng/")) == StateDigest(2, ("model/w",), (2,))
+
+
+class _World:
+    """``n`` ranks in threads whose collective sums a tensor over all of them (an all-reduce)."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.n = n
+        self.barrier = threading.Barrier(n)
+        self.parts: dict[int, torch.Tensor] = {}
+        self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def collective(self, rank: int):  # type: ignore[no-untyped-def]
+        def allreduce(t: torch.Tensor, op: str) -> bool:
+            assert op == "sum"
+            self.calls.append((rank, tuple(t.shape)))
+            self.parts[rank] = t.clone()
+            self.barrier.wait()
+            shapes = {tuple(p.shape) for p in self.parts.values()}
+            assert len(shapes) == 1, f"ranks all-reduce different shapes {shapes}"  # gloo would abort here
+            total = sum(self.parts.values())
+            self.barrier.wait()
+            t.copy_(total)
+            return True
+        return allreduce
+
+
+def _run_checks(objects_per_rank: list[dict], groups: tuple[tuple[int, ...], ...]) -> list[BaseException | None]:
+    import threading
+
+    from gossiprec.trainer.checks import ReplicaChecks
+    from gossiprec.trainer.snapshots import Snapshots
+
+    world = _World(len(objects_per_rank))
+    out: list[BaseException | None] = [None] * world.n
+
+    def rank(r: int) -> None:
+        checks = ReplicaChecks(objects_per_rank[r], Snapshots(objects_per_rank[r], background=True), enabled=True,
+                               every=0)
+        checks.groups = groups
+        checks.expect("at the start", 0, overlap=False)
+        try:
+            checks.run(world.collective(r), r, world.n)
+        except BaseException as exc:  # noqa: BLE001 (reported to the test)
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world.n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_groups_with_different_entry_counts_compare_in_one_width() -> None:
+    # group (0, 1) trains a bigger model than group (2, 3) (shards of different shapes): a value differs
+    # in group (2, 3), so every rank sends its full rows, in one width for all
+    big = [_objects(seed=0)[2] for _ in range(2)]
+    small = []
+    for r in range(2):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        if r == 1:
+            with torch.no_grad():
+                model.bias.add_(1.0)
+        small.append({"model": model, "data": Position()})
+    errors = _run_checks(big + small, ((0, 1), (2, 3)))
+    assert all(isinstance(e, ReplicaMismatch) for e in errors), errors
+    assert [(e.entries, e.ranks) for e in errors] == [((), (2, 3))] * 2 + [(("model/bias",), (3,))] * 2  # type: ignore[union-attr]
+
+
+def test_identical_replicas_pass_with_one_small_collective() -> None:
+    errors = _run_checks([_objects(seed=0)[2] for _ in range(3)], ((0, 1, 2),))
+    assert errors == [None, None, None]

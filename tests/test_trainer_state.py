@@ -699,3 +699,21 @@ def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
     rt._snaps.update_late(params)
     assert rt._snaps.late == first | moments
     rt.close()
+
+
+def test_written_tensors_are_marked_one_by_one_where_torch_takes_no_list(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.autograd.graph as graph
+
+    from gossiprec.trainer.receive import mark_written
+
+    real = graph.increment_version
+
+    def one_at_a_time(t: Any) -> None:  # torch 2.4's increment_version
+        if isinstance(t, list):
+            raise TypeError("increment_version(): argument 'tensor' must be Tensor, not list")
+        real(t)
+
+    monkeypatch.setattr(graph, "increment_version", one_at_a_time)
+    ts = [torch.zeros(3), torch.zeros(2)]
+    mark_written(ts)
+    assert [t._version for t in ts] == [1, 1]

@@ -38,10 +38,15 @@ class ReplicaChecks:
     are the current replica groups (lists of ranks), set by whoever installs a view.
     """
 
-    def __init__(self, objects: Mapping[str, Stateful], snaps: Snapshots, *, enabled: bool, every: int) -> None:
+    def __init__(self, objects: Mapping[str, Stateful], snaps: Snapshots, *, enabled: bool, every: int,
+                 exclude: tuple[str, ...] = (), device: str = "cpu") -> None:
         self.objects = objects
         self.enabled = enabled
         self.every = every
+        self.exclude = exclude
+        """Entry-name prefixes left out of the comparisons (see ``TrainerConfig.verify_exclude``)."""
+        self.device = device
+        """Where the comparison's tensors live: the backend's device (NCCL takes CUDA tensors only)."""
         self.groups: tuple[tuple[int, ...], ...] = ()
         self._snaps = snaps
         self._due: tuple[str, PendingDigest | StateDigest] | None = None
@@ -63,21 +68,25 @@ class ReplicaChecks:
     def committed(self, step: int, snap: StateSnapshot) -> None:
         """``snap``, a checksummed commit of ``step``, is compared across replicas (and, when later
         commits copy in the background, with the live tensors) at the next all-reduce of gradients."""
-        self._due = (f"after step {step}", digest_of_snapshot(snap))
+        self._due = (f"after step {step}", digest_of_snapshot(snap).without(self.exclude))
         self._live = snap if self._snaps.background else None
 
-    def expect(self, when: str, step: int) -> None:
+    def expect(self, when: str, step: int, *, overlap: bool) -> None:
         """Compare the live state (as of now, at ``step``) across replica groups at the next all-reduce
-        of gradients; the tensors only the optimizer step changes are hashed on a thread meanwhile."""
+        of gradients. ``overlap``: the tensors only the optimizer step changes are hashed on a thread
+        meanwhile (only sound where the loop promises not to write them before that all-reduce)."""
         self._live = None
         if not self.enabled:
             self._due = None
             return
         import torch
 
-        params = [p for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)
-                  for g in o.param_groups for p in g["params"]]
-        self._due = (when, PendingDigest(self.objects, step, late=late_tensors(self.objects, params)))
+        late: frozenset[int] = frozenset()
+        if overlap:
+            params = [p for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)
+                      for g in o.param_groups for p in g["params"]]
+            late = late_tensors(self.objects, params)
+        self._due = (when, PendingDigest(self.objects, step, late=late))
 
     def run(self, collective: Collective, rank: int, world_size: int) -> bool:
         """Run the checks due at this all-reduce; False when a collective was interrupted (recovered)."""
@@ -88,10 +97,11 @@ class ReplicaChecks:
         if check is None:
             return True
         when, digest = check
-        result = digest.result() if isinstance(digest, PendingDigest) else digest
-        rows = rows_tensor(result.summary(), rank, world_size)
+        result = (digest.result().without(self.exclude) if isinstance(digest, PendingDigest) else digest)
+        rows = rows_tensor(result.summary(), rank, world_size, self.device)
         if not collective(rows, "sum"):
             return False
+        rows = rows.cpu()
         differ = differing_groups(rows, self.groups)
         if differ:
             layouts = [g for g in differ if len({tuple(rows[r, :2].tolist()) for r in g}) > 1]
@@ -102,10 +112,14 @@ class ReplicaChecks:
                     f"{sorted({int(rows[r, 0]) for g in layouts for r in g})} "
                     "entries or differently named ones; every replica must register the same objects",
                     step=result.step, entries=(), ranks=tuple(r for g in layouts for r in g))
-            full = rows_tensor(result.values, rank, world_size)
+            # every rank sends the same width (the widest entry list; a gloo collective of mismatched
+            # sizes ends the process), padded with zeros
+            width = int(rows[:, 0].max())
+            full = rows_tensor(tuple(result.values) + (0,) * (width - len(result.values)), rank, world_size,
+                               self.device)
             if not collective(full, "sum"):
                 return False
-            raise describe(result, full, differ, when)
+            raise describe(result, full.cpu(), differ, when, layouts=[int(x) for x in rows[:, 1]])
         self._due = None
         return True
 

@@ -52,6 +52,10 @@ class TrainerConfig:
     :class:`~gossiprec.trainer.digest.ReplicaMismatch`."""
     verify_every: int = 0
     """Steps between two periodic replica checks (0: none beyond those above). >= 0."""
+    verify_exclude: tuple[str, ...] = ()
+    """Entry-name prefixes the replica checks leave out, for state that legitimately differs across
+    replicas and that a receiver may take from any donor (e.g. ``("model/bn.",)`` for BatchNorm
+    statistics nobody synchronises). Names are object/path, as ``ReplicaMismatch`` prints them."""
     stateless_data: bool = False
     """The loop registers no data position because every batch is a function of (step, rank); without
     it, objects with no data position are refused (a spare would read other batches)."""
@@ -83,6 +87,13 @@ class TrainerConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
             raise ConfigError(f"verify_every must be an int >= 0 (0: no periodic check), got {self.verify_every!r}")
+        if not isinstance(self.verify_exclude, tuple) or not all(isinstance(x, str) and x for x in self.verify_exclude):
+            raise ConfigError(f"verify_exclude must be a tuple of non-empty name prefixes, got {self.verify_exclude!r}")
+
+    @property
+    def device(self) -> str:
+        """Where the trainer's own small collectives put their tensors (NCCL takes CUDA tensors only)."""
+        return "cuda" if self.backend == "nccl" else "cpu"
 
     @property
     def fetch_timeout(self) -> float:

@@ -54,6 +54,13 @@ class StateDigest:
     names: tuple[str, ...]
     values: tuple[int, ...]
 
+    def without(self, prefixes: tuple[str, ...]) -> StateDigest:
+        """This digest less the entries whose names start with one of ``prefixes``."""
+        if not prefixes:
+            return self
+        kept = [(n, v) for n, v in zip(self.names, self.values, strict=True) if not n.startswith(prefixes)]
+        return StateDigest(self.step, tuple(n for n, _ in kept), tuple(v for _, v in kept))
+
     def summary(self) -> tuple[int, int, int]:
         """(entry count, crc of the names, crc of the values): equal summaries mean equal digests."""
         names = zlib.crc32("\0".join(self.names).encode())
@@ -133,13 +140,13 @@ def digest_of_snapshot(snap: StateSnapshot) -> StateDigest:
                        tuple(int(c) for c in crcs if c is not None) + tuple(c for _, c in trees))
 
 
-def rows_tensor(values: Sequence[int], rank: int, world: int) -> torch.Tensor:
+def rows_tensor(values: Sequence[int], rank: int, world: int, device: str = "cpu") -> torch.Tensor:
     """``world x len(values)`` int64 zeros with this rank's row filled: summed over ranks, the rows of all."""
     import torch
 
     rows = torch.zeros((world, len(values)), dtype=torch.int64)
     rows[rank] = torch.tensor(list(values), dtype=torch.int64)
-    return rows
+    return rows if device == "cpu" else rows.to(device)
 
 
 def differing_groups(rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
@@ -152,11 +159,18 @@ def differing_groups(rows: torch.Tensor, groups: Sequence[Sequence[int]]) -> lis
     return out
 
 
-def describe(digest: StateDigest, rows: torch.Tensor, groups: Sequence[tuple[int, ...]], when: str
-             ) -> ReplicaMismatch:
-    """The error for replica groups whose full rows (``world x entries``) differ."""
+def describe(digest: StateDigest, rows: torch.Tensor, groups: Sequence[tuple[int, ...]], when: str,
+             layouts: Sequence[int] | None = None) -> ReplicaMismatch:
+    """The error for replica groups whose full rows (``world x entries``) differ. ``layouts``: each
+    rank's names checksum (the summary's second column); entries are named for the groups whose
+    layout is this rank's (the others' names are theirs to print), the rest counted."""
     entries: dict[str, set[int]] = {}
+    elsewhere: list[tuple[int, ...]] = []
+    mine = digest.summary()[1]
     for g in groups:
+        if layouts is not None and layouts[g[0]] != mine:
+            elsewhere.append(g)
+            continue
         for j, name in enumerate(digest.names):
             values: dict[int, list[int]] = {}
             for r in g:
@@ -179,9 +193,16 @@ def describe(digest: StateDigest, rows: torch.Tensor, groups: Sequence[tuple[int
                      "the averaged gradients and the optimizer step (no in-place writes through .data "
                      "between commit() and allreduce_gradients(), no per-rank buffers such as unsynced "
                      "BatchNorm statistics)")
-    groups_txt = "; ".join(str(list(g)) for g in groups)
+    groups_txt = "; ".join(str(list(g)) for g in groups if g not in elsewhere)
+    other = (f"; replica group(s) {', '.join(str(list(g)) for g in elsewhere)} (another shard) differ too, "
+             "their ranks name the entries" if elsewhere else "")
+    if not names:
+        shown, groups_txt = "entries of another shard", ", ".join(str(list(g)) for g in elsewhere)
+        other = ""
+        hints = hints or ["see the errors of the ranks named"]
     return ReplicaMismatch(
         f"replicas hold different state at step {digest.step} ({when}): {shown}{more}, in replica "
-        f"group(s) {groups_txt}; every replica of a shard must hold identical state, or recovery would "
-        f"hand a receiver another rank's state. To fix: {'; '.join(hints)}.",
-        step=digest.step, entries=tuple(names), ranks=tuple(ranks))
+        f"group(s) {groups_txt}{other}; every replica of a shard must hold identical state, or recovery "
+        f"would hand a receiver another rank's state. To fix: {'; '.join(hints)}.",
+        step=digest.step, entries=tuple(names),
+        ranks=tuple(ranks) if names else tuple(r for g in elsewhere for r in g))

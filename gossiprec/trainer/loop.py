@@ -164,9 +164,12 @@ class ResilientTrainer:
         a system call or a wake-up of the agent; None: they go through the control socket."""
         self._donor: DonorServer | None = None
         self._closed = threading.Event()
+        self._left = ""
+        """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
         self._snaps = Snapshots(self.objects, background=config.background_snapshot)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
-                                     every=config.verify_every)
+                                     every=config.verify_every, exclude=config.verify_exclude,
+                                     device=config.device)
         self._peers = Peers(control, self.node, store_offset=config.store_offset,
                             donor_offset=config.donor_offset, timeout=config.timeout)
         self._follower = Follower(
@@ -220,7 +223,7 @@ class ResilientTrainer:
                                       timeout=config.timeout, poll_interval=config.poll_interval)
             try:
                 self.groups.build(0, self.rank, self.world_size)
-                self._checks.expect("at the start", 0)
+                self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
             except CollectiveAborted as exc:
                 self._recover(f"epoch 0 group failed: {exc}")
         else:
@@ -345,7 +348,7 @@ class ResilientTrainer:
                 self.groups.current.barrier(timeout=self.config.finish_timeout)
             except GossiprecError:
                 pass
-        if self.rank >= 0:
+        if self.role == "trainer" and self.rank >= 0 and not self._left:
             try:
                 self.control.finished(self.step)
             except ControlError as exc:
@@ -389,7 +392,11 @@ class ResilientTrainer:
 
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
-        self._recovery.recover(cause, spare)
+        try:
+            self._recovery.recover(cause, spare)
+        except GossiprecError as exc:
+            self._left = f"{type(exc).__name__}: {exc}"  # released, stopped, fenced...: it finishes nothing
+            raise
 
     def _commit_snapshot(self, step: int, verify: bool = False) -> None:
         """Capture the objects as step ``step`` and tell the agent. ``verify``: copy everything now with

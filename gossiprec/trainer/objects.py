@@ -53,8 +53,13 @@ class JobState:
 
 
 def has_data_position(objects: Mapping[str, Stateful]) -> bool:
-    """Whether any object is something other than a model, optimizer, LR scheduler or RNG state."""
+    """Whether any object is something other than a model (an EMA copy too), optimizer, LR scheduler,
+    gradient scaler or RNG state: what is left is taken for the data position."""
     import torch
 
-    plain = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, RNGState)
+    plain: tuple[type, ...] = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+                               torch.optim.lr_scheduler.ReduceLROnPlateau, RNGState)
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if isinstance(scaler, type):
+        plain += (scaler,)
     return any(not isinstance(o, plain) for o in objects.values())

@@ -184,7 +184,11 @@ def mark_written(tensors: Sequence[torch.Tensor]) -> None:
     if tensors:
         from torch.autograd.graph import increment_version
 
-        increment_version(list(tensors))
+        try:
+            increment_version(list(tensors))  # one call for all (torch >= 2.5 takes a list)
+        except (TypeError, RuntimeError):
+            for t in tensors:
+                increment_version(t)
 
 
 def prepare_receive(objects: Mapping[str, Stateful], *, pin_memory: bool = False) -> ReceiveTarget:

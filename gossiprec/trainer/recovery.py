@@ -256,6 +256,9 @@ class Recovery:
                     raise FencedError(f"this node was fenced ({f.fenced}): it is on the minority side "
                                       "or was removed; the trainer must stop")
                 if f.finished is not None:
+                    if t.role == "trainer" and t.step < f.finished:
+                        raise JobStopped(f"the job finished at step {f.finished} on other ranks while this rank "
+                                         f"was recovering at step {t.step}: its state is not the final one")
                     raise JobFinished(f"the job finished at step {f.finished}; this {t.role} is no "
                                       "longer needed")
                 if f.stopped:
@@ -315,7 +318,7 @@ class Recovery:
         finally:
             self.building_epoch = None
         if action == "checkpoint":
-            _check_same_step(group, target)
+            _check_same_step(group, target, t.config.device)
         # A new (step, phase) restarts the agents' stall clock for this rank: every rank sat at
         # (target, recovering) during the recovery, and the first to start the next step would
         # otherwise make the others look hung at once (their value unchanged for the whole recovery).
@@ -335,7 +338,7 @@ class Recovery:
             t.on_resize(old_world, world)
         self._job.world_size = world
         self._checks.groups = replica_groups_of(plan.get("replica_groups"), world)
-        self._checks.expect(f"after the recovery into epoch {epoch}", target)
+        self._checks.expect(f"after the recovery into epoch {epoch}", target, overlap=self._snaps.background)
         self._record_open, self._pending = pending, None
         self._last_recovered_at = time.monotonic()
         log.info("recovered into epoch %d as rank %d/%d at step %d (%s, %s)", epoch, my_rank, world, target,
@@ -423,12 +426,13 @@ class Recovery:
             self._t.on_phase(step, phase)
 
 
-def _check_same_step(group: EpochGroup, step: int) -> None:
+def _check_same_step(group: EpochGroup, step: int, device: str) -> None:
     """After a checkpoint load: every rank must have restored the same step (one all-reduce)."""
     import torch
 
-    t = torch.tensor([step, -step], dtype=torch.int64)
+    t = torch.tensor([step, -step], dtype=torch.int64, device=device)
     group.allreduce(t, "max")
+    t = t.cpu()
     lo, hi = -int(t[1]), int(t[0])
     if lo != hi:
         raise JobStopped(f"the ranks restored different checkpoint steps ({lo} to {hi}): on_no_replica "

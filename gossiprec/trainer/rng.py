@@ -21,8 +21,8 @@ from gossiprec.trainer import rng_raw
 class RNGState:
     """The process's random generators as a :class:`~gossiprec.trainer.objects.Stateful`.
 
-    ``state_dict()`` holds ``torch`` (CPU generator state, a uint8 tensor), ``cuda`` (one tensor per
-    device, when CUDA is available), ``python`` (``random.getstate()``, its 625 words as
+    ``state_dict()`` holds ``torch`` (CPU generator state, a uint8 tensor), ``cuda`` (the current
+    device's generator, when CUDA is available), ``python`` (``random.getstate()``, its 625 words as
     little-endian bytes) and ``numpy`` (the legacy global ``np.random`` state, keys as little-endian
     bytes, when numpy is importable). Pass ``cuda``/``numpy`` explicitly to
     force the layout, e.g. when donors and receivers differ in what is installed. ``raw=False``: read
@@ -49,7 +49,9 @@ class RNGState:
         python = raw_python.read() if raw_python is not None else None
         sd: dict[str, Any] = {"torch": torch.get_rng_state(), "python": python or python_rng_state(random)}
         if self.cuda:
-            sd["cuda"] = list(torch.cuda.get_rng_state_all())
+            # the current device's generator only: a rank drives one GPU, and the others' generators
+            # (other ranks' devices on the same host) differ across replicas without mattering
+            sd["cuda"] = torch.cuda.get_rng_state()
         if self.numpy:
             st = raw_numpy.read() if raw_numpy is not None else None
             if st is None:
@@ -67,7 +69,11 @@ class RNGState:
             version, internal, gauss = state_dict["python"]
             random.setstate((version, _unpack_words(internal), gauss))
             if self.cuda:
-                torch.cuda.set_rng_state_all(state_dict["cuda"])
+                cuda_state = state_dict["cuda"]
+                if isinstance(cuda_state, list):  # the older form: every device's
+                    torch.cuda.set_rng_state_all(cuda_state)
+                else:
+                    torch.cuda.set_rng_state(cuda_state)
             if self.numpy:
                 import numpy as np
 
