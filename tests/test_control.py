@@ -21,7 +21,7 @@ from gossiprec.errors import ConfigError
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.agent.pump import Agent
 from gossiprec.local.client import AsyncControlClient, ControlClient
-from gossiprec.local.protocol import MAX_REQUEST_FRAME, ControlError, encode_frame, event_to_dict
+from gossiprec.local.protocol import CONTROL_VERSION, MAX_REQUEST_FRAME, ControlError, encode_frame, event_to_dict
 from gossiprec.local.server import bind_unix_socket
 from gossiprec.agent.settings import AgentSettings, control_path_from_env
 from tests.support.memnet import MemNetwork
@@ -52,7 +52,7 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
 
 
 async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> dict[str, Any]:
-    writer.write(encode_frame({"op": "hello", "version": 1}))
+    writer.write(encode_frame({"op": "hello", "version": CONTROL_VERSION}))
     return await read_frame(reader)
 
 
@@ -354,7 +354,7 @@ async def test_a_write_to_a_closed_client_is_a_disconnect_not_an_error(sockdir: 
         server = agent.control
         assert server is not None
         reader = asyncio.StreamReader()
-        reader.feed_data(encode_frame({"op": "hello", "version": 1}))
+        reader.feed_data(encode_frame({"op": "hello", "version": CONTROL_VERSION}))
         reader.feed_eof()
         with caplog.at_level(logging.ERROR):
             await server.serve_stream(reader, ClosedWriter())  # type: ignore[arg-type]

@@ -99,4 +99,5 @@ def view_status(machine: Machine | None) -> dict[str, Any]:
                  "stopped": view.stopped},
         "fenced": machine.fenced or None,
         "plan": plan.to_dict() if plan is not None else None,
+        "plan_wire": plan.to_wire() if plan is not None else None,
     }

@@ -69,7 +69,7 @@ from typing import Any, Literal
 import msgpack
 
 from gossiprec.core.topology import JobTopology, Member, is_int
-from gossiprec.errors import ConfigError, ProtocolError
+from gossiprec.errors import ConfigError, DecodeError, ProtocolError
 
 Action = Literal["resume", "shrink", "checkpoint", "stop"]
 
@@ -172,6 +172,36 @@ class Plan:
     orphan_groups: tuple[tuple[int, ...], ...]
     store_node: str | None
 
+    def to_wire(self) -> list[Any]:
+        """The plan as it crosses a process boundary (the trainer's events and status): :meth:`canonical`;
+        :meth:`from_wire` reads it back, checking every field."""
+        return self.canonical()
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> Plan:
+        """The plan :meth:`to_wire` encoded; :class:`~gossiprec.errors.DecodeError` for anything else
+        (another format tag included: a peer of another version)."""
+        if type(obj) is not list or len(obj) != 14:
+            raise DecodeError("bad_plan", f"a plan is a list of 14 fields, got {type(obj).__name__}")
+        if obj[0] != PLAN_FORMAT:
+            raise DecodeError("bad_plan", f"plan format {str(obj[0])[:40]!r}, this process reads {PLAN_FORMAT!r}")
+        (_, epoch, action, reason, world, groups, assignment, replacements, transfers, target, remap, released,
+         orphans, store) = obj
+        try:
+            plan = cls(
+                epoch=_int(epoch, "epoch"), action=_action(action), reason=_str(reason, "reason"),
+                world_size=_int(world, "world_size"), replica_groups=_groups(groups, "replica_groups"),
+                assignment=_pairs(assignment, "assignment", str), replacements=_pairs(replacements, "replacements", str),
+                transfers=tuple(_transfer(t) for t in _list(transfers, "transfers")),
+                target_step=None if target is None else _int(target, "target_step"),
+                rank_remap=_pairs(remap, "rank_remap", int),
+                released=tuple(_str(n, "released") for n in _list(released, "released")),
+                orphan_groups=_groups(orphans, "orphan_groups"),
+                store_node=None if store is None else _str(store, "store_node"))
+        except (TypeError, ValueError) as exc:
+            raise DecodeError("bad_plan", str(exc)) from None
+        return plan
+
     def canonical(self) -> list[Any]:
         """The plan as a msgpack-ready list, fields in declaration order after a format tag.
 
@@ -208,7 +238,8 @@ class Plan:
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready view for logs (rank keys become strings)."""
+        """JSON-ready view for people (logs, ``gossiprec status``; rank keys become strings). Programs
+        read :meth:`to_wire`."""
         return {
             "epoch": self.epoch,
             "action": self.action,
@@ -251,6 +282,57 @@ class Plan:
         return JobTopology(
             self.world_size, self.replica_groups, previous.allow_shrink, previous.min_replicas
         )
+
+
+# -- reading a plan back (from another process) ------------------------------------------------------
+
+_MAX_WIRE = 1 << 62
+
+
+def _list(v: Any, what: str) -> list[Any]:
+    if type(v) is not list:
+        raise ValueError(f"{what} must be a list")
+    return v
+
+
+def _int(v: Any, what: str) -> int:
+    if type(v) is not int or not 0 <= v <= _MAX_WIRE:
+        raise ValueError(f"{what} must be an integer 0..2**62, got {str(v)[:30]}")
+    return v
+
+
+def _str(v: Any, what: str) -> str:
+    if type(v) is not str or len(v) > 4096:
+        raise ValueError(f"{what} must be a string of at most 4096 characters")
+    return v
+
+
+def _action(v: Any) -> Action:
+    if v not in ("resume", "shrink", "checkpoint", "stop"):
+        raise ValueError(f"unknown plan action {str(v)[:30]!r}")
+    return v  # type: ignore[no-any-return]
+
+
+def _groups(v: Any, what: str) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(_int(r, what) for r in _list(g, what)) for g in _list(v, what))
+
+
+def _pairs(v: Any, what: str, second: type) -> tuple[tuple[int, Any], ...]:
+    out = []
+    for p in _list(v, what):
+        if type(p) is not list or len(p) != 2:
+            raise ValueError(f"{what} must be a list of pairs")
+        out.append((_int(p[0], what), _str(p[1], what) if second is str else _int(p[1], what)))
+    return tuple(out)
+
+
+def _transfer(v: Any) -> Transfer:
+    if type(v) is not list or len(v) != 7:
+        raise ValueError("a transfer is a list of 7 fields")
+    recv_rank, recv_node, donor_rank, donor_node, offset, length, step = v
+    return Transfer(_int(recv_rank, "receiver_rank"), _str(recv_node, "receiver_node"),
+                    None if donor_rank is None else _int(donor_rank, "donor_rank"), _str(donor_node, "donor_node"),
+                    _int(offset, "offset"), _int(length, "length"), _int(step, "step"))
 
 
 # -- the election -----------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ import msgpack
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ProtocolError
 
-CONTROL_VERSION = 1
+CONTROL_VERSION = 2
 MAX_REQUEST_FRAME = 1024 * 1024
 """Largest frame a client may send the agent (bytes)."""
 MAX_REPLY_FRAME = 64 * 1024 * 1024
@@ -95,6 +95,9 @@ def to_plain(value: Any) -> Any:
         return value if math.isfinite(value) else str(value)
     if isinstance(value, enum.Enum):
         return value.name
+    to_wire = getattr(value, "to_wire", None)
+    if callable(to_wire) and not isinstance(value, type):
+        return to_wire()  # a value with a wire form of its own (a Plan): that is the contract
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from gossiprec.core.election import Plan
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError
 from gossiprec.trainer.settings import CONTROL_TIMEOUT
@@ -32,11 +33,13 @@ class Follower:
     """
 
     def __init__(self, control_path: str, closed: threading.Event, *, abort: Callable[[str], None],
-                 abort_older: Callable[[int, str], None], on_plan: Callable[[dict[str, Any]], None]) -> None:
+                 abort_older: Callable[[int, str], None], on_plan: Callable[[Plan], None]) -> None:
         self.control_path = control_path
         self.cond = threading.Condition()
         self.newest_view = -1
-        self.plans: dict[int, dict[str, Any]] = {}
+        self.plans: dict[int, Plan] = {}
+        self.planned_at: dict[int, float] = {}
+        """When each plan was ready (the agent's clock: ``time.monotonic()`` on this host)."""
         self.fenced = ""
         self.lost = ""
         """Why the connection to the agent is gone ("" while it is not)."""
@@ -99,14 +102,13 @@ class Follower:
                 self.cond.notify_all()
             self._abort_older(epoch, f"view {epoch} installed")
         elif kind == "PlanReady":
-            plan = ev.get("plan")
-            if isinstance(plan, dict):
-                with self.cond:
-                    plan = dict(plan, planned_at=float(ev.get("at", now)))
-                    self.plans[int(plan["epoch"])] = plan
-                    self.newest_view = max(self.newest_view, int(plan["epoch"]))
-                    self.cond.notify_all()
-                self._on_plan(plan)
+            plan = Plan.from_wire(ev.get("plan"))
+            with self.cond:
+                self.plans[plan.epoch] = plan
+                self.planned_at[plan.epoch] = float(ev.get("at", now))
+                self.newest_view = max(self.newest_view, plan.epoch)
+                self.cond.notify_all()
+            self._on_plan(plan)
         elif kind == "JobFinished":
             with self.cond:
                 self.finished = int(ev.get("step", -1))
@@ -120,17 +122,16 @@ class Follower:
     def absorb_status(self, st: dict[str, Any], epoch: int) -> None:
         """What a ``status`` reply tells (the fallback to events): the newest view, whether it stopped
         the job (when newer than ``epoch``), and its plan if not known yet."""
-        plan = st.get("plan")
+        wire = st.get("plan_wire")
+        plan = Plan.from_wire(wire) if wire is not None else None
         view = st.get("view") or {}
         with self.cond:
             self.newest_view = max(self.newest_view, int(view.get("epoch", -1)))
             if view.get("stopped") and int(view.get("epoch", -1)) > epoch:
                 self.stopped = str(view["stopped"])
-            if plan and int(plan["epoch"]) not in self.plans:
-                assignment = plan.get("assignment", {})
-                plan = dict(plan, assignment=[[int(r), n] for r, n in assignment.items()],
-                            planned_at=time.monotonic())
-                self.plans[int(plan["epoch"])] = plan
+            if plan is not None and plan.epoch not in self.plans:
+                self.plans[plan.epoch] = plan
+                self.planned_at[plan.epoch] = time.monotonic()
 
     def trouble(self, epoch: int) -> bool:
         """Whether the loop at ``epoch`` must recover before it goes on."""

@@ -42,6 +42,7 @@ from gossiprec.trainer.groups import CollectiveAborted
 from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, restore_state
 
 if TYPE_CHECKING:
+    from gossiprec.core.election import Plan, Transfer
     from gossiprec.local.client import ControlClient
     from gossiprec.trainer.checks import ReplicaChecks
     from gossiprec.trainer.config import TrainerConfig
@@ -205,16 +206,16 @@ class Recovery:
                 raise
             except LayoutMismatch as exc:
                 # no later plan can fix this process's objects: leave, so that the agents replace it
-                raise LayoutMismatch(f"this process cannot take part in the recovery of epoch {plan['epoch']}: "
+                raise LayoutMismatch(f"this process cannot take part in the recovery of epoch {plan.epoch}: "
                                      f"{exc}; it exits so that the others go on with another spare") from exc
             except (CollectiveAborted, GossiprecError, OSError) as exc:
                 # Snapshots are copies, so a failed fetch spoils only the live tensors: whatever this
                 # rank committed can still be reloaded or served under the next plan.
                 log.warning("recovery with the plan of epoch %s failed (%s); waiting for the next plan",
-                            plan["epoch"], exc)
-                pending.attempts.append((int(plan["epoch"]), int(pending.fields.get("target_step", -1)),
+                            plan.epoch, exc)
+                pending.attempts.append((plan.epoch, int(pending.fields.get("target_step", -1)),
                                          f"{type(exc).__name__}: {exc}"[:300]))
-                t.epoch = max(t.epoch, int(plan["epoch"]))
+                t.epoch = max(t.epoch, plan.epoch)
                 continue
 
     def first_step(self) -> RecoveryRecord | None:
@@ -244,7 +245,7 @@ class Recovery:
                 groups.abort(epoch=e, reason=reason)
 
     # ------------------------------------------------------------------ the plan
-    def _wait_plan(self, spare: bool) -> dict[str, Any]:
+    def _wait_plan(self, spare: bool) -> Plan:
         """The plan of the newest epoch this rank knows of (waits; polls status as a fallback)."""
         t, f = self._t, self._follower
         next_poll = time.monotonic()
@@ -277,43 +278,41 @@ class Recovery:
                     continue
                 f.absorb_status(st, t.epoch)
 
-    def _apply_plan(self, plan: dict[str, Any], pending: _Pending) -> bool:
+    def _apply_plan(self, plan: Plan, pending: _Pending) -> bool:
         """Move state and build the group as ``plan`` says; False when this process stays a spare."""
         t = self._t
-        epoch = int(plan["epoch"])
-        action = str(plan["action"])
+        epoch, action, world = plan.epoch, plan.action, plan.world_size
         if action == "stop":
-            raise JobStopped(f"the plan of epoch {epoch} stops the job ({plan.get('reason')}); restart it "
+            raise JobStopped(f"the plan of epoch {epoch} stops the job ({plan.reason}); restart it "
                              "from your checkpoint with more spares, or set allow_shrink = true in the job spec")
-        assignment = {int(r): str(n) for r, n in plan["assignment"]}
-        my_rank = next((r for r, n in assignment.items() if n == t.node), None)
-        world = int(plan["world_size"])
-        transfers = plan.get("transfers") or []
+        my_rank = plan.rank_of(t.node)
         if my_rank is None:
-            if any(x["donor_node"] == t.node for x in transfers):
+            if any(x.donor_node == t.node for x in plan.transfers):
                 self._closed.wait(t.config.linger)  # released: serve the receivers for a while
             t.epoch = epoch
             if t.role == "spare":
                 self._last_recovered_at = time.monotonic()  # failures so far were handled without us
                 return False  # still a spare: wait for a later plan
-            raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.get('reason')}); "
+            raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.reason}); "
                            "leave the job (exit 0): the others go on without it")
         if action == "checkpoint" and t.on_no_replica is None:
             raise JobStopped(f"the plan of epoch {epoch} finds no surviving replica of some state "
-                             f"({plan.get('reason')}); pass on_no_replica= to ResilientTrainer to load your "
+                             f"({plan.reason}); pass on_no_replica= to ResilientTrainer to load your "
                              "checkpoint in place, or restart the job from it")
         pending.fields.update(rank=my_rank, world_size=world, action=action, previous_role=t.role,
-                              planned_at=float(plan.get("planned_at", time.monotonic())))
-        mine = sorted((x for x in transfers if x["receiver_node"] == t.node), key=lambda x: int(x["offset"]))
+                              planned_at=self._follower.planned_at.get(epoch, time.monotonic()))
+        mine = sorted((x for x in plan.transfers if x.receiver_node == t.node), key=lambda x: x.offset)
         if action == "checkpoint":
-            target = self._load_checkpoint(plan, epoch, my_rank, world, pending)
+            target = self._load_checkpoint(plan, my_rank, pending)
         else:
-            target = int(plan["target_step"])
-            self._move_state(plan, epoch, target, mine, pending)
-        assert t.groups is not None
+            if plan.target_step is None or plan.store_node is None:
+                raise RecoveryError(f"the plan of epoch {epoch} ({action}) names no target step or store")
+            target = plan.target_step
+            self._move_state(plan, target, mine, pending)
+        assert t.groups is not None and plan.store_node is not None
         self.building_epoch = epoch
         try:
-            group = t.groups.build(epoch, my_rank, world, store=self._peers.store_for(str(plan["store_node"])),
+            group = t.groups.build(epoch, my_rank, world, store=self._peers.store_for(plan.store_node),
                                    cancelled=lambda: self._follower.superseded(epoch))
         finally:
             self.building_epoch = None
@@ -337,7 +336,7 @@ class Recovery:
         if old_world and old_world != world and t.on_resize is not None:
             t.on_resize(old_world, world)
         self._job.world_size = world
-        self._checks.groups = replica_groups_of(plan.get("replica_groups"), world)
+        self._checks.groups = replica_groups_of(plan.replica_groups, world)
         self._checks.expect(f"after the recovery into epoch {epoch}", target, overlap=self._snaps.background)
         self._record_open, self._pending = pending, None
         self._last_recovered_at = time.monotonic()
@@ -345,17 +344,16 @@ class Recovery:
                  action, pending.fields["role"])
         return True
 
-    def _load_checkpoint(self, plan: dict[str, Any], epoch: int, rank: int, world: int, pending: _Pending) -> int:
+    def _load_checkpoint(self, plan: Plan, rank: int, pending: _Pending) -> int:
         """No replica left: the user's ``on_no_replica`` loads a checkpoint into the objects; returns its
         step, committed as this rank's only snapshot."""
         t = self._t
         assert t.on_no_replica is not None
         before = t.step
         self._job.world_size = 0  # unknown unless the checkpoint holds the trainer's own entry
-        orphans = tuple(tuple(int(r) for r in g) for g in plan.get("orphan_groups") or ())
-        target = int(t.on_no_replica(NoReplica(epoch, rank, world, orphans, str(plan.get("reason")))))
+        target = int(t.on_no_replica(NoReplica(plan.epoch, rank, plan.world_size, plan.orphan_groups, plan.reason)))
         if not self._job.world_size:
-            self._job.world_size = world  # the checkpoint did not say: no resize
+            self._job.world_size = plan.world_size  # the checkpoint did not say: no resize
         pending.fields.update(role="checkpoint", target_step=target,
                               lost_steps=max(0, before - target) if t.role == "trainer" else 0)
         self._snaps.drop_all()  # the job's state is the checkpoint's now
@@ -363,8 +361,7 @@ class Recovery:
         pending.fields.update(state_at=time.monotonic(), bytes_received=0, transfer_s=0.0)
         return target
 
-    def _move_state(self, plan: dict[str, Any], epoch: int, target: int, mine: list[dict[str, Any]],
-                    pending: _Pending) -> None:
+    def _move_state(self, plan: Plan, target: int, mine: list[Transfer], pending: _Pending) -> None:
         """Get the state of ``target`` into the objects: fetched from this rank's donors (``mine``: the
         plan's transfers to this node), or reloaded from this rank's own snapshot."""
         t = self._t
@@ -373,27 +370,27 @@ class Recovery:
         nbytes, xfer_s = 0, 0.0
         if mine:
             pending.fields["role"] = "receiver"
-            stats = self._fetch(mine, target, epoch)
+            stats = self._fetch(mine, target, plan.epoch)
             nbytes, xfer_s = stats.nbytes, stats.seconds
             self._commit(target)  # complete and authenticated: this rank can donate it now
         else:
             snap = self._snaps.at(target)
             if snap is None:
-                raise RecoveryError(f"the plan of epoch {epoch} resumes at step {target} from this rank, "
+                raise RecoveryError(f"the plan of epoch {plan.epoch} resumes at step {target} from this rank, "
                                     f"but it holds steps {self._snaps.steps()}")
             copied = restore_state(t.objects, snap, unchanged=self._snaps.unchanged)
             log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
-            donor = any(x["donor_node"] == t.node for x in plan.get("transfers") or [])
+            donor = any(x.donor_node == t.node for x in plan.transfers)
             pending.fields["role"] = "donor" if donor else "survivor"
         pending.fields.update(state_at=time.monotonic(), bytes_received=nbytes, transfer_s=xfer_s)
 
     # ------------------------------------------------------------------ fetching
-    def _fetch(self, mine: list[dict[str, Any]], target: int, epoch: int) -> Any:
+    def _fetch(self, mine: list[Transfer], target: int, epoch: int) -> Any:
         """Fetch the state at ``target`` from this rank's donors, striped as the plan says."""
         t = self._t
         self._peers.refresh()
-        donors = [self._peers.donor_of(x["donor_node"]) for x in mine]
-        stripes = [(int(x["offset"]), int(x["offset"]) + int(x["length"])) for x in mine]
+        donors = [self._peers.donor_of(x.donor_node) for x in mine]
+        stripes = [(x.offset, x.offset + x.length) for x in mine]
         target_objects = ReceiveTarget(t.objects)
         kwargs: dict[str, Any] = {"step": target, "epoch": epoch, "timeout": t.config.fetch_timeout,
                                   "stall_timeout": t.config.stall_timeout}
@@ -439,14 +436,13 @@ def _check_same_step(group: EpochGroup, step: int, device: str) -> None:
                          "must load the same checkpoint on every rank (shared storage)")
 
 
-def prepare_donation(plan: dict[str, Any], node: str, donor: DonorServer | None, snaps: Snapshots) -> None:
+def prepare_donation(plan: Plan, node: str, donor: DonorServer | None, snaps: Snapshots) -> None:
     """When ``plan`` names ``node`` a donor, tag its stripes on a thread right away: the GMAC pass then
     overlaps the receivers' connecting, not their transfer."""
-    ranges = [(int(x["offset"]), int(x["offset"]) + int(x["length"])) for x in plan.get("transfers") or ()
-              if x.get("donor_node") == node]
-    if donor is None or not ranges or plan.get("action") not in ("resume", "shrink"):
+    ranges = [(x.offset, x.offset + x.length) for x in plan.transfers if x.donor_node == node]
+    if donor is None or not ranges or plan.action not in ("resume", "shrink") or plan.target_step is None:
         return
-    target = int(plan["target_step"])
+    target = plan.target_step
 
     def seal() -> None:
         try:
