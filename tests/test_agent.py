@@ -16,7 +16,7 @@ from typing import AsyncIterator, Iterator
 
 import pytest
 
-from gossiprec.core.membership import MemberFailed, MemberJoined, MemberLeft
+from gossiprec.core.events import MemberFailed, MemberJoined, MemberLeft
 from gossiprec.core.wire import Alive, encode_packet
 from gossiprec.errors import ConfigError
 from gossiprec.agent.daemon import Agent, AgentLeaving, build_machine

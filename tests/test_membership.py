@@ -19,10 +19,11 @@ from typing import Any, Callable, NamedTuple
 import pytest
 
 from gossiprec.core.config import Config, remaining_suspicion
-from gossiprec.core.membership import (
-    MemberAlive, MemberFailed, MemberInfo, MemberJoined, MemberLeft, Membership, MemberSuspected,
-    ProbeResult, SelfRefuted,
+from gossiprec.core.events import (
+    MemberAlive, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, SelfRefuted,
 )
+from gossiprec.core.membership import Membership
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.wire import (
     ALIVE, DEAD, LEFT, MAX_U64, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack, Ping, Progress,
     PushPull, Suspect, decode_packet, encode_packet,

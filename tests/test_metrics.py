@@ -16,8 +16,7 @@ from typing import Iterator
 import pytest
 
 from gossiprec.bench.agents import free_ports, job_spec
-from gossiprec.core.membership import MemberAlive, MemberFailed, ProbeResult
-from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
+from gossiprec.core.events import AlertRaised, Fenced, MemberAlive, MemberFailed, ProbeResult, ViewInstalled
 from gossiprec.errors import ConfigError
 from gossiprec.agent.daemon import Agent
 from gossiprec.agent.metrics import AgentMetrics, require_prometheus

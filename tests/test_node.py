@@ -20,8 +20,9 @@ from typing import Any, Iterator
 import pytest
 
 from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo
-from gossiprec.core.node import AlertRaised, Node
+from gossiprec.core.events import AlertRaised
+from gossiprec.core.node import Node
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.consensus import change_rows
@@ -382,7 +383,7 @@ def test_a_confirmation_counts_the_silence_since_the_subject_last_answered(
     us since it became ours (every view change reshuffles the rings) is silent since that view's
     install: on loopback, waiting for a streak of our own instead was the 9th alert's 0.3-0.6 s lag
     after a kill soon after a rejoin."""
-    from gossiprec.core.records import ProbeResult
+    from gossiprec.core.events import ProbeResult
 
     node = make_node()
     node._installed_at = installed  # as if this view (and z as our subject) came at `installed`
@@ -419,7 +420,7 @@ def test_own_alert_goes_straight_to_every_member_of_a_small_view(direct_max: int
     member in one hop (the subject aside): the other observers check the subject at once and everyone
     counts the H-th alert at about the same moment. Larger views leave it to gossip (O(N^2) otherwise)."""
     from gossiprec.core.node import AgreementConfig
-    from gossiprec.core.records import ProbeResult
+    from gossiprec.core.events import ProbeResult
 
     v = view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
@@ -615,7 +616,7 @@ class MiniNet:
             self._deliver()
 
     def plans(self) -> dict[str, Any]:
-        from gossiprec.core.node import PlanReady
+        from gossiprec.core.events import PlanReady
 
         return {n: e.plan for _, n, e in self.events if isinstance(e, PlanReady)}
 
@@ -665,7 +666,7 @@ def test_a_report_goes_out_at_once_or_when_the_hold_expires(hold: float) -> None
 
 
 def test_the_job_end_reaches_every_member_and_nothing_is_decided_after_it() -> None:
-    from gossiprec.core.node import JobFinished, ViewInstalled
+    from gossiprec.core.events import JobFinished, ViewInstalled
 
     net = MiniNet(["n0", "n1", "n2", "n3", "n4"], spares=2)
     net.run(1.0)

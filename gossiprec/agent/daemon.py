@@ -69,7 +69,8 @@ from typing import Any, Callable, Coroutine, Iterable, Protocol, TypeVar
 
 from gossiprec import __version__
 from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo, Membership
+from gossiprec.core.membership import Membership
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.errors import ConfigError, GossiprecError, ProtocolError
 from gossiprec.local.bell import BellWatcher

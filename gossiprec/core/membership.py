@@ -52,12 +52,11 @@ from gossiprec.core.wire import (
     ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack,
     Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet, encode_parts,
 )
-from gossiprec.errors import DecodeError, ProtocolError
-
-
-from gossiprec.core.records import (  # noqa: F401  (re-exported: the public names of this module)
-    RandomSource, MemberInfo, ProgressInfo, Send, MemberJoined, MemberSuspected, MemberAlive, MemberFailed, MemberLeft, SelfRefuted, ProbeResult, MemberEvent,
+from gossiprec.core.events import (
+    MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, SelfRefuted,
 )
+from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
+from gossiprec.errors import DecodeError, ProtocolError
 
 # timer kinds
 _PROBE, _DIRECT, _INDIRECT_END, _GOSSIP, _PUSHPULL, _SUSPICION, _RELAY_NACK, _REAP = range(8)

@@ -50,10 +50,12 @@ from gossiprec.core.config import Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, changes_from_rows
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan, StateReport
-from gossiprec.core.membership import (
-    MemberFailed, MemberInfo, MemberJoined, MemberLeft, Membership, MemberSuspected, ProbeResult, RandomSource,
-    Send,
+from gossiprec.core.events import (
+    AlertRaised, CoreEvent, Fenced, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, PlanMismatch,
+    PlanReady, ProbeResult, Straggler, Unfenced, ViewInstalled,
 )
+from gossiprec.core.membership import Membership
+from gossiprec.core.records import MemberInfo, RandomSource, Send
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
 from gossiprec.core.wire import (
@@ -154,73 +156,6 @@ class AgreementConfig:
             raise ConfigError("invalid agreement settings: " + "; ".join(problems))
 
 
-# --- events -----------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class ViewInstalled:
-    epoch: int
-    config_id: str
-    members: tuple[str, ...]
-    removed: tuple[str, ...]
-    joined: tuple[str, ...]
-    fast: bool
-    decided_here: bool
-    at: float
-    stopped: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PlanReady:
-    epoch: int
-    digest: str
-    plan: Plan
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class JobFinished:
-    """The job's trainers finished training at ``step`` (``source`` said so first)."""
-
-    epoch: int
-    step: int
-    source: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Fenced:
-    epoch: int
-    reason: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Unfenced:
-    epoch: int
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class AlertRaised:
-    subject: str
-    reason: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Straggler:
-    node: str
-    behind_steps: int
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class PlanMismatch:
-    epoch: int
-    mine: str
-    theirs: str
-    at: float
-
-
 # timers
 _EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG, _REPORT = range(7)
 WATCH_EARLY = 0.1
@@ -260,7 +195,7 @@ class Node:
         self.swim = Membership(config, name, addr, incarnation=incarnation, rng=rng, now=now, role=role,
                                members=members, member_order=member_order, members_live=members_live)
         self.swim.on_other = self._on_message
-        self._events: list[Any] = []
+        self._events: list[CoreEvent] = []
         self._timers: list[tuple[float, int, int, int]] = []
         self._tok = 0
         self._now = now
@@ -360,7 +295,7 @@ class Node:
     def take_sends(self) -> list[Send]:
         return self.swim.take_sends()
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> list[CoreEvent]:
         out = self._events
         if out:
             self._events = []

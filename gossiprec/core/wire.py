@@ -256,7 +256,7 @@ _T = TypeVar("_T")
 
 @dataclass_transform(eq_default=True)
 def value_class(cls: type[_T]) -> type[_T]:
-    """Decorator of the records built per packet (every wire message, ``Send``, ``ProbeResult``): a slotted
+    """Decorator of the records built per packet (every wire message, ``Send``): a slotted
     dataclass, equal and hashed by value, not ``frozen`` (see :class:`Message` for why)."""
     return dataclass(slots=True, unsafe_hash=True)(cls)
 

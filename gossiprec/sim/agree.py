@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo
-from gossiprec.core.node import AgreementConfig, Fenced, Node, PlanReady, ViewInstalled
+from gossiprec.core.events import Fenced, PlanReady, ViewInstalled
+from gossiprec.core.node import AgreementConfig, Node
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
 from gossiprec.core.wire import PHASES
