@@ -260,14 +260,14 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     """Trainer node -> the epoch whose plan it waits for (it stopped when its node installed that view)."""
 
     def is_trainer(i: int) -> bool:
-        view = cluster.nodes[i].machine.view  # type: ignore[attr-defined]
+        view = cluster.nodes[i].machine.view
         return view is not None and (m := view.member(names[i])) is not None and m.role == "trainer"
 
     def report(i: int) -> None:
         node = cluster.nodes[i]
         if node.state == CRASHED or not is_trainer(i) or (i in hung and cluster.now >= t_fault):
             return
-        machine: Node = node.machine  # type: ignore[assignment]
+        machine = node.machine
         step, phase = state["step"], state["phase"]
         if i in recovering:
             phase = RECOVERING
@@ -303,7 +303,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
                 node = cluster.nodes[i]
                 if node.state == CRASHED or i in victims:
                     continue
-                view = node.machine.view  # type: ignore[attr-defined]
+                view = node.machine.view
                 if view is not None and v < len(names) and (m := view.member(names[v])) is not None \
                         and m.role == "trainer":
                     return True

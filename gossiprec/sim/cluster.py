@@ -24,8 +24,9 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
+from gossiprec.core.machine import Machine
 from gossiprec.sim.network import Network, NetworkModel
 
 DELIVER, TIMER, ACTION, DELIVER_RELIABLE = 0, 1, 2, 3
@@ -37,16 +38,9 @@ _FAR = 1 << 62
 """Bucket of an infinite (or otherwise unbucketable) time: after every finite one."""
 
 
-class Machine(Protocol):
-    def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
-    def tick(self, now: float) -> None: ...
-    def next_deadline(self) -> float: ...
-    def take_sends(self) -> list[Any]: ...
-    def take_events(self) -> list[Any]: ...
-
-
-MachineFactory = Callable[[int, float, int, random.Random], Machine]
-"""(node index, now, incarnation, rng) -> a new machine for that node."""
+NodeFactory = Callable[[int, float, int, random.Random], Machine]
+"""(node index, now, incarnation, rng) -> a new machine for that node (the simulator drives only its
+inputs and outputs: ``receive``, ``tick``, ``next_deadline``, ``take_sends``, ``take_events``)."""
 
 
 @dataclass(slots=True)
@@ -69,7 +63,7 @@ class SimCluster:
     def __init__(
         self,
         n: int,
-        factory: MachineFactory,
+        factory: NodeFactory,
         *,
         seed: int,
         model: NetworkModel | None = None,
