@@ -198,7 +198,7 @@ def _hung_alerts(lagging_phase: str, until: float, heard_from: float = 0.1, aged
     """Drive n0 of a 6-trainer view: n1..n4 wait in the step-5 all-reduce, n5 sits in ``lagging_phase``
     after committing step 4 from t = 0.1 on (n0 hears of it from ``heard_from`` on; ``aged``: with its
     age on the wire); returns (time, subject) of n0's hang alerts up to ``until``."""
-    from gossiprec.core.node import AgreementConfig
+    from gossiprec.core.config import AgreementConfig
     from gossiprec.core.wire import PHASES, Progress
 
     v = view0()
@@ -419,7 +419,7 @@ def test_own_alert_goes_straight_to_every_member_of_a_small_view(direct_max: int
     """In a view of at most ``direct_votes_max`` members an observer's own alert goes to every other
     member in one hop (the subject aside): the other observers check the subject at once and everyone
     counts the H-th alert at about the same moment. Larger views leave it to gossip (O(N^2) otherwise)."""
-    from gossiprec.core.node import AgreementConfig
+    from gossiprec.core.config import AgreementConfig
     from gossiprec.core.events import ProbeResult
 
     v = view0()
@@ -575,7 +575,7 @@ class MiniNet:
     neither send nor receive."""
 
     def __init__(self, names: list[str], spares: int = 1, **acfg: Any) -> None:
-        from gossiprec.core.node import AgreementConfig
+        from gossiprec.core.config import AgreementConfig
 
         members = [ViewMember(n, n, "trainer" if i < len(names) - spares else "spare",
                               i if i < len(names) - spares else None) for i, n in enumerate(names)]

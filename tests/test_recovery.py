@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from gossiprec.core.node import AgreementConfig
+from gossiprec.core.config import AgreementConfig
 from gossiprec.demo import _timeline, run_demo
 from gossiprec.agent.daemon import Agent
 from gossiprec.local.control import AsyncControlClient, ControlError

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gossiprec.core.node import AgreementConfig
+from gossiprec.core.config import AgreementConfig
 from gossiprec.core.wire import PHASES
 from gossiprec.demo import (
     Fault, FaultInjector, build, load_checkpoint, objects_of, reference_state, run_scenario, save_checkpoint,

@@ -25,7 +25,7 @@ Hangs: a trainer whose (step, phase) is behind the frontier (the most advanced (
 trainer reports) and has not changed for ``max(hang_floor, hang_mult * median step time)`` is hung: the
 rank the others wait for in a collective. Its observers alert. The stall is counted from the moment that
 (step, phase) began: the rank's own agent sends its age on every ack, so every observer dates it alike
-however late it heard of it. Only a rank that answered a probe in the last 0.5 s is
+however late it heard of it. Only a rank that answered a probe in the last ``answered_within`` is
 judged (hung: alive but stuck; a silent one is the probes' business); it is probed as its threshold
 nears. The alert is raised when the threshold passes (an extra timer while someone lags), not at the
 next watchdog round. A trainer behind the frontier that still moves is a straggler: reported (event),
@@ -43,10 +43,9 @@ import hashlib
 import heapq
 import math
 import statistics
-from dataclasses import dataclass, fields
 from typing import Any, MutableMapping
 
-from gossiprec.core.config import Config
+from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, changes_from_rows
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan, StateReport
@@ -66,8 +65,6 @@ from gossiprec.core.wire import (
 from gossiprec.errors import ConfigError, ProtocolError
 
 PHASE_ORDER = {p: i for i, p in enumerate(PHASES)}
-_ANSWERED_WITHIN = 0.5
-"""Seconds: a rank is judged hung only if it answered one of our probes this recently."""
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
 _RECOVERING = PHASE_ORDER["recovering"]
@@ -75,92 +72,13 @@ _COMMUNICATE = PHASES.index("communicate")
 _CHECKPOINT = PHASE_ORDER["checkpoint"]
 _FINISHING = frozenset(PHASE_ORDER[p] for p in ("communicate", "waiting", "optimizer"))
 """Phases in which a trainer may still commit the step it is in (its collective may complete, or has)."""
-REPORT_POLL = 0.005
-"""While a state report is held (see ``AgreementConfig.report_hold``), look at the trainer this often."""
-
-
-@dataclass(frozen=True, slots=True)
-class AgreementConfig:
-    """Agreement-layer parameters (seconds unless stated)."""
-
-    k: int = 10
-    """Observers per member (capped at N - 1)."""
-    alert_after: float = 0.9
-    """An observer alerts after its probes of a subject failed, with no success, this long. Must exceed
-    the longest pause that must not be fatal minus the earliest failure (1 s - 0.2 s)."""
-    confirm_after: float = 0.4
-    """Silence enough to confirm an alert that another observer already raised about the subject: a failed
-    probe of ours, and this long since the subject last answered one (the first accusation still needs
-    ``alert_after`` of failed probes, so a 1 s pause is over before anyone confirms)."""
-    settle: float = 0.15
-    """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
-    settle_departed: float = 0.03
-    """Settle window when the only news is members announcing their own departure (a trainer exit)."""
-    unstable_timeout: float = 2.0
-    """A subject between the L and H watermarks stops blocking proposals after this long."""
-    fallback_timeout: float = 0.6
-    """Undecided this long after voting: start a classic Paxos round (plus a random 0..fallback_jitter)."""
-    fallback_jitter: float = 0.4
-    retry_interval: float = 0.1
-    """Coordinator re-sends Prepare/Accept to silent members this often."""
-    fence_after: float = 3.0
-    """Waiting this long without a decision (or without a live majority) fences this member."""
-    hang_floor: float = 0.6
-    """Seconds: the shortest stall judged a hang, whatever the step time. A trainer that pauses longer
-    than this without reporting (a long GC, blocking I/O outside ``checkpointing``) is taken for hung;
-    raise it for such jobs."""
-    hang_mult: float = 3.0
-    """A rank is hung once stalled behind the frontier for max(hang_floor, hang_mult * median step time)."""
-    checkpoint_timeout: float = 600.0
-    """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is
-    judged hung only after this long, not after the step-time threshold."""
-    evict_stragglers: bool = False
-    retract_after: int = 3
-    """Consecutive successful probes after which an observer withdraws its alert."""
-    join_retry: float = 0.5
-    rejoin_after: float = 2.0
-    """A member removed from the view asks to join again (as a spare) after this long."""
-    catchup_interval: float = 0.3
-    direct_votes_max: int = 32
-    """Views up to this size also send each member's own vote and its own alerts to every member
-    directly (one hop instead of a few gossip rounds; 0: gossip only)."""
-    reaggregate_first: float = 0.25
-    """After a view change, re-send incomplete report/plan-digest bitmaps this long after the install,
-    then at doubling intervals (at most 2 s apart) ..."""
-    reaggregate_for: float = 10.0
-    """... for this long."""
-    report_hold: float = 2.0
-    """When a view is installed while this member's trainer may still commit the step it is in (its
-    collective in flight, or already in the optimizer step), its state report waits until the trainer
-    has committed that step or stopped (begun recovering), at most this long: a report made at once
-    would miss a step committed a moment later, and the plan would roll every survivor back to the step
-    before and make them receive state they hold. 0: report at once."""
-
-    def __post_init__(self) -> None:
-        problems = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.type in ("bool", bool):
-                if type(value) is not bool:
-                    problems.append(f"{f.name} must be true or false, got {value!r}")
-            elif f.type in ("int", int):
-                least = 0 if f.name == "direct_votes_max" else 1
-                if type(value) is not int or value < least:
-                    problems.append(f"{f.name} must be an integer >= {least}, got {value!r}")
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
-                    or value == float("inf"):
-                problems.append(f"{f.name} must be a finite number >= 0, got {value!r}")
-        if not problems and self.hang_floor <= 0:
-            problems.append(f"hang_floor must be > 0 s, got {self.hang_floor!r}")
-        if problems:
-            raise ConfigError("invalid agreement settings: " + "; ".join(problems))
 
 
 # timers
 _EVAL, _FALLBACK, _RESEND, _WATCH, _JOIN, _HANG, _REPORT = range(7)
 WATCH_EARLY = 0.1
-"""The 0.25 s watchdog (fencing, hang checks) runs up to this much early in a tick that happens anyway
-(the probe timer's), so it seldom needs a wake-up of its own."""
+"""The watchdog (fencing, hang checks; every ``AgreementConfig.watch_interval``) runs up to this much early
+in a tick that happens anyway (the probe timer's), so it seldom needs a wake-up of its own."""
 
 
 class Node:
@@ -249,7 +167,7 @@ class Node:
                 self.swim.send_addr(addr_, ViewRequest(0, "", name, addr), reliable=True)
             self.swim.join(seeds, now)
             self._at(now + self.acfg.join_retry, _JOIN)
-        self._at(now + 0.5, _WATCH)
+        self._at(now + self.acfg.watch_first, _WATCH)
 
     # ------------------------------------------------------------------ machine interface
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
@@ -447,7 +365,7 @@ class Node:
         if view.basis is not None and view.is_holder(self.name):
             if self._trainer_finishing() and self.acfg.report_hold > 0:
                 self._held_until = now + self.acfg.report_hold
-                self._at(now + min(REPORT_POLL, self.acfg.report_hold), _REPORT)
+                self._at(now + min(self.acfg.report_poll, self.acfg.report_hold), _REPORT)
             else:
                 self._report_state(view, now)
         self._maybe_plan(now)
@@ -929,7 +847,7 @@ class Node:
         if until is None or v is None:
             return
         if self._trainer_finishing() and now < until:
-            self._at(min(until, now + REPORT_POLL), _REPORT)  # the pump reads the trainer before each tick
+            self._at(min(until, now + self.acfg.report_poll), _REPORT)  # the pump reads the trainer before each tick
             return
         self._held_until = None
         if self._trainer_finishing():
@@ -1030,7 +948,7 @@ class Node:
         full = (1 << len(v)) - 1
         if self.plan is not None and all(bits == full for bits in self._plan_digests.values()):
             return
-        self._reagg_gap = min(2.0, self._reagg_gap * 2)
+        self._reagg_gap = min(self.acfg.reaggregate_gap_max, self._reagg_gap * 2)
         self._next_reagg = now + self._reagg_gap
         nbytes = (len(v) + 7) // 8
         if v.basis is not None:
@@ -1069,11 +987,12 @@ class Node:
         self._bcast("done", msg)
 
     def _watch(self, now: float) -> None:
-        self._at(now + 0.25, _WATCH)
+        self._at(now + self.acfg.watch_interval, _WATCH)
         v = self.view
         if v is None or self.name not in v or self.finished is not None:
             return
-        if self._my_alerts and self.consensus.decided is None and now - self._last_realert >= 1.0:
+        if self._my_alerts and self.consensus.decided is None \
+                and now - self._last_realert >= self.acfg.realert_interval:
             # Gossip is best effort (a broadcast is sent a few times, then dropped); an alert that some
             # member missed would stall the change forever, so our own alerts go out again every second
             # until the view changes.
@@ -1124,7 +1043,7 @@ class Node:
                 since = now  # (never judged: only the frontier counts)
             else:
                 p = self.swim.progress(node)
-                if p is None or now - p.seen_at > 1.0:
+                if p is None or now - p.seen_at > self.acfg.progress_stale:
                     continue  # stale (maybe crashed): neither frontier nor judged
                 # the stall clock starts when this (step, phase) began (its age came on the wire), not at
                 # this check; and never before this view was installed
@@ -1151,7 +1070,8 @@ class Node:
                     self._alert(s, REMOVE, HUNG, now, retract=True)
                 continue
             limit = since + (max(threshold, self.acfg.checkpoint_timeout) if phase == _CHECKPOINT else threshold)
-            if now >= limit - _ANSWERED_WITHIN and now - self._answered.get(s, -math.inf) > _ANSWERED_WITHIN:
+            within = self.acfg.answered_within
+            if now >= limit - within and now - self._answered.get(s, -math.inf) > within:
                 # Judge only a subject that answered us just now (hung: alive but stuck; a crashed one is
                 # the probes' business, and its relayed progress must not date a "hang"). Probe it as its
                 # threshold nears, so it has answered when due; a rank only briefly behind costs nothing.
@@ -1168,7 +1088,7 @@ class Node:
                     self._alerted[f"straggler:{s}"] = HUNG
                     self._events.append(Straggler(s, frontier[0] - step, now))
         # a subject behind the frontier is judged the moment its threshold passes, not at the next
-        # watchdog round (up to 0.25 s later): one extra wake-up, only while someone lags
-        if now < due < self._hang_check_at and due < now + 0.25:
+        # watchdog round (up to ``watch_interval`` later): one extra wake-up, only while someone lags
+        if now < due < self._hang_check_at and due < now + self.acfg.watch_interval:
             self._hang_check_at = due
             self._at(due, _HANG)

@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gossiprec.core.config import Config
+from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.events import Fenced, PlanReady, ViewInstalled
-from gossiprec.core.node import AgreementConfig, Node
+from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
