@@ -42,10 +42,10 @@ def view0(names: list[str] = NAMES) -> View:
                         JobTopology.ddp(len(names)))
 
 
-def make_node(name: str = "n0", view: View | None = None, seed: int = 7) -> Node:
+def make_node(name: str = "n0", view: View | None = None, seed: int = 7, now: float = 0.0) -> Node:
     v = view or view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
-    return Node(CFG, name, name, incarnation=1, rng=random.Random(seed), now=0.0, view=v, members=base,
+    return Node(CFG, name, name, incarnation=1, rng=random.Random(seed), now=now, view=v, members=base,
                 member_order=v.nodes)
 
 
@@ -317,12 +317,13 @@ def _run_until_a_streak(node: Node, dead: str, ready: bool) -> float:
                 elif isinstance(m, IndirectPing):  # the helper is up, the target silent: Nack
                     node.receive(encode_packet([Nack(m.seq, send.addr)]), t)
         assert not [e for e in node.take_events() if isinstance(e, AlertRaised)]
-        start = node._streak.get(dead, math.inf)
-        if start <= t and (not ready or dead in node._ready):
-            quiet = t - node._answered.get(dead, node._installed_at)
+        obs = node.observer
+        start = obs.streak.get(dead, math.inf)
+        if start <= t and (not ready or dead in obs.ready):
+            quiet = t - obs.answered.get(dead, 0.0)  # (the view was installed at 0)
             assert (quiet >= node.acfg.confirm_after) == ready
             return t
-    raise AssertionError(f"no streak of {dead} by {t}: {node._streak}")
+    raise AssertionError(f"no streak of {dead} by {t}: {node.observer.streak}")
 
 
 def test_watchdog_rides_on_the_probe_ticks() -> None:
@@ -385,22 +386,21 @@ def test_a_confirmation_counts_the_silence_since_the_subject_last_answered(
     after a kill soon after a rejoin."""
     from gossiprec.core.events import ProbeResult
 
-    node = make_node()
-    node._installed_at = installed  # as if this view (and z as our subject) came at `installed`
+    node = make_node(now=installed)  # this view (and z as our subject) came at `installed`
     v = node.view
     assert v is not None
     ov = Overlay.build(v.config_id, v.nodes, 10)
     z = ov.subjects(node.name)[0]
     other = next(x for x in ov.observers(z) if x != node.name)
     if answered is not None:
-        node._on_probe(ProbeResult(z, True, answered), answered)
+        node.observer.on_probe(ProbeResult(z, True, answered), answered)
     node.receive(encode_packet([Alert(v.epoch, v.config_id, other, z, REMOVE, UNREACHABLE, False, "", "", "")]),
                  1.1)
     alerts = []
     for t in (1.3, 1.45, 1.6):  # failed probes; the first starts the streak
-        node._on_probe(ProbeResult(z, False, t), t)
+        node.observer.on_probe(ProbeResult(z, False, t), t)
         alerts += [e.at for e in node.take_events() if isinstance(e, AlertRaised) and e.subject == z]
-    assert node._streak[z] == 1.3
+    assert node.observer.streak[z] == 1.3
     assert alerts == [confirmed]  # a streak of our own would have needed until 1.3 + 0.4
 
 
@@ -430,7 +430,7 @@ def test_own_alert_goes_straight_to_every_member_of_a_small_view(direct_max: int
     node.take_sends()
     t = 0.05
     while t < 1.2:  # failed probes only, until the streak spans alert_after
-        node._on_probe(ProbeResult(z, False, t), t)
+        node.observer.on_probe(ProbeResult(z, False, t), t)
         t += 0.1
     assert [e.subject for e in node.take_events() if isinstance(e, AlertRaised)] == [z]
     got = {addr for addr, m in sent_messages(node) if isinstance(m, Alert) and m.subject == z
