@@ -257,7 +257,6 @@ class Node:
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
-        self._prev_consensus = getattr(self, "consensus", None)
         self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
         self.consensus = Consensus(view, self.name, self._bcast, self._send_to)
         self._fallback_armed = False
