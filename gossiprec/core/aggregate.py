@@ -25,11 +25,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gossiprec.core import timers
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.election import StateReport
 from gossiprec.core.events import PlanMismatch, PlanReady
 from gossiprec.core.membership import Membership
-from gossiprec.core import timers
 from gossiprec.core.view import View
 from gossiprec.core.wire import PHASES, PlanDigest, Report
 

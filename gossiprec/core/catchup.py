@@ -20,10 +20,10 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING, Any
 
-from gossiprec.core.config import AgreementConfig
-from gossiprec.core.consensus import changes_from_rows
-from gossiprec.core.membership import Membership
 from gossiprec.core import timers
+from gossiprec.core.config import AgreementConfig
+from gossiprec.core.consensus import ChangeRow, changes_from_rows
+from gossiprec.core.membership import Membership
 from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
 from gossiprec.core.wire import ALIVE, MAX_DELTA_STEPS, JoinRequest, ViewDelta, ViewRequest, ViewState
 from gossiprec.errors import ConfigError, ProtocolError
@@ -41,7 +41,7 @@ class CatchUp:
         self.node = node
         self.swim = swim
         self.acfg = acfg
-        self.history: dict[tuple[int, str], tuple[str, tuple]] = {}
+        self.history: dict[tuple[int, str], tuple[str, tuple[ChangeRow, ...]]] = {}
         """(epoch, config id) of a view we held -> (config id of its successor, the agreed change rows):
         what a :class:`ViewDelta` replays for a member still holding that view (last few only)."""
         self.last_catchup = float("-inf")
@@ -79,7 +79,7 @@ class CatchUp:
         return ViewRequest(v.epoch if v else 0, v.config_id if v else "", node.name, node.addr)
 
     # ------------------------------------------------------------------ answering
-    def remember(self, old: View, new: View, rows: tuple) -> None:
+    def remember(self, old: View, new: View, rows: tuple[ChangeRow, ...]) -> None:
         self.history[(old.epoch, old.config_id)] = (new.config_id, rows)
         while len(self.history) > MAX_DELTA_STEPS:
             del self.history[next(iter(self.history))]
@@ -120,14 +120,14 @@ class CatchUp:
         if rec is not None and rec.addr:
             self.swim.send_addr(rec.addr, self.view_news(epoch, config), reliable=True)
 
-    def view_wire(self, v: View) -> list:
+    def view_wire(self, v: View) -> list[Any]:
         """The wire form of a view, built once per view (shared through the memo)."""
         memo = self.node.memo
         key = ("wire", v.config_id)
         w = memo.get(key)
         if w is None:
             w = memo[key] = v.to_wire()
-        return w  # type: ignore[no-any-return]
+        return w
 
     def on_view_request(self, msg: ViewRequest, now: float) -> None:
         v = self.node.view

@@ -150,7 +150,8 @@ class Config:
                 problems.append(f"{name} must be a non-negative number of seconds, got {value!r}")
         if not isinstance(self.suspicion_max_mult, (int, float)) or not math.isfinite(self.suspicion_max_mult):
             problems.append(f"suspicion_max_mult must be a finite number, got {self.suspicion_max_mult!r}")
-        if not isinstance(self.suspicion_confirmations, int):
+        confirmations: object = self.suspicion_confirmations  # (a bad value may be of any type)
+        if not isinstance(confirmations, int):
             problems.append(f"suspicion_confirmations must be an integer, got {self.suspicion_confirmations!r}")
         if not isinstance(self.pushpull_ref_nodes, int) or self.pushpull_ref_nodes < 1:
             problems.append(f"pushpull_ref_nodes must be an integer >= 1, got {self.pushpull_ref_nodes!r}")

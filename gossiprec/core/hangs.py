@@ -24,12 +24,12 @@ import math
 import statistics
 from typing import TYPE_CHECKING
 
+from gossiprec.core import timers
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.events import Straggler
 from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
-from gossiprec.core import timers
 from gossiprec.core.view import REMOVE, View
 from gossiprec.core.wire import HUNG, PHASES
 

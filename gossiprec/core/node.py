@@ -51,10 +51,10 @@ from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
-from gossiprec.core.view import JOIN, REMOVE, View
+from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    LEFT, UNREACHABLE, Accept, Accepted, Alert, Decided, JobDone, JoinRequest, Message, PlanDigest, Prepare,
-    Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
+    LEFT, UNREACHABLE, Accept, Accepted, Alert, Decided, JobDone, JoinRequest, Message, PlanDigest, Prepare, Promise,
+    Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
 )
 
 MAX_EARLY = 4096
@@ -234,18 +234,18 @@ class Node:
         ov = self.memo.get(key)
         if ov is None:
             ov = self.memo[key] = Overlay.build(view.config_id, view.nodes, self.acfg.k)
-        return ov  # type: ignore[no-any-return]
+        return ov
 
-    def _next_view(self, view: View, digest: bytes, changes: list) -> View:
+    def _next_view(self, view: View, digest: bytes, changes: list[Change]) -> View:
         key = ("next", view.config_id, digest)
         nv = self.memo.get(key)
         if nv is None:
             nv = self.memo[key] = view.next(changes)
-        return nv  # type: ignore[no-any-return]
+        return nv
 
     # ------------------------------------------------------------------ views
-    def _install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple,
-                 joined: tuple, initial: bool = False) -> None:
+    def _install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple[str, ...],
+                 joined: tuple[str, ...], initial: bool = False) -> None:
         old = self.view
         self.view = view
         self._installed_at = now
@@ -388,8 +388,8 @@ class Node:
                     # its decision: kept and replayed once that view is installed, so nothing is lost
                     self._early.append(msg)
                 self.catchup.catch_up(now)
-            elif epoch < v.epoch and t is Alert:
-                self.catchup.push_view(msg.observer, epoch, config, now)  # type: ignore[attr-defined]
+            elif epoch < v.epoch and isinstance(msg, Alert):
+                self.catchup.push_view(msg.observer, epoch, msg.config, now)
             self.counters["rx_other_epoch"] = self.counters.get("rx_other_epoch", 0) + 1
             return
         entry = _THIS_VIEW.get(t)
