@@ -30,23 +30,24 @@ import msgpack
 from gossiprec.core.events import ViewInstalled
 from gossiprec.core.machine import Machine
 from gossiprec.core.view import JOIN, REMOVE, Change, View, changes_digest
-from gossiprec.core.wire import Accepted, Votes
+from gossiprec.core.wire import Accepted, Message, Votes
 from gossiprec.sim.cluster import SimCluster
 
 
-def _opening(cls: type) -> bytes:
+def _opening(cls: type[Message]) -> bytes:
     """The first two bytes of every encoded ``cls`` message: a fixarray of its fields and the type id."""
-    n = len(cls.FIELDS) + 1  # type: ignore[attr-defined]
-    assert n < 16 and cls.TYPE < 128  # type: ignore[attr-defined]
-    return bytes((0x90 | n, cls.TYPE))  # type: ignore[attr-defined]
+    n = len(cls.FIELDS) + 1
+    assert n < 16 and cls.TYPE < 128
+    return bytes((0x90 | n, cls.TYPE))
 
 
 _VOTES = _opening(Votes)
 _ACCEPTED = _opening(Accepted)
-_VOTES_ROW = len(Votes.FIELDS) + 1  # type: ignore[attr-defined]
-_ACCEPTED_ROW = len(Accepted.FIELDS) + 1  # type: ignore[attr-defined]
-assert Votes.FIELDS == ("epoch", "config", "digest", "bitmap")  # type: ignore[attr-defined]
-assert Accepted.FIELDS == ("epoch", "config", "round", "coordinator", "digest", "acceptor")  # type: ignore[attr-defined]
+_VOTES_ROW = len(Votes.FIELDS) + 1
+_ACCEPTED_ROW = len(Accepted.FIELDS) + 1
+# the rows are read by position:
+assert Votes.FIELDS == ("epoch", "config", "digest", "bitmap")
+assert Accepted.FIELDS == ("epoch", "config", "round", "coordinator", "digest", "acceptor")
 
 
 def fast_quorum(n: int) -> int:
@@ -106,12 +107,12 @@ class QuorumAudit:
         for item in items:
             if not isinstance(item, list) or not item:
                 continue
-            if item[0] == Votes.TYPE and len(item) == _VOTES_ROW:  # type: ignore[attr-defined]
+            if item[0] == Votes.TYPE and len(item) == _VOTES_ROW:
                 _, epoch, config, digest, bitmap = item
                 rec = rec or self._record(idx)
                 per = rec.votes.setdefault(epoch, {})
                 per[(config, digest)] = per.get((config, digest), 0) | int.from_bytes(bitmap, "little")
-            elif item[0] == Accepted.TYPE and len(item) == _ACCEPTED_ROW and item[4] == me:  # type: ignore[attr-defined]
+            elif item[0] == Accepted.TYPE and len(item) == _ACCEPTED_ROW and item[4] == me:
                 _, epoch, config, rnd, _, digest, acceptor = item
                 rec = rec or self._record(idx)
                 rec.accepts.setdefault(epoch, {}).setdefault((config, digest, rnd), set()).add(acceptor)
