@@ -254,9 +254,16 @@ class Membership:
             return
         handlers = _HANDLERS
         on_other = self.on_other
+        heard, me = self._book.heard, self.name
         for msg in msgs:
-            # handle(), inlined: Suspect/Dead/Alive rumours arrive in bulk
-            h = handlers.get(type(msg))
+            # handle(), inlined: Suspect/Dead/Alive rumours arrive in bulk, and progress records (a few ride
+            # on every ping and ack) go to the book without a call of their own
+            t = type(msg)
+            if t is Progress:
+                if msg.name != me:  # type: ignore[attr-defined]
+                    heard(msg, now, False, 0)  # type: ignore[arg-type]
+                continue
+            h = handlers.get(t)
             if h is not None:
                 h(self, msg, now)
             elif on_other is not None:
@@ -490,9 +497,9 @@ class Membership:
             self._cancelled.add(probe.timer)
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
-        if msg.step >= 0:
-            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now,
-                              direct=True, stall_ms=msg.stall_ms)
+        if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
+            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now, True,
+                             msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive.
@@ -724,18 +731,14 @@ class Membership:
                 self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
 
     # ------------------------------------------------------------------ sending
-    def _progress_piggyback(self) -> list[Message]:
-        out: list[Message] = []
-        if self._my_progress.version > 0:
-            out.append(self._my_progress)
-        out.extend(self._book.take_turns(self.config.progress_piggyback))
-        return out
-
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
-            if self._book.names or self._my_progress.version:
-                parts.extend(encode_message(m) for m in self._progress_piggyback())
+            book, mine = self._book, self._my_progress
+            if book.names or mine.version:  # ours, then others' in turn
+                if mine.version > 0:
+                    parts.append(encode_message(mine))
+                parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
             if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
                 parts.extend(self._take_news(budget, dest))

@@ -43,6 +43,7 @@ def _opening(cls: type[Message]) -> bytes:
 
 _VOTES = _opening(Votes)
 _ACCEPTED = _opening(Accepted)
+_VOTES_TYPE, _ACCEPTED_TYPE = Votes.TYPE, Accepted.TYPE
 _VOTES_ROW = len(Votes.FIELDS) + 1
 _ACCEPTED_ROW = len(Accepted.FIELDS) + 1
 # the rows are read by position:
@@ -96,7 +97,9 @@ class QuorumAudit:
         return rec
 
     def delivered(self, now: float, idx: int, payload: bytes, reliable: bool) -> None:
-        if _VOTES not in payload and _ACCEPTED not in payload:
+        # a type id as an int first: a byte search with no buffer to take (the pair only where it occurs)
+        if not ((_VOTES_TYPE in payload and _VOTES in payload)
+                or (_ACCEPTED_TYPE in payload and _ACCEPTED in payload)):
             return
         try:  # [version, [[type, *fields], ...]]: the simulated nodes' own traffic, read as the wire has it
             items = msgpack.unpackb(payload, raw=False)[1]
@@ -107,12 +110,12 @@ class QuorumAudit:
         for item in items:
             if not isinstance(item, list) or not item:
                 continue
-            if item[0] == Votes.TYPE and len(item) == _VOTES_ROW:
+            if item[0] == _VOTES_TYPE and len(item) == _VOTES_ROW:
                 _, epoch, config, digest, bitmap = item
                 rec = rec or self._record(idx)
                 per = rec.votes.setdefault(epoch, {})
                 per[(config, digest)] = per.get((config, digest), 0) | int.from_bytes(bitmap, "little")
-            elif item[0] == Accepted.TYPE and len(item) == _ACCEPTED_ROW and item[4] == me:
+            elif item[0] == _ACCEPTED_TYPE and len(item) == _ACCEPTED_ROW and item[4] == me:
                 _, epoch, config, rnd, _, digest, acceptor = item
                 rec = rec or self._record(idx)
                 rec.accepts.setdefault(epoch, {}).setdefault((config, digest, rnd), set()).add(acceptor)
