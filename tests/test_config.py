@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
@@ -237,7 +238,7 @@ def test_agreement_profile_overrides_unknowns_and_validation() -> None:
 
 
 @pytest.mark.parametrize("profile", ["lan", "wan"])
-def test_agent_settings_take_the_agreement_defaults_from_their_profile(profile: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_agent_settings_take_the_agreement_defaults_from_their_profile(profile: str, tmp_path: Path) -> None:
     """The agent builds its agreement config from the chosen profile, then the ``[protocol]`` table and
     ``--protocol NAME=VALUE`` on top."""
     from gossiprec.agent.settings import load_settings, parse_protocol_overrides
