@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Iterator
 import pytest
 
 from gossiprec.core.machine import Machine
-from gossiprec.core.membership import MemberFailed, MemberJoined, MemberLeft
+from gossiprec.core.events import MemberFailed, MemberJoined, MemberLeft
 from gossiprec.core.wire import Alive, encode_packet
 from gossiprec.errors import ConfigError
 from gossiprec.agent.hub import AgentLeaving

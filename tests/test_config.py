@@ -1,5 +1,5 @@
-"""Table-driven tests of :mod:`gossiprec.core.config` (formulas, profiles, validation) and of the
-Lifeguard health score in :mod:`gossiprec.core.awareness`.
+"""Table-driven tests of :mod:`gossiprec.core.config` (formulas, profiles of both configs, validation) and
+of the Lifeguard health score in :mod:`gossiprec.core.awareness`.
 
 Every expected number below was computed by hand from the formula documented on the field, not by
 calling the code under test.
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 
 from gossiprec.core.awareness import Awareness
-from gossiprec.core.config import PROFILES, Config, remaining_suspicion
+from gossiprec.core.config import PROFILES, WAN_FACTOR, AgreementConfig, Config, remaining_suspicion
 from gossiprec.errors import ConfigError, GossiprecError
 
 NS = (1, 10, 100, 1000, 10000)
@@ -175,6 +176,80 @@ def test_config_is_frozen_and_round_trips_to_dict() -> None:
         cfg.mtu = 1000  # type: ignore[misc]
     assert Config(**cfg.to_dict()) == cfg
     assert set(cfg.to_dict()) == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_wan_timeouts_are_the_lan_ones_times_the_factor() -> None:
+    wan, lan = Config.profile("wan"), Config.profile("lan")
+    assert WAN_FACTOR == 5.0
+    assert Config.WAN_TIMEOUTS == ("probe_timeout", "indirect_timeout", "verify_timeout", "suspicion_floor")
+    for name in Config.WAN_TIMEOUTS:
+        assert getattr(wan, name) == getattr(lan, name) * WAN_FACTOR, name
+
+
+# --- agreement profiles ---------------------------------------------------------------------------
+# How ``wan`` treats each AgreementConfig field: "x5" (a time: lan * WAN_FACTOR) or "=" (a count, a
+# boolean or a ratio: the lan value). Every field must be listed, so a new one is classified on purpose.
+AGREEMENT_WAN_RULE = {
+    "k": "=", "alert_after": "x5", "confirm_after": "x5", "settle": "x5", "settle_departed": "x5",
+    "unstable_timeout": "x5", "fallback_timeout": "x5", "fallback_jitter": "x5", "retry_interval": "x5",
+    "fence_after": "x5", "hang_floor": "x5", "hang_mult": "=", "checkpoint_timeout": "x5",
+    "answered_within": "x5", "progress_stale": "x5", "evict_stragglers": "=", "retract_after": "=",
+    "join_retry": "x5", "rejoin_after": "x5", "catchup_interval": "x5", "direct_votes_max": "=",
+    "watch_first": "x5", "watch_interval": "x5", "realert_interval": "x5", "reaggregate_first": "x5",
+    "reaggregate_gap_max": "x5", "reaggregate_for": "x5", "report_hold": "x5", "report_poll": "x5",
+}
+
+
+def test_agreement_wan_rule_covers_every_field() -> None:
+    assert set(AGREEMENT_WAN_RULE) == {f.name for f in dataclasses.fields(AgreementConfig)}
+    assert set(AgreementConfig.times()) == {n for n, rule in AGREEMENT_WAN_RULE.items() if rule == "x5"}
+
+
+@pytest.mark.parametrize("name, rule", sorted(AGREEMENT_WAN_RULE.items()))
+def test_agreement_wan_profile_follows_the_rule(name: str, rule: str) -> None:
+    lan, wan = getattr(AgreementConfig.profile("lan"), name), getattr(AgreementConfig.profile("wan"), name)
+    assert wan == (lan * 5.0 if rule == "x5" else lan)
+    assert type(wan) is type(lan)
+
+
+def test_agreement_profiles_lan_and_sim_are_the_defaults() -> None:
+    assert AgreementConfig.profile("lan") == AgreementConfig() == AgreementConfig.profile("sim")
+    a = AgreementConfig()
+    # the core's timings as they were when they were constants
+    assert (a.watch_first, a.watch_interval, a.realert_interval, a.progress_stale, a.answered_within,
+            a.report_poll, a.reaggregate_gap_max) == (0.5, 0.25, 1.0, 1.0, 0.5, 0.005, 2.0)
+    wan = AgreementConfig.profile("wan")
+    assert (wan.alert_after, wan.fence_after, wan.watch_interval, wan.k) == (4.5, 15.0, 1.25, 10)
+
+
+def test_agreement_profile_overrides_unknowns_and_validation() -> None:
+    a = AgreementConfig.profile("wan", k=6, fence_after=4.0)
+    assert (a.k, a.fence_after, a.alert_after) == (6, 4.0, 4.5)  # the rest is still wan
+    with pytest.raises(ConfigError, match="alert_aftr"):
+        AgreementConfig.profile("lan", alert_aftr=1.0)
+    with pytest.raises(ConfigError, match="choose one of lan, wan, sim"):
+        AgreementConfig.profile("WAN")
+    for name in ("hang_floor", "watch_interval", "report_poll"):  # 0 would re-arm a timer forever
+        with pytest.raises(ConfigError, match=f"{name} must be > 0"):
+            AgreementConfig(**{name: 0.0})
+    with pytest.raises(ConfigError, match="watch_first must be a finite number"):
+        AgreementConfig(watch_first=float("nan"))
+    assert AgreementConfig(**a.to_dict()) == a
+
+
+@pytest.mark.parametrize("profile", ["lan", "wan"])
+def test_agent_settings_take_the_agreement_defaults_from_their_profile(profile: str, tmp_path: Path) -> None:
+    """The agent builds its agreement config from the chosen profile, then the ``[protocol]`` table and
+    ``--protocol NAME=VALUE`` on top."""
+    from gossiprec.agent.settings import load_settings, parse_protocol_overrides
+
+    toml = tmp_path / "agent.toml"
+    toml.write_text(f'insecure = true\nprofile = "{profile}"\n[protocol]\nhang_floor = 0.7\n')
+    s = load_settings({}, {}, str(toml), parse_protocol_overrides(["k=6"]))
+    expected = AgreementConfig.profile(profile, hang_floor=0.7, k=6)
+    assert s.agreement_config() == expected
+    assert s.agreement_config().fence_after == (15.0 if profile == "wan" else 3.0)
+    assert s.protocol_config().probe_timeout == Config.profile(profile).probe_timeout
 
 
 # --- validation -----------------------------------------------------------------------------------

@@ -235,7 +235,8 @@ def test_classic_round_without_any_vote_decides_a_known_proposal() -> None:
     view = bus.view
     # the proposal is known everywhere, but nobody voted (e.g. every vote was lost)
     for c in bus.nodes.values():
-        c._learn(digest(view, C), C)
+        c.on_proposal(Proposal(view.epoch, view.config_id, digest(view, C), rows(C)))
+    assert all(c.votes == {} and c.decided is None for c in bus.nodes.values())
     bus.queue.clear()
     bus.nodes["m0"].start_round()
     bus.pump()
@@ -344,14 +345,11 @@ def test_a_majority_side_decides_and_the_minority_learns_it_after_healing() -> N
     assert {d[x] for x in minority} == {None}
     assert {d[x] for x in set(bus.nodes) - minority} == {digest(bus.view, B)}
     bus.groups = None
-    bus.nodes["m7"]._decide(*_decided_args(bus.nodes["m7"]))  # re-broadcast the decision once healed
+    m7 = bus.nodes["m7"]
+    assert m7.decided is not None  # its node gossips the decision again once healed:
+    m7.broadcast("d", Decided(bus.view.epoch, bus.view.config_id, m7.decided.digest, rows(m7.decided.changes)))
     bus.pump()
     assert set(bus.decisions().values()) == {digest(bus.view, B)}
-
-
-def _decided_args(c: Consensus) -> tuple[bytes, list[Change], bool]:
-    assert c.decided is not None
-    return c.decided.digest, c.decided.changes, c.decided.fast
 
 
 def test_competing_coordinators_decide_one_value() -> None:

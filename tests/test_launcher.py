@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from gossiprec.core.membership import MemberFailed, MemberLeft
+from gossiprec.core.events import MemberFailed, MemberLeft
 from gossiprec.agent import cli as agent_mod
 from gossiprec.agent import launcher as launcher_mod
 from gossiprec.agent.pump import Agent
@@ -136,7 +136,7 @@ async def test_agent_failure_terminates_the_child(sockdir: str) -> None:
 
 
 async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None:
-    from gossiprec.core.node import Fenced
+    from gossiprec.core.events import Fenced
 
     # the child stops itself like a hung trainer: only SIGKILL can end it
     code = "import os, signal, time; os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)"

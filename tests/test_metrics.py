@@ -18,8 +18,7 @@ import pytest
 
 from gossiprec.bench.agents import job_spec
 from gossiprec.harness.ports import free_ports
-from gossiprec.core.membership import MemberAlive, MemberFailed, ProbeResult
-from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
+from gossiprec.core.events import AlertRaised, Fenced, MemberAlive, MemberFailed, ProbeResult, ViewInstalled
 from gossiprec.errors import ConfigError
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.metrics import AgentMetrics, require_prometheus

@@ -20,8 +20,9 @@ from typing import Any, Iterator
 import pytest
 
 from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo
-from gossiprec.core.node import AlertRaised, Node
+from gossiprec.core.events import AlertRaised
+from gossiprec.core.node import Node
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.consensus import change_rows
@@ -41,10 +42,10 @@ def view0(names: list[str] = NAMES) -> View:
                         JobTopology.ddp(len(names)))
 
 
-def make_node(name: str = "n0", view: View | None = None, seed: int = 7) -> Node:
+def make_node(name: str = "n0", view: View | None = None, seed: int = 7, now: float = 0.0) -> Node:
     v = view or view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
-    return Node(CFG, name, name, incarnation=1, rng=random.Random(seed), now=0.0, view=v, members=base,
+    return Node(CFG, name, name, incarnation=1, rng=random.Random(seed), now=now, view=v, members=base,
                 member_order=v.nodes)
 
 
@@ -197,7 +198,7 @@ def _hung_alerts(lagging_phase: str, until: float, heard_from: float = 0.1, aged
     """Drive n0 of a 6-trainer view: n1..n4 wait in the step-5 all-reduce, n5 sits in ``lagging_phase``
     after committing step 4 from t = 0.1 on (n0 hears of it from ``heard_from`` on; ``aged``: with its
     age on the wire); returns (time, subject) of n0's hang alerts up to ``until``."""
-    from gossiprec.core.node import AgreementConfig
+    from gossiprec.core.config import AgreementConfig
     from gossiprec.core.wire import PHASES, Progress
 
     v = view0()
@@ -316,12 +317,13 @@ def _run_until_a_streak(node: Node, dead: str, ready: bool) -> float:
                 elif isinstance(m, IndirectPing):  # the helper is up, the target silent: Nack
                     node.receive(encode_packet([Nack(m.seq, send.addr)]), t)
         assert not [e for e in node.take_events() if isinstance(e, AlertRaised)]
-        start = node._streak.get(dead, math.inf)
-        if start <= t and (not ready or dead in node._ready):
-            quiet = t - node._answered.get(dead, node._installed_at)
+        obs = node.observer
+        start = obs.streak.get(dead, math.inf)
+        if start <= t and (not ready or dead in obs.ready):
+            quiet = t - obs.answered.get(dead, 0.0)  # (the view was installed at 0)
             assert (quiet >= node.acfg.confirm_after) == ready
             return t
-    raise AssertionError(f"no streak of {dead} by {t}: {node._streak}")
+    raise AssertionError(f"no streak of {dead} by {t}: {node.observer.streak}")
 
 
 def test_watchdog_rides_on_the_probe_ticks() -> None:
@@ -382,24 +384,23 @@ def test_a_confirmation_counts_the_silence_since_the_subject_last_answered(
     us since it became ours (every view change reshuffles the rings) is silent since that view's
     install: on loopback, waiting for a streak of our own instead was the 9th alert's 0.3-0.6 s lag
     after a kill soon after a rejoin."""
-    from gossiprec.core.records import ProbeResult
+    from gossiprec.core.events import ProbeResult
 
-    node = make_node()
-    node._installed_at = installed  # as if this view (and z as our subject) came at `installed`
+    node = make_node(now=installed)  # this view (and z as our subject) came at `installed`
     v = node.view
     assert v is not None
     ov = Overlay.build(v.config_id, v.nodes, 10)
     z = ov.subjects(node.name)[0]
     other = next(x for x in ov.observers(z) if x != node.name)
     if answered is not None:
-        node._on_probe(ProbeResult(z, True, answered), answered)
+        node.observer.on_probe(ProbeResult(z, True, answered), answered)
     node.receive(encode_packet([Alert(v.epoch, v.config_id, other, z, REMOVE, UNREACHABLE, False, "", "", "")]),
                  1.1)
     alerts = []
     for t in (1.3, 1.45, 1.6):  # failed probes; the first starts the streak
-        node._on_probe(ProbeResult(z, False, t), t)
+        node.observer.on_probe(ProbeResult(z, False, t), t)
         alerts += [e.at for e in node.take_events() if isinstance(e, AlertRaised) and e.subject == z]
-    assert node._streak[z] == 1.3
+    assert node.observer.streak[z] == 1.3
     assert alerts == [confirmed]  # a streak of our own would have needed until 1.3 + 0.4
 
 
@@ -418,8 +419,8 @@ def test_own_alert_goes_straight_to_every_member_of_a_small_view(direct_max: int
     """In a view of at most ``direct_votes_max`` members an observer's own alert goes to every other
     member in one hop (the subject aside): the other observers check the subject at once and everyone
     counts the H-th alert at about the same moment. Larger views leave it to gossip (O(N^2) otherwise)."""
-    from gossiprec.core.node import AgreementConfig
-    from gossiprec.core.records import ProbeResult
+    from gossiprec.core.config import AgreementConfig
+    from gossiprec.core.events import ProbeResult
 
     v = view0()
     base = {n: MemberInfo(n, n, 1) for n in v.nodes}
@@ -429,7 +430,7 @@ def test_own_alert_goes_straight_to_every_member_of_a_small_view(direct_max: int
     node.take_sends()
     t = 0.05
     while t < 1.2:  # failed probes only, until the streak spans alert_after
-        node._on_probe(ProbeResult(z, False, t), t)
+        node.observer.on_probe(ProbeResult(z, False, t), t)
         t += 0.1
     assert [e.subject for e in node.take_events() if isinstance(e, AlertRaised)] == [z]
     got = {addr for addr, m in sent_messages(node) if isinstance(m, Alert) and m.subject == z
@@ -574,7 +575,7 @@ class MiniNet:
     neither send nor receive."""
 
     def __init__(self, names: list[str], spares: int = 1, **acfg: Any) -> None:
-        from gossiprec.core.node import AgreementConfig
+        from gossiprec.core.config import AgreementConfig
 
         members = [ViewMember(n, n, "trainer" if i < len(names) - spares else "spare",
                               i if i < len(names) - spares else None) for i, n in enumerate(names)]
@@ -615,7 +616,7 @@ class MiniNet:
             self._deliver()
 
     def plans(self) -> dict[str, Any]:
-        from gossiprec.core.node import PlanReady
+        from gossiprec.core.events import PlanReady
 
         return {n: e.plan for _, n, e in self.events if isinstance(e, PlanReady)}
 
@@ -665,7 +666,7 @@ def test_a_report_goes_out_at_once_or_when_the_hold_expires(hold: float) -> None
 
 
 def test_the_job_end_reaches_every_member_and_nothing_is_decided_after_it() -> None:
-    from gossiprec.core.node import JobFinished, ViewInstalled
+    from gossiprec.core.events import JobFinished, ViewInstalled
 
     net = MiniNet(["n0", "n1", "n2", "n3", "n4"], spares=2)
     net.run(1.0)

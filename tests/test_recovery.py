@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from gossiprec.core.node import AgreementConfig
+from gossiprec.core.config import AgreementConfig
 from gossiprec.demo import run_demo
 from gossiprec.harness.timeline import timeline
 from gossiprec.agent.pump import Agent

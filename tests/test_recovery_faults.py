@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gossiprec.core.node import AgreementConfig
+from gossiprec.core.config import AgreementConfig
 from gossiprec.core.wire import PHASES
 from gossiprec.harness.faults import Fault, FaultInjector
 from gossiprec.harness.scenario import run_scenario

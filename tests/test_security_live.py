@@ -26,8 +26,7 @@ import pytest
 from gossiprec.harness.ports import free_ports
 from gossiprec.cli import build_parser
 from gossiprec.cli import main as cli_main
-from gossiprec.core.membership import MemberFailed, MemberLeft, MemberSuspected
-from gossiprec.core.node import AlertRaised, Fenced, ViewInstalled
+from gossiprec.core.events import AlertRaised, Fenced, MemberFailed, MemberLeft, MemberSuspected, ViewInstalled
 from gossiprec.core.wire import Ping, encode_packet
 from gossiprec.agent.pump import Agent
 from gossiprec.local.client import AsyncControlClient

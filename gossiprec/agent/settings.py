@@ -43,8 +43,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from gossiprec.core.config import Config
-from gossiprec.core.node import AgreementConfig
+from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.errors import ConfigError
 
 DEFAULT_PORT = 7980
@@ -207,8 +206,8 @@ class AgentSettings:
         return Config.profile(self.profile, cluster=self.cluster, **{"startup_grace": AGENT_STARTUP_GRACE, **over})
 
     def agreement_config(self) -> AgreementConfig:
-        """The agreement layer's parameters: defaults with the ``[protocol]`` table's agreement fields."""
-        return AgreementConfig(**{k: v for k, v in self.protocol if k in _AGREEMENT_FIELDS})
+        """The agreement layer's parameters: the profile's, with the ``[protocol]`` table's agreement fields."""
+        return AgreementConfig.profile(self.profile, **{k: v for k, v in self.protocol if k in _AGREEMENT_FIELDS})
 
     def seed_addrs(self) -> tuple[str, ...]:
         """Seeds normalised to ``host:port``."""

@@ -4,9 +4,19 @@ Every field documents its unit and, where it has one, the formula it feeds. Prof
 
 - ``lan``: training clusters (sub-millisecond RTT, dedicated fabric). Probes every 100 ms with 100 ms
   timeouts; a silent node is declared dead in about 2 s at N = 1,000.
-- ``wan``: ``lan`` with timeouts ten times larger, for links with tens of milliseconds of RTT.
+- ``wan``: for links with tens of milliseconds of RTT. The rule: every timeout (a wait for an answer
+  or for evidence before judging) is the ``lan`` one times :data:`WAN_FACTOR` (5): ``probe_timeout``,
+  ``indirect_timeout``, ``verify_timeout``, ``suspicion_floor``, and every duration of
+  :class:`AgreementConfig`. On top of that, :class:`Config` probes ten times less often
+  (``probe_interval`` 1 s), gossips and tolerates timer lateness four times slower (``gossip_interval``,
+  ``starve_slack``) and retransmits once more per order of magnitude (``retransmit_mult`` 4). Counts,
+  booleans and ratios are never scaled.
 - ``sim``: ``lan`` (the simulator uses the production timings by default so that its figures are the
   figures users get).
+
+:class:`Config` holds the membership layer's parameters (SWIM, Lifeguard, dissemination),
+:class:`AgreementConfig` the agreement layer's (observers, cut detection, consensus, hangs, fencing,
+reports); both know the same profiles.
 
 Nothing here reads the environment or files: that happens once, at the edge (``gossiprec.agent.settings``).
 """
@@ -15,11 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from gossiprec.errors import ConfigError
 
 PROFILES = ("lan", "wan", "sim")
+WAN_FACTOR = 5.0
+"""The ``wan`` profile's factor on timeouts (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +150,8 @@ class Config:
                 problems.append(f"{name} must be a non-negative number of seconds, got {value!r}")
         if not isinstance(self.suspicion_max_mult, (int, float)) or not math.isfinite(self.suspicion_max_mult):
             problems.append(f"suspicion_max_mult must be a finite number, got {self.suspicion_max_mult!r}")
-        if not isinstance(self.suspicion_confirmations, int):
+        confirmations: object = self.suspicion_confirmations  # (a bad value may be of any type)
+        if not isinstance(confirmations, int):
             problems.append(f"suspicion_confirmations must be an integer, got {self.suspicion_confirmations!r}")
         if not isinstance(self.pushpull_ref_nodes, int) or self.pushpull_ref_nodes < 1:
             problems.append(f"pushpull_ref_nodes must be an integer >= 1, got {self.pushpull_ref_nodes!r}")
@@ -150,6 +163,10 @@ class Config:
             problems.append("cluster must be a non-empty name of at most 64 bytes")
         if problems:
             raise ConfigError("invalid gossiprec config: " + "; ".join(problems))
+
+    WAN_TIMEOUTS: ClassVar[tuple[str, ...]] = (
+        "probe_timeout", "indirect_timeout", "verify_timeout", "suspicion_floor")
+    """The timeouts the ``wan`` profile multiplies by :data:`WAN_FACTOR`."""
 
     # --- Formulas (pure, table-tested) --------------------------------------------------------------
     def suspicion_min(self, n: int) -> float:
@@ -177,12 +194,148 @@ class Config:
         base = cls()
         if name == "wan":
             base = replace(
-                base, probe_interval=1.0, probe_timeout=0.5, indirect_timeout=0.5, verify_timeout=0.5,
-                suspicion_floor=6.0, gossip_interval=0.2, starve_slack=1.0, retransmit_mult=4,
+                base, probe_interval=1.0, gossip_interval=0.2, starve_slack=1.0, retransmit_mult=4,
+                **{n: getattr(base, n) * WAN_FACTOR for n in cls.WAN_TIMEOUTS},
             )
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"unknown config field(s): {', '.join(sorted(unknown))}")
+        return replace(base, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class AgreementConfig:
+    """Agreement-layer parameters: observers, cut detection, consensus, hang checks, fencing, state reports.
+
+    Times are seconds (float), counts plain integers. The ``wan`` profile multiplies every time by
+    :data:`WAN_FACTOR`; counts, booleans and the ratio ``hang_mult`` stay as they are (see
+    :meth:`profile`)."""
+
+    k: int = 10
+    """Observers per member (capped at N - 1)."""
+    alert_after: float = 0.9
+    """An observer alerts after its probes of a subject failed, with no success, this long. Must exceed
+    the longest pause that must not be fatal minus the earliest failure (1 s - 0.2 s)."""
+    confirm_after: float = 0.4
+    """Silence enough to confirm an alert that another observer already raised about the subject: a failed
+    probe of ours, and this long since the subject last answered one (the first accusation still needs
+    ``alert_after`` of failed probes, so a 1 s pause is over before anyone confirms)."""
+    settle: float = 0.15
+    """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
+    settle_departed: float = 0.03
+    """Settle window when the only news is members announcing their own departure (a trainer exit)."""
+    unstable_timeout: float = 2.0
+    """A subject between the L and H watermarks stops blocking proposals after this long."""
+    fallback_timeout: float = 0.6
+    """Undecided this long after voting: start a classic Paxos round (plus a random 0..fallback_jitter);
+    a coordinator whose round has not decided starts the next after 2 * fallback_timeout (plus jitter)."""
+    fallback_jitter: float = 0.4
+    """Largest random delay added to each fallback timeout, so that members seldom coordinate at once."""
+    retry_interval: float = 0.1
+    """Coordinator re-sends Prepare/Accept to silent members this often."""
+    fence_after: float = 3.0
+    """Waiting this long without a decision (or without a live majority) fences this member."""
+    hang_floor: float = 0.6
+    """Seconds: the shortest stall judged a hang, whatever the step time. A trainer that pauses longer
+    than this without reporting (a long GC, blocking I/O outside ``checkpointing``) is taken for hung;
+    raise it for such jobs."""
+    hang_mult: float = 3.0
+    """A rank is hung once stalled behind the frontier for max(hang_floor, hang_mult * median step time)
+    (a ratio, not a time)."""
+    checkpoint_timeout: float = 600.0
+    """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is
+    judged hung only after this long, not after the step-time threshold."""
+    answered_within: float = 0.5
+    """A rank is judged hung only if it answered one of our probes this recently (hung: alive but stuck;
+    a silent one is the probes' business); it is probed this long before its threshold passes."""
+    progress_stale: float = 1.0
+    """A member's progress last heard longer ago than this is stale: the hang check neither counts it in
+    the frontier nor judges it (it may have crashed)."""
+    evict_stragglers: bool = False
+    """Also remove stragglers (behind the frontier but moving); by default they are only reported."""
+    retract_after: int = 3
+    """Consecutive successful probes after which an observer withdraws its alert."""
+    join_retry: float = 0.5
+    """A member outside the view (a joiner, or one removed) asks its joiner observers again this often."""
+    rejoin_after: float = 2.0
+    """A member removed from the view asks to join again (as a spare) after this long."""
+    catchup_interval: float = 0.3
+    """At most one catch-up (asking two members for the view) per this long, and at most one view pushed
+    to each member that alerts in an older epoch."""
+    direct_votes_max: int = 32
+    """Views up to this size also send each member's own vote and its own alerts to every member
+    directly (one hop instead of a few gossip rounds; 0: gossip only)."""
+    watch_first: float = 0.5
+    """The first watchdog round (fencing, re-alerts, re-aggregation, hang checks) comes this long after
+    the machine starts."""
+    watch_interval: float = 0.25
+    """Then every this long (riding on a tick up to ``WATCH_EARLY`` early, see :mod:`gossiprec.core.node`).
+    A lagging subject's hang threshold passing before the next round gets a wake-up of its own."""
+    realert_interval: float = 1.0
+    """Our own alerts are gossiped again this often until the view changes (gossip is best effort: an
+    alert some member missed would stall the change)."""
+    reaggregate_first: float = 0.25
+    """After a view change, re-send incomplete report/plan-digest bitmaps this long after the install,
+    then at doubling intervals, at most ``reaggregate_gap_max`` apart ..."""
+    reaggregate_gap_max: float = 2.0
+    """(see ``reaggregate_first``)"""
+    reaggregate_for: float = 10.0
+    """... for this long."""
+    report_hold: float = 2.0
+    """When a view is installed while this member's trainer may still commit the step it is in (its
+    collective in flight, or already in the optimizer step), its state report waits until the trainer
+    has committed that step or stopped (begun recovering), at most this long: a report made at once
+    would miss a step committed a moment later, and the plan would roll every survivor back to the step
+    before and make them receive state they hold. 0: report at once."""
+    report_poll: float = 0.005
+    """While a state report is held, look at the trainer this often."""
+
+    RATIOS: ClassVar[frozenset[str]] = frozenset({"hang_mult"})
+    """Float fields that are not times (the ``wan`` profile leaves them as they are)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("bool", bool):
+                if type(value) is not bool:
+                    problems.append(f"{f.name} must be true or false, got {value!r}")
+            elif f.type in ("int", int):
+                least = 0 if f.name == "direct_votes_max" else 1
+                if type(value) is not int or value < least:
+                    problems.append(f"{f.name} must be an integer >= {least}, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \
+                    or value == float("inf"):
+                problems.append(f"{f.name} must be a finite number >= 0, got {value!r}")
+        if not problems:
+            # zero would re-arm a timer at the instant it fired, forever
+            for name in ("hang_floor", "watch_interval", "report_poll"):
+                if getattr(self, name) <= 0:
+                    problems.append(f"{name} must be > 0 s, got {getattr(self, name)!r}")
+        if problems:
+            raise ConfigError("invalid agreement settings: " + "; ".join(problems))
+
+    @classmethod
+    def times(cls) -> tuple[str, ...]:
+        """The fields that are times in seconds (every float field but :attr:`RATIOS`)."""
+        return tuple(f.name for f in fields(cls) if f.type in ("float", float) and f.name not in cls.RATIOS)
+
+    @classmethod
+    def profile(cls, name: str, **overrides: Any) -> "AgreementConfig":
+        """A named profile (those of :meth:`Config.profile`) with optional field overrides. ``lan`` and
+        ``sim`` are the defaults; ``wan`` multiplies every time (:meth:`times`) by :data:`WAN_FACTOR`,
+        the factor the ``wan`` :class:`Config` applies to its timeouts."""
+        if name not in PROFILES:
+            raise ConfigError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}")
+        base = cls()
+        if name == "wan":
+            base = replace(base, **{n: getattr(base, n) * WAN_FACTOR for n in cls.times()})
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown agreement setting(s): {', '.join(sorted(unknown))}")
         return replace(base, **overrides)
 
     def to_dict(self) -> dict[str, Any]:

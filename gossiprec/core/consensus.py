@@ -28,14 +28,16 @@ from gossiprec.core.view import Change, View, changes_digest
 from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Votes
 
 Rank = tuple[int, str]
+ChangeRow = tuple[str, int, str, str, str]
+"""A change on the wire: (node, kind, addr, host, rack)."""
 FAST: Rank = (0, "")
 
 
-def change_rows(changes: list[Change]) -> tuple:
+def change_rows(changes: list[Change]) -> tuple[ChangeRow, ...]:
     return tuple((c.node, c.kind, c.addr, c.host, c.rack) for c in changes)
 
 
-def changes_from_rows(rows: tuple) -> list[Change]:
+def changes_from_rows(rows: tuple[ChangeRow, ...]) -> list[Change]:
     return sorted((Change(*r) for r in rows), key=lambda c: (c.node, c.kind))
 
 

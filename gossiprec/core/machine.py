@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 if TYPE_CHECKING:
     from gossiprec.core.election import Plan
-    from gossiprec.core.membership import MemberInfo, Send
+    from gossiprec.core.events import CoreEvent
+    from gossiprec.core.records import MemberInfo, Send
     from gossiprec.core.view import View
 
 
@@ -42,7 +43,7 @@ class Machine(Protocol):
     # outputs
     def next_deadline(self) -> float: ...
     def take_sends(self) -> list[Send]: ...
-    def take_events(self) -> list[Any]: ...
+    def take_events(self) -> list[CoreEvent]: ...
 
     # what it knows
     @property

@@ -33,8 +33,10 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
 6. Progress: acks carry the acker's training step, phase and step time; pings and acks also carry a few
    progress records of other members, round robin, and push-pull carries them all.
 
-Memory for very large simulations: the member table is layered, ``base`` (a mapping shared, read-only,
-by every node of a simulated cluster) under ``own`` (this node's changes), and records are immutable.
+Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
+base), the probe schedule and probe records (:mod:`~gossiprec.core.probing`), one suspicion's timer
+(:mod:`~gossiprec.core.suspicion`), other members' progress (:mod:`~gossiprec.core.progress`) and the
+broadcast queue (:mod:`~gossiprec.core.broadcast`); this class is the protocol between them.
 """
 
 from __future__ import annotations
@@ -42,75 +44,28 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
-from gossiprec.core.config import Config, remaining_suspicion
+from gossiprec.core.config import Config
+from gossiprec.core.events import (
+    MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, SelfRefuted,
+)
+from gossiprec.core.members import GONE, MemberTable
+from gossiprec.core.probing import MAX_MS, Probe, ProbeSchedule, Relay, age_ms
+from gossiprec.core.progress import ProgressBook
+from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
+from gossiprec.core.suspicion import Suspicion
 from gossiprec.core.wire import (
-    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack,
-    Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet, encode_parts,
+    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
+    IndirectPing, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet,
+    encode_parts,
 )
 from gossiprec.errors import DecodeError, ProtocolError
 
-
-from gossiprec.core.records import (  # noqa: F401  (re-exported: the public names of this module)
-    RandomSource, MemberInfo, ProgressInfo, Send, MemberJoined, MemberSuspected, MemberAlive, MemberFailed, MemberLeft, SelfRefuted, ProbeResult, MemberEvent,
-)
-
 # timer kinds
 _PROBE, _DIRECT, _INDIRECT_END, _GOSSIP, _PUSHPULL, _SUSPICION, _RELAY_NACK, _REAP = range(8)
-
-
-@dataclass(slots=True)
-class _Probe:
-    target: str
-    addr: str
-    start: float
-    verify: bool
-    incarnation: int
-    timer: int = 0
-    expected_nacks: int = 0
-    nacks: int = 0
-    acked: bool = False
-    indirect_sent: bool = False
-
-
-@dataclass(slots=True)
-class _Suspicion:
-    incarnation: int
-    start: float
-    min_s: float
-    max_s: float
-    k: int
-    accusers: set[str] = field(default_factory=set)
-    token: int = 0
-    verifying: bool = False
-    deferred: bool = False
-    extra: float = 0.0
-
-    def deadline(self) -> float:
-        total = self.start + remaining_suspicion(len(self.accusers) - 1, self.k, 0.0, self.min_s, self.max_s)
-        return total + self.extra
-
-
-@dataclass(slots=True)
-class _Relay:
-    requester_addr: str
-    orig_seq: int
-    nack: bool
-    done: bool = False
-
-
-_GONE = MemberInfo("", "", 0, DEAD)
-_MAX_MS = 2**31 - 1
-
-
-def _age_ms(seconds: float) -> int:
-    """An age for the wire: whole milliseconds, clamped to the field's range."""
-    ms = int(seconds * 1000.0)  # on every ack: comparisons, not min()/max() calls
-    return ms if 0 <= ms <= _MAX_MS else (0 if ms < 0 else _MAX_MS)
 
 
 class Membership:
@@ -144,36 +99,19 @@ class Membership:
         self.rng = rng
         self.awareness = Awareness(config.awareness_max)
         self.left = False
-        # layered member table: shared base + own changes
-        self._base: Mapping[str, MemberInfo] = members if members is not None else {}
-        self._own: dict[str, MemberInfo] = {}
-        self._base_order: tuple[str, ...] = member_order if member_order is not None else tuple(self._base)
-        self._extra_order: list[str] = []
-        self._ordered: set[str] = set()  # names in _extra_order (the base order is fixed)
-        self._changed_at: dict[str, float] = {}
-        # members_live lets a simulator share one count across 10,000 tables instead of recounting
-        self._n_live = (members_live if members_live is not None
-                        else sum(1 for m in self._base.values() if m.live))
-        me = MemberInfo(name, addr, incarnation, ALIVE, self.role)
-        if self._base.get(name) is None:
-            self._extra_order.append(name)
-            self._ordered.add(name)
-            self._n_live += 1
-        elif not self._base[name].live:
-            self._n_live += 1
-        self._own[name] = me
+        self._table = table = MemberTable(MemberInfo(name, addr, incarnation, ALIVE, self.role), members,
+                                          member_order, members_live)
+        self.member = table.member
         # progress
-        self._progress: dict[str, ProgressInfo] = {}
-        self._progress_names: list[str] = []
-        self._progress_cursor = 0
+        self._book = ProgressBook()
         self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
         self._my_since = now
         """When our own (step, phase) became current (its age goes out on our acks, ``stall_ms``)."""
         # protocol state
         self._queue = BroadcastQueue()
-        self._suspicions: dict[str, _Suspicion] = {}
-        self._probes: dict[int, _Probe] = {}
-        self._relays: dict[int, _Relay] = {}
+        self._suspicions: dict[str, Suspicion] = {}
+        self._probes: dict[int, Probe] = {}
+        self._relays: dict[int, Relay] = {}
         self._seq = rng.randrange(1, 2**31)
         self._token = 0
         self._timers: list[tuple[float, int, int, object]] = []
@@ -181,64 +119,36 @@ class Membership:
         self._direct: deque[tuple[float, int]] = deque()
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
-        self._focus: list[str] = []
-        self._turns: list[str] = []
-        self._turns_i = 0
         self._limit_n = -1
         self._limit = 1
         self._gossip_armed = False
         self._now = now
-        self._probe_targets: tuple[str, ...] | None = None
-        self._order_a = 1
-        self._order_b = 0
-        self._order_i = 0
-        self._order_n = 0
         self._sends: list[Send] = []
         self._events: list[MemberEvent] = []
         self.counters: dict[str, int] = {}
         self._grace_until = now + config.startup_grace
         self._heard: set[str] | None = set() if config.startup_grace > 0 else None
         """Members heard from directly or by an Alive of theirs, while the startup grace lasts (else None)."""
-        jitter = rng.random()
-        self._round_at = -math.inf
-        """When the last probe round started."""
-        self._probe_at = now + jitter * config.probe_interval
-        """When the next probe round starts (its timer's token: ``_probe_token``)."""
-        self._probe_token = self._at(self._probe_at, _PROBE, None)
-        known = self._base.get(name)
+        self._schedule = sched = ProbeSchedule(now + rng.random() * config.probe_interval)
+        sched.token = self._at(sched.next_at, _PROBE, None)
+        known = table.base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
             self._broadcast(name, Alive(name, addr, incarnation, self.role))
         self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
 
     # ------------------------------------------------------------------ table access
-    def member(self, name: str) -> MemberInfo | None:
-        rec = self._own.get(name)
-        if rec is None:
-            rec = self._base.get(name)
-        return None if rec is None or rec is _GONE else rec
-
-    def _set(self, rec: MemberInfo, now: float) -> None:
-        old = self.member(rec.name)
-        if old is None and rec.name not in self._ordered and rec.name not in self._base:
-            self._ordered.add(rec.name)
-            self._extra_order.append(rec.name)
-        was_live = old is not None and old.live
-        if was_live != rec.live:
-            self._n_live += 1 if rec.live else -1
-        self._own[rec.name] = rec
-        if old is None or old.status != rec.status:
-            self._changed_at[rec.name] = now
+    member: Callable[[str], MemberInfo | None]
+    """The record of a member (None if unknown or forgotten): the table's own lookup, bound once (it runs
+    for nearly every message)."""
 
     @property
     def n_live(self) -> int:
         """Members believed alive or suspect, including this node."""
-        return self._n_live
+        return self._table.n_live
 
     def members(self) -> list[MemberInfo]:
         """Every known member record (sorted by name)."""
-        names = set(self._base_order) | set(self._extra_order)
-        out = [m for m in (self.member(n) for n in names) if m is not None]
-        return sorted(out, key=lambda m: m.name)
+        return self._table.records()
 
     def has_heard(self, name: str) -> bool:
         """Whether this node judges ``name``'s silence: true once it heard from that member (or another
@@ -256,7 +166,7 @@ class Membership:
         return [m.name for m in self.members() if m.live]
 
     def progress(self, name: str) -> ProgressInfo | None:
-        return self._progress.get(name)
+        return self._book.records.get(name)
 
     def health(self) -> int:
         return self.awareness.score
@@ -303,12 +213,12 @@ class Membership:
         """Graceful leave: others record LEFT, not a failure. Keep ticking briefly to drain gossip."""
         self._now = now
         self.left = True
-        self._set(MemberInfo(self.name, self.addr, self.incarnation, LEFT, self.role), now)
+        self._table.set(MemberInfo(self.name, self.addr, self.incarnation, LEFT, self.role), now)
         dead = Dead(self.name, self.incarnation, self.name)
         self._broadcast(self.name, dead)
         # told directly to up to 32 members (everyone in a small job): a leave is the fastest failure
         # signal there is, worth a few unicasts once
-        for target in self._random_members(max(32, self.config.gossip_nodes * 2), None):
+        for target in self._table.random_live(self.rng, max(32, self.config.gossip_nodes * 2), self.name, None):
             rec = self.member(target)
             if rec is not None:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
@@ -321,7 +231,7 @@ class Membership:
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
         if not isinstance(step_ms, int) or step_ms < 0:
             raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
-        step_ms = min(step_ms, _MAX_MS)
+        step_ms = min(step_ms, MAX_MS)
         p = self._my_progress
         if (step, phase) != (p.step, p.phase):
             self._my_since = now
@@ -329,8 +239,7 @@ class Membership:
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
-        self._probe_targets = None if names is None else tuple(sorted(set(names) - {self.name}))
-        self._order_i = self._order_n = 0
+        self._schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))
 
     # ------------------------------------------------------------------ network input
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
@@ -344,37 +253,29 @@ class Membership:
         if self.left:
             return
         handlers = _HANDLERS
+        on_other = self.on_other
+        heard, me = self._book.heard, self.name
         for msg in msgs:
-            # the same dispatch as handle(), by a table: Suspect/Dead/Alive rumours arrive in bulk
-            h = handlers.get(type(msg))
+            # handle(), inlined: Suspect/Dead/Alive rumours arrive in bulk, and progress records (a few ride
+            # on every ping and ack) go to the book without a call of their own
+            t = type(msg)
+            if t is Progress:
+                if msg.name != me:  # type: ignore[attr-defined]
+                    heard(msg, now, False, 0)  # type: ignore[arg-type]
+                continue
+            h = handlers.get(t)
             if h is not None:
                 h(self, msg, now)
+            elif on_other is not None:
+                on_other(msg, now)
             else:
-                self.handle(msg, now)
+                self._count("rx_unexpected")
 
     def handle(self, msg: Message, now: float) -> None:
-        """Process one decoded message."""
-        t = type(msg)
-        if t is Ping:
-            self._on_ping(msg, now)  # type: ignore[arg-type]
-        elif t is Ack:
-            self._on_ack(msg, now)  # type: ignore[arg-type]
-        elif t is Alive:
-            self._on_alive(msg, now)  # type: ignore[arg-type]
-        elif t is Suspect:
-            self._on_suspect(msg, now)  # type: ignore[arg-type]
-        elif t is Dead:
-            self._on_dead(msg, now)  # type: ignore[arg-type]
-        elif t is Progress:
-            self._on_progress(msg, now)  # type: ignore[arg-type]
-        elif t is IndirectPing:
-            self._on_indirect(msg, now)  # type: ignore[arg-type]
-        elif t is Nack:
-            probe = self._probes.get(msg.seq)  # type: ignore[attr-defined]
-            if probe is not None:
-                probe.nacks += 1
-        elif t is PushPull:
-            self._on_pushpull(msg, now)  # type: ignore[arg-type]
+        """Process one decoded message: SWIM's own by the table of handlers, any other by ``on_other``."""
+        h = _HANDLERS.get(type(msg))
+        if h is not None:
+            h(self, msg, now)
         elif self.on_other is not None:
             self.on_other(msg, now)
         else:
@@ -430,68 +331,26 @@ class Membership:
                 self._reap(arg, now)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ probing
-    def _next_target(self) -> str | None:
-        """Shuffled round robin over candidates via a random affine permutation (O(1) memory)."""
-        names: tuple[str, ...] | list[str]
-        if self._probe_targets is not None:
-            names = self._probe_targets
-            n_names = len(names)
-        else:
-            names = self._base_order
-            n_names = len(names) + len(self._extra_order)
-        if n_names == 0:
-            return None
-        for _ in range(min(n_names, 64) + 1):
-            if self._order_i >= self._order_n:
-                self._order_n = n_names
-                self._order_i = 0
-                a = self.rng.randrange(1, max(2, n_names))
-                while math.gcd(a, n_names) != 1:
-                    a = self.rng.randrange(1, max(2, n_names))
-                self._order_a, self._order_b = a, self.rng.randrange(0, n_names)
-            idx = (self._order_a * self._order_i + self._order_b) % self._order_n
-            self._order_i += 1
-            if self._probe_targets is not None:
-                name = names[idx] if idx < len(names) else None
-            elif idx < len(self._base_order):
-                name = self._base_order[idx]
-            elif idx - len(self._base_order) < len(self._extra_order):
-                name = self._extra_order[idx - len(self._base_order)]
-            else:
-                name = None
-            if name is None or name == self.name:
-                continue
-            rec = self.member(name)
-            if rec is not None and rec.live:
-                return name
-        return None
-
     def _start_probe(self, now: float, late: bool) -> None:
-        cfg = self.config
-        focus, turns = self._focus, self._turns
-        batch = 1 if focus or turns else cfg.probe_batch
+        cfg, sched, table = self.config, self._schedule, self._table
+        batch = sched.batch(cfg.probe_batch)
         if late:
             self.awareness.apply(+2)
-        target = self._next_target()
+        target = sched.next_target(table, self.rng, self.name)
         probed = [] if target is None else [target]
         while probed and len(probed) < batch:
-            extra = self._next_target()
+            extra = sched.next_target(table, self.rng, self.name)
             if extra is None or extra in probed:
                 break  # fewer targets than probe_batch: a shorter round, the same rate for each
             probed.append(extra)
         for name in probed:
             self._probe(name, now, verify=False)
-        self._round_at = now
-        self._probe_at = now + self.awareness.scale(cfg.probe_interval) * max(1, len(probed))
-        self._probe_token = self._at(self._probe_at, _PROBE, None)
-        for name in focus:
-            if name != target and self.member(name) is not None:
+        sched.round_at = now
+        sched.next_at = now + self.awareness.scale(cfg.probe_interval) * max(1, len(probed))
+        sched.token = self._at(sched.next_at, _PROBE, None)
+        for name in sched.extras(target):
+            if self.member(name) is not None:
                 self._probe(name, now, verify=False)
-        if turns:
-            self._turns_i = (self._turns_i + 1) % len(turns)
-            turn = turns[self._turns_i]
-            if turn != target and self.member(turn) is not None:
-                self._probe(turn, now, verify=False)
 
     def set_focus(self, names: Iterable[str], turns: Iterable[str] = (), now: float | None = None) -> None:
         """Members probed every round in addition to the round robin (``names``: subjects that may have
@@ -501,16 +360,13 @@ class Membership:
         of the caller's input (default: this machine's latest input)."""
         if now is not None and now > self._now:
             self._now = now
-        focus = set(names) - {self.name}
-        self._focus = sorted(focus)
-        self._turns = sorted(set(turns) - focus - {self.name})
-        self._turns_i = 0
-        if self._focus or self._turns:
-            soon = max(self._now, self._round_at + self.awareness.scale(self.config.probe_interval))
-            if soon < self._probe_at:
-                self._cancelled.add(self._probe_token)
-                self._probe_at = soon
-                self._probe_token = self._at(soon, _PROBE, None)
+        sched = self._schedule
+        if sched.set_focus(set(names) - {self.name}, set(turns) - {self.name}):
+            soon = max(self._now, sched.round_at + self.awareness.scale(self.config.probe_interval))
+            if soon < sched.next_at:
+                self._cancelled.add(sched.token)
+                sched.next_at = soon
+                sched.token = self._at(soon, _PROBE, None)
 
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None:
         """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it
@@ -540,7 +396,7 @@ class Membership:
             return
         self._seq += 1
         seq = self._seq
-        self._probes[seq] = _Probe(target, rec.addr, now, verify, rec.incarnation)
+        self._probes[seq] = Probe(target, rec.addr, now, verify, rec.incarnation)
         msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
         if rec.status == SUSPECT:  # buddy system: tell the suspect at once
             msgs.append(Suspect(target, rec.incarnation, self.name))
@@ -560,7 +416,7 @@ class Membership:
     def _send_indirect(self, seq: int, now: float) -> None:
         probe = self._probes[seq]
         probe.indirect_sent = True
-        helpers = self._random_members(self.config.indirect_checks, exclude=probe.target)
+        helpers = self._table.random_live(self.rng, self.config.indirect_checks, self.name, probe.target)
         probe.expected_nacks = len(helpers)
         for helper in helpers:
             rec = self.member(helper)
@@ -619,7 +475,7 @@ class Membership:
         if self._heard is not None:
             self._heard.add(msg.src)
         p = self._my_progress
-        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, _age_ms(now - self._my_since))
+        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age_ms(now - self._my_since))
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
@@ -641,9 +497,9 @@ class Membership:
             self._cancelled.add(probe.timer)
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
-        if msg.step >= 0:
-            self._on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now,
-                              direct=True, stall_ms=msg.stall_ms)
+        if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
+            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now, True,
+                             msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive.
@@ -654,9 +510,14 @@ class Membership:
     def _on_indirect(self, msg: IndirectPing, now: float) -> None:
         self._seq += 1
         seq = self._seq
-        self._relays[seq] = _Relay(msg.src_addr, msg.seq, msg.nack)
+        self._relays[seq] = Relay(msg.src_addr, msg.seq, msg.nack)
         self._send(msg.target_addr, [Ping(seq, msg.target, self.name, self.addr)], piggyback=False)
         self._at(now + self.config.nack_fraction * self.config.probe_timeout, _RELAY_NACK, seq)
+
+    def _on_nack(self, msg: Nack, now: float) -> None:
+        probe = self._probes.get(msg.seq)
+        if probe is not None:
+            probe.nacks += 1
 
     def _relay_nack(self, seq: int) -> None:
         relay = self._relays.pop(seq, None)
@@ -671,15 +532,16 @@ class Membership:
             return
         if self._heard is not None:
             self._heard.add(msg.name)
-        cur = self._own.get(msg.name)  # member(), inlined
+        table = self._table
+        cur = table.own.get(msg.name)  # member(), inlined
         if cur is None:
-            cur = self._base.get(msg.name)
-        elif cur is _GONE:
+            cur = table.base.get(msg.name)
+        elif cur is GONE:
             cur = None
         if cur is not None and msg.incarnation <= cur.incarnation:
             return
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
-        self._set(rec, now)
+        self._table.set(rec, now)
         self._suspicions.pop(msg.name, None)
         self._broadcast(msg.name, msg)
         if cur is None or cur.status >= DEAD:
@@ -697,11 +559,12 @@ class Membership:
             # silent: it was up, so its silence counts here too
             self._heard.add(msg.name)
         # member() and MemberInfo.live, inlined: most Suspects are repeats of news already known
-        cur = self._own.get(msg.name)
+        table = self._table
+        cur = table.own.get(msg.name)
         if cur is None:
-            cur = self._base.get(msg.name)
+            cur = table.base.get(msg.name)
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
-            return  # unknown, or dead/left (the reaped marker _GONE is DEAD), or older news
+            return  # unknown, or dead/left (the forgotten marker GONE is DEAD), or older news
         susp = self._suspicions.get(msg.name)
         if cur.status == SUSPECT and susp is not None and msg.incarnation == cur.incarnation:
             if msg.src in susp.accusers or len(susp.accusers) > susp.k:
@@ -711,17 +574,14 @@ class Membership:
             if not susp.verifying:
                 self._arm(msg.name, susp)
             return
-        n = self.n_live
-        cfg = self.config
-        susp = _Suspicion(msg.incarnation, now, cfg.suspicion_min(n), cfg.suspicion_max(n),
-                          max(1, min(cfg.suspicion_confirmations, n - 2)), {msg.src})
+        susp = Suspicion.begin(self.config, table.n_live, msg.incarnation, now, msg.src)
         self._suspicions[msg.name] = susp
-        self._set(MemberInfo(cur.name, cur.addr, msg.incarnation, SUSPECT, cur.role), now)
+        self._table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, SUSPECT, cur.role), now)
         self._broadcast(msg.name, msg)
         self._events.append(MemberSuspected(msg.name, msg.incarnation, msg.src, now))
         self._arm(msg.name, susp)
 
-    def _arm(self, name: str, susp: _Suspicion) -> None:
+    def _arm(self, name: str, susp: Suspicion) -> None:
         self._token += 1
         susp.token = self._token
         heapq.heappush(self._timers, (susp.deadline(), self._token, _SUSPICION, (name, self._token)))
@@ -739,11 +599,7 @@ class Membership:
             self.awareness.apply(+2)
             self._rearm_suspicion(name, now)
             return
-        if self.config.verify_defer > 0 and not susp.deferred and self.name not in susp.accusers:
-            # Only members that saw the failure themselves check first; the others give the accusers'
-            # verdict (Dead) time to arrive, so that N members do not all probe a dead node at once.
-            susp.deferred = True
-            susp.extra = self.config.verify_defer
+        if susp.defer(self.config, self.name):
             self._arm(name, susp)
             return
         if self.config.verify_timeout > 0:
@@ -756,11 +612,7 @@ class Membership:
         susp = self._suspicions.get(name)
         if susp is None:
             return
-        susp.verifying = False
-        susp.deferred = False
-        susp.extra = 0.0
-        susp.start = now
-        susp.accusers = set(list(sorted(susp.accusers))[:1])
+        susp.restart(now)
         self._arm(name, susp)
 
     def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
@@ -773,13 +625,14 @@ class Membership:
             return
         if self._heard is not None and msg.src != self.name:
             self._heard.add(msg.name)  # as in _on_suspect: another member judged it
-        cur = self._own.get(msg.name)  # member() and MemberInfo.live, inlined as in _on_suspect
+        table = self._table
+        cur = table.own.get(msg.name)  # member() and MemberInfo.live, inlined as in _on_suspect
         if cur is None:
-            cur = self._base.get(msg.name)
+            cur = table.base.get(msg.name)
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
-        self._set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
+        table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
         self._suspicions.pop(msg.name, None)
         self._broadcast(msg.name, msg)
         if leaving:
@@ -790,18 +643,15 @@ class Membership:
 
     def _reap(self, arg: tuple[str, int], now: float) -> None:
         name, inc = arg
-        rec = self.member(name)
-        if rec is not None and not rec.live and rec.incarnation == inc:
-            self._own[name] = _GONE
-            self._progress.pop(name, None)
-            self._changed_at.pop(name, None)
+        if self._table.forget(name, inc):
+            self._book.forget(name)
 
     def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
         if accused_inc >= MAX_INCARNATION:
             self._count("rx_incarnation_exhausted")
             return
         self.incarnation = max(self.incarnation, accused_inc) + 1
-        self._set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
+        self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
         p = self._my_progress
         self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms)
         alive = Alive(self.name, self.addr, self.incarnation, self.role)
@@ -813,57 +663,21 @@ class Membership:
             self._send(acc.addr, [alive], piggyback=True, dest=acc.name)
 
     def _on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
-        if msg.name == self.name:
-            return
-        cur = self._progress.get(msg.name)
-        if cur is None:
-            self._progress_names.append(msg.name)
-        elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
-            return
-        version = msg.version if not direct else (cur.version if cur is not None else 0)
-        # the stall clock starts when the owner's (step, phase) began: an ack's age dates it; gossip only
-        # says it was current by now (both err late, never early, so the earliest estimate is the best)
-        since = now - stall_ms / 1000.0
-        if cur is not None and cur.step == msg.step and cur.phase == msg.phase:
-            since = min(since, cur.since)  # the same (step, phase) again: the stall clock keeps running
-            if direct:
-                self._progress[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
-                                                        msg.step_ms, now, since)
-                return
-        self._progress[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now,
-                                                since)
+        if msg.name != self.name:
+            self._book.heard(msg, now, direct, stall_ms)
 
     # ------------------------------------------------------------------ gossip and anti-entropy
-    def _random_members(self, k: int, exclude: str | None) -> list[str]:
-        """Up to ``k`` distinct random live members other than self and ``exclude``."""
-        pool = self._base_order
-        n_base = len(pool)
-        n = n_base + len(self._extra_order)
-        out: list[str] = []
-        if n == 0:
-            return out
-        tries = 0
-        while len(out) < k and tries < 4 * k + 8:
-            tries += 1
-            idx = self.rng.randrange(0, n)
-            name = pool[idx] if idx < n_base else self._extra_order[idx - n_base]
-            if name == self.name or name == exclude or name in out:
-                continue
-            rec = self.member(name)
-            if rec is not None and rec.live:
-                out.append(name)
-        return out
-
     def _gossip(self, now: float) -> None:
         cfg = self.config
         if not len(self._queue):
             self._gossip_armed = False
             return
         self._at(now + cfg.gossip_interval, _GOSSIP, None)
-        targets = self._random_members(cfg.gossip_nodes, None)
+        targets = self._table.random_live(self.rng, cfg.gossip_nodes, self.name, None)
         # Recently dead members still hear gossip, so a falsely declared node learns and refutes.
-        if self._changed_at and self.rng.random() < 0.5:
-            for name, at in list(self._changed_at.items())[-4:]:
+        changed_at = self._table.changed_at
+        if changed_at and self.rng.random() < 0.5:
+            for name, at in list(changed_at.items())[-4:]:
                 rec = self.member(name)
                 if rec is not None and rec.status == DEAD and now - at < cfg.gossip_to_dead:
                     targets.append(name)
@@ -883,7 +697,7 @@ class Membership:
     def _pushpull(self, join: bool, reply: bool) -> PushPull:
         rows = []
         for m in self.members():
-            p = self._my_progress if m.name == self.name else self._progress.get(m.name)
+            p = self._my_progress if m.name == self.name else self._book.records.get(m.name)
             if p is None:
                 rows.append((m.name, m.addr, m.incarnation, m.status, m.role, 0, -1, 0, 0))
             else:
@@ -893,7 +707,7 @@ class Membership:
 
     def _pushpull_round(self, now: float) -> None:
         self._at(now + self.config.pushpull_period(self.n_live), _PUSHPULL, None)
-        peers = self._random_members(1, None)
+        peers = self._table.random_live(self.rng, 1, self.name, None)
         if peers:
             rec = self.member(peers[0])
             if rec is not None:
@@ -917,31 +731,14 @@ class Membership:
                 self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
 
     # ------------------------------------------------------------------ sending
-    def _progress_piggyback(self) -> list[Message]:
-        out: list[Message] = []
-        if self._my_progress.version > 0:
-            out.append(self._my_progress)
-        names = self._progress_names
-        want = self.config.progress_piggyback
-        while names and want > 0:
-            if self._progress_cursor >= len(names):
-                self._progress_cursor = 0
-            name = names[self._progress_cursor]
-            info = self._progress.get(name)
-            if info is None:
-                names.pop(self._progress_cursor)
-                continue
-            self._progress_cursor += 1
-            want -= 1
-            if info.version > 0:
-                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms))
-        return out
-
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
-            if self._progress_names or self._my_progress.version:
-                parts.extend(encode_message(m) for m in self._progress_piggyback())
+            book, mine = self._book, self._my_progress
+            if book.names or mine.version:  # ours, then others' in turn
+                if mine.version > 0:
+                    parts.append(encode_message(mine))
+                parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
             if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
                 parts.extend(self._take_news(budget, dest))
@@ -956,7 +753,7 @@ class Membership:
         return queue.take(budget, self._retransmit_limit(), skip)
 
     def _retransmit_limit(self) -> int:
-        n = self._n_live
+        n = self._table.n_live
         if n != self._limit_n:
             self._limit_n, self._limit = n, self.config.retransmit_limit(n)
         return self._limit
@@ -968,6 +765,6 @@ class Membership:
 _HANDLERS: dict[type, Callable[[Membership, Any, float], None]] = {
     Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership._on_alive,
     Suspect: Membership._on_suspect, Dead: Membership._on_dead, Progress: Membership._on_progress,
-    IndirectPing: Membership._on_indirect, PushPull: Membership._on_pushpull,
+    IndirectPing: Membership._on_indirect, Nack: Membership._on_nack, PushPull: Membership._on_pushpull,
 }
-"""The dispatch of :meth:`Membership.handle` as a table (the other types still go through ``handle``)."""
+"""SWIM's message handlers (:meth:`Membership.handle`), by message type."""

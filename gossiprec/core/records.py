@@ -1,5 +1,6 @@
-"""Records and events of the membership machine: immutable data, shared by the core, the simulator
-and the agent. (Split from :mod:`gossiprec.core.membership`, which re-exports every name.)"""
+"""Records of the membership machine: immutable data, shared by the core, the simulator and the agent
+(a member's liveness record, its progress as last heard, a datagram to send) and the randomness the
+core is given. Its events are in :mod:`gossiprec.core.events`."""
 
 from __future__ import annotations
 
@@ -50,67 +51,3 @@ class Send:
     addr: str
     payload: bytes
     reliable: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class MemberJoined:
-    name: str
-    addr: str
-    incarnation: int
-    role: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class MemberSuspected:
-    name: str
-    incarnation: int
-    by: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class MemberAlive:
-    """A suspect refuted, or a dead/left member came back with a newer incarnation."""
-
-    name: str
-    incarnation: int
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class MemberFailed:
-    name: str
-    incarnation: int
-    by: str
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class MemberLeft:
-    name: str
-    incarnation: int
-    at: float
-
-
-@dataclass(frozen=True, slots=True)
-class SelfRefuted:
-    """This node was suspected or declared dead and raised its incarnation."""
-
-    incarnation: int
-    accuser: str
-    at: float
-
-
-@value_class
-class ProbeResult:
-    """Outcome of one of this node's probes (the agreement layer's observers listen to these)."""
-
-    target: str
-    ok: bool
-    at: float
-
-
-MemberEvent = (
-    MemberJoined | MemberSuspected | MemberAlive | MemberFailed | MemberLeft | SelfRefuted | ProbeResult
-)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import msgpack
 
@@ -49,7 +49,7 @@ class ViewMember:
     def as_member(self) -> Member:
         return Member(self.node, self.role, self.rank, self.host, self.rack)  # type: ignore[arg-type]
 
-    def row(self) -> list:
+    def row(self) -> list[Any]:
         return [self.node, self.addr, self.role, self.rank, self.host, self.rack]
 
 
@@ -63,7 +63,7 @@ class Change:
     host: str = ""
     rack: str = ""
 
-    def row(self) -> list:
+    def row(self) -> list[Any]:
         return [self.node, self.kind, self.addr, self.host, self.rack]
 
 
@@ -96,9 +96,9 @@ class View:
 
     config_id: str = field(default="", compare=False)
     """Hash of epoch, members, topology and stop reason (16 hex digits); computed on construction."""
-    _pos: dict = field(default_factory=dict, compare=False, repr=False)
-    _nodes: tuple = field(default=(), compare=False, repr=False)
-    _holders: frozenset | None = field(default=None, compare=False, repr=False)
+    _pos: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _nodes: tuple[str, ...] = field(default=(), compare=False, repr=False)
+    _holders: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         body = msgpack.packb([
@@ -207,7 +207,7 @@ class View:
     def is_holder(self, node: str) -> bool:
         return node in self._holder_set()
 
-    def _holder_set(self) -> frozenset:
+    def _holder_set(self) -> frozenset[str]:
         if self._holders is None:
             pos = self._pos
             held = () if self.basis is None else self.basis.previous_assignment
@@ -215,7 +215,7 @@ class View:
         return self._holders  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ wire form
-    def to_wire(self) -> list:
+    def to_wire(self) -> list[Any]:
         t = self.topology
         b = self.basis
         basis = None
@@ -232,7 +232,7 @@ class View:
                 self.store_node, basis, self.stopped]
 
     @classmethod
-    def from_wire(cls, obj: list) -> "View":
+    def from_wire(cls, obj: list[Any]) -> "View":
         try:
             epoch, rows, topo, store, basis, stopped = obj
             # Cheap bounds first: a hostile view must not make us build a huge topology (world sizes are

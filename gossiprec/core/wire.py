@@ -111,7 +111,7 @@ def _blob(max_bytes: int) -> Validator:
 
 
 def _seq(item: Validator, max_len: int) -> Validator:
-    def check(v: Any) -> tuple:
+    def check(v: Any) -> tuple[Any, ...]:
         if type(v) is not list or len(v) > max_len:
             raise DecodeError("bad_field", f"expected list of at most {max_len}")
         return tuple(item(x) for x in v)
@@ -122,7 +122,7 @@ def _seq(item: Validator, max_len: int) -> Validator:
 def _record(*items: Validator) -> Validator:
     n = len(items)
 
-    def check(v: Any) -> tuple:
+    def check(v: Any) -> tuple[Any, ...]:
         if type(v) is not list or len(v) != n:
             raise DecodeError("bad_field", f"expected record of {n} fields")
         return tuple(f(x) for f, x in zip(items, v))
@@ -148,9 +148,9 @@ STEP = _sint(-1, 2**62)
 MILLIS = _uint(2**31 - 1)
 
 _REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
-_DECODERS: dict[int, Callable[[list], Any]] = {}
+_DECODERS: dict[int, Callable[[list[Any]], Any]] = {}
 
-_CACHE: dict[tuple, Any] = {}
+_CACHE: dict[tuple[Any, ...], Any] = {}
 """Decoded gossip messages by field values (see :func:`_cached_decoder`); shared by every machine in the
 process, cleared whenever it reaches :data:`CACHE_MAX` entries."""
 CACHE_MAX = 1 << 16
@@ -159,7 +159,7 @@ _CACHED_TYPES = frozenset((5, 6, 7, 8, 20))
 same bytes, piggybacked on many packets). Other types are unique per packet (sequence numbers) or large."""
 
 
-def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[list], Any]:
+def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[list[Any]], Any]:
     """Generate a straight-line decoder for one message type.
 
     Simple fields are checked inline (``check.inline`` is a condition that is true for a *suspect* value);
@@ -187,7 +187,8 @@ def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[
     return env["decode"]  # type: ignore[no-any-return]
 
 
-def _cached_decoder(decode: Callable[[list], Any], validators: tuple[Validator, ...]) -> Callable[[list], Any]:
+def _cached_decoder(decode: Callable[[list[Any]], Any],
+                    validators: tuple[Validator, ...]) -> Callable[[list[Any]], Any]:
     """Wrap ``decode`` with a lookup in :data:`_CACHE`, keyed by the tuple of the item's values.
 
     Equal tuples can still differ in type (``1 == 1.0 == True``), so a hit counts only when every field
@@ -256,7 +257,7 @@ _T = TypeVar("_T")
 
 @dataclass_transform(eq_default=True)
 def value_class(cls: type[_T]) -> type[_T]:
-    """Decorator of the records built per packet (every wire message, ``Send``, ``ProbeResult``): a slotted
+    """Decorator of the records built per packet (every wire message, ``Send``): a slotted
     dataclass, equal and hashed by value, not ``frozen`` (see :class:`Message` for why)."""
     return dataclass(slots=True, unsafe_hash=True)(cls)
 
@@ -275,12 +276,12 @@ class Message:
     __slots__ = ()
 
 
-_ROWS: dict[type, Callable[[Any], list]] = {}
+_ROWS: dict[type, Callable[[Any], list[Any]]] = {}
 """Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes tuples as arrays, so nested
 records need no conversion)."""
 
 
-def _to_list(msg: Any) -> list:
+def _to_list(msg: Any) -> list[Any]:
     return _ROWS[type(msg)](msg)
 
 
@@ -383,12 +384,12 @@ class PushPull(Message):
     src_addr: str
     join: bool
     reply: bool
-    members: tuple
+    members: tuple[Any, ...]
 
 
 # --- codec ---------------------------------------------------------------------------------------
 _packer = msgpack.Packer(use_bin_type=True)
-_pack = _packer.pack
+_pack: Callable[[Any], bytes] = _packer.pack  # (msgpack has no type hints)
 
 
 def encode_message(msg: Message) -> bytes:
@@ -398,7 +399,7 @@ def encode_message(msg: Message) -> bytes:
 
 def encode_packet(msgs: Sequence[Message]) -> bytes:
     """A compound packet of already-chosen messages."""
-    return _packer.pack([PROTOCOL_VERSION, [_to_list(m) for m in msgs]])
+    return _pack([PROTOCOL_VERSION, [_to_list(m) for m in msgs]])
 
 
 _HEADS = tuple(bytes((0x92, PROTOCOL_VERSION, 0x90 | n)) for n in range(16))
@@ -507,7 +508,7 @@ class Proposal(Message):
     epoch: int
     config: str
     digest: bytes
-    changes: tuple
+    changes: tuple[Any, ...]
 
 
 @message(22, EPOCH, CFG, DIGEST, BITMAP)
@@ -527,7 +528,7 @@ class Decided(Message):
     epoch: int
     config: str
     digest: bytes
-    changes: tuple
+    changes: tuple[Any, ...]
 
 
 @message(24, EPOCH, CFG, _uint(2**31), NAME)
@@ -551,7 +552,7 @@ class Promise(Message):
     vround: int
     vcoordinator: str
     vdigest: bytes | None
-    vchanges: tuple | None
+    vchanges: tuple[Any, ...] | None
 
 
 @message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES)
@@ -562,7 +563,7 @@ class Accept(Message):
     round: int
     coordinator: str
     digest: bytes
-    changes: tuple
+    changes: tuple[Any, ...]
 
 
 @message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME)
@@ -597,7 +598,7 @@ def _any_view(v: Any) -> Any:
 @message(29, _any_view)
 @value_class
 class ViewState(Message):
-    view: list
+    view: list[Any]
 
 
 MAX_DELTA_STEPS = 16
@@ -614,7 +615,7 @@ class ViewDelta(Message):
 
     epoch: int
     config: str
-    steps: tuple
+    steps: tuple[Any, ...]
 
 
 @message(30, NAME, ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True), EPOCH)

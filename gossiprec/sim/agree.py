@@ -5,8 +5,9 @@ Invariants (any breach raises :class:`~gossiprec.errors.InvariantViolation` with
 command that replays it):
 
 1. at most one view per epoch (one config id per epoch across all members);
-2. no view decided without a quorum of its predecessor (audited at the deciding member: a fast decision
-   holds at least ``fast_quorum`` votes, a classic one ``majority`` accepts);
+2. no view decided without a quorum of its predecessor (audited from what the network delivered to the
+   deciding member, by :mod:`gossiprec.sim.quorum`: votes from ``fast_quorum`` members on the fast path,
+   Accepted from a ``majority`` in a classic round, counted by the audit itself);
 3. every member that computes the plan of an epoch computes the same plan (same digest);
 4. the minority side of a partition never decides.
 
@@ -26,11 +27,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo
-from gossiprec.core.node import AgreementConfig, Fenced, Node, PlanReady, ViewInstalled
+from gossiprec.core.config import AgreementConfig, Config
+from gossiprec.core.events import Fenced, PlanReady, ViewInstalled
+from gossiprec.core.node import Node
+from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
 from gossiprec.core.wire import PHASES
@@ -38,6 +40,7 @@ from gossiprec.errors import ConfigError, InvariantViolation
 from gossiprec.sim.cluster import CRASHED, SimCluster
 from gossiprec.sim.metrics import Progress, quantiles
 from gossiprec.sim.network import NetworkModel
+from gossiprec.sim.quorum import QuorumAudit
 
 SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join")
 COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
@@ -79,9 +82,13 @@ class AgreeParams:
 class AgreementChecker:
     """Observes every event; raises InvariantViolation at the first breach."""
 
-    def __init__(self, cluster: SimCluster, params: AgreeParams) -> None:
+    def __init__(self, cluster: SimCluster, params: AgreeParams,
+                 identity: Callable[[str], tuple[str, str, str]]) -> None:
+        """``identity(name) -> (addr, host, rack)``: what each simulated node announces when it joins."""
         self.cluster = cluster
         self.params = params
+        self.quorum = QuorumAudit(cluster, identity)
+        cluster.wiretaps.append(self.quorum.delivered)
         self.view_of_epoch: dict[int, str] = {}
         self.plan_of_epoch: dict[int, str] = {}
         self.installs: dict[int, dict[int, float]] = {}
@@ -105,20 +112,13 @@ class AgreementChecker:
             if prev != ev.config_id:
                 self.fail(f"two views for epoch {ev.epoch}: {prev} and {ev.config_id}")
             self.installs.setdefault(ev.epoch, {})[idx] = now
+            problem = self.quorum.installed(idx, ev)
+            if problem is not None:
+                self.fail(problem)
             if ev.decided_here:
-                node: Node = self.cluster.nodes[idx].machine  # type: ignore[assignment]
-                c = node._prev_consensus
-                d = c.decided
-                if d is None:
-                    self.fail(f"{node.name} installed epoch {ev.epoch} without a decision")
-                elif d.fast:
-                    if c.votes.get(d.digest, 0).bit_count() < c.view.fast_quorum():
-                        self.fail(f"{node.name} decided epoch {ev.epoch} on the fast path without a fast quorum")
-                elif len(c.accepts) < c.view.majority():
-                    self.fail(f"{node.name} decided epoch {ev.epoch} without a majority of accepts")
-                self.decided_fast[ev.epoch] = self.decided_fast.get(ev.epoch, False) or d.fast
+                self.decided_fast[ev.epoch] = self.decided_fast.get(ev.epoch, False) or ev.fast
                 if self.minority_active and idx in self.minority:
-                    self.fail(f"{node.name} on the minority side decided epoch {ev.epoch}")
+                    self.fail(f"{self.cluster.names[idx]} on the minority side decided epoch {ev.epoch}")
             for r in ev.removed:
                 self.removed_at.setdefault(r, (ev.epoch, now))
             self.joined.update(ev.joined)
@@ -154,9 +154,21 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
     memo: dict[Any, Any] = {}
     extra: dict[str, Any] = {"view0": view0, "racks": racks, "late": late}
 
+    def member_of(idx: int) -> ViewMember:
+        name = names[idx]
+        return view0.member(name) or ViewMember(name, name, "spare", None, f"h{idx}", f"r{idx % racks}")
+
+    index = {name: i for i, name in enumerate(names)}
+
+    def identity(name: str) -> tuple[str, str, str]:
+        m = member_of(index[name])
+        return name, m.host, m.rack  # a node's address is its name
+
+    extra["identity"] = identity
+
     def make(idx: int, now: float, incarnation: int, rng: random.Random) -> Node:
         name = names[idx]
-        m = view0.member(name) or ViewMember(name, name, "spare", None, f"h{idx}", f"r{idx % racks}")
+        m = member_of(idx)
         if incarnation == 1 and idx not in late:
             node = Node(config, name, name, incarnation=1, rng=rng, now=now, view=view0, agreement=acfg,
                         host=m.host, rack=m.rack, role=m.role, members=base, member_order=order,
@@ -181,7 +193,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     cpu0 = time.process_time()
     cluster, names, extra = build_cluster(params)
     view0: View = extra["view0"]
-    checker = AgreementChecker(cluster, params)
+    checker = AgreementChecker(cluster, params, extra["identity"])
     cluster.observers.append(checker)
     rng = random.Random(cluster.rng.getrandbits(64))
     n = params.nodes
@@ -259,14 +271,14 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     """Trainer node -> the epoch whose plan it waits for (it stopped when its node installed that view)."""
 
     def is_trainer(i: int) -> bool:
-        view = cluster.nodes[i].machine.view  # type: ignore[attr-defined]
+        view = cluster.nodes[i].machine.view
         return view is not None and (m := view.member(names[i])) is not None and m.role == "trainer"
 
     def report(i: int) -> None:
         node = cluster.nodes[i]
         if node.state == CRASHED or not is_trainer(i) or (i in hung and cluster.now >= t_fault):
             return
-        machine: Node = node.machine  # type: ignore[assignment]
+        machine = node.machine
         step, phase = state["step"], state["phase"]
         if i in recovering:
             phase = RECOVERING
@@ -302,7 +314,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
                 node = cluster.nodes[i]
                 if node.state == CRASHED or i in victims:
                     continue
-                view = node.machine.view  # type: ignore[attr-defined]
+                view = node.machine.view
                 if view is not None and v < len(names) and (m := view.member(names[v])) is not None \
                         and m.role == "trainer":
                     return True

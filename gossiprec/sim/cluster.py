@@ -13,9 +13,11 @@ timers and inbound traffic vanish), pause (nothing runs; inbound traffic piles u
 arrival order, when it resumes, followed by its overdue timers), restart (a fresh machine with a newer
 incarnation that rejoins through seeds).
 
-Observers are called with ``(now, node_index, event)`` for every event a machine emits, and
-``check(now)`` may raise :class:`~gossiprec.errors.InvariantViolation`; the runner prints the seed and
-the command that replays it.
+Observers are called with ``(now, node_index, event)`` for every event a machine emits, wiretaps with
+``(now, node_index, payload, reliable)`` for every packet just before a machine receives it (what the
+network delivered, for checkers that must not trust the machines' own accounts), and ``check(now)`` may
+raise :class:`~gossiprec.errors.InvariantViolation`; the runner prints the seed and the command that
+replays it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
+from gossiprec.core.machine import Machine
 from gossiprec.sim.network import Network, NetworkModel
 
 DELIVER, TIMER, ACTION, DELIVER_RELIABLE = 0, 1, 2, 3
@@ -37,16 +40,9 @@ _FAR = 1 << 62
 """Bucket of an infinite (or otherwise unbucketable) time: after every finite one."""
 
 
-class Machine(Protocol):
-    def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
-    def tick(self, now: float) -> None: ...
-    def next_deadline(self) -> float: ...
-    def take_sends(self) -> list[Any]: ...
-    def take_events(self) -> list[Any]: ...
-
-
-MachineFactory = Callable[[int, float, int, random.Random], Machine]
-"""(node index, now, incarnation, rng) -> a new machine for that node."""
+NodeFactory = Callable[[int, float, int, random.Random], Machine]
+"""(node index, now, incarnation, rng) -> a new machine for that node (the simulator drives only its
+inputs and outputs: ``receive``, ``tick``, ``next_deadline``, ``take_sends``, ``take_events``)."""
 
 
 @dataclass(slots=True)
@@ -69,7 +65,7 @@ class SimCluster:
     def __init__(
         self,
         n: int,
-        factory: MachineFactory,
+        factory: NodeFactory,
         *,
         seed: int,
         model: NetworkModel | None = None,
@@ -94,6 +90,7 @@ class SimCluster:
         self.names = names or [f"n{i}" for i in range(n)]
         self.index_of = {name: i for i, name in enumerate(self.names)}
         self.observers: list[Callable[[float, int, Any], None]] = []
+        self.wiretaps: list[Callable[[float, int, bytes, bool], None]] = []
         self.checkers: list[Callable[[float], None]] = []
         self.nodes: list[SimNode] = []
         for i in range(n):
@@ -199,6 +196,7 @@ class SimCluster:
         pop = heapq.heappop
         near = self._near
         processed = self.events_processed
+        taps = self.wiretaps
         try:
             while True:
                 if not near:
@@ -214,6 +212,9 @@ class SimCluster:
                     node = nodes[idx]
                     state = node.state
                     if state is UP:
+                        if taps:
+                            for tap in taps:
+                                tap(when, idx, payload, kind == DELIVER_RELIABLE)
                         node.machine.receive(payload, when, kind == DELIVER_RELIABLE)
                         flush(node)
                     elif state is PAUSED:
@@ -265,6 +266,8 @@ class SimCluster:
         node.state = UP
         backlog, node.backlog = node.backlog, []
         for _, data, reliable in backlog:
+            for tap in self.wiretaps:
+                tap(self.now, idx, data, reliable)
             node.machine.receive(data, self.now, reliable)
         node.machine.tick(self.now)
         node.timer_at = INF

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from gossiprec.core.membership import MemberFailed, MemberJoined, MemberAlive, MemberLeft
+from gossiprec.core.events import MemberAlive, MemberFailed, MemberJoined, MemberLeft
 from gossiprec.errors import InvariantViolation
 
 

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from gossiprec.core.config import Config
-from gossiprec.core.membership import MemberInfo, Membership
+from gossiprec.core.membership import Membership
+from gossiprec.core.records import MemberInfo
 from gossiprec.errors import ConfigError, InvariantViolation
 from gossiprec.sim.cluster import SimCluster
 from gossiprec.sim.metrics import DetectionMetrics, Progress

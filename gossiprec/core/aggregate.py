@@ -1,0 +1,238 @@
+"""State reports and the recovery plan of a view: aggregated in bitmaps, the same plan everywhere.
+
+What it decides: this member's state report for the current view (and when it goes out), the plan once
+every holder of the view has reported, and whether the members' plan digests agree. Inputs: the
+trainer's state (committed step, in-flight step, bytes it could serve) and progress, other members'
+:class:`~gossiprec.core.wire.Report` and :class:`~gossiprec.core.wire.PlanDigest` bitmaps.
+
+Aggregation: a report is (committed, in-flight, size) plus a bitmap over the view's sorted members of
+who reported exactly that; bitmaps merge by OR and are gossiped (a merged bitmap keeps its transmit
+count), so one message carries thousands of reports. Once the OR of all bitmaps covers every holder, the
+plan is a pure function of the view and the holders' reports: every member computes the same one and
+publishes its digest the same way. A digest other than ours is a :class:`PlanMismatch`.
+
+The report hold: a view installed while the trainer may still commit the step it is in (its collective
+in flight, or in the optimizer step) holds our report until the trainer committed that step or stopped,
+at most ``report_hold`` (a report made at once would roll every survivor back a step).
+
+Anti-entropy: gossip drops a merged aggregate after a bounded number of sends, so for
+``reaggregate_for`` after the install, at doubling intervals from ``reaggregate_first`` (at most
+``reaggregate_gap_max``), a member that lacks the plan, or sees members that have not confirmed its
+digest, sends its bitmaps again; a subject of ours that has not confirmed gets the reports directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gossiprec.core import timers
+from gossiprec.core.config import AgreementConfig
+from gossiprec.core.election import StateReport
+from gossiprec.core.events import PlanMismatch, PlanReady
+from gossiprec.core.membership import Membership
+from gossiprec.core.view import View
+from gossiprec.core.wire import PHASES, PlanDigest, Report
+
+if TYPE_CHECKING:
+    from gossiprec.core.node import Node
+
+FINISHING = frozenset(PHASES.index(p) for p in ("communicate", "waiting", "optimizer"))
+"""Phases in which a trainer may still commit the step it is in (its collective may complete, or has)."""
+
+StateValues = tuple[int, int | None, int]
+"""(committed step, in-flight step or None, state bytes): what one report says."""
+
+
+class Aggregates:
+    """The reports and plan digests of one :class:`~gossiprec.core.node.Node`'s current view."""
+
+    __slots__ = ("node", "swim", "acfg", "reports", "have", "need", "holders", "plan_hex", "next_reagg",
+                 "reagg_gap", "digests", "held_until")
+
+    def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
+        self.node = node
+        self.swim = swim
+        self.acfg = acfg
+        self.reports: dict[StateValues, int] = {}
+        """Report values -> bitmap of the members that reported them."""
+        self.have = 0
+        """OR of every report bitmap (who has reported)."""
+        self.need: int | None = None
+        """Bitmap of the holders whose reports the plan needs (once computed for the view)."""
+        self.holders: list[str] = []
+        self.plan_hex = ""
+        self.next_reagg = 0.0
+        self.reagg_gap = 0.0
+        self.digests: dict[bytes, int] = {}
+        """Plan digest -> bitmap of the members that computed it."""
+        self.held_until: float | None = None
+        """This member's state report for the current view waits until then (see ``report_hold``)."""
+
+    def start_view(self, now: float) -> None:
+        self.reports = {}
+        self.have = 0
+        self.need = None
+        self.next_reagg = now + self.acfg.reaggregate_first
+        self.reagg_gap = self.acfg.reaggregate_first
+        self.digests = {}
+
+    def report_or_hold(self, view: View, now: float) -> None:
+        """Our report for the view just installed (a member's): at once, or held for the trainer."""
+        self.held_until = None
+        if view.basis is not None and view.is_holder(self.node.name):
+            if self.trainer_finishing() and self.acfg.report_hold > 0:
+                self.held_until = now + self.acfg.report_hold
+                self.node._at(now + min(self.acfg.report_poll, self.acfg.report_hold), timers.REPORT)
+            else:
+                self.report_state(view, now)
+        self.maybe_plan(now)
+
+    # ------------------------------------------------------------------ our report
+    def trainer_finishing(self) -> bool:
+        """The trainer is in a step it may still commit (see ``report_hold``)."""
+        node = self.node
+        step, phase, _ = node._my_progress
+        return phase in FINISHING and step > node._state[0]
+
+    def maybe_report(self, now: float) -> None:
+        """The held report goes out once the trainer committed its step or stopped, or at the deadline."""
+        v, until = self.node.view, self.held_until
+        if until is None or v is None:
+            return
+        if self.trainer_finishing() and now < until:
+            # the pump reads the trainer before each tick
+            self.node._at(min(until, now + self.acfg.report_poll), timers.REPORT)
+            return
+        self.held_until = None
+        if self.trainer_finishing():
+            counters = self.node.counters
+            counters["report_hold_expired"] = counters.get("report_hold_expired", 0) + 1
+        self.report_state(v, now)
+
+    def report_state(self, v: View, now: float) -> None:
+        node = self.node
+        idx = v.index(node.name)
+        assert idx is not None
+        committed, inflight, size = node._state
+        # our own report straight to every member of a small view (once per view): the plan waits for the
+        # last report, and one held for the trainer would otherwise wait for the next gossip round
+        bits = (1 << idx).to_bytes((len(v) + 7) // 8, "little")
+        node._one_hop_to_all(Report(v.epoch, v.config_id, committed, inflight, size, bits))
+        self.merge_report(node._state, 1 << idx, now)
+
+    # ------------------------------------------------------------------ everyone's reports
+    def merge_report(self, values: StateValues, bits: int, now: float) -> None:
+        old = self.reports.get(values, 0)
+        new = old | bits
+        if new == old:
+            return
+        self.reports[values] = new
+        self.have |= new
+        v = self.node.view
+        assert v is not None
+        committed, inflight, size = values
+        nbytes = (len(v) + 7) // 8
+        self.node._bcast(f"r|{committed}|{inflight}|{size}",
+                         Report(v.epoch, v.config_id, committed, inflight, size, new.to_bytes(nbytes, "little")))
+        self.maybe_plan(now)
+
+    def on_report(self, msg: Report, now: float) -> None:
+        bits = int.from_bytes(msg.bitmap, "little") & ((1 << len(self.node.view or ())) - 1)
+        if msg.inflight_step is not None and msg.inflight_step <= msg.committed_step:
+            return
+        self.merge_report((msg.committed_step, msg.inflight_step, msg.state_bytes), bits, now)
+
+    def maybe_plan(self, now: float) -> None:
+        node = self.node
+        v = node.view
+        if v is None or v.basis is None or node.plan is not None or v.stopped or node.finished is not None:
+            return
+        memo = node.memo
+        need = self.need
+        if need is None:  # once per view (this runs on every merged report); shared through the memo
+            nkey = ("need", v.config_id)
+            got: Any = memo.get(nkey)
+            if got is None:
+                holders = v.holders()
+                need = 0
+                for h in holders:
+                    idx = v.index(h)
+                    assert idx is not None
+                    need |= 1 << idx
+                got = memo[nkey] = (holders, need)
+            self.holders, need = got
+            self.need = need
+        if self.have & need != need:
+            return
+        # The plan is a pure function of the view and the holders' reports, which the report bitmaps
+        # (masked to the holders) determine: that is the memo key, O(distinct reports), not O(N).
+        key = ("plan", v.config_id, tuple(sorted(
+            ((vals, bits & need) for vals, bits in self.reports.items() if bits & need), key=repr)))
+        got = memo.get(key)
+        if got is None:
+            reports: dict[str, StateReport] = {}
+            rank_of = {name: rank for rank, name in v.basis.previous_assignment}
+            for (committed, inflight, size), bits in sorted(self.reports.items(), key=repr):
+                for h in self.holders:
+                    idx = v.index(h)
+                    if idx is not None and bits >> idx & 1 and h not in reports:
+                        reports[h] = StateReport(h, rank_of.get(h), max(0, committed), inflight, size)
+            plan = v.plan(reports)
+            got = memo[key] = (plan, plan.digest())
+        plan, self.plan_hex = got
+        node.plan = plan
+        digest = bytes.fromhex(self.plan_hex)
+        node._events.append(PlanReady(v.epoch, self.plan_hex, plan, now))
+        idx = v.index(node.name)
+        if idx is not None:
+            self.merge_digest(digest, 1 << idx, now)
+
+    # ------------------------------------------------------------------ plan digests
+    def merge_digest(self, digest: bytes, bits: int, now: float) -> None:
+        old = self.digests.get(digest, 0)
+        new = old | bits
+        if new == old:
+            return
+        self.digests[digest] = new
+        node = self.node
+        v = node.view
+        assert v is not None
+        node._bcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+                                                    new.to_bytes((len(v) + 7) // 8, "little")))
+        if node.plan is not None and digest.hex() != self.plan_hex:
+            node._events.append(PlanMismatch(v.epoch, self.plan_hex, digest.hex(), now))
+
+    def on_plan_digest(self, msg: PlanDigest, now: float) -> None:
+        self.merge_digest(msg.digest, int.from_bytes(msg.bitmap, "little"), now)
+
+    # ------------------------------------------------------------------ anti-entropy
+    def reaggregate(self, v: View, now: float) -> None:
+        """Anti-entropy for the aggregates: while this member lacks the plan, or not every member of the
+        view has confirmed the digest it knows, send its merged bitmaps again as fresh broadcasts (a
+        merged aggregate is sent a bounded number of times, so a late bit can miss someone)."""
+        node = self.node
+        full = (1 << len(v)) - 1
+        if node.plan is not None and all(bits == full for bits in self.digests.values()):
+            return
+        self.reagg_gap = min(self.acfg.reaggregate_gap_max, self.reagg_gap * 2)
+        self.next_reagg = now + self.reagg_gap
+        nbytes = (len(v) + 7) // 8
+        if v.basis is not None:
+            for (committed, inflight, size), bits in self.reports.items():
+                self.swim.broadcast(f"r|{committed}|{inflight}|{size}", Report(
+                    v.epoch, v.config_id, committed, inflight, size, bits.to_bytes(nbytes, "little")), now)
+        for digest, bits in self.digests.items():
+            self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+                                                                bits.to_bytes(nbytes, "little")), now)
+        if node.plan is not None and v.basis is not None:
+            # A subject of ours that has not confirmed our plan's digest may lack a report: the rounds
+            # above reach it only by chance (each re-broadcast goes to a few random members). Its K
+            # observers send it the reports directly, so a member that missed a bit gets it within a
+            # round (seen in the simulator: one member waited out the whole run for one report).
+            confirmed = self.digests.get(bytes.fromhex(self.plan_hex), 0)
+            for s in node.observer.subjects:
+                idx = v.index(s)
+                if idx is not None and not confirmed >> idx & 1:
+                    for (committed, inflight, size), bits in self.reports.items():
+                        node._send_to(s, Report(v.epoch, v.config_id, committed, inflight, size,
+                                                bits.to_bytes(nbytes, "little")))

@@ -1,0 +1,203 @@
+"""Catching up and joining: how a member that missed decisions, or holds no view yet, gets the current one.
+
+What it decides: which view news to send to whom (the change sets since the asker's view, or the full
+view), and which news to install. Inputs: :class:`ViewRequest` from members behind us or joiners,
+:class:`ViewDelta` and :class:`ViewState` answering ours, :class:`JoinRequest` from joiners, and alerts
+of an older epoch (their sender missed a decision).
+
+- A member that hears of a later epoch asks two members SWIM holds alive (at most once per
+  ``catchup_interval``). The answer replays the agreed change sets since the asker's view when the
+  answerer remembers them all (the last ``MAX_DELTA_STEPS``), else it is the full view. A delta is
+  installed only if every step reproduces its config id.
+- A member alerting in an older epoch gets the current view pushed to it (by a deterministic
+  pseudo-random ~2K members, at most once per ``catchup_interval`` each: O(N) pushes, not O(N^2)); a
+  member the decision removed learns so, and asks to join again.
+- A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any
+
+from gossiprec.core import timers
+from gossiprec.core.config import AgreementConfig
+from gossiprec.core.consensus import ChangeRow, changes_from_rows
+from gossiprec.core.membership import Membership
+from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
+from gossiprec.core.wire import ALIVE, MAX_DELTA_STEPS, JoinRequest, ViewDelta, ViewRequest, ViewState
+from gossiprec.errors import ConfigError, ProtocolError
+
+if TYPE_CHECKING:
+    from gossiprec.core.node import Node
+
+
+class CatchUp:
+    """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
+
+    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view")
+
+    def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
+        self.node = node
+        self.swim = swim
+        self.acfg = acfg
+        self.history: dict[tuple[int, str], tuple[str, tuple[ChangeRow, ...]]] = {}
+        """(epoch, config id) of a view we held -> (config id of its successor, the agreed change rows):
+        what a :class:`ViewDelta` replays for a member still holding that view (last few only)."""
+        self.last_catchup = float("-inf")
+        self.pushed_view: dict[str, float] = {}
+        """Member -> when we last pushed it the current view (reset with every view)."""
+
+    def start_view(self) -> None:
+        self.pushed_view = {}
+
+    # ------------------------------------------------------------------ asking
+    def catch_up(self, now: float) -> None:
+        node = self.node
+        if now - self.last_catchup < self.acfg.catchup_interval or node.view is None:
+            return
+        self.last_catchup = now
+        # ask two members that SWIM holds alive (a random pick could be the very member that failed);
+        # random draws, not a scan of the view: O(1) per catch-up, not O(N)
+        members = node.view.members
+        asked: set[str] = set()
+        for _ in range(4 * len(members) if len(members) <= 16 else 32):
+            m = members[node.rng.randrange(0, len(members))]
+            if m.node == node.name or m.node in asked:
+                continue
+            rec = self.swim.member(m.node)
+            if rec is None or rec.status != ALIVE:
+                continue
+            asked.add(m.node)
+            self.swim.send_addr(rec.addr, self.view_request())
+            if len(asked) == 2:
+                break
+
+    def view_request(self) -> ViewRequest:
+        node = self.node
+        v = node.view
+        return ViewRequest(v.epoch if v else 0, v.config_id if v else "", node.name, node.addr)
+
+    # ------------------------------------------------------------------ answering
+    def remember(self, old: View, new: View, rows: tuple[ChangeRow, ...]) -> None:
+        self.history[(old.epoch, old.config_id)] = (new.config_id, rows)
+        while len(self.history) > MAX_DELTA_STEPS:
+            del self.history[next(iter(self.history))]
+
+    def view_news(self, epoch: int, config: str) -> ViewDelta | ViewState:
+        """What brings a member holding view (epoch, config) up to ours: the change sets since, when we
+        remember them all, else the full view."""
+        v = self.node.view
+        assert v is not None
+        steps = []
+        key = (epoch, config)
+        while key != (v.epoch, v.config_id):
+            step = self.history.get(key)
+            if step is None:
+                return ViewState(self.view_wire(v))
+            steps.append(step)
+            key = (key[0] + 1, step[0])
+        return ViewDelta(epoch, config, tuple(steps))
+
+    def push_view(self, member: str, epoch: int, config: str, now: float) -> None:
+        """A member still alerting in an older epoch missed the decision: send it the current view (at
+        most once per ``catchup_interval`` per member). Also when the decision removed it (a healed
+        minority): it learns it is out, and asks to join again."""
+        node = self.node
+        v = node.view
+        if v is None or member == node.name:
+            return
+        # Stale alerts are gossiped to everyone; if everyone pushed an O(N) view to each stale sender,
+        # a large view change would cost O(N^2). A deterministic pseudo-random ~2K members push.
+        pushers = 2 * self.acfg.k
+        if len(v) > pushers and hashlib.blake2b(f"{member}|{node.name}".encode(), digest_size=4).digest()[0] \
+                * len(v) >= pushers * 256:
+            return
+        if now - self.pushed_view.get(member, float("-inf")) < self.acfg.catchup_interval:
+            return
+        self.pushed_view[member] = now
+        rec = self.swim.member(member)
+        if rec is not None and rec.addr:
+            self.swim.send_addr(rec.addr, self.view_news(epoch, config), reliable=True)
+
+    def view_wire(self, v: View) -> list[Any]:
+        """The wire form of a view, built once per view (shared through the memo)."""
+        memo = self.node.memo
+        key = ("wire", v.config_id)
+        w = memo.get(key)
+        if w is None:
+            w = memo[key] = v.to_wire()
+        return w
+
+    def on_view_request(self, msg: ViewRequest, now: float) -> None:
+        v = self.node.view
+        if v is not None and (v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config)):
+            # (a joiner sends an empty config: no history matches it, so it gets the full view)
+            self.swim.send_addr(msg.src_addr, self.view_news(msg.epoch, msg.config), reliable=True)
+
+    # ------------------------------------------------------------------ installing news
+    def on_view_delta(self, msg: ViewDelta, now: float) -> None:
+        node = self.node
+        v = node.view
+        counters = node.counters
+        if v is None or msg.epoch != v.epoch or msg.config != v.config_id or not msg.steps:
+            counters["rx_stale_view"] = counters.get("rx_stale_view", 0) + 1
+            return
+        views = [v]
+        changes: list[Any] = []
+        for config, rows in msg.steps:
+            prev = views[-1]
+            changes = changes_from_rows(rows)
+            nv: View | None
+            try:
+                nv = node._next_view(prev, changes_digest(prev.epoch, prev.config_id, changes), changes)
+            except (ProtocolError, ConfigError, ValueError):
+                nv = None
+            if nv is None or nv.config_id != config:
+                counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
+                return
+            views.append(nv)
+        for (_, rows), old, new in zip(msg.steps, views, views[1:]):
+            self.remember(old, new, rows)
+        node._install(views[-1], now, fast=False, decided_here=False,  # changes: the last step's
+                      removed=tuple(c.node for c in changes if c.kind == REMOVE),
+                      joined=tuple(c.node for c in changes if c.kind == JOIN))
+
+    def on_view_state(self, msg: ViewState, now: float) -> None:
+        node = self.node
+        counters = node.counters
+        epoch = msg.view[0] if isinstance(msg.view, (list, tuple)) and msg.view else None
+        if node.view is not None and type(epoch) is int and epoch <= node.view.epoch:
+            counters["rx_stale_view"] = counters.get("rx_stale_view", 0) + 1
+            return  # not news: skip the O(N) parse (after a change many members push the same view)
+        try:
+            view = View.from_wire(msg.view)
+        except ProtocolError:
+            counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
+            return
+        if node.view is None or view.epoch > node.view.epoch:
+            node._install(view, now, fast=False, decided_here=False, removed=(), joined=())
+
+    # ------------------------------------------------------------------ joining
+    def join_retry(self, now: float) -> None:
+        node = self.node
+        v = node.view
+        if v is not None and node.name in v:
+            return
+        node._at(now + self.acfg.join_retry, timers.JOIN)
+        if v is None:
+            return
+        for obs in node._overlay(v).joiner_observers(node.name):
+            m = v.member(obs)
+            if m is not None:
+                self.swim.send_addr(m.addr, JoinRequest(node.name, node.addr, node.host, node.rack, v.epoch))
+
+    def on_join_request(self, msg: JoinRequest, now: float) -> None:
+        node = self.node
+        v = node.view
+        if v is None or node.name not in v:
+            return
+        if msg.epoch != v.epoch or msg.node in v:
+            self.swim.send_addr(msg.addr, ViewState(self.view_wire(v)), reliable=True)  # a joiner: all of it
+            return
+        node.observer.joining(msg, node._overlay(v), now)

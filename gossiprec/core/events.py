@@ -1,0 +1,157 @@
+"""Every event the protocol core emits: what happened, as data, for the pumps and their observers.
+
+A machine never calls back: its pump takes these with ``take_events()`` and hands them on (the agent to
+its log, metrics, launcher and trainer; the simulator to its figures and invariant checkers). Each is a
+frozen, slotted dataclass under :class:`CoreEvent`, stamped ``at`` with the machine time it happened.
+
+Membership (:mod:`gossiprec.core.membership`): a member joined, was suspected, refuted, failed or left;
+this node refuted an accusation; one probe's outcome. Agreement (:mod:`gossiprec.core.node`): a view
+installed, a plan ready, fenced and unfenced, an alert raised, a straggler seen, a plan digest that
+differs from ours, the job finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gossiprec.core.election import Plan
+
+
+@dataclass(frozen=True, slots=True)
+class CoreEvent:
+    """Base of every core event (carries nothing: each event names its own fields, ``at`` last)."""
+
+
+# --- membership ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class MemberJoined(CoreEvent):
+    name: str
+    addr: str
+    incarnation: int
+    role: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSuspected(CoreEvent):
+    name: str
+    incarnation: int
+    by: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberAlive(CoreEvent):
+    """A suspect refuted, or a dead/left member came back with a newer incarnation."""
+
+    name: str
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberFailed(CoreEvent):
+    name: str
+    incarnation: int
+    by: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class MemberLeft(CoreEvent):
+    name: str
+    incarnation: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class SelfRefuted(CoreEvent):
+    """This node was suspected or declared dead and raised its incarnation."""
+
+    incarnation: int
+    accuser: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult(CoreEvent):
+    """Outcome of one of this node's probes (the agreement layer's observers listen to these)."""
+
+    target: str
+    ok: bool
+    at: float
+
+
+MemberEvent = (
+    MemberJoined | MemberSuspected | MemberAlive | MemberFailed | MemberLeft | SelfRefuted | ProbeResult
+)
+"""What :meth:`Membership.take_events <gossiprec.core.membership.Membership.take_events>` returns."""
+
+
+# --- agreement ----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ViewInstalled(CoreEvent):
+    epoch: int
+    config_id: str
+    members: tuple[str, ...]
+    removed: tuple[str, ...]
+    joined: tuple[str, ...]
+    fast: bool
+    decided_here: bool
+    at: float
+    stopped: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReady(CoreEvent):
+    epoch: int
+    digest: str
+    plan: Plan
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobFinished(CoreEvent):
+    """The job's trainers finished training at ``step`` (``source`` said so first)."""
+
+    epoch: int
+    step: int
+    source: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced(CoreEvent):
+    epoch: int
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Unfenced(CoreEvent):
+    epoch: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class AlertRaised(CoreEvent):
+    subject: str
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Straggler(CoreEvent):
+    node: str
+    behind_steps: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlanMismatch(CoreEvent):
+    epoch: int
+    mine: str
+    theirs: str
+    at: float

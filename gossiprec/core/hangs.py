@@ -1,0 +1,139 @@
+"""The hang check: which of this member's subjects is hung (alive but stuck) or straggling.
+
+What it decides: a hang alert (or its retraction) about a subject, a :class:`Straggler` event, and when
+to check again. Inputs: the training progress (step, phase, step time, and since when that (step,
+phase) is current) of a sample of members, as SWIM last heard it, and when each subject last answered
+one of our probes.
+
+Rule: the *frontier* is the most advanced (step, phase) in the sample (this member, its subjects and its
+observers: K random members each way, trainers only; in a hang every healthy rank waits at the frontier,
+so the sample shows it at O(K) per check instead of O(N)). A subject behind the frontier whose (step,
+phase) has not changed for ``max(hang_floor, hang_mult * median step time)`` (``checkpoint_timeout`` at
+least while it saves a checkpoint) is hung. The stall is dated from when that (step, phase) began (its
+owner's acks carry its age), never before this view's install. Only a subject that answered one of our
+probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
+progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
+steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
+counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts. While a
+change is under way nothing is judged: every rank waits for the new view.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import TYPE_CHECKING
+
+from gossiprec.core import timers
+from gossiprec.core.config import AgreementConfig
+from gossiprec.core.events import Straggler
+from gossiprec.core.membership import Membership
+from gossiprec.core.observer import Observer
+from gossiprec.core.overlay import Overlay
+from gossiprec.core.view import REMOVE, View
+from gossiprec.core.wire import HUNG, PHASES
+
+if TYPE_CHECKING:
+    from gossiprec.core.node import Node
+
+RECOVERING = PHASES.index("recovering")
+CHECKPOINT = PHASES.index("checkpoint")
+
+
+class HangCheck:
+    """The hang check of one :class:`~gossiprec.core.node.Node` (run by its watchdog, and by an extra
+    timer when a lagging subject's threshold passes between two watchdog rounds)."""
+
+    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at")
+
+    def __init__(self, node: Node, observer: Observer, swim: Membership, acfg: AgreementConfig) -> None:
+        self.node = node
+        self.observer = observer
+        self.swim = swim
+        self.acfg = acfg
+        self.sample: list[str] = []
+        """Whose progress the frontier and the typical step time come from (fixed for the view)."""
+        self.check_at = float("inf")
+        """When an extra hang check is armed (a lagging subject's threshold passes then)."""
+
+    def start_view(self, view: View, ov: Overlay) -> None:
+        # ourselves, our subjects and our observers (K random members each way), trainers only; fixed for
+        # the view, so each check costs O(K) without rebuilding it
+        me = self.node.name
+        sample = sorted({me} | self.observer.subject_set | set(ov.observers(me))) if me in view else []
+        self.sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
+
+    def on_timer(self, now: float) -> None:
+        """The extra check's timer."""
+        if now >= self.check_at:
+            self.check_at = float("inf")
+        self.run(now)
+
+    def run(self, now: float) -> None:
+        node, obs, acfg = self.node, self.observer, self.acfg
+        v = node.view
+        if v is None or node.name not in v or node.finished is not None:
+            return
+        if obs.my_alerts or (node.consensus.votes and node.consensus.decided is None):
+            # A change is under way: every rank waits for the new view, so stalls say nothing about hangs
+            # (and an alert now would only start a second change behind the first).
+            return
+        frontier = (-1, 0)
+        times = []
+        table: dict[str, tuple[int, int, float]] = {}
+        for name in self.sample:
+            if name == node.name:
+                step, phase, ms = node._my_progress
+                since = now  # (never judged: only the frontier counts)
+            else:
+                p = self.swim.progress(name)
+                if p is None or now - p.seen_at > acfg.progress_stale:
+                    continue  # stale (maybe crashed): neither frontier nor judged
+                # the stall clock starts when this (step, phase) began (its age came on the wire), not at
+                # this check; and never before this view was installed
+                step, phase, ms = p.step, p.phase, p.step_ms
+                since = max(p.since, node._installed_at)
+            if step < 0 or phase == RECOVERING:
+                continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
+            table[name] = (step, phase, since)
+            if ms > 0:
+                times.append(ms)
+            frontier = max(frontier, (step, phase))
+        if frontier[0] < 0 or not times:
+            return
+        threshold = max(acfg.hang_floor, acfg.hang_mult * statistics.median(times) / 1000.0)
+        due = float("inf")
+        alerted = obs.alerted
+        for s in obs.subjects:
+            row = table.get(s)
+            if row is None:
+                continue
+            step, phase, since = row
+            if (step, phase) >= frontier:
+                if alerted.get(s) == HUNG:
+                    del alerted[s]
+                    obs.alert(s, REMOVE, HUNG, now, retract=True)
+                continue
+            limit = since + (max(threshold, acfg.checkpoint_timeout) if phase == CHECKPOINT else threshold)
+            within = acfg.answered_within
+            if now >= limit - within and now - obs.answered.get(s, -math.inf) > within:
+                # Judge only a subject that answered us just now (hung: alive but stuck; a crashed one is
+                # the probes' business, and its relayed progress must not date a "hang"). Probe it as its
+                # threshold nears, so it has answered when due; a rank only briefly behind costs nothing.
+                obs.refresh_progress(s)
+                if now >= limit:
+                    continue
+            stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``
+            if stalled and s not in alerted:
+                alerted[s] = HUNG
+                obs.alert(s, REMOVE, HUNG, now)
+            elif not stalled:
+                due = min(due, limit)
+                if frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
+                    alerted[f"straggler:{s}"] = HUNG
+                    node._events.append(Straggler(s, frontier[0] - step, now))
+        # a subject behind the frontier is judged the moment its threshold passes, not at the next
+        # watchdog round (up to ``watch_interval`` later): one extra wake-up, only while someone lags
+        if now < due < self.check_at and due < now + acfg.watch_interval:
+            self.check_at = due
+            node._at(due, timers.HANG)

@@ -1,0 +1,71 @@
+"""Other members' training progress, as this node last heard it (acks, gossip, push-pull).
+
+What it decides: the (step, phase, step time) on record for each member, how fresh it is (``seen_at``)
+and since when that (step, phase) is current (``since``: the start of a stall, for the hang check), and
+which records ride on the next outgoing packet (round robin).
+
+Sources: an ack's progress is the owner's own word, with the age of its (step, phase) (``stall_ms``), and
+always replaces ours; gossiped records (a version per owner update) replace ours only when newer. Both
+date a stall late, never early, so the earliest estimate is kept while the (step, phase) stays the same.
+"""
+
+from __future__ import annotations
+
+from gossiprec.core.records import ProgressInfo
+from gossiprec.core.wire import Progress
+
+
+class ProgressBook:
+    """The progress records of one membership machine (its own progress is the machine's)."""
+
+    __slots__ = ("records", "names", "_cursor")
+
+    def __init__(self) -> None:
+        self.records: dict[str, ProgressInfo] = {}
+        self.names: list[str] = []
+        """Members with a record, in the order first heard (the piggyback round robin's order)."""
+        self._cursor = 0
+
+    def get(self, name: str) -> ProgressInfo | None:
+        return self.records.get(name)
+
+    def forget(self, name: str) -> None:
+        self.records.pop(name, None)  # (its name leaves the round robin when its turn comes)
+
+    def heard(self, msg: Progress, now: float, direct: bool, stall_ms: int) -> None:
+        """``msg`` arrived: from its owner's ack (``direct``, with the age ``stall_ms``) or by gossip."""
+        cur = self.records.get(msg.name)
+        if cur is None:
+            self.names.append(msg.name)
+        elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
+            return
+        version = msg.version if not direct else (cur.version if cur is not None else 0)
+        # the stall clock starts when the owner's (step, phase) began: an ack's age dates it; gossip only
+        # says it was current by now (both err late, never early, so the earliest estimate is the best)
+        since = now - stall_ms / 1000.0
+        if cur is not None and cur.step == msg.step and cur.phase == msg.phase:
+            since = min(since, cur.since)  # the same (step, phase) again: the stall clock keeps running
+            if direct:
+                self.records[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
+                                                      msg.step_ms, now, since)
+                return
+        self.records[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now,
+                                              since)
+
+    def take_turns(self, want: int) -> list[Progress]:
+        """The next ``want`` records of the round robin, as messages (versionless ones are skipped)."""
+        out: list[Progress] = []
+        names = self.names
+        while names and want > 0:
+            if self._cursor >= len(names):
+                self._cursor = 0
+            name = names[self._cursor]
+            info = self.records.get(name)
+            if info is None:
+                names.pop(self._cursor)
+                continue
+            self._cursor += 1
+            want -= 1
+            if info.version > 0:
+                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms))
+        return out
