@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test install sim-seeds bench clean
+.PHONY: demo test lint install sim-seeds bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,7 +20,13 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/python -m gossiprec demo
 
-test: install
+# Lint (ruff: gossiprec and tests; mypy --strict: the sans-IO core and the trainer<->agent contract), then
+# every test.
+lint: install
+	$(BIN)/ruff check gossiprec tests
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q -ra
 
 # Thousands of simulator seeds per scenario (not part of CI; tens of minutes).

@@ -392,7 +392,7 @@ async def test_the_loop_timer_follows_the_loop(sockdir: str) -> None:
             m = agent.machine
             assert m is not None
             first = m.next_deadline()
-            await agent.wait_until(lambda: m.next_deadline() > first, 5)  # a tick moved it on
+            await agent.wait_until(lambda m=m, first=first: m.next_deadline() > first, 5)  # a tick moved it on
 
 
 def test_settings_default_keyring_and_addresses(tmp_path: Path) -> None:

@@ -63,7 +63,7 @@ def test_sigkill_one_of_16_agents_all_survivors_install_the_same_view(tmp_path: 
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         for p, sock in zip(procs, socks):
             try:
-                _wait(lambda: _status(sock)["view"]["epoch"] == 0, 30, f"agent at {sock}")
+                _wait(lambda sock=sock: _status(sock)["view"]["epoch"] == 0, 30, f"agent at {sock}")
             except AssertionError:
                 p.kill()
                 raise AssertionError(p.communicate(timeout=5)[1].decode()[-2000:]) from None

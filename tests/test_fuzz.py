@@ -769,7 +769,7 @@ async def test_fuzz_live_control_socket(sockdir: str, control_log: Records) -> N
             return [_send_raw(path, data, reset) for data, reset in batch]
 
         outs = await asyncio.to_thread(run_batch)
-        for (data, reset), out in zip(batch, outs):
+        for (_data, reset), out in zip(batch, outs):
             if not reset:
                 ok, _ = check_replies(out, events=True)
                 answered += ok

@@ -219,7 +219,8 @@ class Harness:
         out = []
         for name in NAMES:
             keep = [f"{e['event']}@{e.get('at', 0):.2f}" + (f"(e{e['epoch']} {e.get('members')} removed "
-                                                             f"{e.get('removed')}{' STOPPED' if e.get('stopped') else ''})"
+                                                             f"{e.get('removed')}"
+                                                             f"{' STOPPED' if e.get('stopped') else ''})"
                                                              if e["event"] == "ViewInstalled" else
                                                              f"({e.get('reason', e.get('subject', ''))})")
                     for e in self.events[name]

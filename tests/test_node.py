@@ -28,7 +28,8 @@ from gossiprec.core.topology import JobTopology
 from gossiprec.core.consensus import change_rows
 from gossiprec.core.view import REMOVE, Change, View, ViewMember, changes_digest
 from gossiprec.core.wire import (
-    UNREACHABLE, Ack, Alert, Dead, Decided, IndirectPing, Nack, Ping, Votes, ViewDelta, ViewRequest, ViewState, decode_packet, encode_packet,
+    UNREACHABLE, Ack, Alert, Dead, Decided, IndirectPing, Nack, Ping, Votes, ViewDelta, ViewRequest, ViewState,
+    decode_packet, encode_packet,
 )
 from gossiprec.sim.agree import AgreeParams, run_agreement
 from gossiprec.sim.network import Network
@@ -509,11 +510,13 @@ def test_late_spares_join() -> None:
 def test_same_params_same_result() -> None:
     p = dict(scenario="crash", nodes=10, spares=2, seed=5, duration=8.0)
     a, b = agree(**p), agree(**p)
-    a.pop("wall_s"); a.pop("cpu_s")
-    b.pop("wall_s"); b.pop("cpu_s")
+    for r in (a, b):
+        r.pop("wall_s")
+        r.pop("cpu_s")
     assert a == b
     c = agree(**{**p, "seed": 6})
-    c.pop("wall_s"); c.pop("cpu_s")
+    c.pop("wall_s")
+    c.pop("cpu_s")
     assert c != a  # and the seed matters
 
 
@@ -529,7 +532,8 @@ def partitions() -> Iterator[dict[int, tuple[dict[str, Any], set[str], set[str]]
             calls: list[list[set[int]]] = []
             original = Network.partition
 
-            def record(self: Network, groups: Any, one_way: bool = False) -> None:
+            def record(self: Network, groups: Any, one_way: bool = False, calls: list[list[set[int]]] = calls,
+                       original: Any = original) -> None:
                 calls.append([set(g) for g in groups])
                 original(self, groups, one_way)
 
@@ -679,3 +683,34 @@ def test_the_job_end_reaches_every_member_and_nothing_is_decided_after_it() -> N
     net.run(4.0)
     assert not [e for _, _, e in net.events if isinstance(e, ViewInstalled)] and not net.plans()
     assert not net.nodes["n3"].fenced and not net.nodes["n4"].fenced
+
+
+def test_only_a_trainer_of_the_view_can_end_the_job() -> None:
+    from gossiprec.core.events import JobFinished
+
+    net = MiniNet(["n0", "n1", "n2", "n3"], spares=1)
+    net.run(1.0)
+    net.nodes["n3"].finish(30, net.now)  # a spare's word: it trains nothing
+    net.run(1.2)
+    assert not [e for _, _, e in net.events if isinstance(e, JobFinished)]
+    assert net.nodes["n3"].counters.get("rx_job_done_not_a_trainer") == 1
+    assert all(node.finished is None for node in net.nodes.values())
+    # nor does one that names a spare as its sender count, wherever it comes from
+    from gossiprec.core.wire import JobDone, encode_packet
+
+    net.nodes["n0"].receive(encode_packet([JobDone(0, 30, "n3")]), net.now)
+    assert net.nodes["n0"].finished is None and net.nodes["n0"].counters.get("rx_job_done_not_a_trainer") == 1
+
+
+def test_a_report_held_for_a_view_that_removed_us_is_dropped() -> None:
+    net = MiniNet(["n0", "n1", "n2", "n3"])
+    net.run(1.0)
+    _in_optimizer(net, 5)
+    net.nodes["n1"].leave(net.now)
+    net.run(1.2)
+    n0 = net.nodes["n0"]
+    assert n0.aggregates.held_until is not None  # held for view 1
+    n0.aggregates.start_view(net.now)  # what a newer view's install does
+    assert n0.aggregates.held_until is None
+    n0.tick(net.now + 1.0)  # the hold's timer fires with nothing to report: no error
+    assert n0.counters.get("machine_errors", 0) == 0

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from gossiprec.core.config import AgreementConfig
-from gossiprec.core.wire import PHASES
 from gossiprec.harness.faults import Fault, FaultInjector
 from gossiprec.harness.scenario import run_scenario
 from gossiprec.harness.workload import build, load_checkpoint, objects_of, reference_state, save_checkpoint
@@ -205,7 +204,6 @@ def test_donor_killed_mid_transfer_then_hang_shrinks(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif("waiting" not in PHASES, reason="needs the 'waiting' phase in gossiprec/core/wire.py PHASES")
 def test_hang_inside_the_allreduce_is_found(tmp_path: Path) -> None:
     # n1 freezes right after issuing its all-reduce: every rank last reported "communicate", so only
     # the survivor's "waiting" report (alive, waiting on peers) tells the agents which rank is hung

@@ -95,7 +95,8 @@ FIELD_OK: dict[str, Callable[[Any], bool]] = {
     "src_addr": _addr, "target_addr": _addr, "addr": _addr,
     "nack": lambda v: type(v) is bool, "join": lambda v: type(v) is bool, "reply": lambda v: type(v) is bool,
     "step": lambda v: _is_int(v, -1, 2**62), "phase": lambda v: _is_int(v, 0, len(PHASES) - 1),
-    "step_ms": lambda v: _is_int(v, 0, 2**31 - 1), "stall_ms": lambda v: _is_int(v, 0, 2**31 - 1), "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
+    "step_ms": lambda v: _is_int(v, 0, 2**31 - 1), "stall_ms": lambda v: _is_int(v, 0, 2**31 - 1),
+    "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
     "members": lambda v: type(v) is tuple and len(v) <= MAX_MEMBERS and all(_row(r) for r in v),
 }
 CORE_TYPES = (Ping, IndirectPing, Ack, Nack, Alive, Suspect, Dead, Progress, PushPull)
@@ -172,7 +173,7 @@ def test_sample_messages_are_slotted_values() -> None:
     for msg in SAMPLES:
         assert not hasattr(msg, "__dict__")
         with pytest.raises(AttributeError):
-            setattr(msg, "not_a_field", None)
+            msg.not_a_field = None  # type: ignore[attr-defined]
         twin = decode_packet(encode_packet([msg]), BIG)[0]
         assert twin == msg and twin is not msg
         try:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gossiprec import __version__
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
+from gossiprec.local.protocol import ViewBrief
 
 if TYPE_CHECKING:
     from gossiprec.agent.pump import Agent
@@ -93,10 +94,7 @@ def view_status(machine: Machine | None) -> dict[str, Any]:
         return {"view": None}
     plan = machine.plan
     return {
-        "view": {"epoch": view.epoch, "config_id": view.config_id,
-                 "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in view.members],
-                 "replica_groups": [list(g) for g in view.topology.replica_groups],
-                 "stopped": view.stopped},
+        "view": ViewBrief.from_view(view).to_wire(),
         "fenced": machine.fenced or None,
         "plan": plan.to_dict() if plan is not None else None,
         "plan_wire": plan.to_wire() if plan is not None else None,

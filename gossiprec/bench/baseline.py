@@ -325,7 +325,8 @@ def worker_main(args: argparse.Namespace) -> int:
             out.with_suffix(".t1").write_text(repr(t1))
     out.with_suffix(".json").write_text(json.dumps({
         "rank": rank, "attempt": attempt, "step": step, "commits": commits, "busy_s": busy, "saves_s": saves,
-        "resumed_from": resumed_from, "t_main": t_main, "t_torch": t_torch, "t_built": t_built, "t_pg": t_pg, "t_loaded": t_loaded,
+        "resumed_from": resumed_from, "t_main": t_main, "t_torch": t_torch, "t_built": t_built, "t_pg": t_pg,
+        "t_loaded": t_loaded,
         "state_sha256": state_sha256(model, opt, cursor, step)}))
     dist.destroy_process_group()
     return 0

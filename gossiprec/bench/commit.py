@@ -22,9 +22,9 @@ refuse a torn snapshot). So the figures are the commit's cost alone.
 
 Report: per mode the median, p10 and p90 step time (host wall clock from one step's end to the next's,
 the device synchronised at each step's end: nothing the commit leaves running escapes the timing, since
-the next optimizer step waits for it) and the overhead against ``none`` (ratio of medians minus one), the state size, and
-``snapshot_identical``: the last deferred snapshot, once settled, holds the bytes a synchronous capture
-of the same step gives (crc32 of every tensor).
+the next optimizer step waits for it) and the overhead against ``none`` (ratio of medians minus one),
+the state size, and ``snapshot_identical``: the last deferred snapshot, once settled, holds the bytes a
+synchronous capture of the same step gives (crc32 of every tensor).
 """
 
 from __future__ import annotations

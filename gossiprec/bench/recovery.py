@@ -337,7 +337,8 @@ def run_config(spec: RecoverySpec, say: Callable[[str], None] = lambda m: None) 
     root.mkdir(parents=True, exist_ok=True)
     results: list[TrialResult] = []
     failed = False
-    say(f"recovery bench: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; {spec.ranks} ranks + {spec.spares} spare, hidden {spec.width} "
+    say(f"recovery bench: load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus; {spec.ranks} ranks + "
+        f"{spec.spares} spare, hidden {spec.width} "
         f"(~{12 * state_params(spec.width) / 1e6:.1f} MB of state), {spec.trials} trial(s), "
         f"step {spec.step_ms} ms, workdir {root}")
     try:
@@ -369,7 +370,8 @@ def summarize(spec: RecoverySpec, results: Sequence[TrialResult], workdir: str |
     state_bytes = ok[0].state_bytes if ok else 0
     report: dict[str, Any] = {
         "bench": "recovery", "ranks": spec.ranks, "spares": spec.spares, "trials": spec.trials,
-        "cpu_count": os.cpu_count(), "loadavg_1m_end": round(os.getloadavg()[0], 2), "state_mb_requested": spec.state_mb, "hidden": spec.width,
+        "cpu_count": os.cpu_count(), "loadavg_1m_end": round(os.getloadavg()[0], 2),
+        "state_mb_requested": spec.state_mb, "hidden": spec.width,
         "layers": LAYERS, "state_bytes": state_bytes, "step_ms": spec.step_ms, "exact": spec.exact,
         "kill_at": spec.kill_at, "post_steps": spec.post_steps,
         "rto_s": rto,

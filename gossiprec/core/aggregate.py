@@ -69,6 +69,7 @@ class Aggregates:
         """This member's state report for the current view waits until then (see ``report_hold``)."""
 
     def start_view(self, now: float) -> None:
+        self.held_until = None  # a report held for the last view is moot
         self.reports = {}
         self.have = 0
         self.need = None
@@ -97,7 +98,8 @@ class Aggregates:
     def maybe_report(self, now: float) -> None:
         """The held report goes out once the trainer committed its step or stopped, or at the deadline."""
         v, until = self.node.view, self.held_until
-        if until is None or v is None:
+        if until is None or v is None or v.basis is None or not v.is_holder(self.node.name):
+            self.held_until = None  # no longer ours to report (removed from the view, say)
             return
         if self.trainer_finishing() and now < until:
             # the pump reads the trainer before each tick
@@ -228,7 +230,7 @@ class Aggregates:
             # A subject of ours that has not confirmed our plan's digest may lack a report: the rounds
             # above reach it only by chance (each re-broadcast goes to a few random members). Its K
             # observers send it the reports directly, so a member that missed a bit gets it within a
-            # round (seen in the simulator: one member waited out the whole run for one report).
+            # round instead of waiting, perhaps for good, for a lucky re-broadcast.
             confirmed = self.digests.get(bytes.fromhex(self.plan_hex), 0)
             for s in node.observer.subjects:
                 idx = v.index(s)

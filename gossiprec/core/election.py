@@ -35,19 +35,19 @@ Steps, in order (ranks are *old* ranks until step 3, *new* ranks in the plan):
    the global minimum and its own newest (lockstep training: survivors at most one step apart), this
    is "min over groups of the newest step the group holds"; unlike that formula it never picks a step
    some group cannot serve (state never rolls back). A holder not at the target (behind, or ahead
-   with no copy of it) receives the target state like a replacement does. A group without any holder, or an empty intersection, makes the plan
-   ``checkpoint``: the user's checkpoint-load callback restores the job; assignment and shrink still
-   apply.
-5. **Transfers.** Per replica group, the *donors* are the group's holders that can serve it and report the group's size ``B``, the most
-   common ``state_bytes`` among those holders (ties to the smaller size): replicas are bit-identical,
-   so a holder at the target with another size is suspect and receives too, and stripes from several
-   donors always fit together. The *receivers* are the group's new-world ranks that are not donors:
-   replacement spares, survivors behind or ahead of the target, survivors without a usable report.
-   With fewer donors than receivers, donor ``i`` serves receivers ``i, i+d, i+2d, ...`` (every donor
-   busy, loads differ by at most one). With at least as many donors, donors are dealt round-robin to
-   receivers, so each serves one receiver and a receiver's transfer is striped over up to
-   ``max_stripes`` donors (and at most ``state_bytes // min_stripe_bytes``, at least 1). Stripe ``j`` of
-   ``k`` covers ``[B*j//k, B*(j+1)//k)``, which tiles ``[0, B)`` exactly.
+   with no copy of it) receives the target state like a replacement does. A group without any holder,
+   or an empty intersection, makes the plan ``checkpoint``: the user's checkpoint-load callback
+   restores the job; assignment and shrink still apply.
+5. **Transfers.** Per replica group, the *donors* are the group's holders that can serve it and report
+   the group's size ``B``, the most common ``state_bytes`` among those holders (ties to the smaller
+   size): replicas are bit-identical, so a holder at the target with another size is suspect and
+   receives too, and stripes from several donors always fit together. The *receivers* are the group's
+   new-world ranks that are not donors: replacement spares, survivors behind or ahead of the target,
+   survivors without a usable report. With fewer donors than receivers, donor ``i`` serves receivers
+   ``i, i+d, i+2d, ...`` (every donor busy, loads differ by at most one). With at least as many donors,
+   donors are dealt round-robin to receivers, so each serves one receiver and a receiver's transfer is
+   striped over up to ``max_stripes`` donors (and at most ``state_bytes // min_stripe_bytes``, at least
+   1). Stripe ``j`` of ``k`` covers ``[B*j//k, B*(j+1)//k)``, which tiles ``[0, B)`` exactly.
 6. **Store node.** The rendezvous store of the new epoch runs on a trainer of the new world, chosen by
    rendezvous (highest-random-weight) hashing: ``sha256(msgpack(["gossiprec.store/1", epoch, node]))``
    is highest, skipping ``previous_store`` unless it is the only trainer. No fixed machine, spread over
@@ -191,7 +191,8 @@ class Plan:
             plan = cls(
                 epoch=_int(epoch, "epoch"), action=_action(action), reason=_str(reason, "reason"),
                 world_size=_int(world, "world_size"), replica_groups=_groups(groups, "replica_groups"),
-                assignment=_pairs(assignment, "assignment", str), replacements=_pairs(replacements, "replacements", str),
+                assignment=_pairs(assignment, "assignment", str),
+                replacements=_pairs(replacements, "replacements", str),
                 transfers=tuple(_transfer(t) for t in _list(transfers, "transfers")),
                 target_step=None if target is None else _int(target, "target_step"),
                 rank_remap=_pairs(remap, "rank_remap", int),

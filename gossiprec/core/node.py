@@ -149,8 +149,8 @@ class Node:
                 continue  # armed for an earlier view: that agreement is over
             _TIMER_HANDLERS[kind](self, now)
         if heap and heap[0][2] == timers.WATCH and heap[0][0] <= now + WATCH_EARLY:
-            # the watchdog rides on this tick rather than waking the process on its own (an idle agent
-            # ticks ~10 times a second for its probes; the 4 Hz watchdog was 4 more wake-ups)
+            # the watchdog rides on this tick rather than waking the process on its own: an idle agent
+            # ticks for its probes anyway, and every wake-up of its own costs CPU
             heapq.heappop(heap)
             self._watch(now)
 
@@ -504,8 +504,14 @@ class Node:
 
     # ------------------------------------------------------------------ the job's end, the watchdog
     def _on_job_done(self, msg: JobDone, now: float) -> None:
-        """Any epoch's word counts (the job's end does not depend on the view it was seen in); once."""
+        """A trainer of the view we hold says training is over: once, whatever epoch it names (the job's
+        end does not depend on the view it was seen in). Anyone else's word is counted and dropped."""
         if self.finished is not None:
+            return
+        v = self.view
+        src = v.member(msg.src) if v is not None else None
+        if src is None or src.role != "trainer":
+            self.counters["rx_job_done_not_a_trainer"] = self.counters.get("rx_job_done_not_a_trainer", 0) + 1
             return
         self.finished = msg.step
         self.aggregates.held_until = None

@@ -267,9 +267,8 @@ class Message:
 
     Messages are values: never assign to a field (decoded gossip records are cached and shared by every
     receiver in a process). They are not ``frozen`` dataclasses only for speed: a frozen dataclass
-    sets each field through ``object.__setattr__``, 2.2 us to build a 7-field Ack against 0.4 us here
-    (Python 3.11), and the simulator builds millions of them (N = 2,000 for 20 virtual seconds: 30.0 ->
-    27.2 us per event). Equality and hashing are still by value (``unsafe_hash``)."""
+    sets each field through ``object.__setattr__``, several times slower to build, and the simulator
+    builds millions of them. Equality and hashing are still by value (``unsafe_hash``)."""
 
     TYPE: ClassVar[int]
     FIELDS: ClassVar[tuple[str, ...]]

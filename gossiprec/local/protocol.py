@@ -3,8 +3,8 @@
 Frames in both directions are a 4-byte big-endian length followed by one msgpack map. A connection
 starts with a handshake::
 
-    -> {"op": "hello", "version": 1}
-    <- {"ok": true, "version": 1, "node": NAME, "max_frame": BYTES}
+    -> {"op": "hello", "version": 2}
+    <- {"ok": true, "version": 2, "node": NAME, "max_frame": BYTES}
 
 then requests, each optionally carrying an ``"id"`` (int or string) echoed in its reply, and
 ``"noreply": true`` to skip the reply on success (errors are always answered)::
@@ -21,9 +21,11 @@ then requests, each optionally carrying an ``"id"`` (int or string) echoed in it
 
 Replies are ``{"ok": true, "id": ID, ...}`` or ``{"ok": false, "id": ID, "error": CODE, "message": TEXT}``.
 A subscribed connection also receives every event of the protocol machine as
-``{"event": ClassName, field: value, ...}`` (:func:`event_to_dict`: dataclasses turned into maps
-generically, so new machine events need no change here), interleaved with replies; replies never
-carry an ``"event"`` key.
+``{"event": ClassName, field: value, ...}`` (:func:`event_to_dict`; a plan in its wire form,
+:meth:`~gossiprec.core.election.Plan.to_wire`), interleaved with replies; replies never carry an
+``"event"`` key. :func:`decode_event` reads such a frame back as the core's event object, every
+field checked against the event class's own annotations: the trainer matches on those classes, so
+the two sides share one definition. A peer of another version is refused at the handshake.
 
 Error codes: ``bad_frame`` (a length of 0 or above the limit), ``bad_msgpack``, ``bad_request`` (not a
 map with a string ``op``), ``bad_handshake``, ``unsupported_version``, ``unknown_op``, ``timeout``,
@@ -37,12 +39,20 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from typing import Any, Mapping
+import types
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
 
 import msgpack
 
+from gossiprec.core import events as core_events
+from gossiprec.core.election import Plan
 from gossiprec.core.wire import PHASES
-from gossiprec.errors import ProtocolError
+from gossiprec.errors import DecodeError, ProtocolError
+
+if TYPE_CHECKING:
+    from gossiprec.core.view import View
 
 CONTROL_VERSION = 2
 MAX_REQUEST_FRAME = 1024 * 1024
@@ -118,6 +128,116 @@ def event_to_dict(event: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         body = {"value": body}
     return {"event": type(event).__name__, **body}
+
+
+@dataclass(frozen=True, slots=True)
+class MemberBrief:
+    """One member of a view as a trainer needs it."""
+
+    node: str
+    role: str
+    rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ViewBrief:
+    """The agreed view as the ``status`` reply carries it (``view``), read back by :meth:`from_wire`."""
+
+    epoch: int
+    config_id: str
+    members: tuple[MemberBrief, ...]
+    replica_groups: tuple[tuple[int, ...], ...]
+    stopped: str
+
+    @classmethod
+    def from_view(cls, view: View) -> ViewBrief:
+        return cls(view.epoch, view.config_id, tuple(MemberBrief(m.node, m.role, m.rank) for m in view.members),
+                   tuple(tuple(g) for g in view.topology.replica_groups), view.stopped)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "config_id": self.config_id,
+                "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in self.members],
+                "replica_groups": [list(g) for g in self.replica_groups], "stopped": self.stopped}
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> ViewBrief:
+        """:class:`~gossiprec.errors.DecodeError` for anything but what :meth:`to_wire` writes."""
+        try:
+            if not isinstance(obj, dict):
+                raise TypeError("a view is a map")
+            members = tuple(MemberBrief(_typed(m["node"], str), _typed(m["role"], str), _typed(m["rank"], int | None))
+                            for m in obj["members"])
+            groups = tuple(tuple(_typed(r, int) for r in g) for g in obj["replica_groups"])
+            return cls(_typed(obj["epoch"], int), _typed(obj["config_id"], str), members, groups,
+                       _typed(obj["stopped"], str))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DecodeError("bad_view", f"the status reply's view: {exc!r}") from None
+
+    def member(self, node: str) -> MemberBrief | None:
+        return next((m for m in self.members if m.node == node), None)
+
+    @property
+    def world_size(self) -> int:
+        return sum(1 for m in self.members if m.role == "trainer")
+
+    def node_of_rank(self, rank: int) -> str | None:
+        return next((m.node for m in self.members if m.role == "trainer" and m.rank == rank), None)
+
+
+EVENT_TYPES: dict[str, type[core_events.CoreEvent]] = {
+    cls.__name__: cls for cls in vars(core_events).values()
+    if isinstance(cls, type) and issubclass(cls, core_events.CoreEvent) and cls is not core_events.CoreEvent
+}
+"""The core's events by class name: what :func:`decode_event` reads back."""
+_FIELDS: dict[type, list[tuple[str, Any, bool]]] = {}
+
+
+def decode_event(frame: Mapping[str, Any]) -> core_events.CoreEvent | None:
+    """The core event an event frame (:func:`event_to_dict`) carries; None for an event that is not the
+    core's (the agent's own). :class:`~gossiprec.errors.DecodeError` when a field is missing or of
+    another type than the event class declares."""
+    name = frame.get("event")
+    cls = EVENT_TYPES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        return None
+    fields = _FIELDS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls, localns={"Plan": Plan})  # events name Plan for type checkers only
+        fields = _FIELDS[cls] = [(f.name, hints[f.name], f.default is not dataclasses.MISSING)
+                                 for f in dataclasses.fields(cls)]
+    args: dict[str, Any] = {}
+    for field, hint, optional in fields:
+        if field not in frame:
+            if optional:
+                continue
+            raise DecodeError("bad_event", f"{name} without its {field}")
+        try:
+            args[field] = _typed(frame[field], hint)
+        except (TypeError, ValueError) as exc:
+            raise DecodeError("bad_event", f"{name}.{field}: {exc}") from None
+    return cls(**args)
+
+
+def _typed(value: Any, hint: Any) -> Any:
+    """``value`` (msgpack-decoded) as the annotated type ``hint``, or TypeError/ValueError."""
+    if hint is Plan:
+        return Plan.from_wire(value)
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        return _typed(value, next(o for o in options if o is not type(None)))
+    if origin is tuple:
+        if type(value) not in (list, tuple):
+            raise TypeError(f"expected a list, got {type(value).__name__}")
+        item = typing.get_args(hint)[0]
+        return tuple(_typed(v, item) for v in value)
+    if hint is float and type(value) in (int, float):
+        return float(value)
+    if hint in (int, str, bool) and type(value) is hint:
+        return value
+    raise TypeError(f"expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
 
 
 # --- checks -----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def quantiles(values: Sequence[float]) -> dict[str, float | None]:
 
 @dataclass(slots=True)
 class DetectionMetrics:
-    """Observer of membership events; see the issue's definitions of the figures."""
+    """Observer of membership events; the figures are defined in ``gossiprec sim --help``."""
 
     names: list[str]
     index_of: dict[str, int]

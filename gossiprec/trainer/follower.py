@@ -17,11 +17,16 @@ import time
 from typing import Any, Callable
 
 from gossiprec.core.election import Plan
+from gossiprec.core.events import (
+    AlertRaised, CoreEvent, Fenced, JobFinished, MemberFailed, MemberLeft, MemberSuspected, PlanReady, ViewInstalled,
+)
+from gossiprec.errors import DecodeError
 from gossiprec.local.client import ControlClient
-from gossiprec.local.protocol import ControlError
+from gossiprec.local.protocol import ControlError, ViewBrief, decode_event
 from gossiprec.trainer.settings import CONTROL_TIMEOUT
 
-FAILURE_EVENTS = frozenset({"MemberFailed", "MemberLeft", "AlertRaised", "MemberSuspected"})
+FAILURE_EVENTS = (MemberFailed, MemberLeft, AlertRaised, MemberSuspected)
+"""The events that date a failure's detection (the recovery's timeline)."""
 
 
 class Follower:
@@ -74,8 +79,15 @@ class Follower:
                     if not self._closed.is_set():
                         self.set_lost(f"agent connection lost: {exc}")
                     return
-                if ev is not None:
-                    self.on_event(ev)
+                if ev is None:
+                    continue
+                try:
+                    event = decode_event(ev)
+                except DecodeError as exc:  # the agent of this very version sent it: a bug, say so
+                    self.set_lost(f"the agent sent an event this trainer cannot read ({exc})")
+                    return
+                if event is not None:
+                    self.on_event(event)
 
     def set_lost(self, why: str) -> None:
         with self.cond:
@@ -83,39 +95,35 @@ class Follower:
             self.cond.notify_all()
         self._abort(why)
 
-    def on_event(self, ev: dict[str, Any]) -> None:
-        kind = ev.get("event")
-        now = time.monotonic()
-        if kind in FAILURE_EVENTS:
-            at = float(ev["at"]) if isinstance(ev.get("at"), (int, float)) else now
+    def on_event(self, ev: CoreEvent) -> None:
+        if isinstance(ev, FAILURE_EVENTS):
             with self.cond:
-                self.failure_events = [*self.failure_events[-63:], at]
+                self.failure_events = [*self.failure_events[-63:], ev.at]
             return
-        if kind == "ViewInstalled":
-            epoch = int(ev["epoch"])
+        if isinstance(ev, ViewInstalled):
             with self.cond:
-                if epoch > self.newest_view:
-                    self.newest_view = epoch
-                    self.last_view_at = float(ev.get("at", now))
-                if ev.get("stopped"):
-                    self.stopped = str(ev["stopped"])
+                if ev.epoch > self.newest_view:
+                    self.newest_view = ev.epoch
+                    self.last_view_at = ev.at
+                if ev.stopped:
+                    self.stopped = ev.stopped
                 self.cond.notify_all()
-            self._abort_older(epoch, f"view {epoch} installed")
-        elif kind == "PlanReady":
-            plan = Plan.from_wire(ev.get("plan"))
+            self._abort_older(ev.epoch, f"view {ev.epoch} installed")
+        elif isinstance(ev, PlanReady):
+            plan = ev.plan
             with self.cond:
                 self.plans[plan.epoch] = plan
-                self.planned_at[plan.epoch] = float(ev.get("at", now))
+                self.planned_at[plan.epoch] = ev.at
                 self.newest_view = max(self.newest_view, plan.epoch)
                 self.cond.notify_all()
             self._on_plan(plan)
-        elif kind == "JobFinished":
+        elif isinstance(ev, JobFinished):
             with self.cond:
-                self.finished = int(ev.get("step", -1))
+                self.finished = ev.step
                 self.cond.notify_all()
-        elif kind == "Fenced":
+        elif isinstance(ev, Fenced):
             with self.cond:
-                self.fenced = str(ev.get("reason", "fenced"))
+                self.fenced = ev.reason or "fenced"
                 self.cond.notify_all()
             self._abort(f"fenced: {self.fenced}")
 
@@ -124,11 +132,12 @@ class Follower:
         the job (when newer than ``epoch``), and its plan if not known yet."""
         wire = st.get("plan_wire")
         plan = Plan.from_wire(wire) if wire is not None else None
-        view = st.get("view") or {}
+        view = ViewBrief.from_wire(st["view"]) if st.get("view") else None
         with self.cond:
-            self.newest_view = max(self.newest_view, int(view.get("epoch", -1)))
-            if view.get("stopped") and int(view.get("epoch", -1)) > epoch:
-                self.stopped = str(view["stopped"])
+            if view is not None:
+                self.newest_view = max(self.newest_view, view.epoch)
+                if view.stopped and view.epoch > epoch:
+                    self.stopped = view.stopped
             if plan is not None and plan.epoch not in self.plans:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = time.monotonic()

@@ -17,8 +17,9 @@ is ``work.wait(timeout)``, which returns the moment the work completes; elsewher
 (5 ms by default) and raises :class:`CollectiveAborted`; so does the backend's own error when a peer
 dies (gloo reports a reset connection; the original exception is the ``__cause__``) and a per-call
 ``timeout``. A group that raised is poisoned: every later collective on it raises at once. Gloo's own
-report is best effort: it comes only when the dead rank was exchanging data with this one; a rank that died before its first byte, or a rank waiting on
-another survivor, hangs until the timeout. The agent's abort is what bounds recovery time.
+report is best effort: it comes only when the dead rank was exchanging data with this one; a rank that
+died before its first byte, or a rank waiting on another survivor, hangs until the timeout. The agent's
+abort is what bounds recovery time.
 
 Two facts of torch's gloo backend shape the design: abort/shutdown/destroy of a group from another
 thread does not unblock a thread stuck in it, and dropping the last reference to a hung group blocks

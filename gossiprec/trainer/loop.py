@@ -51,12 +51,12 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.local.client import ControlClient
-from gossiprec.local.protocol import ControlError
+from gossiprec.local.protocol import ControlError, ViewBrief
 from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.checks import ReplicaChecks
 from gossiprec.trainer.config import TrainerConfig
@@ -197,28 +197,29 @@ class ResilientTrainer:
                           "another trainer in this process holds it, or no robust mutexes here)")
             except ConfigError as exc:
                 log.warning("progress goes through the control socket: %s", exc)
-        view = status.get("view")
-        if not view:
+        if not status.get("view"):
             raise ConfigError("the agent has no view: start it with a job spec (`--job job.toml`)")
-        me = next((m for m in view["members"] if m["node"] == self.node), None)
+        view = ViewBrief.from_wire(status["view"])
+        me = view.member(self.node)
         if me is None:
-            raise ConfigError(f"node {self.node} is not in view {view['epoch']}; check the job spec")
+            raise ConfigError(f"node {self.node} is not in view {view.epoch}; check the job spec")
         self._peers.refresh()
         _, my_port = self._peers.agent_of(self.node)
         self._peers.store_server, _ = start_store_server(config.bind_host, my_port + config.store_offset,
                                                          timeout=config.timeout)
         self._donor = DonorServer(self._serve, self.key, config.bind_host, my_port + config.donor_offset).start()
-        self._follower.newest_view = int(view["epoch"])
+        self._follower.newest_view = view.epoch
         self._follower.start()
-        self.role = str(me["role"])
-        if view.get("stopped"):
-            raise JobStopped(f"the job stopped in view {view['epoch']} ({view['stopped']})")
-        if self.role == "trainer" and int(view["epoch"]) == 0:
-            self.rank, self.world_size, self.epoch = int(me["rank"]), _world_of(view), 0
-            self._checks.groups = replica_groups_of(view.get("replica_groups"), self.world_size)
+        self.role = me.role
+        if view.stopped:
+            raise JobStopped(f"the job stopped in view {view.epoch} ({view.stopped})")
+        if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
+            self.rank, self.world_size, self.epoch = me.rank, view.world_size, 0
+            self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
             self._job.world_size = self.world_size
             self._commit_snapshot(0)
-            rank0 = next(m["node"] for m in view["members"] if m["role"] == "trainer" and m["rank"] == 0)
+            rank0 = view.node_of_rank(0)
+            assert rank0 is not None  # view 0 gives ranks 0..world-1 (checked where it is made)
             self.groups = EpochGroups(self._peers.store_for(rank0), backend=config.backend,
                                       timeout=config.timeout, poll_interval=config.poll_interval)
             try:
@@ -230,7 +231,7 @@ class ResilientTrainer:
             # No group yet: the plan of the current view is still to be applied by this process. A spare
             # whose trainer comes up after the view that promoted it (a slow start on a loaded machine)
             # must take that plan, not wait for a newer one while the survivors wait for it.
-            self.epoch = int(view["epoch"]) - 1
+            self.epoch = view.epoch - 1
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval)
             materialize_optimizers(self.objects)
@@ -337,7 +338,8 @@ class ResilientTrainer:
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
         """End of training: a last barrier (errors ignored), tell the agents the job is done (unused
-        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.recovery.JobFinished`), stop following the agent.
+        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.recovery.JobFinished`),
+        stop following the agent.
 
         ``exit_code``: end the process with ``os._exit`` (no interpreter teardown): a retired group
         hung in the graveyard would block in its destructor otherwise.
@@ -438,6 +440,3 @@ class ResilientTrainer:
         except ControlError as exc:
             self._follower.lost = str(exc)
 
-
-def _world_of(view: Mapping[str, Any]) -> int:
-    return sum(1 for m in view["members"] if m["role"] == "trainer")
