@@ -120,7 +120,8 @@ def _wait(cond, timeout: float, what: str, cluster: SlurmCluster, job: str) -> N
     deadline = time.monotonic() + timeout
     while not cond():
         state = cluster.job_state(job)[0]
-        if time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING"):
+        # the condition is read again after the state: the job may have ended right after it was first read
+        if (time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING")) and not cond():
             raise AssertionError(f"{what}: not within {timeout:.0f} s (job {state})\n{cluster.logs()}")
         time.sleep(0.05)
 

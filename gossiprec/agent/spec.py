@@ -21,6 +21,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -145,20 +146,34 @@ def to_toml(slots: Sequence[Slot], *, allow_shrink: bool = False) -> str:
     return "\n".join(lines)
 
 
-def resolver(overrides: Mapping[str, str], slurm: bool) -> Callable[[str], str]:
-    """Host name -> address: ``overrides`` first, then the resolver, then (``slurm``) Slurm's NodeAddr."""
+def resolver(overrides: Mapping[str, str], slurm: bool, wait: float = 0.0,
+             clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
+             ) -> Callable[[str], str]:
+    """Host name -> address: ``overrides`` first, then the resolver, then (``slurm``) Slurm's NodeAddr.
+    ``wait``: keep asking this many seconds (peers whose DNS records appear as they start, as pods'
+    do), saying once which host it waits for."""
     def address_of(host: str) -> str:
         if host in overrides:
             return overrides[host]
-        try:
-            return socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)[0][4][0]
-        except OSError:
-            pass
-        if slurm:
-            addr = _slurm_node_addr(host)
-            if addr:
-                return addr
-        raise ConfigError(f"cannot resolve host {host!r}; give its address with --addr {host}=ADDRESS")
+        deadline, said = clock() + wait, False
+        while True:
+            try:
+                return socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)[0][4][0]
+            except OSError:
+                pass
+            if slurm:
+                addr = _slurm_node_addr(host)
+                if addr:
+                    return addr
+            if clock() >= deadline:
+                break
+            if not said:
+                print(f"gossiprec spec: waiting up to {wait:.0f} s for {host} to resolve", file=sys.stderr)
+                said = True
+            sleep(min(1.0, max(0.0, deadline - clock())))
+        raise ConfigError(f"cannot resolve host {host!r}"
+                          + (f" within {wait:.0f} s" if wait else "")
+                          + f"; give its address with --addr {host}=ADDRESS")
     return address_of
 
 
@@ -205,7 +220,7 @@ def _cmd(args: argparse.Namespace) -> int:
         if not sep or not name or not addr:
             raise ConfigError(f"--addr takes HOST=ADDRESS, got {item!r}")
         overrides[name] = addr
-    slots = layout(hosts, nproc, args.spares, args.base_port, resolver(overrides, args.slurm))
+    slots = layout(hosts, nproc, args.spares, args.base_port, resolver(overrides, args.slurm, args.resolve_wait))
     text = to_toml(slots, allow_shrink=args.allow_shrink)
     if args.out:
         path = Path(args.out)
@@ -244,6 +259,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="with no spare left, drop data-parallel replicas instead of stopping")
     p.add_argument("--addr", action="append", default=[], metavar="HOST=ADDRESS",
                    help="the address of a host that does not resolve (repeatable)")
+    p.add_argument("--resolve-wait", dest="resolve_wait", type=float, default=0.0, metavar="SECONDS",
+                   help="keep trying to resolve host names this long (peers that are still starting)")
     p.add_argument("--node", default=None, help="this task's host (for --me; default from Slurm)")
     p.add_argument("--local-index", dest="local_index", type=int, default=None,
                    help="this task's index on its host (for --me; default from Slurm)")
