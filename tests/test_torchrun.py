@@ -1,7 +1,8 @@
 """``torchrun --rdzv-backend=gossiprec``: the rendezvous conf planned into slots as ``gossiprec spec`` lays
 them out, the options that defeat in-place recovery refused, handlers that rendezvous through their
 agents with no shared store and leave no thread or socket behind, and a real torchrun launch of three
-nodes (two trainers and a spare) that loses a worker and finishes bit-identical, in place."""
+nodes (two trainers and a spare; two through the entry point, one through ``gossiprec torchrun``) that
+loses a worker and finishes bit-identical, in place."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from gossiprec.agent.spec import layout, to_toml  # noqa: E402
 from gossiprec.agent.torchrun import (  # noqa: E402
     BACKEND, EXIT_BARRIER_DONE, AgentThread, GossiprecRendezvous, create_handler, torchrun_backend,
 )
-from gossiprec.agent.torchrun_conf import check_torchrun_argv, plan_node  # noqa: E402
+from gossiprec.agent.torchrun_conf import check_torchrun_argv, plan_node, wrapper_argv  # noqa: E402
+from gossiprec.cli import build_parser  # noqa: E402
 from gossiprec.core.events import Fenced, ViewInstalled  # noqa: E402
 from gossiprec.errors import ConfigError  # noqa: E402
 from gossiprec.harness.job import read_json  # noqa: E402
@@ -105,6 +107,21 @@ def test_torchrun_options_that_defeat_in_place_recovery_are_refused() -> None:
     check_torchrun_argv(["my_launcher.py", "--nproc-per-node", "2"])  # not torchrun: not ours to judge
 
 
+def test_the_wrapper_passes_torchruns_arguments_through_with_the_backend_named() -> None:
+    args = build_parser("torchrun").parse_args(["torchrun", "--nnodes", "3", "--rdzv-conf", "hosts=n[1-3]",
+                                                "train.py", "--lr", "0.1"])
+    assert args.args == ["--nnodes", "3", "--rdzv-conf", "hosts=n[1-3]", "train.py", "--lr", "0.1"]
+    assert wrapper_argv(args.args) == ["--rdzv-backend", "gossiprec", *args.args]
+    named = ["--rdzv_backend=gossiprec", "train.py", "--rdzv-backend", "c10d"]  # the script's own flag
+    assert wrapper_argv(named) == named
+    with pytest.raises(ConfigError, match="not --rdzv-backend c10d"):
+        wrapper_argv(["--rdzv-backend", "c10d", "train.py"])
+    with pytest.raises(ConfigError, match="--standalone"):
+        wrapper_argv(["--standalone", "train.py"])
+    with pytest.raises(ConfigError, match="--max-restarts 0"):
+        wrapper_argv(["--max-restarts", "1", "train.py"])
+
+
 def test_the_entry_point_registers_a_creator_torchrun_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GOSSIPREC_NODE", raising=False)
     registry = RendezvousHandlerRegistry()
@@ -117,6 +134,13 @@ def test_the_entry_point_registers_a_creator_torchrun_accepts(monkeypatch: pytes
     assert handler.shutdown() and handler.is_closed()  # never started: nothing to stop
     with pytest.raises(RendezvousClosedError):
         handler.next_rendezvous()
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from gossiprec.agent.torchrun import register
+
+    register()
+    register()  # as `gossiprec torchrun` does, beside an entry point discovered already: harmless
+    assert isinstance(rendezvous_handler_registry.create_handler(params), GossiprecRendezvous)
 
 
 class _Events:
@@ -291,11 +315,15 @@ def test_torchrun_loses_a_worker_and_a_spare_takes_its_rank_in_place(tmp_path: P
             worker = (f"exec {sys.executable} -m gossiprec.harness.trainer --steps {steps} --hidden {hidden} "
                       f"--step-ms 20 --go {work}/go --out {work}/$GOSSIPREC_NODE.json{fault}")
             conf = ",".join(f"{k}={v}" for k, v in _conf(base, host=f"n{i}").items())
-            argv = [*_torchrun(), "--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "0",
-                    "--rdzv-backend", "gossiprec", "--rdzv-id", "torchrun-test", "--rdzv-conf", conf,
-                    "--monitor-interval", "0.1", "--no-python", "sh", "-c", worker]
+            common = ["--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-id", "torchrun-test",
+                      "--rdzv-conf", conf, "--monitor-interval", "0.1", "--no-python", "sh", "-c", worker]
+            if i == 3:  # the wrapper: the backend registered in-process, named by default
+                argv = [sys.executable, "-m", "gossiprec", "torchrun", *common]
+                node_env = {**env, "PYTHONPATH": str(ROOT)}  # without the entry point's metadata
+            else:
+                argv, node_env = [*_torchrun(), "--rdzv-backend", "gossiprec", *common], env
             with open(work / f"torchrun-n{i}.log", "wb") as log:
-                procs[f"n{i}-0"] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+                procs[f"n{i}-0"] = subprocess.Popen(argv, env=node_env, stdout=log, stderr=subprocess.STDOUT)
 
         def logs() -> str:
             return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"

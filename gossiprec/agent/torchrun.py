@@ -5,7 +5,8 @@ Theory of operation
 -------------------
 torchrun finds an out-of-tree rendezvous through the ``torchrun.handlers`` entry point group:
 :func:`torchrun_backend` (the entry point ``gossiprec``) returns :func:`create_handler`, which torchrun
-calls with its :class:`RendezvousParameters`. The handler's plan (:mod:`gossiprec.agent.torchrun_conf`)
+calls with its :class:`RendezvousParameters`; ``gossiprec torchrun`` (:func:`launch`) registers the
+same creator in-process instead and runs torchrun's ``main``. The handler's plan (:mod:`gossiprec.agent.torchrun_conf`)
 says which slot of the job this torchrun node is. :meth:`GossiprecRendezvous.next_rendezvous`, on
 torchrun's main thread, then
 
@@ -57,7 +58,7 @@ import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Mapping, MutableMapping, TypeVar
+from typing import Any, Callable, Coroutine, Mapping, MutableMapping, Sequence, TypeVar
 
 from torch.distributed import HashStore, Store  # type: ignore[attr-defined]  # the stubs do not re-export them
 from torch.distributed.elastic.rendezvous import (
@@ -90,6 +91,28 @@ def torchrun_backend() -> Callable[[RendezvousParameters], RendezvousHandler]:
     """The ``torchrun.handlers`` entry point: torchrun calls it with no argument and registers what it
     returns under the entry point's name."""
     return create_handler
+
+
+def register() -> None:
+    """Register the backend in this process's torchrun (what the entry point does); idempotent."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, create_handler)
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Run torchrun on ``argv`` in this process with the backend registered (``gossiprec torchrun``);
+    returns its exit status: 1 when a worker failed (torchrun's report on standard error)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main
+
+    register()
+    try:
+        main(list(argv))
+    except ChildFailedError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
 
 
 def create_handler(params: RendezvousParameters) -> RendezvousHandler:

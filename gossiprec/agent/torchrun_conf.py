@@ -22,10 +22,16 @@ and takes every other setting from ``keyring=``, ``insecure=``, ``cluster=``, ``
 Only ``--nproc-per-node 1 --max-restarts 0`` works (see :func:`check_torchrun_argv`): torchrun stops
 every local worker when one fails and restarts them all on a re-rendezvous, which would throw away
 the in-place recovery gossiprec does instead.
+
+``gossiprec torchrun ARGS`` (:func:`add_cli`) is torchrun with the backend registered in-process, for
+an install whose metadata lacks the ``torchrun.handlers`` entry point: it checks ``ARGS`` as above,
+adds ``--rdzv-backend gossiprec`` when they name no backend and refuses another one
+(:func:`wrapper_argv`).
 """
 
 from __future__ import annotations
 
+import argparse
 import socket
 import tomllib
 from dataclasses import dataclass
@@ -246,3 +252,52 @@ def _is_torchrun(arg0: str) -> bool:
     p = Path(arg0)
     return p.name == "torchrun" or (p.name == "run.py" and p.parent.name == "distributed"
                                     and p.parent.parent.name == "torch")
+
+
+def wrapper_argv(argv: Sequence[str]) -> list[str]:
+    """torchrun's arguments for ``gossiprec torchrun ARGV``: checked (:func:`check_torchrun_argv`), with
+    ``--rdzv-backend gossiprec`` first when ``argv`` names no backend."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.set_defaults(rdzv_backend=None)  # tells a backend not given from torchrun's default (static)
+    try:
+        args, _ = parser.parse_known_args(list(argv))
+    except SystemExit:
+        raise ConfigError("torchrun cannot parse these arguments (see its message above)") from None
+    if args.standalone:
+        raise ConfigError("gossiprec torchrun: --standalone makes torchrun use its c10d backend; drop it")
+    out = list(argv)
+    if args.rdzv_backend is None:
+        out = ["--rdzv-backend", "gossiprec", *out]
+    elif args.rdzv_backend != "gossiprec":
+        raise ConfigError(f"gossiprec torchrun runs the gossiprec backend, not --rdzv-backend {args.rdzv_backend}:"
+                          " drop the option, or run plain torchrun for another backend")
+    check_torchrun_argv(["torchrun", *out])
+    return out
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    # every argument is torchrun's: no option of ours, so that argparse passes them all through
+    p = subparsers.add_parser(
+        "torchrun", prefix_chars="\0", add_help=False,
+        help="torchrun with the gossiprec rendezvous backend registered (--rdzv-backend gossiprec)",
+        description="torchrun with the gossiprec rendezvous backend (no etcd, no c10d store host).")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd)
+    return p  # type: ignore[no-any-return]
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    argv = list(args.args)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: gossiprec torchrun [TORCHRUN OPTIONS] SCRIPT [ARGS]\n\n"
+              "torchrun with --rdzv-backend gossiprec registered in-process; every option is torchrun's, "
+              "--rdzv-conf takes the gossiprec keys below, --nproc-per-node must be 1 and --max-restarts 0.\n")
+        for key, what in CONF_KEYS.items():
+            print(f"  {key:15} {what}")
+        print("\ntorchrun --help lists torchrun's options.")
+        return 0 if argv else 2
+    from gossiprec.agent.torchrun import launch
+
+    return launch(wrapper_argv(argv))
