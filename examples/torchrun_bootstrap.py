@@ -11,10 +11,12 @@ builds the same small MLP in both cases and takes one data-parallel step:
   its torchrun, no store host), then ``ResilientTrainer(...).start()`` (the agreed view, its gloo
   group), one step and its commit.
 
-A worker writes the wall-clock time at which its first step is done; the figure of a launch is the
-latest of them (every rank has stepped) minus the moment the first torchrun was spawned: torchrun's
-start-up, torch's import in every worker, the rendezvous, the group and the step, alike in both cases
-but for the rendezvous and the group. The JSON holds every launch and the median per backend::
+A worker writes the wall-clock times at which it was spawned, had imported torch, had its group and
+had done its first step. The figure of a launch is the latest first step (every rank has stepped)
+minus the moment the first torchrun was spawned: torchrun's start-up, torch's import in every
+worker, the rendezvous, the group and the step, alike in both cases but for the rendezvous and the
+group (``phases_s``: the latest rank's moment of each phase, from the launch). The JSON holds every
+launch and the median per backend::
 
     python examples/torchrun_bootstrap.py --nodes 8 --repeat 3 --out torchrun_bootstrap.json
 """
@@ -40,8 +42,10 @@ LAUNCH_TIMEOUT_S = 300.0
 
 def worker(backend: str, out: Path) -> int:
     """One torchrun worker: one data-parallel step, then the time it was done, into ``out``."""
+    spawned = time.time()
     import torch
 
+    marks = {"worker_spawned": spawned, "torch_imported": time.time()}
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
@@ -51,25 +55,29 @@ def worker(backend: str, out: Path) -> int:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
+        marks["group_ready"] = time.time()
         torch.nn.functional.mse_loss(model(x), x).backward()
         for p in model.parameters():
             assert p.grad is not None
             dist.all_reduce(p.grad)
         opt.step()
-        out.write_text(repr(time.time()))
+        marks["first_step"] = time.time()
+        out.write_text(json.dumps(marks))
         dist.destroy_process_group()
         return 0
     from gossiprec.trainer import ResilientTrainer, TrainerConfig, training_state
 
     config = TrainerConfig(stateless_data=True)  # the batch is a function of the rank alone
     rt = ResilientTrainer(training_state(model, opt, rng=False), config=config).start()
+    marks["group_ready"] = time.time()
     rt.begin_step()
     torch.nn.functional.mse_loss(model(x), x).backward()
     if not rt.allreduce_gradients(model.parameters()):
         raise SystemExit("a recovery during the benchmark's only step: nothing was killed, so something is wrong")
     opt.step()
     rt.commit()
-    out.write_text(repr(time.time()))
+    marks["first_step"] = time.time()
+    out.write_text(json.dumps(marks))
     rt.finish(exit_code=0)
     return 0
 
@@ -108,7 +116,8 @@ def launch(backend: str, nodes: int, work: Path, env: dict[str, str]) -> dict[st
             p.kill()
             codes.append(p.wait())
     t_end = time.time()
-    firsts = [float(f.read_text()) for f in sorted(work.glob("*.first"))]
+    marks = [json.loads(f.read_text()) for f in sorted(work.glob("*.first"))]
+    firsts = [m["first_step"] for m in marks]
     ok = len(firsts) == nodes and not any(codes)
     if not ok:
         tail = (work / "n0.log").read_text(errors="replace")[-2000:]
@@ -116,6 +125,8 @@ def launch(backend: str, nodes: int, work: Path, env: dict[str, str]) -> dict[st
     return {"backend": backend, "ok": ok, "exit_codes": codes,
             "first_step_s": round(max(firsts) - t0, 3) if ok else None,
             "earliest_rank_first_step_s": round(min(firsts) - t0, 3) if firsts else None,
+            # the latest rank's moment of each phase, from the launch
+            "phases_s": {k: round(max(m[k] for m in marks) - t0, 3) for k in marks[0]} if ok else None,
             "all_exited_s": round(t_end - t0, 3)}
 
 
