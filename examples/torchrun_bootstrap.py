@@ -82,7 +82,7 @@ def worker(backend: str, out: Path) -> int:
     return 0
 
 
-def launch(backend: str, nodes: int, work: Path, env: dict[str, str]) -> dict[str, Any]:
+def launch(backend: str, nodes: int, work: Path, env: dict[str, str], nice: int) -> dict[str, Any]:
     """Start ``nodes`` torchruns for ``backend``, wait for them; launch-to-first-step figures."""
     from gossiprec.harness.ports import free_ports
 
@@ -95,7 +95,7 @@ def launch(backend: str, nodes: int, work: Path, env: dict[str, str]) -> dict[st
     else:
         base = free_ports(1, width=3 * nodes)[0]
         hosts = ";".join(f"n{i}=127.0.0.1" for i in range(nodes))
-        conf = f"hosts=n[0-{nodes - 1}],base_port={base},addr={hosts}"
+        conf = f"hosts=n[0-{nodes - 1}],base_port={base},addr={hosts},trainer_nice={nice}"
         per_node = [["--rdzv-backend", "gossiprec", "--rdzv-id", work.name, "--rdzv-conf", f"{conf},host=n{i}"]
                     for i in range(nodes)]
     # the wrapper registers the backend in-process, so the figure needs no entry point installed
@@ -135,6 +135,10 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=8, help="torchrun nodes (one rank each)")
     ap.add_argument("--repeat", type=int, default=3, help="launches per backend, alternated")
     ap.add_argument("--out", default="", help="write the JSON here too")
+    # 0 by default: on a machine shared with other work, workers niced below the agent (the backend's
+    # default) would time that other work, not the rendezvous; c10d's workers are not niced either
+    ap.add_argument("--trainer-nice", dest="trainer_nice", type=int, default=0,
+                    help="the gossiprec backend's trainer_nice (0: the workers at torchrun's priority)")
     ap.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
     ap.add_argument("--first", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -150,7 +154,7 @@ def main() -> int:
     runs = []
     for r in range(args.repeat):
         for backend in BACKENDS if r % 2 == 0 else BACKENDS[::-1]:  # neither always first
-            runs.append({"repeat": r, **launch(backend, args.nodes, root / f"{backend}-{r}", env)})
+            runs.append({"repeat": r, **launch(backend, args.nodes, root / f"{backend}-{r}", env, args.trainer_nice)})
             print(json.dumps(runs[-1]), file=sys.stderr)
     summary = {}
     for backend in BACKENDS:
@@ -159,6 +163,7 @@ def main() -> int:
                             "first_step_min_s": min(figs) if figs else None,
                             "first_step_max_s": max(figs) if figs else None}
     report = {"benchmark": "torchrun_bootstrap", "nodes": args.nodes, "nproc_per_node": 1, "repeat": args.repeat,
+              "trainer_nice": args.trainer_nice,
               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load1": os.getloadavg()[0]},
               "torch": __import__("torch").__version__, "summary": summary, "runs": runs, "work": str(root)}
     text = json.dumps(report, indent=2)
