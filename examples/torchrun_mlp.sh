@@ -16,16 +16,21 @@
 # the restart gossiprec avoids. Write ';' for a comma inside a host list (torchrun splits --rdzv-conf at
 # commas), and spec=job.toml instead of hosts= to use a job spec written by `gossiprec spec`.
 #
+# `gossiprec torchrun ARGS` is torchrun with the backend registered in-process (and --rdzv-backend
+# gossiprec added): use it where the package's torchrun.handlers entry point is not installed; with the
+# entry point, plain `torchrun --rdzv-backend gossiprec` is the same. TORCHRUN picks one for this script.
+#
 # This script plays the cluster on one machine: three "hosts" n1..n3 on 127.0.0.1 (2 trainers and a
-# spare), and after KILL_AFTER seconds (0: never) it SIGKILLs the worker of n2: the spare n3 takes rank 1
+# spare), and KILL_AFTER seconds into training (0: never) it SIGKILLs the worker of n2: the spare n3 takes rank 1
 # with n1's state and training goes on from the last committed step. Logs: $WORK/n*.log.
 #
-#   bash examples/torchrun_mlp.sh            # STEPS=600 KILL_AFTER=20 BASE_PORT=29400
+#   bash examples/torchrun_mlp.sh            # STEPS=1500 KILL_AFTER=10 BASE_PORT=29400 TORCHRUN="gossiprec torchrun"
 set -eu
 
-steps=${STEPS:-600}
-kill_after=${KILL_AFTER:-20}
+steps=${STEPS:-1500}
+kill_after=${KILL_AFTER:-10}
 base_port=${BASE_PORT:-29400}
+read -r -a torchrun <<<"${TORCHRUN:-gossiprec torchrun}"
 WORK=${WORK:-$(mktemp -d -t gossiprec-torchrun-XXXXXX)}
 here=$(cd "$(dirname "$0")" && pwd)
 
@@ -35,7 +40,7 @@ conf="hosts=n[1-3],spares=1,addr=n1=127.0.0.1;n2=127.0.0.1;n3=127.0.0.1,base_por
 
 pids=()
 for i in 1 2 3; do
-  torchrun --nnodes 3 --nproc-per-node 1 --max-restarts 0 --rdzv-backend gossiprec \
+  "${torchrun[@]}" --nnodes 3 --nproc-per-node 1 --max-restarts 0 --rdzv-backend gossiprec \
            --rdzv-conf "$conf,host=n$i" "$here/mlp.py" --steps "$steps" >"$WORK/n$i.log" 2>&1 &
   pids+=($!)
 done
@@ -43,11 +48,15 @@ trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
 echo "torchrun n1 n2 n3: pids ${pids[*]}; logs in $WORK"
 
 if [ "$kill_after" -gt 0 ]; then
+  # KILL_AFTER counts from the first step rank 0 prints (torch's import and the rendezvous come first)
+  until grep -q "^step " "$WORK/n1.log" 2>/dev/null || ! kill -0 "${pids[0]}" 2>/dev/null; do sleep 0.5; done
   sleep "$kill_after"
   worker=$(pgrep -P "${pids[1]}" | head -n 1 || true)  # torchrun's one child is its worker
   if [ -n "$worker" ]; then
     echo "SIGKILL the worker of n2 (pid $worker): the spare n3 takes its rank"
     kill -9 "$worker"
+  else
+    echo "n2 has no worker to kill (the job ended first?): raise STEPS or lower KILL_AFTER"
   fi
 fi
 
