@@ -28,9 +28,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandlerRegistry  
 from gossiprec.agent.settings import AgentSettings  # noqa: E402
 from gossiprec.agent.spec import layout, to_toml  # noqa: E402
 from gossiprec.agent.torchrun import (  # noqa: E402
-    BACKEND, EXIT_BARRIER_DONE, AgentThread, GossiprecRendezvous, create_handler, torchrun_backend,
+    BACKEND, EXIT_BARRIER_DONE, AgentThread, GossiprecRendezvous,
 )
 from gossiprec.agent.torchrun_conf import check_torchrun_argv, plan_node, wrapper_argv  # noqa: E402
+from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend  # noqa: E402
 from gossiprec.cli import build_parser  # noqa: E402
 from gossiprec.core.events import Fenced, ViewInstalled  # noqa: E402
 from gossiprec.errors import ConfigError  # noqa: E402
@@ -38,7 +39,7 @@ from gossiprec.harness.job import read_json  # noqa: E402
 from gossiprec.harness.ports import free_ports  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY_POINT = "[torchrun.handlers]\ngossiprec = gossiprec.agent.torchrun:torchrun_backend\n"
+ENTRY_POINT = "[torchrun.handlers]\ngossiprec = gossiprec.agent.torchrun_entry:torchrun_backend\n"
 """What pyproject.toml's ``[project.entry-points."torchrun.handlers"]`` table puts in the package's metadata."""
 LOOPBACK = {"addr": "n1=127.0.0.1;n2=127.0.0.1;n3=127.0.0.1"}
 
@@ -120,6 +121,15 @@ def test_the_wrapper_passes_torchruns_arguments_through_with_the_backend_named()
         wrapper_argv(["--standalone", "train.py"])
     with pytest.raises(ConfigError, match="--max-restarts 0"):
         wrapper_argv(["--max-restarts", "1", "train.py"])
+
+
+def test_the_entry_point_costs_other_torchrun_runs_nothing() -> None:
+    # torchrun loads every torchrun.handlers entry point in every run, whatever its backend
+    code = ("import sys; from gossiprec.agent.torchrun_entry import torchrun_backend; torchrun_backend();"
+            "print(sorted(m for m in sys.modules if m.startswith(('torch', 'gossiprec.agent.', 'gossiprec.core'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.stdout.strip() == "['gossiprec.agent.torchrun_entry']"
 
 
 def test_the_entry_point_registers_a_creator_torchrun_accepts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -329,7 +339,7 @@ def test_torchrun_loses_a_worker_and_a_spare_takes_its_rank_in_place(tmp_path: P
             return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                              for p in sorted(work.glob("*.log")))
 
-        deadline = time.monotonic() + 120  # a guard against a hang, not a figure
+        deadline = time.monotonic() + 300  # a guard against a hang, not a figure (a loaded machine takes minutes)
         while not all((work / f"n{i}-0.ready").exists() for i in (1, 2, 3)):  # every worker loaded
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), logs()
             time.sleep(0.05)

@@ -4,11 +4,12 @@ no etcd and no c10d store host.
 Theory of operation
 -------------------
 torchrun finds an out-of-tree rendezvous through the ``torchrun.handlers`` entry point group:
-:func:`torchrun_backend` (the entry point ``gossiprec``) returns :func:`create_handler`, which torchrun
-calls with its :class:`RendezvousParameters`; ``gossiprec torchrun`` (:func:`launch`) registers the
-same creator in-process instead and runs torchrun's ``main``. The handler's plan (:mod:`gossiprec.agent.torchrun_conf`)
-says which slot of the job this torchrun node is. :meth:`GossiprecRendezvous.next_rendezvous`, on
-torchrun's main thread, then
+the entry point ``gossiprec`` (:mod:`gossiprec.agent.torchrun_entry`, which imports nothing until a
+run asks for the backend) returns ``create_handler``, which torchrun calls with its
+:class:`RendezvousParameters` and which calls :func:`make_handler`; ``gossiprec torchrun``
+(:func:`launch`) registers the same creator in-process instead and runs torchrun's ``main``. The
+handler's plan (:mod:`gossiprec.agent.torchrun_conf`) says which slot of the job this torchrun node
+is. :meth:`GossiprecRendezvous.next_rendezvous`, on torchrun's main thread, then
 
 1. starts this slot's :class:`~gossiprec.agent.pump.Agent` inside torchrun's process, on its own event
    loop in a daemon thread (:class:`AgentThread`), from the job spec, so every node starts from the
@@ -72,6 +73,10 @@ from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.settings import ENV, AgentSettings, split_host_port
 from gossiprec.agent.torchrun_conf import NodePlan, check_torchrun_argv, plan_node
+from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend
+
+__all__ = ["BACKEND", "AgentThread", "GossiprecRendezvous", "create_handler", "launch", "make_handler", "register",
+           "torchrun_backend"]
 from gossiprec.core.events import Fenced, ViewInstalled
 
 log = logging.getLogger(__name__)
@@ -85,12 +90,6 @@ STOP_TIMEOUT_S = 30.0
 """How long :meth:`AgentThread.stop` waits for the agent to leave and its thread to end."""
 
 T = TypeVar("T")
-
-
-def torchrun_backend() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torchrun calls it with no argument and registers what it
-    returns under the entry point's name."""
-    return create_handler
 
 
 def register() -> None:
@@ -115,8 +114,9 @@ def launch(argv: Sequence[str]) -> int:
     return 0
 
 
-def create_handler(params: RendezvousParameters) -> RendezvousHandler:
-    """torchrun's handler creator: checks its command line and plans this node (see the module docstring)."""
+def make_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """This node's handler, for :func:`~gossiprec.agent.torchrun_entry.create_handler`: checks torchrun's
+    command line and plans this node (see the module docstring)."""
     check_torchrun_argv(sys.argv)
     plan = plan_node(params.config, params.endpoint or "", params.min_nodes, params.max_nodes, os.environ)
     return GossiprecRendezvous(plan, params.run_id)
