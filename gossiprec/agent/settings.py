@@ -457,10 +457,39 @@ def load_settings(
         fallback = default_keyring_path(env)
         if os.path.exists(fallback):
             values["keyring"], origins["keyring"] = fallback, f"default keyring {fallback}"
+    if values.get("job"):
+        _defaults_from_job_spec(str(values["job"]), values, origins)
     if protocol:
         origins["protocol"] = "--protocol / [protocol]"
     return AgentSettings(**values, protocol=tuple(sorted(protocol.items())), config_file=path,
                          origins=origins)
+
+
+def _defaults_from_job_spec(path: str, values: dict[str, Any], origins: dict[str, str]) -> None:
+    """What the job spec already says, so that ``--job FILE --name N`` is enough: a member of view 0
+    listens on the port of its address there and advertises that address; a node the spec does not
+    list joins through the spec's members. Given values win; a spec that cannot be read is left to the
+    job spec's own loader, which names the problem."""
+    try:
+        rows = tomllib.loads(Path(path).read_text()).get("members")
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    if not isinstance(rows, list):
+        return
+    addrs = {str(r.get("name")): str(r.get("addr")) for r in rows if isinstance(r, dict) and "addr" in r}
+    name = values.get("name")
+    where = f"job spec {path}"
+    if name in addrs:
+        host, sep, port = addrs[name].rpartition(":")
+        if not sep or not port.isdigit():
+            return
+        if "port" not in values:
+            values["port"], origins["port"] = int(port), f"{where}: {name}'s addr"
+        if "advertise" not in values and values.get("bind_host", "0.0.0.0") in ("0.0.0.0", "::"):
+            # a bind to one address advertises that one: a mismatch with the spec is then an error
+            values["advertise"], origins["advertise"] = addrs[name], f"{where}: {name}'s addr"
+    elif "seeds" not in values and addrs:
+        values["seeds"], origins["seeds"] = tuple(addrs.values()), f"{where}: its members"
 
 
 # --- command line -----------------------------------------------------------------------------------
