@@ -79,6 +79,13 @@ ENV: dict[str, str] = {
     "job": "GOSSIPREC_JOB",
     "align_timers": "GOSSIPREC_ALIGN_TIMERS",
     "exit_bell": "GOSSIPREC_EXIT_BELL",
+    "nnodes": "GOSSIPREC_NNODES",
+    "nproc_per_node": "GOSSIPREC_NPROC_PER_NODE",
+    "spares": "GOSSIPREC_SPARES",
+    "allow_shrink": "GOSSIPREC_ALLOW_SHRINK",
+    "local_index": "GOSSIPREC_LOCAL_INDEX",
+    "host": "GOSSIPREC_HOST",
+    "bootstrap_timeout": "GOSSIPREC_BOOTSTRAP_TIMEOUT",
 }
 """Setting field -> environment variable."""
 ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
@@ -133,6 +140,23 @@ class AgentSettings:
     """Watch the trainer's exit bell (gossiprec.local.bell), so that a dying trainer is seen before the
     kernel has torn its memory down. False: no bell; its death is seen when it has exited (by the
     launcher of ``gossiprec run``)."""
+    nnodes: int | None = None
+    """Hosts of a job started without a job spec: view 0 is then agreed by the agents through their
+    seeds (``nnodes * nproc_per_node`` members, see gossiprec.core.bootstrap). None: a job spec
+    (``job``) or a joiner."""
+    nproc_per_node: int = 1
+    """Agents (agent + trainer pairs) per host, with ``nnodes``."""
+    spares: int = 0
+    """With ``nnodes``: how many of the members are hot spares (the last in rank order)."""
+    allow_shrink: bool = False
+    """With ``nnodes``: with no spare left, drop data-parallel replicas instead of stopping."""
+    local_index: int | None = None
+    """This agent's index on its host (its rank order there), with ``nnodes``. None: by port."""
+    host: str | None = None
+    """The host name ranks are ordered by, with ``nnodes``. None: this machine's host name."""
+    bootstrap_timeout: float = 300.0
+    """Seconds an agent started with ``nnodes`` waits for view 0 before it gives up, naming who it
+    found (too few agents started, or a majority of the seeds is not up)."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -187,6 +211,30 @@ class AgentSettings:
             elif len(os.fsencode(self.control_socket)) > UNIX_PATH_MAX:
                 bad("control_socket", f"path is {len(os.fsencode(self.control_socket))} bytes; a Unix "
                                       f"socket path must be at most {UNIX_PATH_MAX}; choose a shorter one")
+        if self.nnodes is not None:
+            if type(self.nnodes) is not int or self.nnodes < 1:
+                bad("nnodes", f"expected a number of hosts >= 1, got {self.nnodes!r}")
+            elif self.job is not None:
+                bad("nnodes", f"a job spec ({self.job}) and --nnodes exclude each other: the spec lists view 0, "
+                              "--nnodes has the agents agree on it; drop one")
+            elif not self.seeds:
+                bad("nnodes", "--nnodes needs --seed HOST:PORT (the same list on every agent; several, so that a "
+                              "minority of them may be dead at the start)")
+            elif type(self.nproc_per_node) is int and type(self.spares) is int and not (
+                    0 <= self.spares < self.nnodes * max(self.nproc_per_node, 1)):
+                bad("spares", f"expected 0 <= spares < nnodes x nproc_per_node = "
+                              f"{self.nnodes * max(self.nproc_per_node, 1)}, got {self.spares!r}")
+        if type(self.nproc_per_node) is not int or self.nproc_per_node < 1:
+            bad("nproc_per_node", f"expected an integer >= 1, got {self.nproc_per_node!r}")
+        if type(self.spares) is not int or self.spares < 0:
+            bad("spares", f"expected an integer >= 0, got {self.spares!r}")
+        if self.local_index is not None and (type(self.local_index) is not int or self.local_index < 0):
+            bad("local_index", f"expected an integer >= 0, got {self.local_index!r}")
+        if self.host is not None and not self.host:
+            bad("host", "empty host name")
+        if isinstance(self.bootstrap_timeout, bool) or not isinstance(self.bootstrap_timeout, (int, float)) \
+                or not 0 < self.bootstrap_timeout < math.inf:
+            bad("bootstrap_timeout", f"expected seconds > 0, got {self.bootstrap_timeout!r}")
         if self.profile in AGENT_PROFILES and self.cluster:
             try:
                 self.protocol_config()
@@ -329,6 +377,15 @@ def _as_seeds(v: Any, where: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _as_seconds(v: Any, where: str) -> float:
+    if type(v) in (int, float):
+        return float(v)
+    try:
+        return float(_as_str(v, where))
+    except ValueError:
+        raise ConfigError(f"{where}: expected a number of seconds, got {v!r}") from None
+
+
 def _as_opt_int(v: Any, where: str) -> int | None:
     if isinstance(v, str) and not v.strip():
         return None
@@ -340,7 +397,9 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "job": _as_opt_str,
-    "align_timers": _as_bool, "exit_bell": _as_bool,
+    "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int, "nproc_per_node": _as_int,
+    "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int, "host": _as_opt_str,
+    "bootstrap_timeout": _as_seconds,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 _AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
@@ -528,6 +587,20 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
                    help="align the protocol timer with uvloop's millisecond clock (default on)")
     g.add_argument("--exit-bell", dest="exit_bell", action=argparse.BooleanOptionalAction, default=None,
                    help="watch the trainer's exit bell: see a dying trainer before it has exited (default on)")
+    b = parser.add_argument_group("bootstrap without a job spec (view 0 agreed through the seeds)")
+    b.add_argument("--nnodes", type=int, default=None,
+                   help="hosts of the job; with --seed, the agents agree on view 0 (no --job)")
+    b.add_argument("--nproc-per-node", dest="nproc_per_node", type=int, default=None,
+                   help="agent + trainer pairs per host (default 1)")
+    b.add_argument("--spares", type=int, default=None,
+                   help="how many members are hot spares, the last in rank order (0)")
+    b.add_argument("--allow-shrink", dest="allow_shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="with no spare left, drop data-parallel replicas instead of stopping")
+    b.add_argument("--local-index", dest="local_index", type=int, default=None,
+                   help="this agent's index on its host (default: by port)")
+    b.add_argument("--host", default=None, help="host name ranks are ordered by (default: this machine's)")
+    b.add_argument("--bootstrap-timeout", dest="bootstrap_timeout", type=float, default=None,
+                   help="seconds to wait for view 0 before giving up (default 300)")
     g.add_argument("--protocol", metavar="NAME=VALUE", action="append", default=None,
                    help="override a protocol Config field (repeatable), e.g. probe_interval=0.2")
 
