@@ -69,3 +69,28 @@ def test_a_spec_that_cannot_be_read_is_left_to_its_loader(tmp_path: Path) -> Non
     assert s.port != 7301
     with pytest.raises(ConfigError, match="not valid TOML"):
         node_factory(s)
+
+
+def test_with_nnodes_the_local_index_chooses_the_port_and_a_seed_needs_no_port() -> None:
+    s = load_settings({"nnodes": 2, "nproc_per_node": 2, "local_index": 1, "seeds": ("node01",), "insecure": True},
+                      environ={})
+    assert s.port == 7983 and "local-index" in s.origins["port"]
+    assert s.seed_addrs() == ("node01:7980",)
+    s = load_settings({"nnodes": 2, "local_index": 1, "port": 9000, "seeds": ("a:1",), "insecure": True}, environ={})
+    assert s.port == 9000
+
+
+@pytest.mark.parametrize("flags, match", [
+    ({"nnodes": 2}, "needs --seed"),
+    ({"nnodes": 2, "seeds": ("a:1",), "spares": 2}, "spares < nnodes x nproc_per_node = 2"),
+    ({"nnodes": 0, "seeds": ("a:1",)}, "hosts >= 1"),
+    ({"nnodes": 2, "seeds": ("a:1",), "nproc_per_node": 0}, "nproc-per-node"),
+])
+def test_bad_bootstrap_settings_are_refused_with_the_fix(flags: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_settings({**flags, "insecure": True}, environ={})
+
+
+def test_a_job_spec_and_nnodes_exclude_each_other(spec: str) -> None:
+    with pytest.raises(ConfigError, match="exclude each other"):
+        load_settings({"job": spec, "name": "a", "nnodes": 2, "seeds": ("a:1",), "insecure": True}, environ={})

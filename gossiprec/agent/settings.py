@@ -48,6 +48,8 @@ from gossiprec.errors import ConfigError
 
 DEFAULT_PORT = 7980
 """UDP and TCP port of the agent (both protocols share the number)."""
+PORTS_PER_AGENT = 3
+"""Ports one agent and its trainer use: the agent's, the epoch store's (+1), the state donor's (+2)."""
 AGENT_STARTUP_GRACE = 30.0
 """Seconds an agent waits before probing a view-0 member it has not heard from yet (see the core's
 ``Config.startup_grace``). On a loaded machine a job's agents come up seconds apart; without a grace
@@ -518,6 +520,12 @@ def load_settings(
             values["keyring"], origins["keyring"] = fallback, f"default keyring {fallback}"
     if values.get("job"):
         _defaults_from_job_spec(str(values["job"]), values, origins)
+    elif values.get("nnodes") is not None and values.get("local_index") is not None and "port" not in values:
+        # several agents per host with no port arithmetic: the i-th takes the default port + 3 i
+        local = values["local_index"]
+        if type(local) is int and local >= 0:
+            values["port"] = DEFAULT_PORT + PORTS_PER_AGENT * local
+            origins["port"] = f"{DEFAULT_PORT} + {PORTS_PER_AGENT} x {origins.get('local_index', 'local_index')}"
     if protocol:
         origins["protocol"] = "--protocol / [protocol]"
     return AgentSettings(**values, protocol=tuple(sorted(protocol.items())), config_file=path,
