@@ -179,12 +179,13 @@ async def test_secure_cluster_counts_and_ignores_bad_datagrams(sockdir: str) -> 
         right = Sealer(Keyring([KEY_A]), "gossiprec")
         wrong = Sealer(Keyring([KEY_B]), "gossiprec")
         plain = Sealer(None, "gossiprec", insecure=True)
-        good = right.seal(forged)
+        good = right.seal(forged, target.addr)
         tampered = bytearray(good)
         tampered[-1] ^= 0x01
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.sendto(bytes(tampered), (host, port))         # auth_failed
-            s.sendto(wrong.seal(forged), (host, port))      # unknown_key (not in the keyring)
+            s.sendto(wrong.seal(forged, target.addr), (host, port))  # unknown_key (not in the keyring)
+            s.sendto(right.seal(forged, agents[1].addr), (host, port))  # wrong_receiver (for n1)
             s.sendto(plain.seal(forged), (host, port))      # bad_magic (plain kind to a keyed node)
             s.sendto(b"\x00" * 10, (host, port))            # truncated
             s.sendto(b"x" * 5000, (host, port))             # too_large
@@ -192,7 +193,8 @@ async def test_secure_cluster_counts_and_ignores_bad_datagrams(sockdir: str) -> 
             s.sendto(good, (host, port))                    # ...once: replay
         await target.wait_until(lambda: target.member_status("evil") is not None
                                 and rejects["replay"] > before["replay"], 5)
-        for reason in ("auth_failed", "unknown_key", "bad_magic", "truncated", "too_large", "replay"):
+        for reason in ("auth_failed", "unknown_key", "bad_magic", "truncated", "too_large", "replay",
+                       "wrong_receiver"):
             assert rejects[reason] == before[reason] + 1, (reason, dict(rejects))
         # the only member added is the one from the authentic packet
         assert target.member_status("evil") == "alive"

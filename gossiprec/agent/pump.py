@@ -176,6 +176,7 @@ class Agent:
             port = transport.port
             self.name = s.name or default_node_name(port)
             self.addr = await self._advertise(port)
+            transport.set_local_addr(self.addr)  # datagrams sealed for another member are refused
             self.incarnation = int(time.time() * 1000)
             self.started_at = self.clock()
             seeds = tuple(a for a in s.seed_addrs() if a != self.addr)
