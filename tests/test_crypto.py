@@ -71,9 +71,9 @@ def pair(keys: list[bytes] | None = None) -> tuple[Sealer, Opener]:
     return Sealer(Keyring(keys or [OLD]), CLUSTER, boot_id=BOOT), Opener(Keyring(keys or [OLD]), CLUSTER)
 
 
-def reason_of(opener: Opener, data: bytes) -> str:
+def reason_of(opener: Opener, data: bytes, source: object = None) -> str:
     with pytest.raises(OpenError) as info:
-        opener.open(data)
+        opener.open(data, source)
     assert info.value.reason in REASONS
     return info.value.reason
 
@@ -624,3 +624,22 @@ def test_a_refused_frame_is_not_kept_alive_by_the_stored_error() -> None:
     assert held < 256 * 1024, f"{held} bytes still held by a poisoned opener"
     with pytest.raises(OpenError, match="auth_failed"):
         so.next_frame()
+
+
+def test_a_member_restarting_at_its_address_is_heard_during_a_forgery_flood() -> None:
+    ring = Keyring([OLD])
+    now = [0.0]
+    opener = Opener(ring, CLUSTER, limits=CryptoLimits(new_sender_rate=1.0, new_sender_burst=5),
+                    clock=lambda: now[0])
+    member_at = ("10.0.0.7", 7980)
+    assert opener.open(Sealer(ring, CLUSTER).seal(b"first life"), member_at)[1] == b"first life"
+    template = Sealer(ring, CLUSTER).seal(b"x" * 40)
+    rng = random.Random(9)
+    for i in range(200):  # forgeries from elsewhere empty the bucket for unknown sources
+        forged = bytearray(template)
+        forged[12:28] = rng.randbytes(16)
+        assert reason_of(opener, bytes(forged), ("10.6.6.6", i)) in ("auth_failed", "throttled")
+    assert opener.rejects["throttled"] == 200 - 4  # the burst, less the member's first derivation
+    assert reason_of(opener, Sealer(ring, CLUSTER).seal(b"a stranger"), ("10.0.0.8", 1)) == "throttled"
+    # the member's new life (a new boot id) from the address it spoke from before: heard at once
+    assert opener.open(Sealer(ring, CLUSTER).seal(b"second life"), member_at)[1] == b"second life"

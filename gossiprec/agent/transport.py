@@ -525,7 +525,7 @@ class NetTransport:
         c["rx_packets"] += 1
         c["rx_bytes"] += len(data)
         try:
-            _, payload = self.opener.open(data)
+            _, payload = self.opener.open(data, addr)
         except OpenError as exc:
             self._reject_log.note(exc, time.monotonic(), _peer(addr))
             return

@@ -32,8 +32,10 @@ and the caches, so forged traffic can evict nothing. A datagram from a sender id
 subkey derivation before its tag can be checked; forgeries under the clear-text key id with fresh
 sender ids would make every packet cost that, so derivations for unknown senders draw on a token
 bucket (``CryptoLimits.new_sender_rate`` and ``new_sender_burst``, when the opener is given a clock):
-known senders never wait for it, and past the bucket a packet from an unknown sender is refused
-(``throttled``) as cheaply as garbage. Refusals raise :class:`OpenError` (a
+known senders never wait for it, a new sender id from a source address that delivered authentic
+datagrams before (a member restarting in place) draws on a second bucket that forgeries from elsewhere
+cannot empty, and past its bucket a packet from an unknown sender is refused (``throttled``) as
+cheaply as garbage. Refusals raise :class:`OpenError` (a
 :class:`~gossiprec.errors.SecurityError`) whose ``reason`` is one of :data:`REASONS`, counted in a
 :class:`RejectCounter`; :class:`RejectLog` rate-limits the log lines.
 
@@ -446,6 +448,10 @@ class Opener(_OpenerCore):
         self._seen_streams: OrderedDict[bytes, None] = OrderedDict()
         self._clock = clock
         self._bucket = TokenBucket(self.limits.new_sender_rate, self.limits.new_sender_burst)
+        self._known_bucket = TokenBucket(self.limits.new_sender_rate, self.limits.new_sender_burst)
+        self._known_sources: OrderedDict[object, None] = OrderedDict()
+        """Source addresses that delivered an authentic datagram (LRU): a member that restarts there
+        draws on its own bucket, which forgeries from other addresses cannot empty."""
         self.derivations = 0
         """Subkeys derived for datagrams (one per new sender and key), the cost a forgery can force."""
         self.receiver: str | None = None
@@ -457,8 +463,9 @@ class Opener(_OpenerCore):
         self.receiver = addr
         self._rtag = None if addr is None or self.insecure else receiver_tag(addr)
 
-    def open(self, data: bytes) -> tuple[bytes, bytes]:
-        """``(boot_id, plaintext)`` of a datagram, or raise :class:`OpenError` (and count it)."""
+    def open(self, data: bytes, source: object = None) -> tuple[bytes, bytes]:
+        """``(boot_id, plaintext)`` of a datagram, or raise :class:`OpenError` (and count it).
+        ``source``: where it came from (any hashable, e.g. the UDP peer address), for the rate limit."""
         # Fast path, the steady state: a well-formed datagram for this node from a known sender (window
         # and subkey cached) with a fresh counter. It makes exactly the checks of the full path below, in
         # the same order, and anything unusual (including every refusal but a bad tag) takes the full
@@ -501,7 +508,9 @@ class Opener(_OpenerCore):
         cipher = self._subkeys.get(ck)
         cached = cipher is not None
         if cipher is None:
-            if self._clock is not None and not self._bucket.take(self._clock()):
+            bucket = self._known_bucket if source is not None and source in self._known_sources \
+                else self._bucket
+            if self._clock is not None and not bucket.take(self._clock()):
                 raise self._fail("throttled", f"sender {h.sender_id.hex()} is new while more than "
                                               f"{self.limits.new_sender_rate:g} new senders a second "
                                               "arrive (forgeries?); its next packets get through")
@@ -523,6 +532,11 @@ class Opener(_OpenerCore):
             self._subkeys[ck] = cipher
             if len(self._subkeys) > self.limits.max_subkeys:
                 self._subkeys.popitem(last=False)
+            if source is not None:
+                self._known_sources[source] = None
+                self._known_sources.move_to_end(source)
+                if len(self._known_sources) > self.limits.max_senders:
+                    self._known_sources.popitem(last=False)
         return h.sender_id, plaintext
 
     def new_stream(self) -> StreamOpener:
