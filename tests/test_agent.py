@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -408,3 +409,25 @@ def test_settings_default_keyring_and_addresses(tmp_path: Path) -> None:
     assert split_host_port("host", 7) == ("host", 7)
     with pytest.raises(ConfigError):
         split_host_port("host:0", 7)
+
+
+def test_insecure_from_the_environment_does_not_override_an_existing_keyring(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    keyring = tmp_path / "gossiprec" / "keyring.json"
+    keyring.parent.mkdir()
+    keyring.write_text("{}")
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "GOSSIPREC_INSECURE": "1"}
+    with pytest.raises(ConfigError, match="GOSSIPREC_INSECURE asks for insecure mode, but this user has a "
+                                          "keyring") as exc:
+        load_settings({}, env)
+    assert "pass --insecure on the command line" in str(exc.value)
+    conf = tmp_path / "agent.toml"
+    conf.write_text("insecure = true\n")
+    with pytest.raises(ConfigError, match="asks for insecure mode"):
+        load_settings({}, {"XDG_CONFIG_HOME": str(tmp_path)}, str(conf))
+    with caplog.at_level(logging.WARNING, logger="gossiprec.agent.settings"):
+        s = load_settings({"insecure": True}, env)  # explicit on the command line: allowed, with a warning
+    assert s.insecure and s.keyring is None
+    assert any("keyring exists" in r.getMessage() for r in caplog.records)
+    # without a keyring on disk the variable still works as before
+    assert load_settings({}, {"XDG_CONFIG_HOME": str(tmp_path / "none"), "GOSSIPREC_INSECURE": "1"}).insecure

@@ -16,7 +16,7 @@ the same run on the same machine. Three attacks, each by someone who never held 
     ``idle`` TCP connections that never send a byte hold a seed agent's port (from 127.0.0.2 and
     127.0.0.3, each reopened when the agent closes it); a spare (in the measuring process, on the
     build under test) joins through that seed. Figure: seconds from the spare's start to its first
-    peer, with and without the idle connections.
+    peer, with and without the idle connections (``null``: not within ``JOIN_GIVE_UP_S``).
 ``flood``
     three agents from one job spec; one of them gets ``seconds`` of UDP datagrams at ``rate`` a
     second: garbage, then forgeries (the cluster's clear-text key id, a fresh sender id each, the
@@ -60,6 +60,8 @@ CLUSTER = "gossiprec"
 HERE = Path(__file__).resolve()
 TREE = str(HERE.parents[2])
 """The source tree this module belongs to."""
+JOIN_GIVE_UP_S = 60.0
+"""A join not done by then is reported as ``null`` (did not complete)."""
 SUSPICIOUS = ("MemberSuspected", "MemberFailed", "AlertRaised", "ViewInstalled", "Fenced")
 
 
@@ -263,16 +265,22 @@ class IdleConnections:
             self.closed_by_agent += 1
 
 
-def forged_datagrams(to: str, count: int, key: bytes = KEY, cluster: str = CLUSTER,
-                     seed: int = 1) -> list[bytes]:
-    """``count`` datagrams that look like the cluster's: its key id in clear, a fresh random sender id
-    each, sealed for ``to`` (its receiver), but by someone without the key (the tag is wrong)."""
+def forged_template(to: str, cluster: str = CLUSTER) -> bytes:
+    """A datagram sealed for ``to`` by someone without the cluster's key, in this build's format."""
     outsider = Sealer(Keyring([bytes(32)]), cluster)
     try:
-        template = bytearray(outsider.seal(b"\x92\x01\x90" + bytes(60), to))  # type: ignore[call-arg]
+        return outsider.seal(b"\x92\x01\x90" + bytes(60), to)  # type: ignore[call-arg,unused-ignore]
     except TypeError:  # a build whose datagrams name no receiver
-        template = bytearray(outsider.seal(b"\x92\x01\x90" + bytes(60)))
-    template[4:12] = key_id(key)
+        return outsider.seal(b"\x92\x01\x90" + bytes(60))
+
+
+def forged_datagrams(to: str, count: int, key: bytes = KEY, cluster: str = CLUSTER,
+                     seed: int = 1, template: bytes | None = None) -> list[bytes]:
+    """``count`` datagrams that look like the cluster's: its key id in clear, a fresh random sender id
+    each, sealed for ``to`` (its receiver), but by someone without the key (the tag is wrong).
+    ``template``: such a datagram in the format of the build attacked (default: this build's)."""
+    template = bytearray(template if template is not None else forged_template(to, cluster))
+    template[4:12] = key_id(key)  # the same place in every sealing format so far
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -370,8 +378,10 @@ async def _child_join(seed: str, keyring: str, idle: int) -> dict[str, Any]:
         joiner = Agent(s)
         await joiner.start()
         try:
-            await joiner.wait_until(lambda: joiner.live_count() > 1, 120)
+            await joiner.wait_until(lambda: joiner.live_count() > 1, JOIN_GIVE_UP_S)
             return {"join_s": time.monotonic() - t0}
+        except TimeoutError:
+            return {"join_s": None, "gave_up_after_s": JOIN_GIVE_UP_S}
         finally:
             joiner.abort()
             await joiner.aclose()
@@ -394,7 +404,9 @@ def measure_flood(tree: str, rate: float, seconds: float) -> dict[str, Any]:
     out: dict[str, Any] = {"rate": rate, "seconds": seconds}
     with agents(tree, 3, job=True) as procs:
         target = procs[1]
-        kinds = {"garbage": garbage_datagrams(4096), "forged": forged_datagrams(target.addr, 4096)}
+        template = bytes.fromhex(_run_child(tree, "template", target.addr)["template"])
+        kinds = {"garbage": garbage_datagrams(4096),
+                 "forged": forged_datagrams(target.addr, 4096, template=template)}
         for kind, packets in kinds.items():
             async def run(packets: list[bytes] = packets) -> dict[str, Any]:
                 stop = asyncio.Event()
@@ -431,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
+        if args.child[0] == "template":
+            print(json.dumps({"template": forged_template(args.child[1]).hex()}))
+            return 0
         if args.child[0] == "join":
             print(json.dumps(asyncio.run(_child_join(args.child[1], args.child[2], int(args.child[3])))))
             return 0
