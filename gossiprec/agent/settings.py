@@ -188,8 +188,8 @@ class AgentSettings:
         if self.insecure and self.keyring is not None:
             bad("insecure", f"insecure mode and a keyring ({self.keyring}) exclude each other; drop one")
         if not self.insecure and self.keyring is None:
-            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys install "
-                           "$(gossiprec keys generate) --keyring PATH`), or --insecure on a trusted network")
+            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys generate | "
+                           "gossiprec keys install --keyring PATH`), or --insecure on a trusted network")
         if self.control_socket is not None:
             if not self.control_socket:
                 bad("control_socket", "empty path")

@@ -284,7 +284,7 @@ class _SealerCore(_Base):
         primary = ks.primary
         if primary is None:
             raise SealError("no_key", "the keyring has no primary key; install one with "
-                                      "`gossiprec keys install KEY`")
+                                      "`gossiprec keys install` (key on stdin) and `gossiprec keys use KEYID`")
         kid = key_id(primary)
         if kid != self._active[0] or self._active[1] is None:
             self._active = (kid, self._subkey_cipher(primary, self.sender_id, self._kind),
