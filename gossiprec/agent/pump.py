@@ -184,7 +184,7 @@ class Agent:
                                                 incarnation=self.incarnation, role=s.role,
                                                 now=self.started_at, rng=self.rng, seeds=seeds)
             self.control_path = s.control_socket or default_control_path(port)
-            self.control = ControlServer(self.control_path, self)
+            self.control = ControlServer(self.control_path, self, private_dir=s.control_socket is None)
             await stack.enter_async_context(self.control)
             # in the control socket's directory, which bind_unix_socket checked
             self._page = ProgressPage.create(page_path_for(self.control_path), with_bell=s.exit_bell)

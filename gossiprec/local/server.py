@@ -1,9 +1,11 @@
 """The agent's end of the control socket: a Unix stream socket for the training processes of this host.
 
 The socket is mode 0600 in a directory only this user (or root) can change, so only this user can
-connect; a stale socket file is replaced, a live one (another agent) refused (:func:`bind_unix_socket`).
-Each connection is a task of the server's TaskGroup that speaks :mod:`gossiprec.local.protocol` to the
-agent behind the :class:`ControlBackend` interface.
+connect (the default directory, ``$XDG_RUNTIME_DIR/gossiprec`` or ``/tmp/gossiprec-<uid>``, must be this
+user's own 0700 directory, checked without following a symlink); a stale socket file is replaced, a
+live one (another agent) refused (:func:`bind_unix_socket`). Each connection is a task of the server's
+TaskGroup that speaks :mod:`gossiprec.local.protocol` to the agent behind the :class:`ControlBackend`
+interface.
 
 Garbage is answered with one error frame and the connection is closed: a length of 0 or above
 ``max_frame`` (``bad_frame``), undecodable msgpack (``bad_msgpack``), a frame that is not a map with a
@@ -129,7 +131,13 @@ class _Conn:
 
 
 def _check_directory(d: Path) -> None:
-    """Refuse a directory where another user could swap our socket for theirs."""
+    """Refuse a directory where another user could swap our socket for theirs (a symlink to it too:
+    whoever owns the link can point it elsewhere later)."""
+    link = os.lstat(d)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"control socket directory {d} is a symlink owned by another user (uid "
+                          f"{link.st_uid}), who could redirect it; choose a directory of your own for "
+                          "--control-socket")
     st = os.stat(d)
     if st.st_uid not in (os.getuid(), 0):
         raise ConfigError(f"control socket directory {d} belongs to another user (uid {st.st_uid}); "
@@ -139,13 +147,43 @@ def _check_directory(d: Path) -> None:
                           f"so anyone could replace the socket; `chmod go-w {d}` or choose another")
 
 
-def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int]]:
+def ensure_private_dir(d: Path) -> None:
+    """Create ``d`` mode 0700, or accept it only as this user's own 0700 directory (not a symlink):
+    the default socket directory has a predictable name, which another local user may have taken
+    first to block or hijack the agent."""
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create the control socket directory {d}: {exc.strerror}; set "
+                          "XDG_RUNTIME_DIR or pass --control-socket") from None
+    st = os.lstat(d)
+    fix = ("another local user may have created it to block or hijack this agent: remove it if it is "
+           "not yours, set XDG_RUNTIME_DIR (a directory only you can use), or pass --control-socket")
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"control socket directory {d} is a symlink; {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"control socket directory {d} is not a directory; {fix}")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"control socket directory {d} belongs to uid {st.st_uid}, not to you "
+                          f"(uid {os.getuid()}); {fix}")
+    if st.st_mode & 0o077:
+        raise ConfigError(f"control socket directory {d} has mode {stat.S_IMODE(st.st_mode):o}; it must be "
+                          f"0700 (`chmod 700 {d}`), or {fix}")
+
+
+def bind_unix_socket(path: str, *, private_dir: bool = False) -> tuple[socket.socket, tuple[int, int]]:
     """Bind and listen on ``path`` with mode 0600 (nobody can connect before the chmod: listen comes
-    after it). A stale socket file is replaced; a live one (another agent) is a ConfigError."""
+    after it). A stale socket file is replaced; a live one (another agent) is a ConfigError.
+    ``private_dir``: the directory is the default one, and must be this user's own 0700 directory
+    (:func:`ensure_private_dir`); otherwise it must be one only this user or root can change."""
     p = Path(path)
     if len(os.fsencode(path)) > 107:
         raise ConfigError(f"control socket path {path} is longer than 107 bytes; choose a shorter one")
-    if not p.parent.exists():
+    if private_dir:
+        ensure_private_dir(p.parent)
+    elif not p.parent.exists():
         p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_directory(p.parent)
     try:
@@ -185,8 +223,10 @@ class ControlServer:
 
     def __init__(self, path: str, backend: ControlBackend, *, max_frame: int = MAX_REQUEST_FRAME,
                  max_clients: int = 32, hello_timeout: float = 5.0, write_timeout: float = 5.0,
-                 idle_timeout: float = 600.0) -> None:
+                 idle_timeout: float = 600.0, private_dir: bool = False) -> None:
         self.path = path
+        self.private_dir = private_dir
+        """The path is the default one: its directory must be this user's own (see bind_unix_socket)."""
         self.backend = backend
         self.max_frame = max_frame
         self.max_clients = max_clients
@@ -216,7 +256,7 @@ class ControlServer:
         return len(self._clients)
 
     async def start(self) -> None:
-        self._sock, self._ident = bind_unix_socket(self.path)
+        self._sock, self._ident = bind_unix_socket(self.path, private_dir=self.private_dir)
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._accept = self._tg.create_task(self._accept_loop(self._sock), name="gossiprec-control")
