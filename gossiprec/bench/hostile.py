@@ -24,6 +24,12 @@ the same run on the same machine. Three attacks, each by someone who never held 
     ``/proc/<pid>/stat``) and the suspicions and alerts any agent raised meanwhile (events from the
     control sockets).
 
+``cost``
+    the same three kinds of datagram (garbage, forgeries, and genuine ones for comparison) handed
+    to the build's datagram opener in one process, ``packets`` of each, configured as the agent
+    configures it. Figure: CPU microseconds per datagram (``process_time``), and what a flood at
+    ``rate`` would cost in cores; it does not depend on what else the machine runs, unlike ``flood``.
+
 The output is one JSON document (``--json FILE`` also writes it to a file). The helpers below
 (:func:`tcp_garbage_round`, :class:`IdleConnections`, :func:`forged_datagrams`, ...) are what the
 tests of the same attacks use. This module drives processes; nothing in the agent imports it.
@@ -428,10 +434,53 @@ def measure_flood(tree: str, rate: float, seconds: float) -> dict[str, Any]:
     return out
 
 
+def _child_cost(packets: int) -> dict[str, Any]:
+    """CPU per datagram of this process's build's opener (see ``cost`` in the module notes)."""
+    from gossiprec.security.crypto import Opener, OpenError
+    to = "10.0.0.1:7980"
+    ring = Keyring([KEY])
+    try:  # configured as the agent's transport configures it, in builds that have these settings
+        opener = Opener(ring, CLUSTER, clock=time.monotonic, receiver=to)  # type: ignore[call-arg,unused-ignore]
+    except TypeError:
+        opener = Opener(ring, CLUSTER)
+    member = Sealer(ring, CLUSTER)
+
+    def genuine(payload: bytes) -> bytes:
+        try:
+            return member.seal(payload, to)  # type: ignore[call-arg,unused-ignore]
+        except TypeError:
+            return member.seal(payload)
+
+    kinds = {"garbage": garbage_datagrams(4096),
+             "forged": forged_datagrams(to, 4096, template=forged_template(to)),
+             "genuine": [genuine(b"\x92\x01\x90" + bytes(60)) for _ in range(packets)]}
+    out: dict[str, Any] = {}
+    for kind, pool in kinds.items():
+        refused = 0
+        t0 = time.process_time()
+        for i in range(packets):
+            try:
+                opener.open(pool[i % len(pool)])
+            except OpenError:
+                refused += 1
+        out[f"{kind}_us_per_packet"] = round((time.process_time() - t0) / packets * 1e6, 2)
+        out[f"{kind}_refused"] = refused
+    return out
+
+
+def measure_cost(tree: str, packets: int, rate: float) -> dict[str, Any]:
+    res = _run_child(tree, "cost", str(packets))
+    for kind in ("garbage", "forged", "genuine"):
+        res[f"{kind}_cores_at_rate"] = round(res[f"{kind}_us_per_packet"] * rate / 1e6, 3)
+    res["rate"] = rate
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gossiprec.bench.hostile", description=__doc__.split("\n")[0])
     p.add_argument("--tree", action="append", default=None, help="source tree of a build (repeatable)")
-    p.add_argument("--only", choices=("memory", "join", "flood"), action="append", default=None)
+    p.add_argument("--only", choices=("memory", "join", "flood", "cost"), action="append", default=None)
+    p.add_argument("--packets", type=int, default=100_000, help="datagrams of each kind for cost")
     p.add_argument("--conns", type=int, default=64)
     p.add_argument("--garbage-mib", type=float, default=4.0)
     p.add_argument("--rounds", type=int, default=3)
@@ -443,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
+        if args.child[0] == "cost":
+            print(json.dumps(_child_cost(int(args.child[1]))))
+            return 0
         if args.child[0] == "template":
             print(json.dumps({"template": forged_template(args.child[1]).hex()}))
             return 0
@@ -451,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         raise SystemExit(f"unknown child mode {args.child[0]}")
     trees = args.tree or [TREE]
-    only = args.only or ["memory", "join", "flood"]
+    only = args.only or ["memory", "join", "flood", "cost"]
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()}, "builds": {}}
     for tree in trees:
         rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -463,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
             build["join"] = measure_join(tree, args.idle, args.join_trials)
         if "flood" in only:
             build["flood"] = measure_flood(tree, args.rate, args.seconds)
+        if "cost" in only:
+            build["cost"] = measure_cost(tree, args.packets, args.rate)
         report["builds"][tree] = build
     text = json.dumps(report, indent=2)
     print(text)
