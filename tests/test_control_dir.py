@@ -47,7 +47,7 @@ async def test_the_agent_creates_its_default_directory_0700(runtime: Path) -> No
 async def test_a_symlink_in_place_of_the_default_directory_is_refused(runtime: Path) -> None:
     shared = runtime / "shared"
     shared.mkdir()
-    os.chmod(shared, 0o1777)  # like /tmp: the check that follows links accepted it
+    os.chmod(shared, 0o1777)  # like /tmp: a check that followed the link would accept it
     (runtime / "gossiprec").symlink_to(shared)
     with pytest.raises(ConfigError, match="is a symlink; another local user may have created it"):
         await agent().start()

@@ -6,7 +6,8 @@ process leaves its resident set where it was; connections that never send a byte
 spare joining through the seed they hold gets in; forgeries under the cluster's clear-text key id cost
 a bounded number of subkey derivations and the members keep their view. The attack code is the
 bench's (:mod:`gossiprec.bench.hostile`), which reports the same attacks as figures. Every wait is for a
-counter or a state; the margins are wide (the unfixed agent grew by hundreds of MiB a round).
+counter or a state; the memory margins are wide (an agent that buffered declared frames would grow by
+the whole declared size, 256 MiB a round).
 """
 
 from __future__ import annotations
