@@ -190,6 +190,10 @@ def _nonce(kind: int, counter: int) -> bytes:
     return bytes((0, 0, 0, kind)) + _U64.pack(counter)
 
 
+_THROTTLED = ("a new sender while more new senders arrive than CryptoLimits.new_sender_rate allows "
+              "(forgeries under the cluster's key id?); a genuine sender's next packets get through")
+
+
 def receiver_tag(addr: str) -> bytes:
     """The receiver field of a datagram sent to ``addr`` (the receiver's advertised ``host:port``)."""
     tag = hashlib.sha256(b"gossiprec-receiver\x00" + addr.encode("utf-8")).digest()[:RECEIVER_SIZE]
@@ -466,6 +470,7 @@ class Opener(_OpenerCore):
     def open(self, data: bytes, source: object = None) -> tuple[bytes, bytes]:
         """``(boot_id, plaintext)`` of a datagram, or raise :class:`OpenError` (and count it).
         ``source``: where it came from (any hashable, e.g. the UDP peer address), for the rate limit."""
+        granted = False  # a token for an unknown sender was taken already
         # Fast path, the steady state: a well-formed datagram for this node from a known sender (window
         # and subkey cached) with a fresh counter. It makes exactly the checks of the full path below, in
         # the same order, and anything unusual (including every refusal but a bad tag) takes the full
@@ -490,6 +495,14 @@ class Opener(_OpenerCore):
                 self._windows.move_to_end(sender)
                 self._subkeys.move_to_end(ck)
                 return sender, plaintext
+            if window is None and cipher is None and self._clock is not None \
+                    and (rtag == self._rtag or self._rtag is None) \
+                    and kid in self.keyring.keyset.by_id:  # type: ignore[union-attr]
+                # an unknown sender that passes every check before the rate limit: the same refusal
+                # as the full path's, without its parsing (the cost of a forgery flood)
+                if not self._bucket_for(source).take(self._clock()):
+                    raise self._fail("throttled", _THROTTLED)
+                granted = True
         h = self._parse(data, KIND_DATAGRAM, self.limits.max_datagram)
         if self.insecure:
             return h.sender_id, bytes(data[HEADER_SIZE:])
@@ -508,12 +521,8 @@ class Opener(_OpenerCore):
         cipher = self._subkeys.get(ck)
         cached = cipher is not None
         if cipher is None:
-            bucket = self._known_bucket if source is not None and source in self._known_sources \
-                else self._bucket
-            if self._clock is not None and not bucket.take(self._clock()):
-                raise self._fail("throttled", f"sender {h.sender_id.hex()} is new while more than "
-                                              f"{self.limits.new_sender_rate:g} new senders a second "
-                                              "arrive (forgeries?); its next packets get through")
+            if self._clock is not None and not granted and not self._bucket_for(source).take(self._clock()):
+                raise self._fail("throttled", _THROTTLED)
             self.derivations += 1
             cipher = self._subkey_cipher(master, h.sender_id, h.kind)
         plaintext = self._decrypt(cipher, data, h)
@@ -538,6 +547,9 @@ class Opener(_OpenerCore):
                 if len(self._known_sources) > self.limits.max_senders:
                     self._known_sources.popitem(last=False)
         return h.sender_id, plaintext
+
+    def _bucket_for(self, source: object) -> TokenBucket:
+        return self._known_bucket if source is not None and source in self._known_sources else self._bucket
 
     def new_stream(self) -> StreamOpener:
         """An opener for one direction of one stream connection, sharing counters and replay memory."""
