@@ -179,6 +179,7 @@ class Agent:
             port = transport.port
             self.name = s.name or default_node_name(port)
             self.addr = await self._advertise(port)
+            transport.set_local_addr(self.addr)  # datagrams sealed for another member are refused
             self.incarnation = int(time.time() * 1000)
             self.started_at = self.clock()
             seeds = tuple(a for a in s.seed_addrs() if a != self.addr)
@@ -186,7 +187,7 @@ class Agent:
                                                 incarnation=self.incarnation, role=s.role,
                                                 now=self.started_at, rng=self.rng, seeds=seeds)
             self.control_path = s.control_socket or default_control_path(port)
-            self.control = ControlServer(self.control_path, self)
+            self.control = ControlServer(self.control_path, self, private_dir=s.control_socket is None)
             await stack.enter_async_context(self.control)
             # in the control socket's directory, which bind_unix_socket checked
             self._page = ProgressPage.create(page_path_for(self.control_path), with_bell=s.exit_bell)

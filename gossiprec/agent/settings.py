@@ -24,7 +24,7 @@ Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC
     GOSSIPREC_NODE GOSSIPREC_BIND GOSSIPREC_PORT GOSSIPREC_ADVERTISE GOSSIPREC_SEEDS (comma separated)
     GOSSIPREC_ROLE GOSSIPREC_RANK GOSSIPREC_PROFILE GOSSIPREC_CLUSTER GOSSIPREC_KEYRING
     GOSSIPREC_INSECURE (1/0, true/false, yes/no) GOSSIPREC_CONTROL GOSSIPREC_LOG_FORMAT
-    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
+    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_METRICS_BIND GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
     GOSSIPREC_EXIT_BELL (1/0) GOSSIPREC_CONFIG (path of the TOML file)
 
 TOML file: the same names as the dataclass fields at top level (``port = 7980``, ``seeds = ["a:7980"]``),
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -45,6 +46,8 @@ from typing import Any, Callable, Mapping
 
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 7980
 """UDP and TCP port of the agent (both protocols share the number)."""
@@ -78,6 +81,7 @@ ENV: dict[str, str] = {
     "log_format": "GOSSIPREC_LOG_FORMAT",
     "log_level": "GOSSIPREC_LOG_LEVEL",
     "metrics_port": "GOSSIPREC_METRICS_PORT",
+    "metrics_bind": "GOSSIPREC_METRICS_BIND",
     "job": "GOSSIPREC_JOB",
     "align_timers": "GOSSIPREC_ALIGN_TIMERS",
     "exit_bell": "GOSSIPREC_EXIT_BELL",
@@ -129,6 +133,9 @@ class AgentSettings:
     """``debug``, ``info``, ``warning`` or ``error``."""
     metrics_port: int | None = None
     """Port of the Prometheus endpoint; None: no endpoint."""
+    metrics_bind: str | None = None
+    """Address the Prometheus endpoint listens on. None: :meth:`metrics_host` (the agent's own address,
+    never every interface unless asked)."""
     protocol: tuple[tuple[str, Any], ...] = ()
     """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
     job: str | None = None
@@ -202,11 +209,13 @@ class AgentSettings:
             bad("log_level", f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.metrics_port is not None and not _is_port(self.metrics_port):
             bad("metrics_port", f"expected a port number 0..65535, got {self.metrics_port!r}")
+        if self.metrics_bind is not None and not self.metrics_bind.strip():
+            bad("metrics_bind", "empty address; give a host (0.0.0.0 for every interface)")
         if self.insecure and self.keyring is not None:
             bad("insecure", f"insecure mode and a keyring ({self.keyring}) exclude each other; drop one")
         if not self.insecure and self.keyring is None:
-            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys install "
-                           "$(gossiprec keys generate) --keyring PATH`), or --insecure on a trusted network")
+            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys generate | "
+                           "gossiprec keys install --keyring PATH`), or --insecure on a trusted network")
         if self.control_socket is not None:
             if not self.control_socket:
                 bad("control_socket", "empty path")
@@ -258,6 +267,23 @@ class AgentSettings:
     def agreement_config(self) -> AgreementConfig:
         """The agreement layer's parameters: the profile's, with the ``[protocol]`` table's agreement fields."""
         return AgreementConfig.profile(self.profile, **{k: v for k, v in self.protocol if k in _AGREEMENT_FIELDS})
+
+    def metrics_host(self, advertised: str | None = None) -> str:
+        """Where the metrics endpoint listens: ``metrics_bind`` if set; else the bind address unless it
+        is a wildcard; else the host of this node's ``advertised`` ``host:port`` (reachable by whoever
+        reaches the agent, not every interface), and loopback without one."""
+        if self.metrics_bind is not None:
+            return self.metrics_bind.strip()
+        if not _is_wildcard(self.bind_host):
+            return self.bind_host
+        if advertised:
+            try:
+                host, _ = split_host_port(advertised, default_port=0)
+            except ConfigError:
+                host = ""
+            if host and not _is_wildcard(host):
+                return host
+        return "127.0.0.1"
 
     def seed_addrs(self) -> tuple[str, ...]:
         """Seeds normalised to ``host:port``."""
@@ -398,10 +424,10 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "name": _as_opt_str, "bind_host": _as_str, "port": _as_int, "advertise": _as_opt_str,
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
-    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "job": _as_opt_str,
-    "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int, "nproc_per_node": _as_int,
-    "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int, "host": _as_opt_str,
-    "bootstrap_timeout": _as_seconds,
+    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
+    "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
+    "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
+    "host": _as_opt_str, "bootstrap_timeout": _as_seconds,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 _AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
@@ -514,10 +540,18 @@ def load_settings(
     if problems:
         raise ConfigError("invalid agent settings:\n  " + "\n  ".join(problems))
     protocol.update(flag_protocol or {})
-    if "keyring" not in values and not values.get("insecure"):
-        fallback = default_keyring_path(env)
-        if os.path.exists(fallback):
+    fallback = default_keyring_path(env)
+    if "keyring" not in values and os.path.exists(fallback):
+        if not values.get("insecure"):
             values["keyring"], origins["keyring"] = fallback, f"default keyring {fallback}"
+        elif origins.get("insecure") != "--insecure":
+            # an exported variable or a settings file must not turn a keyed node into an open one
+            raise ConfigError(f"{origins['insecure']} asks for insecure mode, but this user has a keyring "
+                              f"({fallback}): unset {ENV['insecure']} to use the key, or pass --insecure "
+                              "on the command line to run without it")
+        else:
+            log.warning("--insecure: running unauthenticated and unencrypted although a keyring exists "
+                        "at %s (it is not used)", fallback)
     if values.get("job"):
         _defaults_from_job_spec(str(values["job"]), values, origins)
     elif values.get("nnodes") is not None and values.get("local_index") is not None and "port" not in values:
@@ -591,6 +625,9 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", dest="log_level", choices=LOG_LEVELS, default=None)
     g.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
                    help="Prometheus endpoint port (default: none)")
+    g.add_argument("--metrics-bind", dest="metrics_bind", metavar="HOST", default=None,
+                   help="address of the Prometheus endpoint (default: the agent's own address, else "
+                        "127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--align-timers", dest="align_timers", action=argparse.BooleanOptionalAction, default=None,
                    help="align the protocol timer with uvloop's millisecond clock (default on)")
     g.add_argument("--exit-bell", dest="exit_bell", action=argparse.BooleanOptionalAction, default=None,

@@ -194,7 +194,9 @@ class Bootstrap:
         if now >= self._hello_due:
             hello = BootHello(self.me.row(), self.params.expected, self.params.spares, len(self.known))
             for seed in self.params.seeds:
-                self._send(seed, hello, False)
+                # streams, not datagrams: a seed may be named by an address it does not advertise, and a
+                # datagram is sealed for the receiver's own advertised address
+                self._send(seed, hello, True)
             self._hello_due = now + self._hello_gap
             self._hello_gap = min(self._hello_gap * 2, self.params.hello_interval * 8)
         if now >= self._propose_due or now >= self._round_due:
@@ -248,7 +250,7 @@ class Bootstrap:
                 self.events.append(BootMismatch(c.name, c.addr, msg.expected, msg.spares, self.params.expected,
                                                 self.params.spares, now))
                 # our own hello back, so that the candidate sees the mismatch too and says so
-                self._send(c.addr, BootHello(self.me.row(), self.params.expected, self.params.spares, 0), False)
+                self._send(c.addr, BootHello(self.me.row(), self.params.expected, self.params.spares, 0), True)
             self.counters["boot_mismatch"] = self.counters.get("boot_mismatch", 0) + 1
             return
         self._learn([msg.candidate], now)
@@ -294,7 +296,7 @@ class Bootstrap:
         self._round_due = now + self.params.round_timeout * (1.0 + self.rng.random())
         self.counters["boot_rounds"] = self.counters.get("boot_rounds", 0) + 1
         for seed in self.params.seeds:
-            self._send(seed, BootPrepare(self._ballot[0], self.me.name, seed, self.me.addr), False)
+            self._send(seed, BootPrepare(self._ballot[0], self.me.name, seed, self.me.addr), True)
 
     def _on_promise(self, msg: BootPromise, now: float) -> None:
         self._learn(msg.known, now)
