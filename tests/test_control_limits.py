@@ -64,8 +64,17 @@ async def hello(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return reader, writer
 
 
-def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def socket_inodes() -> set[str]:
+    """``socket:[inode]`` of every socket this process holds open."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if link.startswith("socket:"):
+            out.add(link)
+    return out
 
 
 async def wait_for(cond: Any, timeout: float = 30.0) -> None:
@@ -76,16 +85,21 @@ async def wait_for(cond: Any, timeout: float = 30.0) -> None:
 
 async def test_clients_that_never_read_are_aborted_after_the_write_timeout(sockdir: str) -> None:
     async with ControlServer(f"{sockdir}/c.sock", BigStatus(), write_timeout=0.3) as server:
-        base = open_fds()
+        base = socket_inodes()
         clients = [await hello(server.path) for _ in range(20)]
-        assert open_fds() >= base + 40  # both ends of each connection live in this process
+        mine = {os.readlink(f"/proc/self/fd/{w.get_extra_info('socket').fileno()}") for _, w in clients}
+        # both ends of each connection live in this process: the server's are the new sockets not ours
+        # (counted by inode, so that sockets other tests leave to the garbage collector do not count)
+        servers = socket_inodes() - base - mine
+        assert len(mine) == 20 and len(servers) >= 20, (len(mine), len(servers))
         for _, w in clients:
             for _ in range(40):  # 10 MiB of replies asked for, none read
                 w.write(encode_frame({"op": "status"}))
         await wait_for(lambda: server.clients == 0)
         await asyncio.sleep(0)  # the transports' close callbacks
         # the server's ends are gone (aborted), although the clients still hold theirs unread
-        await wait_for(lambda: open_fds() <= base + 20 + 2)
+        await wait_for(lambda: not (servers & socket_inodes()))
+        assert mine <= socket_inodes()
         assert server.counters["disconnects"] == 20
         for _, w in clients:
             w.close()
