@@ -45,7 +45,10 @@ def _build(mode: str, mesh: Any) -> tuple[Any, Any]:
     if mode == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        # src_data_rank=None: every rank shards its own (identically seeded) copy, no scatter, so a
+        # replacement builds its model before it has joined its peers' epoch
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()},
+                           src_data_rank=None)
     else:
         from torch.distributed.fsdp import fully_shard
 
