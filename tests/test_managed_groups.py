@@ -190,7 +190,11 @@ def _stop_worker(cfg: dict[str, Any], world: Any, store: Any, control: Any, mesh
             thread.join()
             tb = "".join(traceback.format_exception(exc))
             results[phase] = {"latency_s": caught - at[0], "reason": exc.reason, "op": exc.op,
-                              "in_forward": "pre_forward" in tb and "unshard" in tb}
+                              "in_forward": "pre_forward" in tb and "unshard" in tb,
+                              "in_tp": "wait_tensor" in tb or "_functional_collectives" in tb,
+                              "type": type(exc).__name__}
+            if os.environ.get("GOSSIPREC_TEST_TB"):
+                print(tb, flush=True)
             _say(f"aborted {phase}")
             return
         raise AssertionError(f"{phase}: the collective completed although a peer was stopped")
@@ -211,8 +215,17 @@ def _stop_worker(cfg: dict[str, Any], world: Any, store: Any, control: Any, mesh
     if role == "fresh":
         control.wait(["never"])  # stopped here by the test
         return
+    tp_model, _ = _build("tp", {"tp": mesh["shard"]})  # tensor parallel along the shard dimension
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(7))
     control.wait(["go2"])
-    expect_abort("allreduce", lambda: dist.all_reduce(torch.ones(3)))
+
+    def tp_forward_then_allreduce() -> None:
+        # rank 2 waits for the stopped rank 3 in the row-parallel output all-reduce (a functional
+        # collective waited for from C++); ranks 0 and 1 pass it and wait in the user's all-reduce
+        tp_model(x).sum().item()
+        dist.all_reduce(torch.ones(3))
+
+    expect_abort("allreduce", tp_forward_then_allreduce)
     results["hung"] = world.hung
     (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(results))
     _say("done")
@@ -336,6 +349,7 @@ def test_collectives_blocked_on_a_stopped_peer_return_after_abort(job: Any) -> N
             assert r[phase]["latency_s"] < 2.0, r  # the bound is 0.2 s; the figure goes to the report
         assert r["hung"] >= 2, r
     assert res[2]["fsdp"]["in_forward"], res  # rank 2 waits for rank 3 in its shard group's all-gather
+    assert res[2]["allreduce"]["in_tp"], res  # and in epoch 1 in the TP all-reduce inside forward
 
 
 def _out_dir(proc: _Proc) -> str:
