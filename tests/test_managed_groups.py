@@ -352,6 +352,67 @@ def test_collectives_blocked_on_a_stopped_peer_return_after_abort(job: Any) -> N
     assert res[2]["allreduce"]["in_tp"], res  # and in epoch 1 in the TP all-reduce inside forward
 
 
+def _in_threads(*fns: Any) -> list[Any]:
+    """Run ``fns`` in threads (each one rank of an in-process group); their results or exceptions."""
+    out: list[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fns[i]()
+        except BaseException as exc:  # handed back to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(EVENT_TIMEOUT)
+    return out
+
+
+def test_standalone_group_changes_rank_and_size_per_epoch_and_aborts_promptly() -> None:
+    import torch.distributed as dist
+
+    from gossiprec.errors import ConfigError
+    from gossiprec.trainer.groups import CollectiveAborted
+    from gossiprec.trainer.managed import ManagedGroup
+
+    store = dist.HashStore()
+    a, b = ManagedGroup.standalone("user"), ManagedGroup.standalone("user")
+    with pytest.raises(ConfigError, match="configure"):
+        dist.all_reduce(torch.ones(1), group=a)
+    _in_threads(lambda: a.configure(0, store, rank=0, size=2), lambda: b.configure(0, store, rank=1, size=2))
+    ta, tb = torch.ones(2), torch.full((2,), 2.0)
+    _in_threads(lambda: a.allreduce([ta]).wait(), lambda: b.allreduce([tb]).wait())
+    assert ta.tolist() == tb.tolist() == [3.0, 3.0]
+    # b is gone in epoch 1: a is rank 0 of 1, then b comes back as rank 0 and a as rank 1 in epoch 2
+    a.configure(1, store, rank=0, size=1)
+    assert (a.rank(), a.size(), a.epoch) == (0, 1, 1)
+    t = torch.ones(2)
+    a.allreduce([t]).wait()
+    assert t.tolist() == [1.0, 1.0]
+    _in_threads(lambda: a.configure(2, store, rank=1, size=2), lambda: b.configure(2, store, rank=0, size=2))
+    assert (a.rank(), b.rank()) == (1, 0)
+    # a waits for b, which never joins this collective; an abort from another thread ends the wait
+    work = a.allreduce([torch.ones(2)])
+    aborted: list[float] = []
+
+    def abort_later() -> None:  # before or during the wait: either way the wait raises
+        aborted.append(time.monotonic())
+        a.abort_epoch("test: view change")
+
+    threading.Thread(target=abort_later, daemon=True).start()
+    with pytest.raises(CollectiveAborted, match="aborted") as info:
+        work.wait()
+    assert info.value.reason == "aborted" and time.monotonic() - aborted[0] < 2.0
+    with pytest.raises(CollectiveAborted, match="configure the next epoch"):
+        a.allreduce([torch.ones(2)])
+    assert len(a.graveyard) == 2 and sum(len(g.hung) for g in [*a.graveyard, a._current] if g) == 1
+    with pytest.raises(ConfigError, match="not newer"):
+        a.configure(2, store, rank=0, size=1)
+    assert a.epoch == 2  # a refused configure leaves the group as it was
+
+
 def _out_dir(proc: _Proc) -> str:
     cfg = json.loads(proc.p.args[2])  # type: ignore[index]
     return str(cfg["out"])

@@ -231,6 +231,11 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
         if not 0 <= new_rank < new_size:
             raise ConfigError(f"rank {new_rank} is not in [0, {new_size})")
         with self._lock:
+            last = max([b.epoch_group.epoch for b in [*self.graveyard, self._current] if b is not None],
+                       default=-1)
+            if epoch <= last:
+                raise ConfigError(f"epoch {epoch} is not newer than epoch {last} of {self.describe()}: store "
+                                  "prefixes must never be reused")
             if self._epochs is None:
                 self._epochs = EpochGroups(store, timeout=self._timeout, poll_interval=self._poll_interval)
             epochs = self._epochs
