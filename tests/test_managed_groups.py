@@ -103,7 +103,7 @@ def _worker(cfg: dict[str, Any]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from gossiprec.trainer.groups import connect_store
-    from gossiprec.trainer.managed import init_managed_world
+    from gossiprec.trainer.managed import init_managed_world, mesh_topology
 
     rank, mode, role, out = cfg["rank"], cfg["mode"], cfg["role"], Path(cfg["out"])
     store = connect_store("127.0.0.1", cfg["port"], timeout=60)
@@ -144,7 +144,8 @@ def _worker(cfg: dict[str, Any]) -> None:
     moved = any(not torch.equal(a, b) for a, b in zip(recovered, _local_state(*_build_fresh(mode, mesh))))
     (out / f"result{rank}.json").write_text(json.dumps(
         {"rank": rank, "role": role, "identical": identical, "trained": moved, "same_objects": same_objects,
-         "reconfigure_s": took, "groups": len(world.groups)}))
+         "reconfigure_s": took, "groups": len(world.groups),
+         "replica_groups": mesh_topology(mesh, names[0]).replica_groups}))
     _say("done")
     os._exit(0)
 
@@ -207,6 +208,8 @@ def _stop_worker(cfg: dict[str, Any], world: Any, store: Any, control: Any, mesh
             control.wait(["never"])  # stopped here by the test
             return
         expect_abort("fsdp", lambda: _train_step("fsdp", model, opt, mesh, 1))
+    else:
+        control.wait(["join1"])  # a hot spare, told to take the stopped rank's place
     results["reconfigure_s"] = world.configure(1, store)
     t = torch.ones(3)
     dist.all_reduce(t)  # the default group, now without the stopped process
@@ -291,15 +294,17 @@ def job(tmp_path: Path) -> Any:
 def _replace_a_rank(job: Any, mode: str) -> list[dict[str, Any]]:
     spawn, store, results = job
     procs = [spawn(r, mode) for r in range(4)]
+    fresh = spawn(LOST, mode, "fresh")  # a hot spare: starts with the job, waits for a rank to take
     for p in procs:
         p.expect("trained")
     procs[LOST].kill()
-    fresh = spawn(LOST, mode, "fresh")
     store.set("go1", "1")
     for p in [*procs[:LOST], fresh]:
         p.expect("done")
     res = results()
     print(json.dumps(res))
+    # the donor is the rank holding the lost rank's shard in the other replica, as the agents see it
+    assert all(r["replica_groups"] == [[0, 2], [DONOR, LOST]] for r in res), res
     return res
 
 
@@ -320,6 +325,7 @@ def test_tensor_parallel_survives_a_replaced_rank_bit_identical(job: Any) -> Non
 def test_collectives_blocked_on_a_stopped_peer_return_after_abort(job: Any) -> None:
     spawn, store, results = job
     procs = [spawn(r, "stop") for r in range(4)]
+    fresh = spawn(LOST, "stop", "fresh")
     for p in procs:
         p.expect("ready")
     os.kill(procs[LOST].p.pid, signal.SIGSTOP)
@@ -329,7 +335,7 @@ def test_collectives_blocked_on_a_stopped_peer_return_after_abort(job: Any) -> N
     store.set("abort_fsdp", "1")
     for p in survivors:
         p.expect("aborted fsdp")
-    fresh = spawn(LOST, "stop", "fresh")
+    store.set("join1", "1")
     for p in [*survivors, fresh]:
         p.expect("epoch1")
     os.kill(fresh.p.pid, signal.SIGSTOP)
@@ -411,6 +417,22 @@ def test_standalone_group_changes_rank_and_size_per_epoch_and_aborts_promptly() 
     with pytest.raises(ConfigError, match="not newer"):
         a.configure(2, store, rank=0, size=1)
     assert a.epoch == 2  # a refused configure leaves the group as it was
+
+
+def test_mesh_topology_takes_replica_groups_from_the_replicate_dimension() -> None:
+    from types import SimpleNamespace
+
+    from gossiprec.core.topology import JobTopology
+    from gossiprec.errors import ConfigError
+    from gossiprec.trainer.managed import mesh_topology
+
+    hsdp = SimpleNamespace(mesh=torch.arange(4).reshape(2, 2), mesh_dim_names=("replicate", "shard"))
+    assert mesh_topology(hsdp, "replicate") == JobTopology.grid(2, 2)
+    tp = SimpleNamespace(mesh=torch.arange(12).reshape(3, 2, 2), mesh_dim_names=("dp", "pp", "tp"))
+    assert mesh_topology(tp, "dp") == JobTopology.grid(3, 4)
+    assert mesh_topology(tp, ("dp", "pp")).replica_groups == ((0, 2, 4, 6, 8, 10), (1, 3, 5, 7, 9, 11))
+    with pytest.raises(ConfigError, match="replicate"):
+        mesh_topology(hsdp, "dp")
 
 
 def _out_dir(proc: _Proc) -> str:

@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from gossiprec.core.topology import JobTopology
 from gossiprec.errors import ConfigError
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups, wait_interruptible
 
@@ -407,3 +408,28 @@ def managed_world() -> ManagedWorld:
 
 def _create_managed(opts: Any, backend_options: Any) -> ManagedGroup:
     return managed_world()._create(opts, backend_options)
+
+
+def mesh_topology(mesh: Any, replicate: str | Sequence[str], *, allow_shrink: bool = False,
+                  min_replicas: int = 1) -> JobTopology:
+    """The agents' job topology read from a ``DeviceMesh``: the ranks along the ``replicate``
+    dimension(s) hold the same shard, so each such line of the mesh is one replica group (the donors
+    of a lost rank are the other ranks of its group). Never typed twice: give the agents this.
+
+    ``mesh`` is a ``DeviceMesh`` or anything with ``.mesh`` (a rank tensor) and ``.mesh_dim_names``.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    wanted = (replicate,) if isinstance(replicate, str) else tuple(replicate)
+    missing = [n for n in wanted if n not in names]
+    if missing or not wanted:
+        raise ConfigError(f"replicate dimension(s) {missing or wanted} are not among the mesh's {names}; name "
+                          "the data-parallel replica dimension (e.g. 'replicate' for HSDP, 'dp' for dp x tp)")
+    ranks = mesh.mesh
+    rep = [names.index(n) for n in wanted]
+    rest = [i for i in range(len(names)) if i not in rep]
+    per_group = 1
+    for i in rep:
+        per_group *= int(ranks.shape[i])
+    lines = ranks.permute(*rest, *rep).reshape(-1, per_group)
+    groups = tuple(tuple(int(r) for r in line) for line in lines.tolist())
+    return JobTopology(int(ranks.numel()), groups, allow_shrink, min_replicas)
