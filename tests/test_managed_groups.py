@@ -26,7 +26,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[1]
-EVENT_TIMEOUT = 120.0
+EVENT_TIMEOUT = 240.0  # a guard against a hang, never reached on a healthy run
 STEPS = 3  # steps before and after the epoch change
 DONOR = 1  # same shard / same TP coordinate as rank 3, in the other replica
 LOST = 3
@@ -230,6 +230,23 @@ def _stop_worker(cfg: dict[str, Any], world: Any, store: Any, control: Any, mesh
 
     expect_abort("allreduce", tp_forward_then_allreduce)
     results["hung"] = world.hung
+    # the next view still names the stopped spare: its build cannot complete; an abort ends it, whether
+    # it comes before, between or during the builds of the groups
+    aborted_at: list[float] = []
+
+    def abort_build() -> None:
+        control.wait(["abort_build"])
+        aborted_at.append(time.monotonic())
+        world.abort("test: a newer view", epoch=2)
+
+    threading.Thread(target=abort_build, daemon=True).start()
+    _say("configuring")
+    try:
+        world.configure(2, store)
+        raise AssertionError("configure completed although a member is stopped")
+    except CollectiveAborted as exc:
+        results["build"] = {"reason": exc.reason, "latency_s": time.monotonic() - aborted_at[0]}
+    assert world.abort("an abort for an old epoch", epoch=1) == 0
     (Path(cfg["out"]) / f"result{rank}.json").write_text(json.dumps(results))
     _say("done")
     os._exit(0)
@@ -344,6 +361,9 @@ def test_collectives_blocked_on_a_stopped_peer_return_after_abort(job: Any) -> N
         p.expect("blocked allreduce")
     store.set("abort_allreduce", "1")
     for p in survivors:
+        p.expect("configuring")
+    store.set("abort_build", "1")
+    for p in survivors:
         p.expect("done")
     res = [json.loads((Path(store_dir) / f"result{r}.json").read_text())
            for store_dir in [_out_dir(procs[0])] for r in range(LOST)]
@@ -354,6 +374,7 @@ def test_collectives_blocked_on_a_stopped_peer_return_after_abort(job: Any) -> N
             assert r[phase]["reason"] == "aborted", r
             assert r[phase]["latency_s"] < 2.0, r  # the bound is 0.2 s; the figure goes to the report
         assert r["hung"] >= 2, r
+        assert r["build"]["reason"] == "aborted" and r["build"]["latency_s"] < 2.0, r
     assert res[2]["fsdp"]["in_forward"], res  # rank 2 waits for rank 3 in its shard group's all-gather
     assert res[2]["allreduce"]["in_tp"], res  # and in epoch 1 in the TP all-reduce inside forward
 

@@ -320,6 +320,9 @@ class ManagedWorld:
         self.groups: list[ManagedGroup] = []
         self.epoch: int | None = None
         self.waiting = threading.Event()  # set when a wait went slow; cleared by configure
+        self._abort_reason = ""
+        self._dead_upto = -1  # epochs up to this one were aborted (possibly before their configure)
+        self._dead_reason = ""
         self._lock = threading.Lock()
 
     def _slow(self) -> None:
@@ -343,24 +346,47 @@ class ManagedWorld:
 
         Groups are built one at a time in creation order, the same in every process, so no two
         processes wait for each other in opposite orders. ``store`` is the shared store (a new one
-        may be given per epoch). Raises :class:`CollectiveAborted` if aborted, cancelled or late.
+        may be given per epoch). Raises :class:`CollectiveAborted` if aborted (also between two
+        groups' builds), cancelled or late; then configure a newer epoch.
         """
         t0 = time.monotonic()
         with self._lock:
             if self.epoch is not None and epoch <= self.epoch:
                 raise ConfigError(f"epoch {epoch} is not newer than epoch {self.epoch}")
             self.epoch = epoch
+            self._abort_reason = self._dead_reason if epoch <= self._dead_upto else ""
             groups = list(self.groups)
             self.waiting.clear()
         if not groups:
             raise ConfigError("no managed groups: call init_managed_world() before configure()")
+
+        def stop() -> str:
+            return self._abort_reason or (cancelled() if cancelled is not None else "")
+
         for group in groups:
-            group.configure(epoch, store, cancelled=cancelled)
+            why = stop()
+            if why:
+                self.abort(why, epoch=epoch)  # the groups built so far must not serve this epoch
+                raise CollectiveAborted(f"configuring epoch {epoch} was aborted: {why}", epoch=epoch,
+                                        op="build", reason="aborted")
+            group.configure(epoch, store, cancelled=stop)
         return time.monotonic() - t0
 
-    def abort(self, reason: str = "aborted by the agent") -> int:
-        """Make every blocked and later collective of the current epoch raise; returns groups aborted."""
+    def abort(self, reason: str = "aborted by the agent", *, epoch: int | None = None) -> int:
+        """Make every blocked and later collective of the current epoch raise; returns groups aborted.
+
+        Thread-safe. ``epoch``: abort that epoch and every older one: the current epoch only if it is
+        not newer (a late abort for an old view cannot hit the next epoch's groups), and a
+        :meth:`configure` of ``epoch`` that has not begun yet raises at once when it does.
+        """
+        reason = reason or "aborted"
         with self._lock:
+            if epoch is not None:
+                if epoch > self._dead_upto:
+                    self._dead_upto, self._dead_reason = epoch, reason
+                if self.epoch is None or self.epoch > epoch:
+                    return 0
+            self._abort_reason = reason
             groups = list(self.groups)
         return sum(1 for g in groups if g.abort_epoch(reason))
 
