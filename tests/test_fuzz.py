@@ -196,7 +196,9 @@ VIEW0 = view0_from_dict(JOB)
 CANDIDATES: tuple[Any, ...] = (0, 1, 7, 2**62, "n1", "n2", "127.0.0.1:7001", "", "x" * 128, b"\x01" * 16,
                                b"\x02" * 32, b"", b"\x0f", True, False, [], None, VIEW0.to_wire(),
                                [["n1", 1, "127.0.0.1:7001", "", ""]],
-                               [["n1", "127.0.0.1:7001", 3, 0, 0, 2, 17, 1, 250]])
+                               [["n1", "127.0.0.1:7001", 3, 0, 0, 2, 17, 1, 250]],
+                               ["n1", "127.0.0.1:7001", "host-a", 0, False],
+                               [["n1", "127.0.0.1:7001", "host-a", 0, False]])
 
 
 def wire_samples(rng: random.Random) -> list[bytes]:
