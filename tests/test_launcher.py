@@ -145,8 +145,11 @@ async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None
     try:
         await asyncio.wait_for(launcher.started.wait(), 10)
         assert launcher.agent is not None and launcher.proc is not None and launcher.proc.returncode is None
-        # The watcher takes events in order and kills at the first that fences: a minority fence first,
-        # then a removal. Had the minority fence killed the child, the kill would name epoch 3.
+        while not launcher_mod._stopped(launcher.proc.pid):  # the child has stopped itself: "hung"
+            await asyncio.sleep(0.01)
+        # The watcher takes events in order and kills at a removal: a minority fence first, then a
+        # removal. Had the minority fence killed the child, the kill would name epoch 3; a stopped child
+        # is killed at once even though its node was fenced first (a running one would be kept).
         launcher.agent.hub.publish(Fenced(3, "no quorum: cannot reach a majority of the view", time.monotonic()))
         launcher.agent.hub.publish(Fenced(4, "removed from the view", time.monotonic()))
         assert await asyncio.wait_for(task, 10) == 128 + signal.SIGKILL

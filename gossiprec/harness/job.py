@@ -126,21 +126,25 @@ class LocalJob:
     """
 
     def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
-                 tp_pp: int = 1, env: Mapping[str, str] | None = None) -> None:
+                 tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0) -> None:
         from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
-        self.dir = workdir
+        self.dir = Path(os.path.abspath(workdir))  # the keyring's path marks the job's trainers (see _trainers)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ranks = ranks
-        self.names = [f"n{i}" for i in range(ranks + spares)]
+        self.names = [f"n{i}" for i in range(ranks + spares + outsiders)]
+        """The members of the job spec, then ``outsiders`` nodes it does not list (they join as spares)."""
         self.ports = free_ports(len(self.names), width=NODE_PORTS)
-        (self.dir / "job.toml").write_text(job_toml(self.names, self.ports, ranks, allow_shrink=allow_shrink,
-                                                    tp_pp=tp_pp))
+        listed = ranks + spares
+        (self.dir / "job.toml").write_text(job_toml(self.names[:listed], self.ports[:listed], ranks,
+                                                    allow_shrink=allow_shrink, tp_pp=tp_pp))
         Keyring([decode_key(generate_key())]).save(self.dir / "keyring.json")
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     "GOSSIPREC_KEYRING": str(self.dir / "keyring.json")}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         """Each node's launcher (``gossiprec run``), in the order they were spawned."""
+        self.replaced: list[subprocess.Popen[bytes]] = []
+        """Launchers of nodes spawned again since (reaped with the others)."""
 
     @property
     def trainers(self) -> list[str]:
@@ -152,17 +156,21 @@ class LocalJob:
         return self.dir / f"{node}{suffix}"
 
     def spawn(self, node: str, trainer: Sequence[str], *, agent_log_level: str = "warning",
-              protocol: Mapping[str, Any] = {}) -> subprocess.Popen[bytes]:
+              protocol: Mapping[str, Any] = {}, seed: str | None = None) -> subprocess.Popen[bytes]:
         """Start ``gossiprec run`` for ``node`` with ``trainer`` as its child; ``protocol``: agreement
-        settings (``--protocol KEY=VALUE``)."""
+        settings (``--protocol KEY=VALUE``); ``seed``: the node to join through (default the first).
+        A node spawned again (a re-provisioned host) replaces its entry in :attr:`procs`."""
         port = self.ports[self.names.index(node)]
         argv = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", "127.0.0.1",
-                "--port", str(port), "--job", str(self.dir / "job.toml"), "--seed", f"127.0.0.1:{self.ports[0]}",
+                "--port", str(port), "--job", str(self.dir / "job.toml"),
+                "--seed", f"127.0.0.1:{self.ports[self.names.index(seed or self.names[0])]}",
                 "--control-socket", str(self.path(node, ".sock")), "--log-level", agent_log_level]
         argv += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
-        with open(self.path(node, ".log"), "wb") as log:  # the child keeps its own copy of the file
+        with open(self.path(node, ".log"), "ab") as log:  # the child keeps its own copy of the file
             proc = subprocess.Popen([*argv, "--", *trainer], env=self.env, stdout=subprocess.DEVNULL,
                                     stderr=log)
+        if node in self.procs:
+            self.replaced.append(self.procs.pop(node))
         self.procs[node] = proc
         return proc
 
@@ -176,7 +184,7 @@ class LocalJob:
             if _state(pid) in ("T", "t"):  # stopped: it would ignore its launcher's SIGTERM
                 _kill(pid)
         try:
-            reap(self.procs.values(), grace)
+            reap([*self.replaced, *self.procs.values()], grace)
         finally:
             for pid in self._trainers():  # outlived its launcher
                 if _state(pid) not in (None, "Z", "X"):

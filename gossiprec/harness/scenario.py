@@ -1,8 +1,9 @@
 """Run a local job under faults and check it: the state it ends with, and each fault's timeline.
 
 :func:`run_scenario` starts a :class:`~gossiprec.harness.job.LocalJob` of ``ranks`` trainers and
-``spares`` hot spares, each running the demo's trainer (:mod:`gossiprec.harness.trainer`), and lets
-them begin together once every one has loaded. It sends the faults that have no phase itself (in list
+``spares`` hot spares, each running the demo's trainer (:mod:`gossiprec.harness.trainer`); the
+trainers begin together by themselves (``start()`` is the barrier, and waits for the spares to be up:
+:data:`SPARES_UP_S`). It sends the faults that have no phase itself (in list
 order, each once its node has committed the fault's step); the others the trainers fire themselves.
 When every rank of the final world has committed the last step, it waits for the rest of the
 processes to end by themselves (the launchers of fenced nodes kill their stopped trainers; unused
@@ -40,6 +41,9 @@ from gossiprec.harness.workload import reference_state
 
 END_WAIT_S = 10.0
 """After the last step, how long the processes left have to end by themselves."""
+SPARES_UP_S = 120.0
+"""How long the ranks wait in ``start()`` for the spares to be up (``TrainerConfig.wait_for_spares``): a
+fault must not find a spare still importing torch, or its recovery measures the import."""
 
 
 def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *, hidden: int = 256,
@@ -47,7 +51,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                  allow_shrink: bool = False, checkpoint_every: int = 0, slow_fetch: float = 0.0,
                  lr_scale: bool = False, tp_pp: int = 1, trainer_timeout: float = 30.0, log: Any = None,
                  verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
-                 mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = ()) -> dict[str, Any]:
+                 mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = (),
+                 late: Mapping[str, float] = {}, trainer_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
     ones without a phase sent from here, in list order) and compare the final states with the
     failure-free run.
@@ -61,8 +66,10 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     changes), e.g. ``tp_pp=ranks`` leaves every shard without a replica. ``protocol``: agreement
     settings for every agent (``--protocol``); ``mistakes``: node -> a loop mistake of
     :data:`~gossiprec.harness.trainer.MISTAKES` its trainer makes; ``may_fail``: nodes whose trainer
-    may exit with an error without failing the run. Once the job is done, every process left must end
-    by itself: ``exits`` holds each launcher's exit code (None: still running :data:`END_WAIT_S` later).
+    may exit with an error without failing the run; ``late``: node -> seconds its trainer sleeps before
+    it starts (a slow import); ``trainer_args``: more options for every trainer. Once the job is done,
+    every process left must end by itself: ``exits`` holds each launcher's exit code (None: still
+    running :data:`END_WAIT_S` later).
     """
     def say(msg: str) -> None:
         if log is not None:
@@ -79,7 +86,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         for name in names:
             cmd = [sys.executable, "-m", "gossiprec.harness.trainer", "--steps", str(steps),
                    "--hidden", str(hidden), "--step-ms", str(step_ms), "--timeout", str(trainer_timeout),
-                   "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch), "--go", str(tmp / "go")]
+                   "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch),
+                   "--wait-for-spares", str(SPARES_UP_S), "--late", str(late.get(name, 0.0)), *trainer_args]
             cmd += [a for f in everything if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
             cmd += ["--mistake", mistakes[name]] if name in mistakes else []
             if checkpoint_every:
@@ -94,14 +102,6 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         fault_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout
         victims = {f.node for f in faults}
-        while not all((tmp / f"{n}.ready").exists() for n in names):  # every trainer and spare loaded
-            ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
-            if ended:
-                raise GossiprecError(f"trainers failed before training began: {ended}; see the logs in {tmp}")
-            if time.monotonic() > deadline:
-                raise GossiprecError(f"the trainers did not start within {timeout:.0f}s; see the logs in {tmp}")
-            time.sleep(0.01)
-        (tmp / "go").write_text("1")
         while True:
             if time.monotonic() > deadline:
                 raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
