@@ -118,6 +118,28 @@ def two_ranks(port: int, epoch: int, groups: list[EpochGroups]) -> list[Any]:
     return out
 
 
+def test_a_group_builds_on_a_sealed_store_and_a_timeout_names_the_missing_ranks() -> None:
+    from gossiprec.trainer.keys import TransferKeys
+
+    keys = TransferKeys.fixed(bytes(range(32)))
+    store, port = start_store_server(HOST)
+    groups = [EpochGroups(connect_store(HOST, port), timeout=10, host=HOST, keys=keys) for _ in range(2)]
+    g0, g1 = two_ranks(port, 0, groups)
+    a, b = torch.tensor([1.0]), torch.tensor([3.0])
+    pending = g1.allreduce(b, async_op=True)
+    g0.allreduce(a)
+    pending.wait()
+    assert a.item() == b.item() == 4.0
+    raw = store.get("gossiprec/e0/arrived/1")
+    assert raw != b"1" and len(raw) > 1  # every value in the store is sealed
+    # a build whose other rank never comes: the error says which one is missing
+    lonely = EpochGroups(connect_store(HOST, port), timeout=10, host=HOST, keys=keys)
+    with pytest.raises(CollectiveAborted) as info:
+        lonely.build(1, 0, 3, timeout=0.5)
+    assert info.value.reason == "timeout" and info.value.missing == (1, 2)
+    assert "ranks [1, 2] never arrived" in str(info.value)
+
+
 def test_in_process_collectives_abort_and_reform() -> None:
     store, port = start_store_server(HOST)
     groups = [EpochGroups(connect_store(HOST, port), timeout=10) for _ in range(2)]

@@ -38,7 +38,10 @@ others'. A rank frozen inside the all-reduce reported ``communicate`` like the p
 so a rank whose collective is still pending ``wait_report_after`` seconds in reports ``waiting``
 (when the wire protocol's PHASES has it), which leaves the frozen rank behind. The hung process must
 be killed by its launcher once its node is out of the view (``gossiprec run`` does); if it wakes first,
-its trainer raises :class:`~gossiprec.errors.FencedError`.
+its trainer drops its state and waits as a spare, as a fenced one does (:mod:`gossiprec.trainer.recovery`).
+
+**Exits.** :meth:`~ResilientTrainer.leave` ends a process after the outcomes that are not crashes
+(not needed, released, stopped in good order) with the codes of :mod:`gossiprec.trainer.exits`.
 
 **The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
 waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.recovery.JobFinished`.
@@ -49,9 +52,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, NoReturn
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
@@ -61,6 +65,7 @@ from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.checks import ReplicaChecks
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.exits import exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server
 from gossiprec.trainer.keys import TransferKeys
@@ -429,6 +434,22 @@ class ResilientTrainer:
         self.close()
         if exit_code is not None:
             os._exit(exit_code)
+
+    def leave(self, outcome: BaseException) -> NoReturn:
+        """End this process after ``outcome``, one of the trainer's ends that are not crashes
+        (:class:`~gossiprec.trainer.recovery.JobFinished`, :class:`~gossiprec.trainer.recovery.Released`,
+        :class:`~gossiprec.trainer.recovery.JobStopped`): say why on stderr, stop serving and following the
+        agent, and exit with its code (:func:`gossiprec.trainer.exits.exit_code`: 0, 0, 75) without
+        interpreter teardown (see :meth:`finish`). Anything else is raised again."""
+        from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+
+        if not isinstance(outcome, (JobFinished, Released, JobStopped)):
+            raise outcome
+        code = exit_code(outcome)
+        print(f"gossiprec: node {self.node}: {type(outcome).__name__}: {outcome} (exit {code})", file=sys.stderr,
+              flush=True)
+        self.close()
+        os._exit(code)
 
     def close(self) -> None:
         """Stop following the agent and serving state (copies in flight are waited for)."""

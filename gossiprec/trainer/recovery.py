@@ -127,6 +127,8 @@ class RecoveryRecord:
     started waiting, not a failure)."""
     superseded: tuple[tuple[int, int, str], ...] = ()
     """Earlier plans of this recovery that did not complete: (epoch, target step, why), in order."""
+    store_node: str = ""
+    """The node whose trainer hosts this epoch's store (the group's rendezvous)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -261,7 +263,8 @@ class Recovery:
                               bytes_received=f["bytes_received"], transfer_s=f["transfer_s"],
                               action=f.get("action", "resume"),
                               previous_world_size=f.get("previous_world_size", 0),
-                              previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts))
+                              previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts),
+                              store_node=f.get("store_node", ""))
 
     def abort_older_than(self, epoch: int, reason: str) -> None:
         """Abort the current group and a group being built, when they belong to an epoch < ``epoch``."""
@@ -358,6 +361,7 @@ class Recovery:
                              f"({plan.reason}); pass on_no_replica= to ResilientTrainer to load your "
                              "checkpoint in place, or restart the job from it")
         pending.fields.update(rank=my_rank, world_size=world, action=action, previous_role=t.role,
+                              store_node=plan.store_node or "",
                               planned_at=self._follower.planned_at.get(epoch, time.monotonic()))
         mine = sorted((x for x in plan.transfers if x.receiver_node == t.node), key=lambda x: x.offset)
         if action == "checkpoint":
