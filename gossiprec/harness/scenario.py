@@ -4,7 +4,8 @@
 ``spares`` hot spares, each running the demo's trainer (:mod:`gossiprec.harness.trainer`); the
 trainers begin together by themselves (``start()`` is the barrier, and waits for the spares to be up:
 :data:`SPARES_UP_S`). It sends the faults that have no phase itself (in list
-order, each once its node has committed the fault's step); the others the trainers fire themselves.
+order, each once its node has committed the fault's step; a fault for node :data:`STORE_HOST` goes to
+whichever node hosts the current epoch's store then); the others the trainers fire themselves.
 When every rank of the final world has committed the last step, it waits for the rest of the
 processes to end by themselves (the launchers of fenced nodes kill their stopped trainers; unused
 spares leave with the job) and then builds the result:
@@ -41,6 +42,9 @@ from gossiprec.harness.workload import reference_state
 
 END_WAIT_S = 10.0
 """After the last step, how long the processes left have to end by themselves."""
+STORE_HOST = "@store"
+"""The node of a fault sent from here that means "the host of the current epoch's store" (rank 0's node
+in epoch 0, then the ``store_node`` of the newest recovery record), resolved when the fault is due."""
 SPARES_UP_S = 120.0
 """How long the ranks wait in ``start()`` for the spares to be up (``TrainerConfig.wait_for_spares``): a
 fault must not find a spare still importing torch, or its recovery measures the import."""
@@ -80,7 +84,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         names = job.names
         # slow and hold are stalls the trainers make themselves, not faults to report on
         everything, faults = list(faults), [f for f in faults if f.kind not in ("slow", "hold")]
-        unknown = {f.node for f in everything} - set(names)
+        unknown = {f.node for f in everything} - set(names) - {STORE_HOST}
+        if any(f.node == STORE_HOST and f.phase is not None for f in everything):
+            raise ConfigError(f"a {STORE_HOST} fault is sent from outside: give it no phase")
         if unknown:
             raise ConfigError(f"faults name unknown nodes {sorted(unknown)}; nodes are {names}")
         for name in names:
@@ -110,7 +116,14 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             if failed:
                 raise GossiprecError(f"trainers failed: {failed}; see the logs in {tmp}")
             i = len(fault_at)
-            if i < len(sent) and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
+            if i < len(sent) and sent[i].node == STORE_HOST:
+                host = _store_host(tmp, names)
+                if host is not None and read_int(tmp / f"{host}.step") >= sent[i].step:
+                    f = Fault(host, sent[i].kind, sent[i].step)
+                    faults[faults.index(sent[i])] = sent[i] = f
+                    victims.add(host)
+                    say(f"the store of the current epoch is hosted by {host}")
+            if i < len(sent) and sent[i].node != STORE_HOST and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
                 f = sent[i]
                 pid = job.pid(f.node)
                 os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
@@ -129,6 +142,25 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
         result["exits"] = {n: p.poll() for n, p in procs.items()}
         return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
+
+
+def _store_host(tmp: Path, names: Sequence[str]) -> str | None:
+    """The node hosting the newest epoch's store, from the recovery records (rank 0's node, ``n0``,
+    before any); None while the newest recovery's records are still to come from every rank."""
+    newest: tuple[int, str] | None = None
+    for n in names:
+        path = tmp / f"{n}.records"
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # half written
+                continue
+            if newest is None or rec["epoch"] > newest[0]:
+                newest = (int(rec["epoch"]), str(rec.get("store_node") or ""))
+    if newest is None:
+        return names[0]
+    return newest[1] or None
 
 
 def _results(result: dict[str, Any], tmp: Path, names: list[str], faults: Sequence[Fault], sent: list[Fault],
