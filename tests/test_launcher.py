@@ -92,7 +92,7 @@ async def test_missing_command_gives_127(sockdir: str) -> None:
     assert await launcher.run() == 127
 
 
-async def test_child_death_is_seen_by_peers_within_a_second(sockdir: str) -> None:
+async def test_child_death_is_announced_to_peers_as_a_departure(sockdir: str) -> None:
     a = Agent(settings(sockdir, 0))
     async with a:
         b = Agent(settings(sockdir, 1, (a.addr,)))
@@ -111,14 +111,15 @@ async def test_child_death_is_seen_by_peers_within_a_second(sockdir: str) -> Non
                 assert launcher.proc is not None
                 t_kill = time.monotonic()
                 launcher.proc.kill()  # the trainer crashes
-                lags = []
+                seen = []
                 for peer, sub in zip((a, b), subs):
                     ev = await peer.wait_for_event(
-                        lambda e: isinstance(e, (MemberLeft, MemberFailed)) and e.name == "n5", 5, sub)
-                    lags.append(ev.at - t_kill)
+                        lambda e: isinstance(e, (MemberLeft, MemberFailed)) and e.name == "n5", 30, sub)
+                    seen.append(ev)
             assert task.result() == 128 + signal.SIGKILL
             assert launcher.child_exit is not None and launcher.child_exit.signal == "SIGKILL"
-            assert max(lags) < 1.0, lags
+            # the launcher's departure notice, not a probe timeout (the figure is the agents' benchmark's)
+            assert all(isinstance(ev, MemberLeft) and ev.at >= t_kill for ev in seen), seen
             assert node.leave_reason == "training process was killed by SIGKILL"
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Iterable, Mapping, Self, Sequence
+from typing import Any, Callable, Iterable, Mapping, Self, Sequence
 
 from gossiprec.errors import ConfigError
 from gossiprec.harness.ports import free_ports
@@ -81,9 +81,11 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return out if isinstance(out, dict) else None
 
 
-def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S) -> None:
+def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S,
+         while_waiting: Callable[[], None] | None = None) -> None:
     """SIGTERM every process of ``procs`` still running, SIGKILL those left after ``grace`` seconds,
-    and wait for all of them (also when interrupted while waiting)."""
+    and wait for all of them (also when interrupted while waiting). ``while_waiting()`` is called every
+    few milliseconds meanwhile."""
     procs = list(procs)
     try:
         for p in procs:
@@ -91,10 +93,14 @@ def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S) 
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+            while time.monotonic() < deadline:
+                if while_waiting is not None:
+                    while_waiting()
+                try:
+                    p.wait(timeout=0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
     finally:
         for p in procs:
             if p.poll() is None:
@@ -180,11 +186,15 @@ class LocalJob:
 
     def close(self, grace: float = REAP_GRACE_S) -> None:
         """End every process the job started (see the module docstring); idempotent."""
-        for pid in self._trainers():
-            if _state(pid) in ("T", "t"):  # stopped: it would ignore its launcher's SIGTERM
-                _kill(pid)
+        def kill_stopped() -> None:
+            for pid in self._trainers():
+                if _state(pid) in ("T", "t"):  # stopped: it would ignore its launcher's SIGTERM
+                    _kill(pid)
+
+        # again while the launchers end: a SIGSTOP sent just before may not have taken effect yet
+        kill_stopped()
         try:
-            reap([*self.replaced, *self.procs.values()], grace)
+            reap([*self.replaced, *self.procs.values()], grace, while_waiting=kill_stopped)
         finally:
             for pid in self._trainers():  # outlived its launcher
                 if _state(pid) not in (None, "Z", "X"):
