@@ -108,6 +108,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         fault_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout
         victims = {f.node for f in faults}
+        paused: dict[str, int] = {}
         while True:
             if time.monotonic() > deadline:
                 raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
@@ -125,14 +126,28 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     say(f"the store of the current epoch is hosted by {host}")
             if i < len(sent) and sent[i].node != STORE_HOST and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
                 f = sent[i]
-                pid = job.pid(f.node)
-                os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
-                fault_at[i] = time.monotonic()
-                say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
-                    f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+                if f.kind == "pause":  # the whole node (agent and trainer), until the others recovered
+                    paused[f.node] = _records_count(tmp, names, but=f.node)
+                    procs[f.node].send_signal(signal.SIGSTOP)
+                    os.kill(job.pid(f.node), signal.SIGSTOP)
+                    fault_at[i] = time.monotonic()
+                    say(f"SIGSTOP agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
+                else:
+                    pid = job.pid(f.node)
+                    os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                    fault_at[i] = time.monotonic()
+                    say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
+                        f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+            for node, count in list(paused.items()):
+                if _records_count(tmp, names, but=node) > count:  # the others recovered without it
+                    # the trainer first: a launcher that wakes to a stopped child kills it as hung
+                    os.kill(job.pid(node), signal.SIGCONT)
+                    procs[node].send_signal(signal.SIGCONT)
+                    del paused[node]
+                    say(f"SIGCONT trainer and agent of {node}: the partition heals")
             outs = [o for o in (read_json(tmp / f"{n}.json") for n in names) if o is not None]
             done = [o for o in outs if o.get("step") == steps and not o.get("released")]
-            if len(fault_at) == len(sent) and done and len(done) >= max(o["world_size"] for o in done):
+            if len(fault_at) == len(sent) and not paused and done and len(done) >= max(o["world_size"] for o in done):
                 break
             time.sleep(0.01)
         stopped = [f.node for f in faults if f.kind == "stop"]
@@ -142,6 +157,12 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
         result["exits"] = {n: p.poll() for n, p in procs.items()}
         return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
+
+
+def _records_count(tmp: Path, names: Sequence[str], but: str = "") -> int:
+    """How many recovery records the nodes (but ``but``) have written so far."""
+    paths = [tmp / f"{n}.records" for n in names if n != but]
+    return sum(len(p.read_text().splitlines()) for p in paths if p.exists())
 
 
 def _store_host(tmp: Path, names: Sequence[str]) -> str | None:

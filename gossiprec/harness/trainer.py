@@ -54,6 +54,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     if args.late:
         time.sleep(args.late)  # a slow start: torch from a shared file system, CUDA initialisation
     mistake = args.mistake
+    await_view = tuple(int(x) for x in args.await_view.split(":")) if args.await_view else None
     model, opt, cursor = build(args.hidden * (2 if mistake == "wide-model" else 1))
     if mistake == "numpy-per-rank":
         import numpy as np
@@ -123,6 +124,8 @@ def trainer_main(args: argparse.Namespace) -> int:
             rt.commit()
             commits.append(time.monotonic())
             progress.write_text(str(rt.step))
+            if await_view is not None and rt.step == await_view[0]:
+                wait_for_view(rt, await_view[1])
             if ckpt is not None and args.checkpoint_every and rt.rank == 0 \
                     and rt.step % args.checkpoint_every == 0:
                 save_checkpoint(ckpt, rt.objects, rt.step)
@@ -147,6 +150,19 @@ def trainer_main(args: argparse.Namespace) -> int:
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
 
 
+def wait_for_view(rt: Any, members: int) -> None:
+    """Poll the agent until its view holds ``members`` members (or the trainer is interrupted: a newer
+    view than the one trained in, which the next step recovers into, may be the one awaited)."""
+    from gossiprec.local.protocol import ViewBrief
+
+    while True:
+        st = rt.control.status()
+        view = ViewBrief.from_wire(st["view"]) if st.get("view") else None
+        if view is not None and len(view.members) >= members:
+            return
+        time.sleep(0.05)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gossiprec.harness.trainer",
                                 description="One rank or spare of a local job (see the module docstring).")
@@ -162,6 +178,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="TrainerConfig.start_timeout (0: its default)")
     p.add_argument("--recovery-timeout", dest="recovery_timeout", type=float, default=0.0,
                    help="TrainerConfig.recovery_timeout (0: its default)")
+    p.add_argument("--await-view", dest="await_view", default="",
+                   help="STEP:N: after committing STEP, wait until the agent's view holds N members (a node "
+                        "cut off has rejoined)")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
     p.add_argument("--slow-fetch", dest="slow_fetch", type=float, default=0.0,
                    help="sleep this long per received chunk of state")
