@@ -27,3 +27,4 @@ def test_a_node_cut_off_then_healed_waits_as_a_spare_instead_of_dying(tmp_path: 
     assert "Traceback" not in log, log[-3000:]
     assert "is kept" in log, log[-3000:]  # its launcher kept the process that had dropped its state
     assert res["exits"]["n1"] == 0, (res["exits"], log[-3000:])  # it ended with the job, as an unused spare
+

@@ -163,3 +163,25 @@ def test_the_store_listens_on_the_given_address_only() -> None:
 def test_exit_codes_say_what_happened(outcome: BaseException | None, code: int) -> None:
     assert exit_code(outcome) == code
     assert EXIT_STOPPED == 75  # sysexits' EX_TEMPFAIL: a scheduler may requeue on it
+
+
+class _KeyedAgent:
+    """A control client whose agent seals its traffic with a keyring."""
+
+    node = "n0"
+    path = "/nonexistent.sock"
+
+    def status(self) -> dict[str, Any]:
+        return {"secure": True, "view": None}
+
+
+def test_a_trainer_without_the_keyring_refuses_to_start_on_a_keyed_cluster() -> None:
+    from gossiprec.errors import ConfigError
+    from gossiprec.trainer.config import TrainerConfig
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    rt = ResilientTrainer(_objects(1), TrainerConfig(stateless_data=True), control=_KeyedAgent(),  # type: ignore[arg-type]
+                          key=TransferKeys.insecure(CLUSTER))
+    with pytest.raises(ConfigError, match="cluster is keyed .* GOSSIPREC_KEYRING"):
+        rt.start()
+    rt.close()

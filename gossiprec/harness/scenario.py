@@ -89,6 +89,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             raise ConfigError(f"a {STORE_HOST} fault is sent from outside: give it no phase")
         if unknown:
             raise ConfigError(f"faults name unknown nodes {sorted(unknown)}; nodes are {names}")
+        commands: dict[str, list[str]] = {}
         for name in names:
             cmd = [sys.executable, "-m", "gossiprec.harness.trainer", "--steps", str(steps),
                    "--hidden", str(hidden), "--step-ms", str(step_ms), "--timeout", str(trainer_timeout),
@@ -100,6 +101,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                 cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
             cmd += ["--lr-scale"] * lr_scale + ["--verbose"] * verbose
             job.spawn(name, cmd, agent_log_level=agent_log_level, protocol=protocol)
+            commands[name] = cmd
         say(f"started {ranks} ranks + {spares} spare(s) in {tmp}")
         procs = job.procs
         result: dict[str, Any] = {"ranks": ranks, "spares": spares, "steps": steps,
@@ -126,7 +128,14 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     say(f"the store of the current epoch is hosted by {host}")
             if i < len(sent) and sent[i].node != STORE_HOST and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
                 f = sent[i]
-                if f.kind == "pause":  # the whole node (agent and trainer), until the others recovered
+                if f.kind == "reprovision":  # the whole node dies; started again once the others recovered
+                    paused[f.node] = _records_count(tmp, names, but=f.node)
+                    os.kill(job.pid(f.node), signal.SIGKILL)  # in its own session: the launcher's death spares it
+                    procs[f.node].kill()
+                    procs[f.node].wait()
+                    fault_at[i] = time.monotonic()
+                    say(f"SIGKILL agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
+                elif f.kind == "pause":  # the whole node (agent and trainer), until the others recovered
                     paused[f.node] = _records_count(tmp, names, but=f.node)
                     procs[f.node].send_signal(signal.SIGSTOP)
                     os.kill(job.pid(f.node), signal.SIGSTOP)
@@ -140,10 +149,14 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                         f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
             for node, count in list(paused.items()):
                 if _records_count(tmp, names, but=node) > count:  # the others recovered without it
+                    del paused[node]
+                    if procs[node].poll() is not None:  # reprovisioned: the same command, the same job spec
+                        job.spawn(node, commands[node], agent_log_level=agent_log_level, protocol=protocol)
+                        say(f"started {node} again (a re-provisioned host)")
+                        continue
                     # the trainer first: a launcher that wakes to a stopped child kills it as hung
                     os.kill(job.pid(node), signal.SIGCONT)
                     procs[node].send_signal(signal.SIGCONT)
-                    del paused[node]
                     say(f"SIGCONT trainer and agent of {node}: the partition heals")
             outs = [o for o in (read_json(tmp / f"{n}.json") for n in names) if o is not None]
             done = [o for o in outs if o.get("step") == steps and not o.get("released")]
