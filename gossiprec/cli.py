@@ -17,6 +17,7 @@ _OWNER: dict[str, str] = {
     "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keyring", "agent": "gossiprec.agent.cli",
     "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
     "status": "gossiprec.agent.ops", "bench": "gossiprec.bench", "spec": "gossiprec.agent.spec",
+    "reference": "gossiprec.reference",
 }
 
 

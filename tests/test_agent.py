@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import socket
@@ -179,12 +180,13 @@ async def test_secure_cluster_counts_and_ignores_bad_datagrams(sockdir: str) -> 
         right = Sealer(Keyring([KEY_A]), "gossiprec")
         wrong = Sealer(Keyring([KEY_B]), "gossiprec")
         plain = Sealer(None, "gossiprec", insecure=True)
-        good = right.seal(forged)
+        good = right.seal(forged, target.addr)
         tampered = bytearray(good)
         tampered[-1] ^= 0x01
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.sendto(bytes(tampered), (host, port))         # auth_failed
-            s.sendto(wrong.seal(forged), (host, port))      # unknown_key (not in the keyring)
+            s.sendto(wrong.seal(forged, target.addr), (host, port))  # unknown_key (not in the keyring)
+            s.sendto(right.seal(forged, agents[1].addr), (host, port))  # wrong_receiver (for n1)
             s.sendto(plain.seal(forged), (host, port))      # bad_magic (plain kind to a keyed node)
             s.sendto(b"\x00" * 10, (host, port))            # truncated
             s.sendto(b"x" * 5000, (host, port))             # too_large
@@ -192,7 +194,8 @@ async def test_secure_cluster_counts_and_ignores_bad_datagrams(sockdir: str) -> 
             s.sendto(good, (host, port))                    # ...once: replay
         await target.wait_until(lambda: target.member_status("evil") is not None
                                 and rejects["replay"] > before["replay"], 5)
-        for reason in ("auth_failed", "unknown_key", "bad_magic", "truncated", "too_large", "replay"):
+        for reason in ("auth_failed", "unknown_key", "bad_magic", "truncated", "too_large", "replay",
+                       "wrong_receiver"):
             assert rejects[reason] == before[reason] + 1, (reason, dict(rejects))
         # the only member added is the one from the authentic packet
         assert target.member_status("evil") == "alive"
@@ -406,3 +409,25 @@ def test_settings_default_keyring_and_addresses(tmp_path: Path) -> None:
     assert split_host_port("host", 7) == ("host", 7)
     with pytest.raises(ConfigError):
         split_host_port("host:0", 7)
+
+
+def test_insecure_from_the_environment_does_not_override_an_existing_keyring(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    keyring = tmp_path / "gossiprec" / "keyring.json"
+    keyring.parent.mkdir()
+    keyring.write_text("{}")
+    env = {"XDG_CONFIG_HOME": str(tmp_path), "GOSSIPREC_INSECURE": "1"}
+    with pytest.raises(ConfigError, match="GOSSIPREC_INSECURE asks for insecure mode, but this user has a "
+                                          "keyring") as exc:
+        load_settings({}, env)
+    assert "pass --insecure on the command line" in str(exc.value)
+    conf = tmp_path / "agent.toml"
+    conf.write_text("insecure = true\n")
+    with pytest.raises(ConfigError, match="asks for insecure mode"):
+        load_settings({}, {"XDG_CONFIG_HOME": str(tmp_path)}, str(conf))
+    with caplog.at_level(logging.WARNING, logger="gossiprec.agent.settings"):
+        s = load_settings({"insecure": True}, env)  # explicit on the command line: allowed, with a warning
+    assert s.insecure and s.keyring is None
+    assert any("keyring exists" in r.getMessage() for r in caplog.records)
+    # without a keyring on disk the variable still works as before
+    assert load_settings({}, {"XDG_CONFIG_HOME": str(tmp_path / "none"), "GOSSIPREC_INSECURE": "1"}).insecure

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
+import struct
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,9 @@ from gossiprec.security.crypto import (
     Sealer,
     SealError,
     StreamSealer,
+    TokenBucket,
+    VERSION,
+    receiver_tag,
 )
 from gossiprec.security.keyring import Keyring, key_id
 
@@ -65,9 +71,9 @@ def pair(keys: list[bytes] | None = None) -> tuple[Sealer, Opener]:
     return Sealer(Keyring(keys or [OLD]), CLUSTER, boot_id=BOOT), Opener(Keyring(keys or [OLD]), CLUSTER)
 
 
-def reason_of(opener: Opener, data: bytes) -> str:
+def reason_of(opener: Opener, data: bytes, source: object = None) -> str:
     with pytest.raises(OpenError) as info:
-        opener.open(data)
+        opener.open(data, source)
     assert info.value.reason in REASONS
     return info.value.reason
 
@@ -75,7 +81,7 @@ def reason_of(opener: Opener, data: bytes) -> str:
 def test_round_trip_and_layout() -> None:
     sealer, opener = pair()
     pkt = sealer.seal(b"hello")
-    assert len(pkt) == 5 + OVERHEAD and OVERHEAD == HEADER_SIZE + 16 == 52
+    assert len(pkt) == 5 + OVERHEAD and OVERHEAD == HEADER_SIZE + 16 == 60
     assert pkt[:2] == b"GR" and pkt[4:12] == key_id(OLD) and pkt[12:28] == BOOT
     assert b"hello" not in pkt
     assert opener.open(pkt) == (BOOT, b"hello")
@@ -361,8 +367,8 @@ def test_stream_replay_reorder_and_poisoning() -> None:
     f = [ss.seal_frame(bytes([i])) for i in range(3)]
     so = opener.new_stream()
     assert so.feed(f[0] + f[1]) == [b"\x00", b"\x01"]
-    with pytest.raises(OpenError, match="expected 2") as info:
-        so.feed(f[1])  # duplicate inside the stream
+    with pytest.raises(OpenError, match="expected 3") as info:
+        so.feed(f[1])  # duplicate inside the stream (counter 0 is the opening frame)
     assert info.value.reason == "replay"
     with pytest.raises(OpenError):
         so.feed(f[2])  # poisoned: the connection must be closed
@@ -396,7 +402,7 @@ def test_stream_tamper_and_kind_confusion() -> None:
     frame[-1] ^= 1
     with pytest.raises(OpenError, match="auth_failed"):
         opener.new_stream().feed(bytes(frame))
-    dgram = Sealer(Keyring([OLD]), CLUSTER).seal(b"dgram")
+    dgram = Sealer(Keyring([OLD]), CLUSTER).seal(b"")  # the opening frame's size
     with pytest.raises(OpenError, match="expected a sealed stream frame"):
         opener.new_stream().feed(len(dgram).to_bytes(4, "big") + dgram)
     frame_body = ss.seal_frame(b"f")[4:]
@@ -434,7 +440,8 @@ _FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=[Health
 @given(st.binary(max_size=2000))
 def test_fuzz_random_bytes_only_security_errors(data: bytes) -> None:
     opener = Opener(_RING, CLUSTER, limits=CryptoLimits(max_payload=1400))
-    for candidate in (data, b"GR\x01\x01" + data, b"GR\x01\x01" + key_id(OLD) + data):
+    prefix = b"GR" + bytes((VERSION, 1))
+    for candidate in (data, prefix + data, prefix + key_id(OLD) + data):
         try:
             opener.open(candidate)
         except OpenError as exc:
@@ -478,3 +485,161 @@ def test_fuzz_streams_only_security_errors(edits: list[tuple[int, int]], junk: b
     except OpenError as exc:
         assert exc.reason in REASONS
 
+
+
+# --- receiver binding, format version, forgery cost, stream memory -------------------------------
+
+def test_datagram_sealed_for_one_member_is_refused_by_another(counting: dict[str, int]) -> None:
+    ring = Keyring([OLD])
+    sealer = Sealer(ring, CLUSTER, boot_id=BOOT)
+    to_a = Opener(ring, CLUSTER, receiver="10.0.0.1:7980")
+    to_b = Opener(ring, CLUSTER, receiver="10.0.0.2:7980", aead_factory=CountingAead)
+    pkt = sealer.seal(b"for a", to="10.0.0.1:7980")
+    assert pkt[HEADER_SIZE - 8:HEADER_SIZE] == receiver_tag("10.0.0.1:7980")
+    assert reason_of(to_b, pkt) == "wrong_receiver"  # the replay to b: refused before any cryptography
+    assert counting["derive"] == 0 and counting["decrypt"] == 0
+    assert to_a.open(pkt) == (BOOT, b"for a")
+    assert to_b.open(sealer.seal(b"for b", to="10.0.0.2:7980"))[1] == b"for b"
+    # b now knows the sender: the fast path checks the receiver too
+    assert reason_of(to_b, sealer.seal(b"for a", to="10.0.0.1:7980")) == "wrong_receiver"
+    assert reason_of(to_b, sealer.seal(b"nobody's")) == "wrong_receiver"
+    forged = bytearray(sealer.seal(b"for a", to="10.0.0.1:7980"))
+    forged[HEADER_SIZE - 8:HEADER_SIZE] = receiver_tag("10.0.0.2:7980")  # readdressed: the tag fails
+    assert reason_of(to_b, bytes(forged)) == "auth_failed"
+    assert to_b.rejects["wrong_receiver"] == 3 and to_b.rejects["auth_failed"] == 1
+    anyone = Opener(ring, CLUSTER)  # no receiver set (not yet advertised): the field is not checked
+    assert anyone.open(sealer.seal(b"x", to="10.0.0.9:1"))[1] == b"x"
+
+
+def test_a_packet_of_the_previous_sealing_format_is_refused_with_its_reason() -> None:
+    ring = Keyring([OLD])
+    opener = Opener(ring, CLUSTER)
+    old = struct.pack(">2sBB8s16sQ", b"GR", 1, 0x01, key_id(OLD), BOOT, 0) + b"\x00" * 40
+    old_frame = struct.pack(">2sBB8s16sQ", b"GR", 1, 0x02, key_id(OLD), BOOT, 0) + b"\x00" * 200
+    with pytest.raises(OpenError, match="sealing format 1, this node speaks 2") as info:
+        opener.open(old)
+    assert info.value.reason == "bad_version" and opener.rejects["bad_version"] == 1
+    frame = Opener(ring, CLUSTER).new_stream()
+    with pytest.raises(OpenError, match="sealing format 1"):
+        frame.feed(len(old_frame).to_bytes(4, "big") + old_frame)  # no opening frame in format 1
+
+
+def test_forgeries_under_the_real_key_id_cost_a_bounded_number_of_derivations(
+        counting: dict[str, int]) -> None:
+    ring = Keyring([OLD])
+    now = [100.0]
+    limits = CryptoLimits(new_sender_rate=10.0, new_sender_burst=20)
+    opener = Opener(ring, CLUSTER, limits=limits, aead_factory=CountingAead, clock=lambda: now[0])
+    member = Sealer(ring, CLUSTER, boot_id=BOOT)
+    assert opener.open(member.seal(b"hello"))[1] == b"hello"  # a known sender before the flood
+    rng = random.Random(5)
+    template = member.seal(b"x" * 40)
+    reasons: dict[str, int] = {}
+    for i in range(2000):
+        forged = bytearray(template)
+        forged[12:28] = rng.randbytes(16)  # a fresh sender id, the cluster's key id
+        r = reason_of(opener, bytes(forged))
+        reasons[r] = reasons.get(r, 0) + 1
+        if i % 100 == 99:
+            now[0] += 0.5  # 2000 forgeries over 10 s
+            assert opener.open(member.seal(b"still here"))[1] == b"still here"  # known: never throttled
+    assert opener.derivations == counting["derive"] <= 20 + 10 * 10  # burst + rate x 10 s, the member's included
+    assert reasons == {"auth_failed": opener.derivations - 1, "throttled": 2000 - opener.derivations + 1}
+    assert opener.rejects["throttled"] == reasons["throttled"]
+    now[0] += 10.0  # the flood is over: a new member is heard at once
+    assert opener.open(Sealer(ring, CLUSTER).seal(b"new"))[1] == b"new"
+    assert opener.tracked_senders == 2
+
+
+def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
+    b = TokenBucket(rate=2.0, burst=3)
+    assert [b.take(0.0) for _ in range(4)] == [True, True, True, False]
+    assert b.take(0.4) is False and b.take(0.5) is True  # 0.5 s at 2/s: one token
+    assert [b.take(100.0) for _ in range(4)] == [True, True, True, False]  # never above the burst
+    assert b.take(99.0) is False  # a clock that steps back refills nothing
+
+
+def test_stream_garbage_and_big_declared_frames_are_refused_before_they_are_buffered() -> None:
+    ring = Keyring([OLD])
+    opener = Opener(ring, CLUSTER)
+    so = opener.new_stream()
+    assert so.wanted() == 4
+    with pytest.raises(OpenError, match="bad_magic"):  # garbage: refused at its header
+        so.feed((4 * 1024 * 1024).to_bytes(4, "big") + b"\x00" * 100_000)
+    assert so.buffered == 0
+    so = opener.new_stream()
+    header = Sealer(ring, CLUSTER).new_stream().seal_frame(b"")[4:4 + HEADER_SIZE]  # a real header ...
+    assert so.feed((4 * 1024 * 1024).to_bytes(4, "big")) == [] and so.wanted() == HEADER_SIZE
+    with pytest.raises(OpenError, match="opening frame") as info:  # ... of a big first frame
+        so.feed(header + b"\x00" * 100_000)
+    assert info.value.reason == "too_large" and so.buffered == 0
+    # an authenticated peer may declare a big frame; a bad header in it is refused after 48 bytes
+    ss = Sealer(ring, CLUSTER).new_stream()
+    so = opener.new_stream()
+    wire = ss.seal_frame(b"y" * 100_000)
+    opening, frame = wire[:4 + OVERHEAD], bytearray(wire[4 + OVERHEAD:])
+    assert so.feed(opening) == [] and so.authenticated and so.wanted() == 4
+    frame[4:6] = b"XX"
+    with pytest.raises(OpenError, match="bad_magic"):
+        so.feed(bytes(frame))
+    assert so.buffered == 0
+    with pytest.raises(OpenError, match="bad_magic"):  # poisoned, counted once
+        so.next_frame()
+    assert opener.rejects["bad_magic"] == 2  # the garbage above, and this frame once
+    # what a reader asks for never runs past the frame in hand
+    so = opener.new_stream()
+    wire = Sealer(ring, CLUSTER).new_stream().seal_frame(b"z" * 5000)
+    got, at = [], 0
+    while at < len(wire):
+        n = so.wanted()
+        assert so.buffered + n <= so.frame_size
+        so.receive_data(wire[at:at + n])
+        at += n
+        while (f := so.next_frame()) is not None:
+            got.append(f)
+    assert got == [b"z" * 5000] and so.buffered == 0
+
+
+def test_a_refused_frame_is_not_kept_alive_by_the_stored_error() -> None:
+    ring = Keyring([OLD])
+    so = Opener(ring, CLUSTER, limits=CryptoLimits(max_frame_payload=8 * 1024 * 1024)).new_stream()
+    wire = bytearray(Sealer(ring, CLUSTER).new_stream().seal_frame(b"\x00" * (4 * 1024 * 1024)))
+    wire[-1] ^= 1  # a bad tag: the whole frame is buffered before it is refused
+    gc.collect()
+    gc.disable()
+    try:
+        tracemalloc.start()
+        try:
+            so.receive_data(bytes(wire[:4 + OVERHEAD]))
+            assert so.next_frame() is None
+            so.receive_data(bytes(wire[4 + OVERHEAD:]))
+            del wire
+            with pytest.raises(OpenError, match="auth_failed"):
+                so.next_frame()
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    finally:
+        gc.enable()
+    assert held < 256 * 1024, f"{held} bytes still held by a poisoned opener"
+    with pytest.raises(OpenError, match="auth_failed"):
+        so.next_frame()
+
+
+def test_a_member_restarting_at_its_address_is_heard_during_a_forgery_flood() -> None:
+    ring = Keyring([OLD])
+    now = [0.0]
+    opener = Opener(ring, CLUSTER, limits=CryptoLimits(new_sender_rate=1.0, new_sender_burst=5),
+                    clock=lambda: now[0])
+    member_at = ("10.0.0.7", 7980)
+    assert opener.open(Sealer(ring, CLUSTER).seal(b"first life"), member_at)[1] == b"first life"
+    template = Sealer(ring, CLUSTER).seal(b"x" * 40)
+    rng = random.Random(9)
+    for i in range(200):  # forgeries from elsewhere empty the bucket for unknown sources
+        forged = bytearray(template)
+        forged[12:28] = rng.randbytes(16)
+        assert reason_of(opener, bytes(forged), ("10.6.6.6", i)) in ("auth_failed", "throttled")
+    assert opener.rejects["throttled"] == 200 - 4  # the burst, less the member's first derivation
+    assert reason_of(opener, Sealer(ring, CLUSTER).seal(b"a stranger"), ("10.0.0.8", 1)) == "throttled"
+    # the member's new life (a new boot id) from the address it spoke from before: heard at once
+    assert opener.open(Sealer(ring, CLUSTER).seal(b"second life"), member_at)[1] == b"second life"

@@ -353,6 +353,7 @@ def test_view_parser_refuses_hostile_views_cheaply(obj: list[Any]) -> None:
 CLUSTER = "fuzz"
 KEY = bytes(range(32))
 KEY2 = bytes(range(50, 82))
+ME = "10.0.0.1:7946"
 
 
 def test_fuzz_datagram_opener_100k() -> None:
@@ -364,20 +365,23 @@ def test_fuzz_datagram_opener_100k() -> None:
     for i in range(600):
         s = sealers[i % 3]
         payload = rng.randbytes(rng.choice((0, 1, 20, 200, 1400)))
-        pkt = s.seal(payload)
+        pkt = s.seal(payload, ME if i % 50 else "10.0.0.2:1")  # a few sealed for another member
         payload_of[pkt] = (s.boot_id, payload)
         pool.append(pkt)
     other_kid = key_id(KEY2)
-    opener = Opener(Keyring([KEY, KEY2]), CLUSTER, limits=CryptoLimits(max_payload=1400))
+    now = [0.0]  # 1 ms a packet: forgeries under new sender ids outrun 50 derivations a second
+    opener = Opener(Keyring([KEY, KEY2]), CLUSTER, receiver=ME, clock=lambda: now[0],
+                    limits=CryptoLimits(max_payload=1400, new_sender_rate=50.0, new_sender_burst=20))
     fails = Failures("datagram opener", SEED + 2)
     opened: set[bytes] = set()
     t0 = time.perf_counter()
     for i in range(N):
+        now[0] += 0.001
         r = rng.random()
         if r < 0.1:
             data = random_bytes(rng, 1600)
             if rng.random() < 0.5:  # a plausible header in front of junk reaches the later checks
-                data = b"GR\x01\x01" + rng.choice((key_id(KEY), other_kid, rng.randbytes(8))) + data
+                data = b"GR\x02\x01" + rng.choice((key_id(KEY), other_kid, rng.randbytes(8))) + data
         elif r < 0.2:  # a genuine header and counter with another key id (the sender did not seal with it)
             base = rng.choice(pool)
             data = base[:4] + (other_kid if base[4:12] != other_kid else key_id(KEY)) + base[12:]

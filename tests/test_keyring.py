@@ -278,3 +278,37 @@ def test_cli_install_reads_key_from_stdin(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(sys, "stdin", io.StringIO(encode_key(K3) + "\n"))
     assert _run(_parser(path), "keys", "install", "-") == 0
     assert Keyring.load(path).primary == K3
+
+
+def test_cli_install_reads_the_key_from_stdin_or_a_file_and_warns_on_argv(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "keyring.json"
+    p = _parser(path)
+    k1, k2, k3 = (encode_key(bytes([i]) * 32) for i in (1, 2, 3))
+    monkeypatch.setattr("sys.stdin", io.StringIO(k1 + "\n"))
+    assert _run(p, "keys", "install") == 0  # the documented form: `keys generate | keys install`
+    out = capsys.readouterr()
+    assert "as the primary" in out.out and out.err == ""
+    keyfile = tmp_path / "new.key"
+    keyfile.write_text(k2 + "\n")
+    assert _run(p, "keys", "install", "--key-file", str(keyfile)) == 0
+    assert capsys.readouterr().err == ""
+    assert _run(p, "keys", "install", k3) == 0  # still accepted on argv, with a warning
+    err = capsys.readouterr().err
+    assert "readable by every local user" in err and "/proc/<pid>/cmdline" in err
+    assert [i.key_id for i in Keyring.load(path).list()] == [key_id_hex(decode_key(k)) for k in (k1, k2, k3)]
+    assert _run(p, "keys", "install", k1, "--key-file", str(keyfile)) == 1
+    assert "give the key once" in capsys.readouterr().err
+
+
+def test_cli_use_warns_that_peers_without_the_key_evict_this_node(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "keyring.json"
+    Keyring([K1, K2]).save(path)
+    p = _parser(path)
+    assert _run(p, "keys", "use", key_id_hex(K2)) == 0
+    err = capsys.readouterr().err
+    assert "every peer that has not installed it refuses this node's packets" in err
+    assert _run(p, "keys", "use", key_id_hex(K1), "--installed-everywhere") == 0
+    assert capsys.readouterr().err == ""
+    assert Keyring.load(path).keyset.primary_id == key_id(K1)

@@ -4,6 +4,7 @@ view change of agents on an in-memory network in virtual time."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import shutil
 import socket
@@ -22,7 +23,7 @@ from gossiprec.core.events import AlertRaised, Fenced, MemberAlive, MemberFailed
 from gossiprec.errors import ConfigError
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.metrics import AgentMetrics, require_prometheus
-from gossiprec.agent.settings import AgentSettings, split_host_port
+from gossiprec.agent.settings import AgentSettings, add_agent_arguments, settings_from_args, split_host_port
 from tests.support.memnet import MemNetwork
 from tests.support.vtime import virtual_time
 
@@ -163,6 +164,7 @@ async def test_endpoint_serves_state_and_rejections(sockdir: str) -> None:
     agents = await _start_job(sockdir, 3, free_ports(3))
     try:
         a0 = agents[0]
+        a0.metrics.cache_s = 0.0  # each scrape below must see the counters of that moment
         url = f"http://127.0.0.1:{a0.metrics.port}/metrics"
 
         status, ctype, text = await asyncio.to_thread(_get, url)
@@ -217,3 +219,44 @@ async def test_endpoint_follows_a_view_change(sockdir: str) -> None:
             assert _sample(text, "gossiprec_agreement_seconds_count") == 1
     finally:
         await _stop(agents)
+
+
+async def test_endpoint_listens_on_the_agent_address_unless_told_and_caches_the_exposition(sockdir: str) -> None:
+    assert AgentSettings(bind_host="0.0.0.0", insecure=True).metrics_host() == "127.0.0.1"
+    assert AgentSettings(bind_host="0.0.0.0", insecure=True).metrics_host("10.1.2.3:7980") == "10.1.2.3"
+    assert AgentSettings(bind_host="10.9.9.9", insecure=True).metrics_host("10.1.2.3:7980") == "10.9.9.9"
+    assert AgentSettings(insecure=True, metrics_bind="0.0.0.0").metrics_host("10.1.2.3:7980") == "0.0.0.0"
+    parser = argparse.ArgumentParser()
+    add_agent_arguments(parser)
+    flagged = settings_from_args(parser.parse_args(["--insecure", "--metrics-bind", "127.0.0.2"]), {})
+    assert flagged.metrics_bind == "127.0.0.2"
+    assert settings_from_args(parser.parse_args(["--insecure"]),
+                              {"GOSSIPREC_METRICS_BIND": "::1"}).metrics_bind == "::1"
+    # the agent binds every interface, advertises loopback: the endpoint is on loopback only
+    s = AgentSettings(name="m", bind_host="0.0.0.0", advertise="127.0.0.1", port=0, insecure=True,
+                      metrics_port=0, control_socket=f"{sockdir}/m.sock")
+    async with Agent(s) as a:
+        assert a.metrics._server.sockets[0].getsockname()[0] == "127.0.0.1"
+        first = await _aget(a.metrics.port)
+        second = await _aget(a.metrics.port)
+        assert first[0] == second[0] == 200 and first[1] == second[1]
+        assert a.metrics.counters.get("cached", 0) >= 1  # a storm of scrapes renders once a second
+
+
+async def test_slow_requests_do_not_blind_the_scraper(sockdir: str) -> None:
+    s = AgentSettings(name="m", bind_host="127.0.0.1", port=0, insecure=True, metrics_port=0,
+                      control_socket=f"{sockdir}/m.sock")
+    async with Agent(s) as a:
+        slow = []
+        for _ in range(16):  # every slot: a request that never finishes its headers
+            reader, writer = await asyncio.open_connection("127.0.0.1", a.metrics.port)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
+            slow.append((reader, writer))
+        async with asyncio.timeout(5):
+            while len(a.metrics._conns) < 16:
+                await asyncio.sleep(0.01)
+        status, text = await _aget(a.metrics.port)
+        assert status == 200 and "gossiprec_live_members" in text
+        assert a.metrics.counters["evicted"] >= 1 and a.metrics.counters.get("refused", 0) == 0
+        for _, w in slow:
+            w.close()

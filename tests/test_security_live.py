@@ -276,8 +276,9 @@ async def test_hostile_packets_refused_counted_and_view_unaffected(workdir: str,
         assert genuine[:2] == b"GR" and genuine[4:12] == key_id(KEY_A)
         limit = target.transport.limits.max_datagram_payload + OVERHEAD
 
+        to = target.addr                                        # n0's advertised address (the relay)
         outsider = Sealer(Keyring([KEY_B]), CLUSTER)           # a sender without the cluster's key
-        forged = bytearray(outsider.seal(b"\x92\x01\x90"))
+        forged = bytearray(outsider.seal(b"\x92\x01\x90", to))
         forged[4:12] = key_id(KEY_A)                            # ... claiming the cluster's key id
         tampered = bytearray(genuine)
         tampered[HEADER_SIZE + 3] ^= 0x04                       # one ciphertext bit of the real thing
@@ -287,7 +288,7 @@ async def test_hostile_packets_refused_counted_and_view_unaffected(workdir: str,
         big_sealer = Sealer(Keyring([KEY_A]), CLUSTER, limits=CryptoLimits(max_payload=4000))
         insider = Sealer(Keyring([KEY_A]), CLUSTER)             # has the key, sends garbage
         sends: list[tuple[bytes, str]] = [
-            (outsider.seal(b"\x92\x01\x90"), "unknown_key"),
+            (outsider.seal(b"\x92\x01\x90", to), "unknown_key"),
             (bytes(forged), "auth_failed"),
             (bytes(tampered), "auth_failed"),
             (genuine, "accepted"),                              # the untouched original: accepted once ...
@@ -295,10 +296,11 @@ async def test_hostile_packets_refused_counted_and_view_unaffected(workdir: str,
             (genuine[:HEADER_SIZE + 10], "truncated"),          # header intact, tag cut
             (genuine[:20], "truncated"),                        # not even a header
             (genuine + b"\x00" * (limit + 1 - len(genuine)), "too_large"),
-            (big_sealer.seal(b"\x00" * 3000), "too_large"),
+            (big_sealer.seal(b"\x00" * 3000, to), "too_large"),
             (bytes(bad_version), "bad_version"),
             (b"XX" + genuine[2:], "bad_magic"),
-            (insider.seal(b"\xc1\xc1 not msgpack"), "accepted"),  # authentic, refused by the decoder
+            (insider.seal(b"\xc1\xc1 not msgpack", to), "accepted"),  # authentic, refused by the decoder
+            (insider.seal(b"\xc1\xc1", sender.addr), "wrong_receiver"),  # authentic, but for n1
         ] + [(genuine[:HEADER_SIZE], "truncated")] * 5          # a burst: counted each, logged once
         expect = {r: sum(1 for _, why in sends if why == r) for r in REASONS}
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -312,7 +314,7 @@ async def test_hostile_packets_refused_counted_and_view_unaffected(workdir: str,
         assert t_machine is not None
         await target.wait_until(lambda: sum(t_rejects.values()) >= total
                                 and t_machine.counters.get("rx_dropped_malformed", 0) > malformed0, 10)
-        await third.wait_until(lambda: third.transport.rejects["replay"] >= 1, 10)  # type: ignore[union-attr]
+        await third.wait_until(lambda: third.transport.rejects["wrong_receiver"] >= 2, 10)  # type: ignore[union-attr]
 
         # counted under its own reason, read through the control socket
         async with await AsyncControlClient.connect(target.control_path) as c:
@@ -325,10 +327,9 @@ async def test_hostile_packets_refused_counted_and_view_unaffected(workdir: str,
         counters = status["transport"]["counters"]
         assert counters["rx_packets"] >= len(sends) and counters["rx_bytes"] >= sum(len(d) for d, _ in sends)
         assert counters["tx_packets"] > 0 and counters["tx_bytes"] > 0
-        # a copy sent to a member that never saw it opens there at most once: the seal does not name
-        # the receiver; what it carries is addressed to n0 and the protocol drops or ignores it
-        assert third.transport.rejects["replay"] == 1
-        assert sum(third.transport.rejects.values()) == 1
+        # a copy sent to a member that never saw it never opens there: the seal names its receiver
+        assert third.transport.rejects["wrong_receiver"] == 2
+        assert sum(third.transport.rejects.values()) == 2
 
         # gossip goes on for a few rounds, and nothing changed: same view, nobody suspected
         await traffic_flows(agents, 30)
@@ -380,16 +381,16 @@ async def load(agents: list[Agent], stop: asyncio.Event, sent: dict[str, int], a
     async def pinger() -> None:
         assert agents[0].keyring is not None
         sealer = Sealer(agents[0].keyring, CLUSTER)
-        targets = [(a.name, ("127.0.0.1", a.transport.port)) for a in agents if a.transport is not None]
+        targets = [(a.name, a.addr, ("127.0.0.1", a.transport.port)) for a in agents if a.transport is not None]
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind(("127.0.0.1", 0))
             s.setblocking(False)
             me = f"127.0.0.1:{s.getsockname()[1]}"
             seq = 0
             while not stop.is_set():
-                for name, addr in targets:
+                for name, to, addr in targets:
                     seq += 1
-                    s.sendto(sealer.seal(encode_packet([Ping(seq, name, "loadgen", me)])), addr)
+                    s.sendto(sealer.seal(encode_packet([Ping(seq, name, "loadgen", me)]), to), addr)
                     sent[name] = sent.get(name, 0) + 1
                 with contextlib.suppress(BlockingIOError):
                     while s.recv(2048):

@@ -138,7 +138,7 @@ def test_round_trip_single(msg: Message) -> None:
 
 # Every registered type, including those other modules add: a sample built from the first candidate
 # value each field's own validator accepts (its normalised output, e.g. lists become tuples).
-CANDIDATES: list[Any] = [1, "n1", b"\x01" * 32, True, [], [0] * 6, None]
+CANDIDATES: list[Any] = [1, "n1", b"\x01" * 32, True, [], [0] * 6, None, ["n1", "a:1", "h", 0, False]]
 
 
 def _generic_sample(cls: type, validators: tuple) -> Message:
@@ -303,7 +303,7 @@ REFUSALS: list[tuple[str, bytes, str]] = [
     ("pushpull-2nd-row-bad", packet([9, "s", "", False, False, [list(ROW), [*ROW[:8], -1]]]), "bad_field"),
     ("pushpull-join-int", packet([9, "s", "", 0, False, []]), "bad_field"),
     ("good-then-bad", packet(GOOD_PING, [1, 1, "", "n1", "a"]), "bad_field"),
-    ("good-then-unknown", packet(GOOD_PING, [42]), "unknown_type"),
+    ("good-then-unknown", packet(GOOD_PING, [99]), "unknown_type"),
 ]
 
 

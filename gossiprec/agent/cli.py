@@ -43,6 +43,9 @@ async def serve(settings: AgentSettings, **agent_kwargs: Any) -> int:
     """Run one agent until SIGTERM/SIGINT; 0 after a graceful leave."""
     agent = Agent(settings, handle_signals=True, **agent_kwargs)
     await agent.run()
+    if agent.boot_failure is not None:
+        print(f"gossiprec agent: error: {agent.boot_failure}", file=sys.stderr)
+        return 1
     return 0
 
 

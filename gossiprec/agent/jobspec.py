@@ -22,11 +22,13 @@ Every agent of the job reads the same file, so all derive the same view 0 withou
 from __future__ import annotations
 
 import random
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from gossiprec.agent.settings import AgentSettings
+from gossiprec.core.bootstrap import Booting, BootParams, Bootstrap, Candidate
 from gossiprec.core.config import Config
 from gossiprec.core.machine import Machine, MachineFactory
 from gossiprec.core.node import Node
@@ -83,6 +85,8 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
     With a job spec (``--job``) every agent starts from the same view 0; a node not listed there, or
     an agent started without a job spec, joins the running job through its seeds (as a spare).
     """
+    if settings.nnodes is not None:
+        return boot_factory(settings)
     view0 = load_view0(settings.job) if settings.job else None
     agreement = settings.agreement_config()
 
@@ -106,5 +110,35 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
         # not in view 0: joins the running job through its seeds; the view admits it as a spare
         return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
                     seeds=seeds, agreement=agreement)
+
+    return make
+
+
+def boot_factory(settings: AgentSettings) -> MachineFactory:
+    """The machine of an agent started with ``--nnodes`` and no job spec: view 0 agreed through the
+    seeds (:mod:`gossiprec.core.bootstrap`), then the whole core from that view."""
+    assert settings.nnodes is not None
+    seeds = settings.seed_addrs()
+    params = BootParams(settings.nnodes * settings.nproc_per_node, settings.spares, seeds,
+                        allow_shrink=settings.allow_shrink)
+    agreement = settings.agreement_config()
+    host = settings.host or socket.gethostname()
+
+    def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
+             rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
+        local = settings.local_index if settings.local_index is not None else int(addr.rpartition(":")[2] or 0)
+        me = Candidate(name, addr, host, local, spare=settings.role == "spare")
+
+        def make_node(view: View | None, at: float) -> Machine:
+            if view is not None:
+                m = view.member(name)
+                assert m is not None
+                members = {v.node: MemberInfo(v.node, v.addr, 1) for v in view.members if v.node != name}
+                return Node(config, name, addr, incarnation=incarnation, rng=rng, now=at, view=view, role=m.role,
+                            host=m.host, members=members, agreement=agreement)
+            return Node(config, name, addr, incarnation=incarnation, rng=rng, now=at, view=None, role="spare",
+                        host=host, seeds=seeds, agreement=agreement)
+
+        return Booting(Bootstrap(params, me, now, rng), make_node, seeds, incarnation, config.max_stream)
 
     return make

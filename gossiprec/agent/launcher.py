@@ -71,6 +71,7 @@ from gossiprec.agent.cli import run_async
 from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
+from gossiprec.core.bootstrap import Booting
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +224,18 @@ class Launcher:
     async def run(self) -> int:
         async with Agent(self.settings, **self.agent_kwargs) as agent:
             self.agent = agent
+            if isinstance(agent.machine, Booting):
+                # the trainer's role and rank come from view 0, which the agents have yet to agree on
+                boot = agent.machine.boot
+                try:
+                    await agent.wait_until(lambda: boot.decided is not None or agent.boot_failure is not None
+                                           or agent.state != "running", self.settings.bootstrap_timeout + 5.0)
+                except TimeoutError:
+                    pass
+                if boot.decided is None:
+                    log.error("the training process was not started: %s",
+                              agent.boot_failure or "the agent stopped before view 0 was agreed")
+                    return 1
             try:
                 proc = await asyncio.create_subprocess_exec(
                     *self.argv, env=child_environment(agent, self.environ), start_new_session=True,

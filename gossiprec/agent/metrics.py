@@ -27,7 +27,12 @@ not enter the figures.
 
 The HTTP endpoint is a minimal asyncio server (:class:`MetricsServer`, ``GET /metrics``), on the agent's
 event loop: scrapes read agent state on the same thread that mutates it, there is no extra thread, and
-the socket closes with the agent. Requests are bounded (8 KiB of headers, 5 s, 16 at once).
+the socket closes with the agent. Requests are bounded (8 KiB of headers, 5 s, 16 at once); when all 16
+are taken, a new request evicts the oldest one still sending its headers (slow clients cannot blind
+the scraper), and is refused only when all 16 are being answered. The exposition is rendered at most
+once per ``cache_s`` (1 s) and served from that copy in between, so a scrape storm costs the agent
+copies, not collections. The endpoint listens on ``--metrics-bind``, by default the agent's own
+address (never every interface unless asked; see ``AgentSettings.metrics_host``).
 
 If ``prometheus-client`` is missing, :func:`require_prometheus` raises :class:`ConfigError`; it is
 imported only when an endpoint is asked for (``--metrics-port``).
@@ -227,14 +232,18 @@ class AgentMetrics:
 class MetricsServer:
     """``GET /metrics`` over HTTP/1.0-style one-shot connections, on the running event loop."""
 
-    def __init__(self, metrics: AgentMetrics, host: str, port: int) -> None:
+    def __init__(self, metrics: AgentMetrics, host: str, port: int, *, cache_s: float = 1.0) -> None:
         self.metrics = metrics
         self.host = host
         self.requested_port = port
         self.port = 0
+        self.cache_s = cache_s
         self.counters: dict[str, int] = {}
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[asyncio.Task[Any]] = set()
+        self._reading: dict[asyncio.Task[Any], None] = {}
+        """Requests still sending their headers, oldest first."""
+        self._cache: tuple[float, bytes, str] | None = None
 
     async def __aenter__(self) -> MetricsServer:
         await self.start()
@@ -268,13 +277,21 @@ class MetricsServer:
         task = asyncio.current_task()
         assert task is not None
         if len(self._conns) >= MAX_CONNECTIONS:
-            self._count("refused")
-            writer.close()
-            return
+            if not self._reading:
+                self._count("refused")
+                writer.close()
+                return
+            slow = next(iter(self._reading))
+            self._reading.pop(slow)
+            self._conns.discard(slow)
+            slow.cancel()
+            self._count("evicted")
         self._conns.add(task)
+        self._reading[task] = None
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 head = await reader.readuntil(b"\r\n\r\n")
+                self._reading.pop(task, None)
                 parts = head.split(b"\r\n", 1)[0].split()
                 if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
                     await self._respond(writer, 400, b"bad request\n", "text/plain")
@@ -283,7 +300,7 @@ class MetricsServer:
                 elif parts[1].split(b"?", 1)[0] not in (b"/metrics", b"/"):
                     await self._respond(writer, 404, b"see /metrics\n", "text/plain")
                 else:
-                    body, ctype = self.metrics.exposition()
+                    body, ctype = self._exposition()
                     self._count("scrapes")
                     await self._respond(writer, 200, b"" if parts[0] == b"HEAD" else body, ctype,
                                         length=len(body))
@@ -294,7 +311,18 @@ class MetricsServer:
             log.exception("metrics request failed")
         finally:
             self._conns.discard(task)
+            self._reading.pop(task, None)
             writer.close()
+
+    def _exposition(self) -> tuple[bytes, str]:
+        now = asyncio.get_running_loop().time()
+        cached = self._cache
+        if cached is not None and now - cached[0] < self.cache_s:
+            self._count("cached")
+            return cached[1], cached[2]
+        body, ctype = self.metrics.exposition()
+        self._cache = (now, body, ctype)
+        return body, ctype
 
     @staticmethod
     async def _respond(writer: asyncio.StreamWriter, code: int, body: bytes, ctype: str,
@@ -314,11 +342,12 @@ class _Agent(StatusSource, EventFollower, Protocol):
 
 
 async def serve_agent_metrics(agent: _Agent, stack: AsyncExitStack, tg: asyncio.TaskGroup) -> MetricsServer:
-    """The agent's hook: serve ``agent``'s metrics on ``settings.metrics_port`` (host: the bind address)
-    until ``stack`` closes; the event follower runs in ``tg``. Returns the server (``.port``, ``.metrics``)."""
+    """The agent's hook: serve ``agent``'s metrics on ``settings.metrics_port`` (host:
+    ``settings.metrics_host(agent.addr)``) until ``stack`` closes; the event follower runs in ``tg``.
+    Returns the server (``.port``, ``.metrics``)."""
     s = agent.settings
     metrics = AgentMetrics(agent)
-    server = MetricsServer(metrics, s.bind_host, s.metrics_port)
+    server = MetricsServer(metrics, s.metrics_host(getattr(agent, "addr", None)), s.metrics_port)
     await stack.enter_async_context(server)
     tg.create_task(metrics.follow(agent), name="gossiprec-metrics")
     return server

@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
 from gossiprec.agent.jobspec import node_factory
+from gossiprec.core.bootstrap import Booting
 from gossiprec.agent.logs import log_event
 from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
@@ -113,6 +114,8 @@ class Agent:
         self.started_at = 0.0
         self.layout: dict[Any, Any] | None = None
         self.leave_reason: str | None = None
+        self.boot_failure: str | None = None
+        """Why view 0 could not be agreed (an agent started with ``nnodes``), once it gave up."""
         self.counters: dict[str, int] = {}
         self.hub = EventHub()
         self._progress = (-1, 0, 0)
@@ -176,6 +179,7 @@ class Agent:
             port = transport.port
             self.name = s.name or default_node_name(port)
             self.addr = await self._advertise(port)
+            transport.set_local_addr(self.addr)  # datagrams sealed for another member are refused
             self.incarnation = int(time.time() * 1000)
             self.started_at = self.clock()
             seeds = tuple(a for a in s.seed_addrs() if a != self.addr)
@@ -183,7 +187,7 @@ class Agent:
                                                 incarnation=self.incarnation, role=s.role,
                                                 now=self.started_at, rng=self.rng, seeds=seeds)
             self.control_path = s.control_socket or default_control_path(port)
-            self.control = ControlServer(self.control_path, self)
+            self.control = ControlServer(self.control_path, self, private_dir=s.control_socket is None)
             await stack.enter_async_context(self.control)
             # in the control socket's directory, which bind_unix_socket checked
             self._page = ProgressPage.create(page_path_for(self.control_path), with_bell=s.exit_bell)
@@ -191,7 +195,9 @@ class Agent:
             tg = await stack.enter_async_context(asyncio.TaskGroup())
             if self.keyring is not None and self.keyring.path is not None:
                 self._keyring_due = self.clock() + self.keyring_check_s
-            if seeds:
+            if isinstance(self.machine, Booting):
+                tg.create_task(self._boot_watch(self.machine), name="gossiprec-bootstrap")
+            elif seeds:
                 tg.create_task(self._join_loop(list(seeds)), name="gossiprec-join")
             if s.metrics_port is not None:
                 from gossiprec.agent.metrics import serve_agent_metrics
@@ -404,6 +410,28 @@ class Agent:
             self._arm(now + 0.01)  # retry soon; do not spin on a persistent bug
             return
         self._flush()
+
+    async def _boot_watch(self, machine: Booting) -> None:
+        """View 0 agreed, or give up after ``bootstrap_timeout`` naming who was found (the agent stops)."""
+        s = self.settings
+        try:
+            await self.wait_until(lambda: self._closing or machine.boot.decided is not None, s.bootstrap_timeout)
+        except TimeoutError:
+            known = sorted(machine.boot.known)
+            self.boot_failure = (
+                f"view 0 not agreed within {s.bootstrap_timeout:g} s: {len(known)} of "
+                f"{machine.boot.params.expected} agents found ({', '.join(known)}); start the missing ones with "
+                f"the same --nnodes {s.nnodes} --nproc-per-node {s.nproc_per_node} --spares {s.spares} and "
+                f"--seed list, and check that a majority of the seeds ({', '.join(machine.boot.params.seeds)}) is up")
+            log.error("bootstrap failed: %s", self.boot_failure, extra={"fields": {"node": self.name}})
+            self.stop()
+            return
+        if not self._closing and machine.boot.decided is not None:
+            boot = machine.boot
+            member = any(c.name == self.name for c in boot.decided or ())
+            log.info("view 0 agreed through the seeds: %d members%s", len(boot.decided or ()),
+                     "" if member else "; this agent is not one of them and joins as a spare",
+                     extra={"fields": {"node": self.name}})
 
     async def _join_loop(self, seeds: list[str]) -> None:
         delay = self.join_retry_s

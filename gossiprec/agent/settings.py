@@ -24,7 +24,7 @@ Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC
     GOSSIPREC_NODE GOSSIPREC_BIND GOSSIPREC_PORT GOSSIPREC_ADVERTISE GOSSIPREC_SEEDS (comma separated)
     GOSSIPREC_ROLE GOSSIPREC_RANK GOSSIPREC_PROFILE GOSSIPREC_CLUSTER GOSSIPREC_KEYRING
     GOSSIPREC_INSECURE (1/0, true/false, yes/no) GOSSIPREC_CONTROL GOSSIPREC_LOG_FORMAT
-    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
+    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_METRICS_BIND GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
     GOSSIPREC_EXIT_BELL (1/0) GOSSIPREC_CONFIG (path of the TOML file)
 
 TOML file: the same names as the dataclass fields at top level (``port = 7980``, ``seeds = ["a:7980"]``),
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import math
 import os
 import socket
@@ -46,8 +47,12 @@ from typing import Any, Callable, Mapping
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 DEFAULT_PORT = 7980
 """UDP and TCP port of the agent (both protocols share the number)."""
+PORTS_PER_AGENT = 3
+"""Ports one agent and its trainer use: the agent's, the epoch store's (+1), the state donor's (+2)."""
 AGENT_STARTUP_GRACE = 30.0
 """Seconds an agent waits before probing a view-0 member it has not heard from yet (see the core's
 ``Config.startup_grace``). On a loaded machine a job's agents come up seconds apart; without a grace
@@ -76,9 +81,17 @@ ENV: dict[str, str] = {
     "log_format": "GOSSIPREC_LOG_FORMAT",
     "log_level": "GOSSIPREC_LOG_LEVEL",
     "metrics_port": "GOSSIPREC_METRICS_PORT",
+    "metrics_bind": "GOSSIPREC_METRICS_BIND",
     "job": "GOSSIPREC_JOB",
     "align_timers": "GOSSIPREC_ALIGN_TIMERS",
     "exit_bell": "GOSSIPREC_EXIT_BELL",
+    "nnodes": "GOSSIPREC_NNODES",
+    "nproc_per_node": "GOSSIPREC_NPROC_PER_NODE",
+    "spares": "GOSSIPREC_SPARES",
+    "allow_shrink": "GOSSIPREC_ALLOW_SHRINK",
+    "local_index": "GOSSIPREC_LOCAL_INDEX",
+    "host": "GOSSIPREC_HOST",
+    "bootstrap_timeout": "GOSSIPREC_BOOTSTRAP_TIMEOUT",
 }
 """Setting field -> environment variable."""
 ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
@@ -120,6 +133,9 @@ class AgentSettings:
     """``debug``, ``info``, ``warning`` or ``error``."""
     metrics_port: int | None = None
     """Port of the Prometheus endpoint; None: no endpoint."""
+    metrics_bind: str | None = None
+    """Address the Prometheus endpoint listens on. None: :meth:`metrics_host` (the agent's own address,
+    never every interface unless asked)."""
     protocol: tuple[tuple[str, Any], ...] = ()
     """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
     job: str | None = None
@@ -133,6 +149,23 @@ class AgentSettings:
     """Watch the trainer's exit bell (gossiprec.local.bell), so that a dying trainer is seen before the
     kernel has torn its memory down. False: no bell; its death is seen when it has exited (by the
     launcher of ``gossiprec run``)."""
+    nnodes: int | None = None
+    """Hosts of a job started without a job spec: view 0 is then agreed by the agents through their
+    seeds (``nnodes * nproc_per_node`` members, see gossiprec.core.bootstrap). None: a job spec
+    (``job``) or a joiner."""
+    nproc_per_node: int = 1
+    """Agents (agent + trainer pairs) per host, with ``nnodes``."""
+    spares: int = 0
+    """With ``nnodes``: how many of the members are hot spares (the last in rank order)."""
+    allow_shrink: bool = False
+    """With ``nnodes``: with no spare left, drop data-parallel replicas instead of stopping."""
+    local_index: int | None = None
+    """This agent's index on its host (its rank order there), with ``nnodes``. None: by port."""
+    host: str | None = None
+    """The host name ranks are ordered by, with ``nnodes``. None: this machine's host name."""
+    bootstrap_timeout: float = 300.0
+    """Seconds an agent started with ``nnodes`` waits for view 0 before it gives up, naming who it
+    found (too few agents started, or a majority of the seeds is not up)."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -176,17 +209,43 @@ class AgentSettings:
             bad("log_level", f"expected one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.metrics_port is not None and not _is_port(self.metrics_port):
             bad("metrics_port", f"expected a port number 0..65535, got {self.metrics_port!r}")
+        if self.metrics_bind is not None and not self.metrics_bind.strip():
+            bad("metrics_bind", "empty address; give a host (0.0.0.0 for every interface)")
         if self.insecure and self.keyring is not None:
             bad("insecure", f"insecure mode and a keyring ({self.keyring}) exclude each other; drop one")
         if not self.insecure and self.keyring is None:
-            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys install "
-                           "$(gossiprec keys generate) --keyring PATH`), or --insecure on a trusted network")
+            bad("keyring", "no keyring: pass --keyring PATH (create one with `gossiprec keys generate | "
+                           "gossiprec keys install --keyring PATH`), or --insecure on a trusted network")
         if self.control_socket is not None:
             if not self.control_socket:
                 bad("control_socket", "empty path")
             elif len(os.fsencode(self.control_socket)) > UNIX_PATH_MAX:
                 bad("control_socket", f"path is {len(os.fsencode(self.control_socket))} bytes; a Unix "
                                       f"socket path must be at most {UNIX_PATH_MAX}; choose a shorter one")
+        if self.nnodes is not None:
+            if type(self.nnodes) is not int or self.nnodes < 1:
+                bad("nnodes", f"expected a number of hosts >= 1, got {self.nnodes!r}")
+            elif self.job is not None:
+                bad("nnodes", f"a job spec ({self.job}) and --nnodes exclude each other: the spec lists view 0, "
+                              "--nnodes has the agents agree on it; drop one")
+            elif not self.seeds:
+                bad("nnodes", "--nnodes needs --seed HOST:PORT (the same list on every agent; several, so that a "
+                              "minority of them may be dead at the start)")
+            elif type(self.nproc_per_node) is int and type(self.spares) is int and not (
+                    0 <= self.spares < self.nnodes * max(self.nproc_per_node, 1)):
+                bad("spares", f"expected 0 <= spares < nnodes x nproc_per_node = "
+                              f"{self.nnodes * max(self.nproc_per_node, 1)}, got {self.spares!r}")
+        if type(self.nproc_per_node) is not int or self.nproc_per_node < 1:
+            bad("nproc_per_node", f"expected an integer >= 1, got {self.nproc_per_node!r}")
+        if type(self.spares) is not int or self.spares < 0:
+            bad("spares", f"expected an integer >= 0, got {self.spares!r}")
+        if self.local_index is not None and (type(self.local_index) is not int or self.local_index < 0):
+            bad("local_index", f"expected an integer >= 0, got {self.local_index!r}")
+        if self.host is not None and not self.host:
+            bad("host", "empty host name")
+        if isinstance(self.bootstrap_timeout, bool) or not isinstance(self.bootstrap_timeout, (int, float)) \
+                or not 0 < self.bootstrap_timeout < math.inf:
+            bad("bootstrap_timeout", f"expected seconds > 0, got {self.bootstrap_timeout!r}")
         if self.profile in AGENT_PROFILES and self.cluster:
             try:
                 self.protocol_config()
@@ -208,6 +267,23 @@ class AgentSettings:
     def agreement_config(self) -> AgreementConfig:
         """The agreement layer's parameters: the profile's, with the ``[protocol]`` table's agreement fields."""
         return AgreementConfig.profile(self.profile, **{k: v for k, v in self.protocol if k in _AGREEMENT_FIELDS})
+
+    def metrics_host(self, advertised: str | None = None) -> str:
+        """Where the metrics endpoint listens: ``metrics_bind`` if set; else the bind address unless it
+        is a wildcard; else the host of this node's ``advertised`` ``host:port`` (reachable by whoever
+        reaches the agent, not every interface), and loopback without one."""
+        if self.metrics_bind is not None:
+            return self.metrics_bind.strip()
+        if not _is_wildcard(self.bind_host):
+            return self.bind_host
+        if advertised:
+            try:
+                host, _ = split_host_port(advertised, default_port=0)
+            except ConfigError:
+                host = ""
+            if host and not _is_wildcard(host):
+                return host
+        return "127.0.0.1"
 
     def seed_addrs(self) -> tuple[str, ...]:
         """Seeds normalised to ``host:port``."""
@@ -329,6 +405,15 @@ def _as_seeds(v: Any, where: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _as_seconds(v: Any, where: str) -> float:
+    if type(v) in (int, float):
+        return float(v)
+    try:
+        return float(_as_str(v, where))
+    except ValueError:
+        raise ConfigError(f"{where}: expected a number of seconds, got {v!r}") from None
+
+
 def _as_opt_int(v: Any, where: str) -> int | None:
     if isinstance(v, str) and not v.strip():
         return None
@@ -339,8 +424,10 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "name": _as_opt_str, "bind_host": _as_str, "port": _as_int, "advertise": _as_opt_str,
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
-    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "job": _as_opt_str,
-    "align_timers": _as_bool, "exit_bell": _as_bool,
+    "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
+    "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
+    "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
+    "host": _as_opt_str, "bootstrap_timeout": _as_seconds,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 _AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
@@ -453,14 +540,57 @@ def load_settings(
     if problems:
         raise ConfigError("invalid agent settings:\n  " + "\n  ".join(problems))
     protocol.update(flag_protocol or {})
-    if "keyring" not in values and not values.get("insecure"):
-        fallback = default_keyring_path(env)
-        if os.path.exists(fallback):
+    fallback = default_keyring_path(env)
+    if "keyring" not in values and os.path.exists(fallback):
+        if not values.get("insecure"):
             values["keyring"], origins["keyring"] = fallback, f"default keyring {fallback}"
+        elif origins.get("insecure") != "--insecure":
+            # an exported variable or a settings file must not turn a keyed node into an open one
+            raise ConfigError(f"{origins['insecure']} asks for insecure mode, but this user has a keyring "
+                              f"({fallback}): unset {ENV['insecure']} to use the key, or pass --insecure "
+                              "on the command line to run without it")
+        else:
+            log.warning("--insecure: running unauthenticated and unencrypted although a keyring exists "
+                        "at %s (it is not used)", fallback)
+    if values.get("job"):
+        _defaults_from_job_spec(str(values["job"]), values, origins)
+    elif values.get("nnodes") is not None and values.get("local_index") is not None and "port" not in values:
+        # several agents per host with no port arithmetic: the i-th takes the default port + 3 i
+        local = values["local_index"]
+        if type(local) is int and local >= 0:
+            values["port"] = DEFAULT_PORT + PORTS_PER_AGENT * local
+            origins["port"] = f"{DEFAULT_PORT} + {PORTS_PER_AGENT} x {origins.get('local_index', 'local_index')}"
     if protocol:
         origins["protocol"] = "--protocol / [protocol]"
     return AgentSettings(**values, protocol=tuple(sorted(protocol.items())), config_file=path,
                          origins=origins)
+
+
+def _defaults_from_job_spec(path: str, values: dict[str, Any], origins: dict[str, str]) -> None:
+    """What the job spec already says, so that ``--job FILE --name N`` is enough: a member of view 0
+    listens on the port of its address there and advertises that address; a node the spec does not
+    list joins through the spec's members. Given values win; a spec that cannot be read is left to the
+    job spec's own loader, which names the problem."""
+    try:
+        rows = tomllib.loads(Path(path).read_text()).get("members")
+    except (OSError, tomllib.TOMLDecodeError):
+        return
+    if not isinstance(rows, list):
+        return
+    addrs = {str(r.get("name")): str(r.get("addr")) for r in rows if isinstance(r, dict) and "addr" in r}
+    name = values.get("name")
+    where = f"job spec {path}"
+    if name in addrs:
+        host, sep, port = addrs[name].rpartition(":")
+        if not sep or not port.isdigit():
+            return
+        if "port" not in values:
+            values["port"], origins["port"] = int(port), f"{where}: {name}'s addr"
+        if "advertise" not in values and values.get("bind_host", "0.0.0.0") in ("0.0.0.0", "::"):
+            # a bind to one address advertises that one: a mismatch with the spec is then an error
+            values["advertise"], origins["advertise"] = addrs[name], f"{where}: {name}'s addr"
+    elif "seeds" not in values and addrs:
+        values["seeds"], origins["seeds"] = tuple(addrs.values()), f"{where}: its members"
 
 
 # --- command line -----------------------------------------------------------------------------------
@@ -495,10 +625,27 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", dest="log_level", choices=LOG_LEVELS, default=None)
     g.add_argument("--metrics-port", dest="metrics_port", type=int, default=None,
                    help="Prometheus endpoint port (default: none)")
+    g.add_argument("--metrics-bind", dest="metrics_bind", metavar="HOST", default=None,
+                   help="address of the Prometheus endpoint (default: the agent's own address, else "
+                        "127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--align-timers", dest="align_timers", action=argparse.BooleanOptionalAction, default=None,
                    help="align the protocol timer with uvloop's millisecond clock (default on)")
     g.add_argument("--exit-bell", dest="exit_bell", action=argparse.BooleanOptionalAction, default=None,
                    help="watch the trainer's exit bell: see a dying trainer before it has exited (default on)")
+    b = parser.add_argument_group("bootstrap without a job spec (view 0 agreed through the seeds)")
+    b.add_argument("--nnodes", type=int, default=None,
+                   help="hosts of the job; with --seed, the agents agree on view 0 (no --job)")
+    b.add_argument("--nproc-per-node", dest="nproc_per_node", type=int, default=None,
+                   help="agent + trainer pairs per host (default 1)")
+    b.add_argument("--spares", type=int, default=None,
+                   help="how many members are hot spares, the last in rank order (0)")
+    b.add_argument("--allow-shrink", dest="allow_shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="with no spare left, drop data-parallel replicas instead of stopping")
+    b.add_argument("--local-index", dest="local_index", type=int, default=None,
+                   help="this agent's index on its host (default: by port)")
+    b.add_argument("--host", default=None, help="host name ranks are ordered by (default: this machine's)")
+    b.add_argument("--bootstrap-timeout", dest="bootstrap_timeout", type=float, default=None,
+                   help="seconds to wait for view 0 before giving up (default 300)")
     g.add_argument("--protocol", metavar="NAME=VALUE", action="append", default=None,
                    help="override a protocol Config field (repeatable), e.g. probe_interval=0.2")
 

@@ -6,20 +6,31 @@ One :class:`NetTransport` binds a UDP socket and a TCP listening socket to the s
 hands the agent ``Send(addr, payload, reliable)``; the agent calls :meth:`NetTransport.send`:
 
 - ``reliable=False``: the payload is sealed with the process's :class:`~gossiprec.security.crypto.Sealer`
-  (one boot id per process) and sent as one datagram. Nothing waits; a full socket buffer drops the
-  packet (SWIM tolerates loss) and counts it.
+  (one boot id per process) for the receiver at that address, and sent as one datagram. Nothing waits;
+  a full socket buffer drops the packet (SWIM tolerates loss) and counts it.
 - ``reliable=True``: a task in the transport's TaskGroup opens one short-lived TCP connection to the
   address, writes one frame sealed by a fresh :class:`~gossiprec.security.crypto.StreamSealer`, and closes.
   Connect and write are bounded by timeouts; at most ``max_outbound_streams`` run at once, further
   sends are dropped and counted (the core repeats what matters: push-pull, joins).
 
-Inbound, every datagram is opened with the :class:`~gossiprec.security.crypto.Opener` (size, header, key,
-replay window, tag) before its plaintext reaches ``on_message(payload, reliable=False)``. Every
-accepted TCP connection gets its own :class:`~gossiprec.security.crypto.StreamOpener`; each complete frame
-goes to ``on_message(payload, reliable=True)``. A connection is closed at its first bad frame, after
-``max_frames_per_stream`` frames, or when ``io_timeout`` runs out. Refusals are counted by reason in
-:attr:`NetTransport.rejects` (the opener's :class:`~gossiprec.security.crypto.RejectCounter`) and logged at
-most once per reason per ``log_interval`` seconds. No exception caused by a peer leaves this module.
+Inbound, every datagram is opened with the :class:`~gossiprec.security.crypto.Opener` (size, header,
+receiver: this node's advertised address once :meth:`NetTransport.set_local_addr` named it, key, replay
+window, tag; derivations for unknown senders rate limited) before its plaintext reaches
+``on_message(payload, reliable=False)``. Every accepted TCP connection gets its own
+:class:`~gossiprec.security.crypto.StreamOpener`; each complete frame goes to ``on_message(payload,
+reliable=True)``. A connection is closed at its first bad frame, after ``max_frames_per_stream``
+frames, or when ``io_timeout`` runs out. Refusals are counted by reason in :attr:`NetTransport.rejects`
+(the opener's :class:`~gossiprec.security.crypto.RejectCounter`) and logged at most once per reason per
+``log_interval`` seconds. No exception caused by a peer leaves this module.
+
+Inbound connections are admitted so that nobody without the key can hold this node's TCP port or
+memory. A connection is *pending* until its opening frame authenticated (the peer holds a key), and
+must get there within ``first_frame_timeout``. When every one of ``max_inbound_streams`` slots is
+taken, a new connection evicts the oldest pending one (only when none is pending is it refused); one
+source address holds at most ``max_pending_per_source`` pending connections, a new one evicting its
+own oldest. Each connection reads no more than its opener asks for (:meth:`StreamOpener.wanted`), and
+the bytes every inbound connection buffers together stay within ``max_inbound_buffer``: a read that
+would pass it closes its connection instead. Evictions, idle and over-budget closes are counted.
 
 Accounting (:meth:`NetTransport.stats`, shown by the agent's ``status``): a *packet* is a datagram or a
 stream frame. ``tx_packets``/``tx_bytes`` count what was handed to the kernel (sealed bytes, frame
@@ -61,6 +72,7 @@ DROP_COUNTERS = frozenset({
     "tx_after_close", "tx_dropped_backpressure", "tx_udp_errors", "tx_bad_address", "tx_unresolved",
     "tx_wrong_family", "tx_streams_dropped", "tx_stream_errors", "tx_seal_too_large", "tx_seal_no_key",
     "tx_seal_exhausted", "rx_streams_refused", "rx_stream_errors", "rx_handler_errors",
+    "rx_streams_evicted", "rx_streams_idle", "rx_streams_over_budget",
 })
 """Counters of :attr:`NetTransport.counters` that count a lost message (reported under ``dropped``)."""
 
@@ -92,6 +104,10 @@ class Transport(Protocol):
         """Stop all traffic at once (a crash); :meth:`aclose` still finishes the cleanup."""
         ...
 
+    def set_local_addr(self, addr: str) -> None:
+        """This node's advertised ``host:port``: from now on only datagrams sealed for it are accepted."""
+        ...
+
     def send(self, addr: str, payload: bytes, reliable: bool = False) -> None:
         """Send one message; never raises (losses are counted)."""
         ...
@@ -121,8 +137,17 @@ class TransportLimits:
     """Seconds to establish an outbound TCP connection."""
     io_timeout: float = 10.0
     """Seconds an outbound write, or a whole inbound connection, may take."""
+    first_frame_timeout: float = 2.0
+    """Seconds an inbound connection may take to authenticate (its opening frame); a peer sends that
+    frame right after connecting, so this is a round trip and a scheduling delay, with room."""
     max_inbound_streams: int = 64
-    """Inbound TCP connections served at once; more are closed at accept and counted."""
+    """Inbound TCP connections served at once; when all are taken, a new one evicts the oldest that
+    has not authenticated yet, and is refused (counted) only when every one has."""
+    max_pending_per_source: int = 32
+    """Inbound connections from one source address that have not authenticated yet; a new one past
+    this evicts that source's oldest."""
+    max_inbound_buffer: int = 32 * 1024 * 1024
+    """Bytes all inbound connections may buffer together (at least one largest message)."""
     max_outbound_streams: int = 64
     """Outbound reliable messages in flight; more are dropped and counted."""
     max_frames_per_stream: int = 16
@@ -133,15 +158,22 @@ class TransportLimits:
     """SO_RCVBUF / SO_SNDBUF asked of the kernel for the UDP socket (best effort)."""
     log_interval: float = 10.0
     """At most one log line per refusal reason per this many seconds."""
+    new_sender_rate: float = 512.0
+    """Subkey derivations a second for datagrams from unknown senders (see ``CryptoLimits``)."""
+    new_sender_burst: int = 1024
+    """Such derivations allowed back to back."""
 
     def __post_init__(self) -> None:
         for name in ("max_datagram_payload", "max_stream_payload", "max_inbound_streams",
-                     "max_outbound_streams", "max_frames_per_stream"):
+                     "max_outbound_streams", "max_frames_per_stream", "max_pending_per_source"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"TransportLimits.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("connect_timeout", "io_timeout", "log_interval"):
+        for name in ("connect_timeout", "io_timeout", "log_interval", "first_frame_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"TransportLimits.{name} must be > 0 seconds")
+        if self.max_inbound_buffer < self.max_stream_payload + 1024:
+            raise ConfigError(f"TransportLimits.max_inbound_buffer ({self.max_inbound_buffer}) must hold "
+                              f"one largest message (max_stream_payload {self.max_stream_payload} + framing)")
 
 
 class Throttle:
@@ -163,6 +195,18 @@ class Throttle:
         n = self._skipped.pop(key, 0)
         suffix = f" (+{n} similar since the last report)" if n else ""
         self.logger.warning(msg + suffix, *args, exc_info=exc_info)
+
+
+@dataclass(eq=False, slots=True)
+class _Inbound:
+    """One inbound connection: its source, task, whether it authenticated, the buffer bytes it holds."""
+
+    source: str
+    task: asyncio.Task[None] | None = None
+    reserved: int = 0
+
+
+_READ_CHUNK = 256 * 1024
 
 
 class _UdpProtocol(asyncio.DatagramProtocol):
@@ -196,9 +240,11 @@ class NetTransport:
     ) -> None:
         self.limits = limits if limits is not None else TransportLimits()
         crypto_limits = CryptoLimits(max_payload=self.limits.max_datagram_payload,
-                                     max_frame_payload=self.limits.max_stream_payload)
+                                     max_frame_payload=self.limits.max_stream_payload,
+                                     new_sender_rate=self.limits.new_sender_rate,
+                                     new_sender_burst=self.limits.new_sender_burst)
         self.sealer = Sealer(keyring, cluster, insecure=insecure, limits=crypto_limits)
-        self.opener = Opener(keyring, cluster, insecure=insecure, limits=crypto_limits)
+        self.opener = Opener(keyring, cluster, insecure=insecure, limits=crypto_limits, clock=time.monotonic)
         self.bind_host = bind_host
         self.requested_port = port
         self.port = 0
@@ -215,6 +261,10 @@ class NetTransport:
         self._accept_task: asyncio.Task[None] | None = None
         self._outbound: set[asyncio.Task[None]] = set()
         self._inbound: set[asyncio.Task[None]] = set()
+        self._pending: OrderedDict[_Inbound, None] = OrderedDict()
+        """Inbound connections not authenticated yet, oldest first."""
+        self._buffered = 0
+        """Bytes reserved by inbound connections (what they buffer, and their next read)."""
         self._resolved: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
         self._resolving: set[str] = set()
         self._closing = False
@@ -331,6 +381,10 @@ class NetTransport:
             if task is not None:
                 task.cancel()
 
+    def set_local_addr(self, addr: str) -> None:
+        """This node's advertised ``host:port``: from now on only datagrams sealed for it are accepted."""
+        self.opener.set_receiver(addr)
+
     # ------------------------------------------------------------------ sending
     def send(self, addr: str, payload: bytes, reliable: bool = False) -> None:
         """Seal and send one message to ``"host:port"``. Never raises; failures are counted."""
@@ -350,7 +404,7 @@ class NetTransport:
             self._count("tx_dropped_backpressure")
             return
         try:
-            data = self.sealer.seal(payload)
+            data = self.sealer.seal(payload, addr)
         except SealError as exc:
             self._count("tx_seal_" + exc.reason)
             self._throttle.warn("seal_" + exc.reason, "cannot seal datagram to %s: %s", addr, exc)
@@ -471,7 +525,7 @@ class NetTransport:
         c["rx_packets"] += 1
         c["rx_bytes"] += len(data)
         try:
-            _, payload = self.opener.open(data)
+            _, payload = self.opener.open(data, addr)
         except OpenError as exc:
             self._reject_log.note(exc, time.monotonic(), _peer(addr))
             return
@@ -499,28 +553,63 @@ class NetTransport:
                 self._throttle.warn("accept", "accept failed: %s", exc)
                 await asyncio.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
-            if len(self._inbound) >= self.limits.max_inbound_streams:
+            source = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+            if not self._admit(source):
                 self._count("rx_streams_refused")
+                self._throttle.warn("rx_full", "%d inbound connections, all authenticated: refusing one "
+                                    "from %s", len(self._inbound), _peer(peer))
                 conn.close()
                 continue
             conn.setblocking(False)
-            self._spawn(self._stream_in(conn, peer), self._inbound)
+            state = _Inbound(source)
+            state.task = self._spawn(self._stream_in(conn, peer, state), self._inbound)
+            if state.task is not None:
+                self._pending[state] = None
 
-    async def _stream_in(self, conn: socket.socket, peer: Any) -> None:
-        writer: asyncio.StreamWriter | None = None
+    def _admit(self, source: str) -> bool:
+        """Make room for a connection from ``source``, evicting pending ones; False: refuse it."""
+        lim = self.limits
+        mine = [c for c in self._pending if c.source == source]
+        if len(mine) >= lim.max_pending_per_source:
+            self._evict(mine[0])
+        if len(self._inbound) >= lim.max_inbound_streams:
+            if not self._pending:
+                return False
+            self._evict(next(iter(self._pending)))
+        return True
+
+    def _evict(self, c: _Inbound) -> None:
+        self._pending.pop(c, None)
+        if c.task is not None:
+            self._inbound.discard(c.task)  # its slot is free now; the task ends at its next await
+            c.task.cancel()
+        self._count("rx_streams_evicted")
+
+    async def _stream_in(self, conn: socket.socket, peer: Any, state: _Inbound) -> None:
+        loop = asyncio.get_running_loop()
+        lim = self.limits
         opener = self.opener.new_stream()
         frames = 0
+        started = loop.time()
         try:
-            async with asyncio.timeout(self.limits.io_timeout):
-                reader, writer = await asyncio.open_connection(sock=conn)
-                while frames < self.limits.max_frames_per_stream:
-                    data = await reader.read(256 * 1024)
+            async with asyncio.timeout(lim.first_frame_timeout) as deadline:
+                while frames < lim.max_frames_per_stream:
+                    if opener.authenticated and state in self._pending:
+                        del self._pending[state]  # a key holder: no longer evictable, the whole io_timeout
+                        deadline.reschedule(started + lim.io_timeout)
+                    want = min(opener.wanted(), _READ_CHUNK)
+                    if not self._reserve(state, opener.buffered + want):
+                        self._count("rx_streams_over_budget")
+                        self._throttle.warn("rx_budget", "inbound connections buffer %d bytes; closing "
+                                            "the one from %s", self._buffered, _peer(peer))
+                        break
+                    data = await loop.sock_recv(conn, want)
                     if not data:
                         break
                     self._count("rx_bytes", len(data))
                     opener.receive_data(data)
                     # frame by frame: the frames before a bad one are delivered, the rest is not parsed
-                    while frames < self.limits.max_frames_per_stream:
+                    while frames < lim.max_frames_per_stream:
                         payload = opener.next_frame()
                         if payload is None:
                             break
@@ -528,10 +617,20 @@ class NetTransport:
                         self._count("rx_packets")
                         self._count("rx_streams")
                         self._deliver(payload, True)
+                    self._reserve(state, opener.buffered)
         except OpenError as exc:
             self._count("rx_packets")
             self._reject_log.note(exc, time.monotonic(), _peer(peer))
-        except (OSError, TimeoutError) as exc:
+        except TimeoutError:
+            if opener.authenticated:
+                self._count("rx_stream_errors")
+                self._throttle.warn("rx_stream", "inbound stream from %s failed: %s", _peer(peer),
+                                    "TimeoutError")
+            else:
+                self._count("rx_streams_idle")
+                self._throttle.warn("rx_idle", "inbound connection from %s sent no opening frame within "
+                                    "%.1f s; closed", _peer(peer), lim.first_frame_timeout)
+        except OSError as exc:
             self._count("rx_stream_errors")
             self._throttle.warn("rx_stream", "inbound stream from %s failed: %s", _peer(peer),
                                 type(exc).__name__)
@@ -540,24 +639,33 @@ class NetTransport:
             self._throttle.warn("rx_stream_bug", "inbound stream from %s failed", _peer(peer),
                                 exc_info=True)
         finally:
-            if writer is not None:
-                writer.close()
-            else:
-                conn.close()
+            self._pending.pop(state, None)
+            self._reserve(state, 0)
+            conn.close()
+
+    def _reserve(self, state: _Inbound, nbytes: int) -> bool:
+        """Hold ``nbytes`` of the inbound buffer budget for ``state`` (less: release); False if over."""
+        extra = nbytes - state.reserved
+        if extra > 0 and self._buffered + extra > self.limits.max_inbound_buffer:
+            return False
+        self._buffered += extra
+        state.reserved = nbytes
+        return True
 
     # ------------------------------------------------------------------ helpers
-    def _spawn(self, coro: Any, bucket: set[asyncio.Task[None]]) -> None:
+    def _spawn(self, coro: Any, bucket: set[asyncio.Task[None]]) -> asyncio.Task[None] | None:
         tg = self._tg
         if tg is None or self._closing:
             coro.close()
-            return
+            return None
         try:
             task = tg.create_task(coro)
         except RuntimeError:  # the group is shutting down
             coro.close()
-            return
+            return None
         bucket.add(task)
         task.add_done_callback(bucket.discard)
+        return task
 
     def _count(self, key: str, n: int = 1) -> None:
         self.counters[key] = self.counters.get(key, 0) + n
@@ -568,7 +676,8 @@ class NetTransport:
         ``counters`` always holds ``tx_packets``, ``tx_bytes``, ``rx_packets`` and ``rx_bytes`` (0 until
         traffic); ``dropped`` maps every reason a message was lost to its count (see the module notes).
         """
-        counters = {"tx_packets": 0, "tx_bytes": 0, "rx_packets": 0, "rx_bytes": 0, **self.counters}
+        counters = {"tx_packets": 0, "tx_bytes": 0, "rx_packets": 0, "rx_bytes": 0, **self.counters,
+                    "rx_subkey_derivations": self.opener.derivations}
         rejects = dict(self.rejects)
         dropped = {f"rx_{reason}": n for reason, n in rejects.items()}
         dropped.update((k, v) for k, v in counters.items() if k in DROP_COUNTERS)
@@ -579,6 +688,8 @@ class NetTransport:
             "dropped_total": sum(dropped.values()),
             "outbound_streams": len(self._outbound),
             "inbound_streams": len(self._inbound),
+            "pending_streams": len(self._pending),
+            "inbound_buffered": self._buffered,
         }
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with its sub-commands (``agents``, ``recovery``, ``baseline``, ``device-transfer``,
-    ``commit``, ``digest``) to the ``gossiprec`` parser."""
-    from gossiprec.bench import agents, baseline, commit, device, digest, recovery
+    ``commit``, ``digest``, ``bootstrap``) to the ``gossiprec`` parser."""
+    from gossiprec.bench import agents, baseline, bootstrap, commit, device, digest, recovery
 
     p = subparsers.add_parser("bench", help="benchmarks of real agent processes",
                               description="Benchmarks of real agent processes; each prints JSON.")
@@ -23,5 +23,6 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     device.add_cli(sub)
     commit.add_cli(sub)
     digest.add_cli(sub)
+    bootstrap.add_cli(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p  # type: ignore[no-any-return]

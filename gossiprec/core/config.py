@@ -84,7 +84,8 @@ class Config:
     an unanswered probe is neither reported nor suspected. The members of a job's view 0 start one by one,
     and on a saturated machine the last agents come up many seconds after the first. Once heard from, or
     once the grace ends, a member is judged like any other. 0 in the core's profiles (the simulator starts
-    every node at once); agents use ``AgentSettings.startup_grace`` (30 s)."""
+    every node at once); agents default it to 30 s (``gossiprec.agent.settings.AGENT_STARTUP_GRACE``;
+    the ``[protocol]`` table overrides it)."""
     starve_slack: float = 0.25
     """A timer that fires later than this past its deadline means this process was starved (paused,
     swapped, GC): it raises its own health score instead of accusing the peer."""

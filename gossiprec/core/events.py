@@ -155,3 +155,37 @@ class PlanMismatch(CoreEvent):
     mine: str
     theirs: str
     at: float
+
+
+# --- bootstrap (gossiprec.core.bootstrap) -------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BootProgress(CoreEvent):
+    """View 0 is not decided yet: the candidates this agent knows (of ``expected``)."""
+
+    known: int
+    expected: int
+    names: tuple[str, ...]
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class BootMismatch(CoreEvent):
+    """A candidate was started for another job size than this agent: it is not counted."""
+
+    name: str
+    addr: str
+    expected: int
+    spares: int
+    our_expected: int
+    our_spares: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ViewZeroAgreed(CoreEvent):
+    """View 0 was decided by a quorum of the seeds: its members in rank order (spares last), and
+    whether this agent is one of them (else it joins as a spare)."""
+
+    members: tuple[str, ...]
+    member: bool
+    at: float

@@ -661,3 +661,90 @@ class JobDone(Message):
     epoch: int
     step: int
     src: str
+
+
+# --- bootstrap: view 0 agreed without a job spec (gossiprec.core.bootstrap) ---------------------------
+# a candidate: (name, addr, host, local index, spare by flag)
+CANDIDATE = _record(NAME, ADDR, _text(MAX_NAME, allow_empty=True), _uint(2**31), _bool)
+CANDIDATES = _seq(CANDIDATE, MAX_MEMBERS)
+ROUND = _uint(2**31)
+SIZE = _uint(MAX_MEMBERS)
+
+
+@message(40, CANDIDATE, SIZE, SIZE, SIZE)
+@value_class
+class BootHello(Message):
+    """A candidate for view 0 to a seed: who it is, the job size it was started for (``expected``
+    members, ``spares`` of them spares) and how many candidates it knows."""
+
+    candidate: tuple[Any, ...]
+    expected: int
+    spares: int
+    known: int
+
+
+@message(41, CANDIDATES)
+@value_class
+class BootKnown(Message):
+    """A seed's answer to a hello: every candidate it knows."""
+
+    candidates: tuple[Any, ...]
+
+
+@message(42, ROUND, NAME, ADDR, ADDR)
+@value_class
+class BootPrepare(Message):
+    """Paxos phase 1 for view 0: ballot (``round``, ``proposer``); ``to`` is the seed address it was sent
+    to (the acceptor's identity in the proposer's quorum), ``reply_to`` the proposer's address."""
+
+    round: int
+    proposer: str
+    to: str
+    reply_to: str
+
+
+@message(43, ADDR, _bool, ROUND, NAME, ROUND, _text(MAX_NAME, allow_empty=True), CANDIDATES, CANDIDATES)
+@value_class
+class BootPromise(Message):
+    """An acceptor's answer to a prepare: ``ok`` with the ballot promised (else the higher ballot it
+    holds), the value it accepted last (empty: none) and every candidate it knows."""
+
+    acceptor: str
+    ok: bool
+    round: int
+    proposer: str
+    accepted_round: int
+    accepted_proposer: str
+    accepted: tuple[Any, ...]
+    known: tuple[Any, ...]
+
+
+@message(44, ROUND, NAME, ADDR, ADDR, CANDIDATES)
+@value_class
+class BootAccept(Message):
+    """Paxos phase 2 for view 0: accept ``value`` (the candidates of view 0) at ballot (round, proposer)."""
+
+    round: int
+    proposer: str
+    to: str
+    reply_to: str
+    value: tuple[Any, ...]
+
+
+@message(45, ADDR, _bool, ROUND, NAME)
+@value_class
+class BootAccepted(Message):
+    """An acceptor's answer to an accept: ``ok`` at that ballot, else the higher ballot it promised."""
+
+    acceptor: str
+    ok: bool
+    round: int
+    proposer: str
+
+
+@message(46, CANDIDATES)
+@value_class
+class BootDecided(Message):
+    """View 0's candidates, decided by a quorum of the seeds."""
+
+    value: tuple[Any, ...]

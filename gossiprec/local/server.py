@@ -1,17 +1,26 @@
 """The agent's end of the control socket: a Unix stream socket for the training processes of this host.
 
 The socket is mode 0600 in a directory only this user (or root) can change, so only this user can
-connect; a stale socket file is replaced, a live one (another agent) refused (:func:`bind_unix_socket`).
-Each connection is a task of the server's TaskGroup that speaks :mod:`gossiprec.local.protocol` to the
-agent behind the :class:`ControlBackend` interface.
+connect (the default directory, ``$XDG_RUNTIME_DIR/gossiprec`` or ``/tmp/gossiprec-<uid>``, must be this
+user's own 0700 directory, checked without following a symlink); a stale socket file is replaced, a
+live one (another agent) refused (:func:`bind_unix_socket`). Each connection is a task of the server's
+TaskGroup that speaks :mod:`gossiprec.local.protocol` to the agent behind the :class:`ControlBackend`
+interface.
 
 Garbage is answered with one error frame and the connection is closed: a length of 0 or above
 ``max_frame`` (``bad_frame``), undecodable msgpack (``bad_msgpack``), a frame that is not a map with a
 string ``op`` (``bad_request``), anything before the handshake or a wrong version (``bad_handshake``,
 ``unsupported_version``), an unknown op (``unknown_op``), no handshake within ``hello_timeout``
 (``timeout``). Bad argument values of a known op (``bad_args``) are answered and the connection stays.
-A subscriber that reads too slowly overflows its bounded queue and is disconnected (``overflow``). No
-client can raise out of the server. A client that goes away mid-conversation (reset, broken pipe, not
+A subscriber that reads too slowly overflows its bounded queue and is disconnected (``overflow``).
+
+No client can hold the agent's resources: a client that stops reading is aborted (its socket and
+unsent bytes dropped at once, not left to a close that would wait for it) when a write has waited
+``write_timeout``; a client that sent its handshake and then nothing for ``idle_timeout`` is closed
+(``timeout``), unless it subscribed (a subscriber only reads); and when all ``max_clients`` slots are
+taken, a new client evicts the one that has been quiet longest among those not subscribed, so idle
+clients cannot lock out ``gossiprec status`` (only when every slot is a subscriber is the new one
+refused). No client can raise out of the server. A client that goes away mid-conversation (reset, broken pipe, not
 reading) is counted under ``disconnects`` and logged as one debug line; only a bug in the server is
 logged with a traceback (``errors``).
 """
@@ -75,15 +84,27 @@ _GONE = (OSError, TimeoutError, asyncio.IncompleteReadError)
 """What a client going away looks like to the server (reset, broken pipe, slow reader, EOF)."""
 
 
-class _Conn:
-    """One client connection: serialised writes with a timeout."""
+def _abort(writer: FrameWriter) -> None:
+    """Drop the connection now, unsent bytes and all (a close would wait for a reader that never reads)."""
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        transport.abort()
+    else:
+        writer.close()
 
-    def __init__(self, writer: FrameWriter, write_timeout: float) -> None:
+
+class _Conn:
+    """One client connection: serialised writes with a timeout, and when it last did anything."""
+
+    def __init__(self, writer: FrameWriter, write_timeout: float, now: float) -> None:
         self.writer = writer
         self.lock = asyncio.Lock()
         self.write_timeout = write_timeout
         self.source: EventSource | None = None
         self.forwarder: asyncio.Task[None] | None = None
+        self.active_at = now
+        self.stuck = False
+        """A write timed out: the client does not read."""
 
     async def send(self, obj: Mapping[str, Any]) -> None:
         frame = encode_frame(obj)
@@ -94,8 +115,13 @@ class _Conn:
                 # uvloop's transports raise RuntimeError ("unable to perform operation on <UnixTransport
                 # closed=True>") for a write after the close: the client is gone, like a reset
                 raise ConnectionResetError(f"the client connection is closed ({exc})") from exc
-            async with asyncio.timeout(self.write_timeout):
-                await self.writer.drain()
+            try:
+                async with asyncio.timeout(self.write_timeout):
+                    await self.writer.drain()
+            except TimeoutError:
+                self.stuck = True
+                _abort(self.writer)
+                raise
 
     async def reply(self, rid: Any, body: Mapping[str, Any]) -> None:
         await self.send({"ok": True, "id": rid, **body})
@@ -105,7 +131,13 @@ class _Conn:
 
 
 def _check_directory(d: Path) -> None:
-    """Refuse a directory where another user could swap our socket for theirs."""
+    """Refuse a directory where another user could swap our socket for theirs (a symlink to it too:
+    whoever owns the link can point it elsewhere later)."""
+    link = os.lstat(d)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.getuid(), 0):
+        raise ConfigError(f"control socket directory {d} is a symlink owned by another user (uid "
+                          f"{link.st_uid}), who could redirect it; choose a directory of your own for "
+                          "--control-socket")
     st = os.stat(d)
     if st.st_uid not in (os.getuid(), 0):
         raise ConfigError(f"control socket directory {d} belongs to another user (uid {st.st_uid}); "
@@ -115,13 +147,43 @@ def _check_directory(d: Path) -> None:
                           f"so anyone could replace the socket; `chmod go-w {d}` or choose another")
 
 
-def bind_unix_socket(path: str) -> tuple[socket.socket, tuple[int, int]]:
+def ensure_private_dir(d: Path) -> None:
+    """Create ``d`` mode 0700, or accept it only as this user's own 0700 directory (not a symlink):
+    the default socket directory has a predictable name, which another local user may have taken
+    first to block or hijack the agent."""
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot create the control socket directory {d}: {exc.strerror}; set "
+                          "XDG_RUNTIME_DIR or pass --control-socket") from None
+    st = os.lstat(d)
+    fix = ("another local user may have created it to block or hijack this agent: remove it if it is "
+           "not yours, set XDG_RUNTIME_DIR (a directory only you can use), or pass --control-socket")
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"control socket directory {d} is a symlink; {fix}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"control socket directory {d} is not a directory; {fix}")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"control socket directory {d} belongs to uid {st.st_uid}, not to you "
+                          f"(uid {os.getuid()}); {fix}")
+    if st.st_mode & 0o077:
+        raise ConfigError(f"control socket directory {d} has mode {stat.S_IMODE(st.st_mode):o}; it must be "
+                          f"0700 (`chmod 700 {d}`), or {fix}")
+
+
+def bind_unix_socket(path: str, *, private_dir: bool = False) -> tuple[socket.socket, tuple[int, int]]:
     """Bind and listen on ``path`` with mode 0600 (nobody can connect before the chmod: listen comes
-    after it). A stale socket file is replaced; a live one (another agent) is a ConfigError."""
+    after it). A stale socket file is replaced; a live one (another agent) is a ConfigError.
+    ``private_dir``: the directory is the default one, and must be this user's own 0700 directory
+    (:func:`ensure_private_dir`); otherwise it must be one only this user or root can change."""
     p = Path(path)
     if len(os.fsencode(path)) > 107:
         raise ConfigError(f"control socket path {path} is longer than 107 bytes; choose a shorter one")
-    if not p.parent.exists():
+    if private_dir:
+        ensure_private_dir(p.parent)
+    elif not p.parent.exists():
         p.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_directory(p.parent)
     try:
@@ -160,19 +222,26 @@ class ControlServer:
     """Serves :class:`ControlBackend` on a Unix socket. ``async with`` from one task."""
 
     def __init__(self, path: str, backend: ControlBackend, *, max_frame: int = MAX_REQUEST_FRAME,
-                 max_clients: int = 32, hello_timeout: float = 5.0, write_timeout: float = 5.0) -> None:
+                 max_clients: int = 32, hello_timeout: float = 5.0, write_timeout: float = 5.0,
+                 idle_timeout: float = 600.0, private_dir: bool = False) -> None:
         self.path = path
+        self.private_dir = private_dir
+        """The path is the default one: its directory must be this user's own (see bind_unix_socket)."""
         self.backend = backend
         self.max_frame = max_frame
         self.max_clients = max_clients
         self.hello_timeout = hello_timeout
         self.write_timeout = write_timeout
+        self.idle_timeout = idle_timeout
+        """Seconds a client that is not subscribed may stay silent after its handshake. A training
+        loop reports every step; this outlasts any step, a checkpoint and a recovery."""
         self.counters: dict[str, int] = {}
         self._sock: socket.socket | None = None
         self._ident: tuple[int, int] | None = None
         self._tg: asyncio.TaskGroup | None = None
         self._accept: asyncio.Task[None] | None = None
         self._clients: set[asyncio.Task[None]] = set()
+        self._conns: dict[asyncio.Task[Any], _Conn] = {}
         self._closed = False
 
     async def __aenter__(self) -> ControlServer:
@@ -187,7 +256,7 @@ class ControlServer:
         return len(self._clients)
 
     async def start(self) -> None:
-        self._sock, self._ident = bind_unix_socket(self.path)
+        self._sock, self._ident = bind_unix_socket(self.path, private_dir=self.private_dir)
         self._tg = asyncio.TaskGroup()
         await self._tg.__aenter__()
         self._accept = self._tg.create_task(self._accept_loop(self._sock), name="gossiprec-control")
@@ -226,7 +295,7 @@ class ControlServer:
                 log.warning("control socket accept failed: %s", exc)
                 await asyncio.sleep(0.05)
                 continue
-            if len(self._clients) >= self.max_clients or self._tg is None:
+            if self._tg is None or (len(self._clients) >= self.max_clients and not self._evict_one()):
                 self._count("clients_refused")
                 conn.close()
                 continue
@@ -234,6 +303,17 @@ class ControlServer:
             task = self._tg.create_task(self._serve(conn))
             self._clients.add(task)
             task.add_done_callback(self._clients.discard)
+
+    def _evict_one(self) -> bool:
+        """Make room: cancel the client quiet longest that is not subscribed. False if there is none."""
+        quiet = [(c.active_at, t) for t, c in self._conns.items() if c.source is None and not t.done()]
+        if not quiet:
+            return False
+        _, task = min(quiet, key=lambda x: x[0])
+        self._clients.discard(task)  # its slot is free now; the task ends at its next await
+        task.cancel()
+        self._count("clients_evicted")
+        return True
 
     async def _serve(self, conn: socket.socket) -> None:
         try:
@@ -249,7 +329,11 @@ class ControlServer:
         this per client; tests may pass an in-memory reader and any writer of this shape. A client
         going away is one debug line (``disconnects``); anything else is a bug: ``errors``, traceback."""
         self._count("connections")
-        c = _Conn(writer, self.write_timeout)
+        loop = asyncio.get_running_loop()
+        c = _Conn(writer, self.write_timeout, loop.time())
+        me = asyncio.current_task()
+        if me is not None:
+            self._conns[me] = c
         try:
             async with asyncio.TaskGroup() as tg:
                 try:
@@ -269,7 +353,12 @@ class ControlServer:
                 self._count("errors")
                 log.error("control connection failed", exc_info=bug)
         finally:
-            writer.close()
+            if me is not None:
+                self._conns.pop(me, None)
+            if c.stuck:
+                _abort(writer)
+            else:
+                writer.close()
 
     def _disconnected(self, exc: BaseException | None) -> None:
         self._count("disconnects")
@@ -279,13 +368,16 @@ class ControlServer:
 
     async def _session(self, reader: asyncio.StreamReader, c: _Conn, tg: asyncio.TaskGroup) -> None:
         hello = False
+        loop = asyncio.get_running_loop()
         while True:
             try:
                 if hello:
-                    head = await reader.readexactly(LENGTH_PREFIX)
+                    async with asyncio.timeout(None if c.source is not None else self.idle_timeout):
+                        head = await reader.readexactly(LENGTH_PREFIX)
                 else:
                     async with asyncio.timeout(self.hello_timeout):
                         head = await reader.readexactly(LENGTH_PREFIX)
+                c.active_at = loop.time()
                 n = frame_length(head)
                 if n == 0 or n > self.max_frame:
                     raise ControlError("bad_frame", f"frame length {n} is outside 1..{self.max_frame}")
@@ -296,7 +388,10 @@ class ControlServer:
             except (asyncio.IncompleteReadError, ConnectionError):
                 return  # client closed (or exited with unread data: reset)
             except TimeoutError:
-                await self._refuse(c, None, "timeout", f"no request within {self.hello_timeout} s")
+                if c.stuck:
+                    return  # a write to it timed out (from the event forwarder): aborted already
+                wait = self.idle_timeout if hello else self.hello_timeout
+                await self._refuse(c, None, "timeout", f"no request within {wait:g} s; reconnect")
                 return
             except ControlError as exc:
                 await self._refuse(c, None, exc.code, exc.message)
@@ -390,7 +485,7 @@ class ControlServer:
                     return
                 await c.send(event_to_dict(ev))
         except (OSError, TimeoutError):
-            c.writer.close()  # the reader side sees the close and ends the session
+            _abort(c.writer)  # the reader side sees the close and ends the session
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1

@@ -10,9 +10,14 @@ the *primary*: senders seal with it. Every installed key is accepted for opening
 Keys are rotated live, the way Serf users know it, in three cluster-wide steps, each applied on every
 node before the next starts::
 
-    gossiprec keys install NEWKEY   # every node now opens packets sealed with old or new
-    gossiprec keys use NEWKEY       # every node now seals with new (and still opens old)
-    gossiprec keys remove OLDKEY    # old packets are refused from here on
+    gossiprec keys install < new.key   # every node now opens packets sealed with old or new
+    gossiprec keys use NEWKEYID        # every node now seals with new (and still opens old)
+    gossiprec keys remove OLDKEYID     # old packets are refused from here on
+
+``install`` reads the key from stdin (``gossiprec keys generate | gossiprec keys install``) or from
+``--key-file``; a key given as an argument works but is warned about, since every local user can read
+a process's arguments (``/proc/<pid>/cmdline``). ``use`` warns (unless ``--installed-everywhere``) that
+a node sealing with a key its peers lack is refused by all of them, and so evicted.
 
 The CLI edits the keyring file; a running agent picks the change up on SIGHUP or when it sees the file's
 identity (inode, size, mtime) change, via :meth:`Keyring.load_if_changed`. A reload that fails (bad
@@ -430,9 +435,27 @@ def _cmd_generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
+def _read_key_text(args: argparse.Namespace, err: TextIO) -> str:
+    """The KEY of ``install``: from ``--key-file``, stdin (no KEY, or ``-``), or the argument (warned)."""
+    if args.key_file is not None:
+        if args.key is not None:
+            raise KeyringError("give the key once: either --key-file or KEY")
+        p = Path(args.key_file).expanduser()
+        try:
+            with open(p, encoding="ascii") as f:
+                return f.read(4096)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeyringError(f"cannot read the key from {p}: {exc}") from None
+    if args.key is None or args.key == "-":
+        return sys.stdin.readline(4096)
+    print(f"{PROG}: warning: a key on the command line is readable by every local user while this runs "
+          f"(/proc/<pid>/cmdline) and stays in shell history; pipe it instead: `{PROG} generate | "
+          f"{PROG} install`, or `{PROG} install --key-file FILE`", file=err)
+    return str(args.key)
+
+
 def _cmd_install(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    text = sys.stdin.readline() if args.key == "-" else args.key
-    key = decode_key(text)
+    key = decode_key(_read_key_text(args, err))
     path = _keyring_path(args)
     ring = _load_or_empty(path)
     kid = key_id_hex(key)
@@ -456,6 +479,10 @@ def _cmd_use(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     ring.save(path)
     kid = ring.keyset.primary_id
     assert kid is not None
+    if not args.installed_everywhere:
+        print(f"{PROG}: warning: this node now seals with key {kid.hex()}; every peer that has not "
+              f"installed it refuses this node's packets and evicts it. Check `{PROG} list` on every node "
+              "first (pass --installed-everywhere once you have)", file=err)
     others = [i.key_id for i in ring.list() if not i.primary]
     hint = f"; once every node uses it, retire old keys with `{PROG} remove {others[0]}`" if others else ""
     print(f"primary key of {path} is now {kid.hex()}{hint}", file=out)
@@ -533,10 +560,17 @@ def add_cli(subparsers: Any, default_path: str | None = None) -> argparse.Argume
         return p
 
     add("generate", _cmd_generate, "print a new random key (base64); installs nothing")
-    add("install", _cmd_install, "add a key (accepted for opening); KEY '-' reads it from stdin"
-        ).add_argument("key", metavar="KEY")
-    add("use", _cmd_use, "make an installed key primary (used to seal); KEY is the key or its id"
-        ).add_argument("key", metavar="KEY")
+    install = add("install", _cmd_install, "add a key (accepted for opening), read from stdin "
+                  f"(`{PROG} generate | {PROG} install`) or --key-file; a KEY argument is visible to "
+                  "every local user")
+    install.add_argument("key", metavar="KEY", nargs="?", default=None,
+                         help="the key (discouraged: use stdin or --key-file); '-': stdin")
+    install.add_argument("--key-file", metavar="FILE", default=None, help="read the key from FILE")
+    use = add("use", _cmd_use, "make an installed key primary (used to seal); KEY is the key or its id. "
+              "Install it on every node first: peers without it evict this node")
+    use.add_argument("key", metavar="KEY")
+    use.add_argument("--installed-everywhere", action="store_true",
+                     help="the key is installed on every node (silences the warning)")
     add("remove", _cmd_remove, "remove a key that is not primary; KEY is the key or its id"
         ).add_argument("key", metavar="KEY")
     add("list", _cmd_list, "show installed key ids and which one is primary"

@@ -72,6 +72,9 @@ class MemTransport:
     async def drain(self, timeout: float) -> None:
         return None  # a sent message is a scheduled callback: nothing waits on this side
 
+    def set_local_addr(self, addr: str) -> None:
+        pass  # nothing is sealed here, so nothing names a receiver
+
     def abort(self) -> None:
         self._closing = True
         if self.net.endpoints.get(self.addr) is self:
