@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 
 import numpy
 import torch
 
-from gossiprec.trainer import JobFinished, JobStopped, Released, ResilientTrainer, training_state
+from gossiprec.trainer import EXIT_FINISHED, JobFinished, JobStopped, Released, ResilientTrainer, training_state
 
 
 SEED = 0
@@ -64,8 +63,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, opt, pos = build(args.dim, args.hidden)
+    rt = ResilientTrainer(training_state(model, opt, data=pos))
     try:
-        rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
+        rt.start()  # a trainer: wait for every rank (the start barrier); a spare: wait for a rank
         while rt.step < args.steps:
             step = rt.begin_step()
             x, y = batch(pos.index, rt.rank, args.dim)
@@ -79,12 +79,12 @@ def main() -> None:
             rt.commit()
             if rt.rank == 0 and step % 50 == 0:
                 print(f"step {step} loss {loss.item():.4f} (world {rt.world_size}, epoch {rt.epoch})", flush=True)
-        rt.finish(exit_code=0)  # skips interpreter teardown (see ResilientTrainer.finish)
-    except (JobFinished, Released) as exc:  # a spare the job did not need; a rank dropped by a shrink
-        print(exc, flush=True)
-        sys.exit(0)
-    except JobStopped as exc:  # no spare left and no shrink allowed: restart from a checkpoint
-        sys.exit(f"stopped: {exc}")
+        rt.finish(exit_code=EXIT_FINISHED)  # skips interpreter teardown (see ResilientTrainer.finish)
+    except (JobFinished, Released, JobStopped) as exc:
+        # a spare the job did not need, a rank a shrink released (both exit 0), or a job stopped in good
+        # order (no spare left, no shrink allowed: exit 75, restart it from a checkpoint). A fenced rank
+        # raises nothing: it drops its state and waits as a spare inside the trainer's calls.
+        rt.leave(exc)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import sys
 
 import numpy
 import torch
 from torch import nn
 
-from gossiprec.trainer import JobFinished, JobStopped, Released, ResilientTrainer, training_state
+from gossiprec.trainer import EXIT_FINISHED, JobFinished, JobStopped, Released, ResilientTrainer, training_state
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "every bird", "the engineer"]
 VERBS = ["sees", "likes", "builds", "follows", "finds", "trains"]
@@ -88,8 +87,9 @@ def main() -> None:
     model = TinyGPT(len(chars), ctx=args.ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     pos = DataPosition()
+    rt = ResilientTrainer(training_state(model, opt, data=pos))
     try:
-        rt = ResilientTrainer(training_state(model, opt, data=pos)).start()
+        rt.start()  # a trainer: wait for every rank (the start barrier); a spare: wait for a rank
         while rt.step < args.steps:
             step = rt.begin_step()
             g = torch.Generator().manual_seed(pos.index * 1009 + rt.rank)  # this rank's slice of the data
@@ -107,12 +107,12 @@ def main() -> None:
             if rt.rank == 0 and step % 25 == 0:
                 print(f"step {step} loss {loss.item():.3f} ppl {math.exp(loss.item()):.1f} "
                       f"(world {rt.world_size}, epoch {rt.epoch})", flush=True)
-        rt.finish(exit_code=0)  # skips interpreter teardown (see ResilientTrainer.finish)
-    except (JobFinished, Released) as exc:  # a spare the job did not need; a rank dropped by a shrink
-        print(exc, flush=True)
-        sys.exit(0)
-    except JobStopped as exc:  # no spare left and no shrink allowed: restart from a checkpoint
-        sys.exit(f"stopped: {exc}")
+        rt.finish(exit_code=EXIT_FINISHED)  # skips interpreter teardown (see ResilientTrainer.finish)
+    except (JobFinished, Released, JobStopped) as exc:
+        # a spare the job did not need, a rank a shrink released (both exit 0), or a job stopped in good
+        # order (no spare left, no shrink allowed: exit 75, restart it from a checkpoint). A fenced rank
+        # raises nothing: it drops its state and waits as a spare inside the trainer's calls.
+        rt.leave(exc)
 
 
 if __name__ == "__main__":

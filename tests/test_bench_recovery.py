@@ -48,9 +48,9 @@ def test_one_kill_trial_reports_sane_values() -> None:
     # starved survivor notices late), but always before it recovers
     assert t["phases_s"]["detected"] <= t["phases_s"]["agreed"]
     assert t["phases_s"]["noticed_by_trainers"] <= t["phases_s"]["group_rebuilt"]
-    assert t["rto_s"] == t["phases_s"]["first_step_done"] < 30
+    assert t["rto_s"] == t["phases_s"]["first_step_done"]
     # a normal step is paced to >= 30 ms; the RTO includes one step after the group is rebuilt
-    assert 0.03 <= t["normal_step_s"] < 5
+    assert t["normal_step_s"] >= 0.03
     assert t["rto_minus_step_s"] == pytest.approx(t["rto_s"] - t["normal_step_s"], abs=1e-3)
     assert len(t["tcp_mb_s"]) == 3 and min(t["tcp_mb_s"]) > 0  # latency-bound at a few kB
     assert t["transfer_mb_s"] > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import select
@@ -90,7 +92,7 @@ async def test_missing_command_gives_127(sockdir: str) -> None:
     assert await launcher.run() == 127
 
 
-async def test_child_death_is_seen_by_peers_within_a_second(sockdir: str) -> None:
+async def test_child_death_is_announced_to_peers_as_a_departure(sockdir: str) -> None:
     a = Agent(settings(sockdir, 0))
     async with a:
         b = Agent(settings(sockdir, 1, (a.addr,)))
@@ -109,14 +111,15 @@ async def test_child_death_is_seen_by_peers_within_a_second(sockdir: str) -> Non
                 assert launcher.proc is not None
                 t_kill = time.monotonic()
                 launcher.proc.kill()  # the trainer crashes
-                lags = []
+                seen = []
                 for peer, sub in zip((a, b), subs):
                     ev = await peer.wait_for_event(
-                        lambda e: isinstance(e, (MemberLeft, MemberFailed)) and e.name == "n5", 5, sub)
-                    lags.append(ev.at - t_kill)
+                        lambda e: isinstance(e, (MemberLeft, MemberFailed)) and e.name == "n5", 30, sub)
+                    seen.append(ev)
             assert task.result() == 128 + signal.SIGKILL
             assert launcher.child_exit is not None and launcher.child_exit.signal == "SIGKILL"
-            assert max(lags) < 1.0, lags
+            # the launcher's departure notice, not a probe timeout (the figure is the agents' benchmark's)
+            assert all(isinstance(ev, MemberLeft) and ev.at >= t_kill for ev in seen), seen
             assert node.leave_reason == "training process was killed by SIGKILL"
 
 
@@ -145,8 +148,11 @@ async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None
     try:
         await asyncio.wait_for(launcher.started.wait(), 10)
         assert launcher.agent is not None and launcher.proc is not None and launcher.proc.returncode is None
-        # The watcher takes events in order and kills at the first that fences: a minority fence first,
-        # then a removal. Had the minority fence killed the child, the kill would name epoch 3.
+        while not launcher_mod._stopped(launcher.proc.pid):  # the child has stopped itself: "hung"
+            await asyncio.sleep(0.01)
+        # The watcher takes events in order and kills at a removal: a minority fence first, then a
+        # removal. Had the minority fence killed the child, the kill would name epoch 3; a stopped child
+        # is killed at once even though its node was fenced first (a running one would be kept).
         launcher.agent.hub.publish(Fenced(3, "no quorum: cannot reach a majority of the view", time.monotonic()))
         launcher.agent.hub.publish(Fenced(4, "removed from the view", time.monotonic()))
         assert await asyncio.wait_for(task, 10) == 128 + signal.SIGKILL
@@ -156,6 +162,70 @@ async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None
     assert launcher.fenced == "removed from the view (epoch 4)"  # not for the minority fence before it
     reason = launcher.agent.leave_reason
     assert reason is not None and "fenced (removed from the view (epoch 4))" in reason and "no quorum" not in reason
+
+
+async def test_a_keyed_childs_environment_names_the_keyring_file_never_the_key(sockdir: str) -> None:
+    from gossiprec.security.keyring import Keyring, decode_key, encode_key, generate_key
+
+    key = decode_key(generate_key())
+    Keyring([key]).save(f"{sockdir}/keyring.json")
+    code = "import json, os; print(json.dumps(dict(os.environ)))\n"
+    env = {"PATH": os.environ.get("PATH", ""), "GOSSIPREC_KEYRING": "/elsewhere/stale.json"}
+    launcher = Launcher(settings(sockdir, 0, role="spare", insecure=False, keyring=f"{sockdir}/keyring.json"),
+                        [PY, "-c", code], forward_signals=False, environ=env,
+                        child_kwargs={"stdout": asyncio.subprocess.PIPE})
+    assert await launcher.run() == 0
+    assert launcher.proc is not None and launcher.proc.stdout is not None
+    seen = json.loads(await launcher.proc.stdout.read())
+    assert seen["GOSSIPREC_KEYRING"] == f"{sockdir}/keyring.json"
+    assert seen["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # NCCL's abort, not its process teardown
+    text = json.dumps(seen)
+    assert encode_key(key) not in text and key.hex() not in text
+    assert launcher.agent is not None
+    insecure = child_environment(launcher.agent, env)
+    assert insecure["GOSSIPREC_KEYRING"] == f"{sockdir}/keyring.json"
+    launcher.agent.settings = dataclasses.replace(launcher.agent.settings, insecure=True, keyring=None)
+    assert "GOSSIPREC_KEYRING" not in child_environment(launcher.agent, env)
+
+
+async def test_a_child_fenced_first_is_kept_to_wait_as_a_spare(sockdir: str) -> None:
+    from gossiprec.core.events import Fenced, Unfenced
+
+    launcher = Launcher(settings(sockdir, 0), [PY, "-c", "import time; time.sleep(60)"], forward_signals=False,
+                        kill_grace=2)
+    task = asyncio.ensure_future(launcher.run())
+    try:
+        await asyncio.wait_for(launcher.started.wait(), 10)
+        assert launcher.agent is not None and launcher.proc is not None
+        # a minority's fence, then the removal the majority decided meanwhile: the partition is at fault,
+        # not the trainer, which drops its state and waits as a spare in its own process
+        launcher.agent.hub.publish(Fenced(3, "no quorum: cannot reach a majority of the view", time.monotonic()))
+        launcher.agent.hub.publish(Fenced(4, "removed from the view", time.monotonic()))
+        launcher.agent.hub.publish(Unfenced(5, time.monotonic()))
+        while launcher.kept is None:
+            await asyncio.sleep(0.01)
+        assert "fenced first" in launcher.kept and launcher.fenced is None
+        assert launcher.proc.returncode is None
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_child_stopped_in_good_order_leaves_gracefully(sockdir: str) -> None:
+    from gossiprec.agent.hub import AgentLeaving
+
+    go = f"{sockdir}/go"
+    code = f"import os, sys, time\nwhile not os.path.exists({go!r}): time.sleep(0.01)\nsys.exit(75)\n"
+    launcher = Launcher(settings(sockdir, 0), [PY, "-c", code], forward_signals=False)
+    task = asyncio.ensure_future(launcher.run())
+    await asyncio.wait_for(launcher.started.wait(), 10)
+    assert launcher.agent is not None
+    events = launcher.agent.hub.subscribe()
+    Path(go).write_text("1")
+    assert await asyncio.wait_for(task, 10) == 75  # EXIT_STOPPED passes through to the scheduler
+    leaving = [ev for ev in iter(events.get_nowait, None) if isinstance(ev, AgentLeaving)]
+    assert [(ev.reason, ev.failed) for ev in leaving] == [("training process exited with code 75", False)]
 
 
 # --- command line ------------------------------------------------------------------------------------

@@ -11,7 +11,12 @@ the agent's coordinates in its environment:
     GOSSIPREC_RANK     the training rank in view 0, for a trainer (removed from the environment otherwise)
     GOSSIPREC_ROLE     ``trainer`` or ``spare``, as the job spec says (a node outside it joins as a spare)
     GOSSIPREC_CLUSTER  the cluster name
+    GOSSIPREC_KEYRING  the keyring file's path on a keyed cluster (the trainer authenticates its state
+                       transfers and stores with it and follows its rotation; the key itself never
+                       enters the environment); removed on an ``--insecure`` one
     THP_MEM_ALLOC_ENABLE=1  unless already set: huge pages for PyTorch's CPU tensors (see THP_VAR)
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2  unless already set: NCCL's default (3) kills the process on a
+                       collective's timeout instead of letting the agent's abort end it (see NCCL_VAR)
 
 The child runs ``--trainer-nice`` (default 5) nice levels below the agent, so that a job saturating
 the CPUs cannot starve its own failure detector (see :data:`DEFAULT_CHILD_NICE`).
@@ -32,12 +37,21 @@ SIGHUP reloads the keyring. If the agent fails while the child runs, the child i
 
 Fencing: when this node is removed from the agreed view (``Fenced`` "removed from the view", or a
 ``ViewInstalled`` without this node after it was a member), the others have already replaced its
-rank, so the training process must not go on: it may be hung (SIGSTOP, a stuck collective) and
-could otherwise wake up later with stale state. The launcher SIGKILLs the child's process group at
-once; the exit then makes the agent leave as above, so the node does not linger as a spare.
+rank. A training process that answers drops its state itself and waits as a spare
+(:mod:`gossiprec.trainer.recovery`), and the agent rejoins the job as one; one that cannot must not
+linger: it may be hung and hold the node's memory. So the launcher SIGKILLs the child's process group,
+and the exit then makes the agent leave as above, when the child is stopped (SIGSTOP: at once) or when
+it still holds committed state ``fence_grace`` seconds after a removal that was not preceded by a fence
+of another kind. It keeps the child when the node was fenced first (a minority that lost the majority:
+the partition, not the trainer, is at fault) and when the child holds no trained state (a spare, or a
+re-provisioned host whose new trainer has not trained in this job yet).
 
 Known limit: if the launcher itself is SIGKILLed the child keeps running (new session); the training
 library notices because the control socket closes.
+
+Exit codes: the child's (see :mod:`gossiprec.trainer.exits`: 0 finished or not needed, 75 stopped in
+good order, 1 an error) or 128 + N for signal N; a child that stopped in good order (75) leaves the
+cluster gracefully, like one that finished.
 """
 
 from __future__ import annotations
@@ -72,6 +86,14 @@ a core; with a nice gap it gets it first, and the trainer loses next to nothing 
 ``--trainer-nice 0`` turns this off."""
 
 
+EXIT_STOPPED = 75
+"""A trainer's exit code for a job stopped in good order (:data:`gossiprec.trainer.exits.EXIT_STOPPED`;
+not imported from there: an agent does not load the trainer package)."""
+DEFAULT_FENCE_GRACE = 10.0
+"""Seconds a child that still holds trained state after its node was removed from the view has to drop
+it (its trainer does at its next collective) before the launcher kills it as hung."""
+
+
 @dataclass(frozen=True, slots=True)
 class ChildExit:
     """How the training process ended."""
@@ -84,6 +106,16 @@ class ChildExit:
     at: float
     """``time.monotonic()`` when the launcher saw the exit."""
     runtime_s: float
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): ``/proc/<pid>/stat``'s state."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def exit_code_of(returncode: int) -> int:
@@ -112,11 +144,21 @@ that teardown, i.e. the detection latency of a crashed trainer, much shorter. It
 page faults on large tensors (gradients, snapshots) cheaper."""
 
 
+NCCL_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""NCCL's error handling: 2 (clean up the communicators only) lets the agent's abort end a collective;
+torch's default, 3, tears the process down on a timeout. The trainer refuses an NCCL group under
+another value than 0 or 2 (:func:`gossiprec.trainer.groups.check_nccl_environment`)."""
+
+
 def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
-    """The training process's environment: ``base`` plus the agent's coordinates (and
-    :data:`THP_VAR` = 1 unless ``base`` sets it)."""
+    """The training process's environment: ``base`` plus the agent's coordinates and keyring path (and
+    :data:`THP_VAR` = 1, :data:`NCCL_VAR` = 2 unless ``base`` sets them)."""
     env = dict(base)
     env.setdefault(THP_VAR, "1")
+    env.setdefault(NCCL_VAR, "2")
+    if env[NCCL_VAR] not in ("0", "2"):
+        log.warning("%s=%s: an NCCL trainer will refuse to start (it needs 0 or 2; unset it and `gossiprec run` "
+                    "sets 2)", NCCL_VAR, env[NCCL_VAR])
     s = agent.settings
     env[ENV["control_socket"]] = agent.control_path
     env[ENV["name"]] = agent.name
@@ -127,6 +169,10 @@ def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
         role, rank = (me.role, me.rank) if me is not None else ("spare", None)
     env[ENV["role"]] = role
     env[ENV["cluster"]] = s.cluster
+    if s.keyring and not s.insecure:
+        env[ENV["keyring"]] = os.path.abspath(s.keyring)
+    else:
+        env.pop(ENV["keyring"], None)
     if rank is None:
         env.pop(ENV["rank"], None)
     else:
@@ -148,6 +194,7 @@ class Launcher:
         child_kwargs: Mapping[str, Any] | None = None,
         kill_grace: float = 10.0,
         child_nice: int = DEFAULT_CHILD_NICE,
+        fence_grace: float = DEFAULT_FENCE_GRACE,
     ) -> None:
         if not argv:
             raise ConfigError("no training command: write `gossiprec run [options] -- python train.py ...`")
@@ -161,6 +208,9 @@ class Launcher:
         self.agent_kwargs = dict(agent_kwargs or {})
         self.child_kwargs = dict(child_kwargs or {})
         self.kill_grace = kill_grace
+        self.fence_grace = fence_grace
+        self.kept: str | None = None
+        """Why the launcher kept the child after this node was removed from the view, if it did."""
         self.agent: Agent | None = None
         self.proc: asyncio.subprocess.Process | None = None
         self.child_exit: ChildExit | None = None
@@ -227,7 +277,7 @@ class Launcher:
                 agent.leave_now(f"{what}: fenced ({self.fenced})", failed=True)
             elif self._forwarded is not None:
                 agent.leave_now(f"{what} after {signal.Signals(self._forwarded).name}")
-            elif rc == 0:
+            elif rc in (0, EXIT_STOPPED):
                 agent.leave_now(what)
             else:
                 agent.leave_now(what, failed=True)
@@ -235,25 +285,42 @@ class Launcher:
         return self.child_exit.exit_code
 
     async def _fence_watch(self, agent: Agent, proc: asyncio.subprocess.Process, events: Any) -> None:
-        """SIGKILL the child's process group once this node is out of the agreed view (see the module
-        docstring); the child may be stopped or stuck, so nothing gentler is sure to work."""
+        """Once this node is out of the agreed view, SIGKILL the child's process group if it cannot be
+        trusted to wait as a spare (see the module docstring); the child may be stopped or stuck, so
+        nothing gentler is sure to work."""
         view = agent.machine.view if agent.machine is not None else None
         member = view is not None and agent.name in view
+        fenced_first = ""
+        told = False  # this removal was handled already (a view without us, then the agent's fence)
         async for ev in events:
             name = type(ev).__name__
             if name == "ViewInstalled":
                 if agent.name in ev.members:
-                    member = True
+                    member, fenced_first, told, self.kept = True, "", False, None
                     continue
                 if not member:
                     continue  # a joiner is outside the view until admitted
                 reason = f"removed from the view of epoch {ev.epoch}"
             elif name == "Fenced" and str(ev.reason).startswith("removed"):
+                if told:
+                    continue
                 reason = f"{ev.reason} (epoch {ev.epoch})"
+            elif name == "Fenced":
+                fenced_first = str(ev.reason)
+                continue
+            elif name == "Unfenced":
+                fenced_first = ""
+                continue
             else:
                 continue
+            member, told = False, True
             if proc.returncode is not None:
                 return
+            keep = await self._keep_after_removal(agent, proc, fenced_first)
+            if keep:
+                self.kept = f"{reason}: {keep}"
+                log.warning("this node was %s; the training process (pid %d) is kept: %s", reason, proc.pid, keep)
+                continue
             self.fenced = reason
             log.warning("this node was %s: killing the training process (pid %d)", reason, proc.pid)
             agent.leave_now(f"fenced ({reason}): the training process is killed", failed=True)
@@ -262,6 +329,21 @@ class Launcher:
             except ProcessLookupError:
                 pass
             return
+
+    async def _keep_after_removal(self, agent: Agent, proc: asyncio.subprocess.Process, fenced_first: str) -> str:
+        """Why the child may stay after a removal ("" if it must be killed): see the module docstring."""
+        if _stopped(proc.pid):
+            return ""
+        if fenced_first:
+            return f"the node was fenced first ({fenced_first}): it waits as a spare for the partition to heal"
+        deadline = time.monotonic() + self.fence_grace
+        while True:
+            state = agent.trainer_state
+            if state is None or not state.get("state_bytes") or not state.get("committed_step"):
+                return "it holds no trained state: it waits as a spare"
+            if time.monotonic() >= deadline or proc.returncode is not None or _stopped(proc.pid):
+                return ""
+            await asyncio.sleep(0.05)
 
     async def _terminate(self, proc: asyncio.subprocess.Process) -> None:
         try:

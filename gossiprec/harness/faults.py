@@ -1,9 +1,13 @@
 """Faults for a local job's trainers: what kind, at which phase of which step, and the hook that fires them.
 
 A :class:`Fault` is one of ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``slow`` (a stall of
-:data:`SLOW_S`) or ``hold`` (a stall until the trainer's agent has the plan of a newer view). Without
-a phase, the orchestrator sends the signal from outside once the node has committed the fault's step
-(kill and stop only). With one, the trainer acts on itself through :class:`FaultInjector`, its
+:data:`SLOW_S`), ``hold`` (a stall until the trainer's agent has the plan of a newer view) or ``pause``
+(the whole node, agent and trainer, SIGSTOPped until the others have recovered without it, then
+SIGCONTed, the trainer first: the node is cut off, then heals, as a minority would) or ``reprovision``
+(the whole node SIGKILLed, then started again with the same job spec once the others have recovered
+without it: a host replaced under the same name). Without a phase, the orchestrator
+sends the signal from outside once the node has committed the fault's step (kill, stop, pause
+and reprovision; the last two have no phase). With one, the trainer acts on itself through :class:`FaultInjector`, its
 ``on_phase`` hook, at that phase of the step: ``compute``, ``communicate`` (the all-reduce in flight),
 ``optimizer``, ``committed`` (between steps), or ``serve``: a donor, :data:`SERVE_KILL_DELAY` after a
 receiver asked it for state, with the receivers slowed by ``slow_fetch`` seconds per chunk so that it
@@ -24,7 +28,9 @@ from typing import Callable, Sequence
 
 from gossiprec.errors import ConfigError
 
-FAULT_KINDS = ("kill", "stop", "slow", "hold")
+FAULT_KINDS = ("kill", "stop", "slow", "hold", "pause", "reprovision")
+OUTSIDE_ONLY = ("pause", "reprovision")
+"""Kinds sent to a whole node from outside (no phase)."""
 SLOW_S = 0.3
 """How long a ``slow`` fault stalls its trainer at its phase."""
 HOLD_MAX_S = 10.0
@@ -56,8 +62,10 @@ class Fault:
         if self.phase is not None and self.phase not in FAULT_PHASES:
             raise ConfigError(f"fault phase must be None (sent by the demo) or one of {FAULT_PHASES}, "
                               f"got {self.phase!r}")
-        if self.phase is None and self.kind not in ("kill", "stop"):
+        if self.phase is None and self.kind not in ("kill", "stop", *OUTSIDE_ONLY):
             raise ConfigError(f"a {self.kind} fault happens inside the trainer: give it a phase")
+        if self.phase is not None and self.kind in OUTSIDE_ONLY:
+            raise ConfigError(f"a {self.kind} fault acts on the whole node from outside: give it no phase")
 
     def spec(self) -> str:
         """The trainer's ``--fault`` argument: ``KIND@PHASE:STEP``."""

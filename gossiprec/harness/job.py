@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Iterable, Mapping, Self, Sequence
+from typing import Any, Callable, Iterable, Mapping, Self, Sequence
 
 from gossiprec.errors import ConfigError
 from gossiprec.harness.ports import free_ports
@@ -81,9 +81,11 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return out if isinstance(out, dict) else None
 
 
-def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S) -> None:
+def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S,
+         while_waiting: Callable[[], None] | None = None) -> None:
     """SIGTERM every process of ``procs`` still running, SIGKILL those left after ``grace`` seconds,
-    and wait for all of them (also when interrupted while waiting)."""
+    and wait for all of them (also when interrupted while waiting). ``while_waiting()`` is called every
+    few milliseconds meanwhile."""
     procs = list(procs)
     try:
         for p in procs:
@@ -91,10 +93,14 @@ def reap(procs: Iterable[subprocess.Popen[bytes]], grace: float = REAP_GRACE_S) 
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+            while time.monotonic() < deadline:
+                if while_waiting is not None:
+                    while_waiting()
+                try:
+                    p.wait(timeout=0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
     finally:
         for p in procs:
             if p.poll() is None:
@@ -126,21 +132,25 @@ class LocalJob:
     """
 
     def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
-                 tp_pp: int = 1, env: Mapping[str, str] | None = None) -> None:
+                 tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0) -> None:
         from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
-        self.dir = workdir
+        self.dir = Path(os.path.abspath(workdir))  # the keyring's path marks the job's trainers (see _trainers)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ranks = ranks
-        self.names = [f"n{i}" for i in range(ranks + spares)]
+        self.names = [f"n{i}" for i in range(ranks + spares + outsiders)]
+        """The members of the job spec, then ``outsiders`` nodes it does not list (they join as spares)."""
         self.ports = free_ports(len(self.names), width=NODE_PORTS)
-        (self.dir / "job.toml").write_text(job_toml(self.names, self.ports, ranks, allow_shrink=allow_shrink,
-                                                    tp_pp=tp_pp))
+        listed = ranks + spares
+        (self.dir / "job.toml").write_text(job_toml(self.names[:listed], self.ports[:listed], ranks,
+                                                    allow_shrink=allow_shrink, tp_pp=tp_pp))
         Keyring([decode_key(generate_key())]).save(self.dir / "keyring.json")
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     "GOSSIPREC_KEYRING": str(self.dir / "keyring.json")}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         """Each node's launcher (``gossiprec run``), in the order they were spawned."""
+        self.replaced: list[subprocess.Popen[bytes]] = []
+        """Launchers of nodes spawned again since (reaped with the others)."""
 
     @property
     def trainers(self) -> list[str]:
@@ -152,17 +162,21 @@ class LocalJob:
         return self.dir / f"{node}{suffix}"
 
     def spawn(self, node: str, trainer: Sequence[str], *, agent_log_level: str = "warning",
-              protocol: Mapping[str, Any] = {}) -> subprocess.Popen[bytes]:
+              protocol: Mapping[str, Any] = {}, seed: str | None = None) -> subprocess.Popen[bytes]:
         """Start ``gossiprec run`` for ``node`` with ``trainer`` as its child; ``protocol``: agreement
-        settings (``--protocol KEY=VALUE``)."""
+        settings (``--protocol KEY=VALUE``); ``seed``: the node to join through (default the first).
+        A node spawned again (a re-provisioned host) replaces its entry in :attr:`procs`."""
         port = self.ports[self.names.index(node)]
         argv = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", "127.0.0.1",
-                "--port", str(port), "--job", str(self.dir / "job.toml"), "--seed", f"127.0.0.1:{self.ports[0]}",
+                "--port", str(port), "--job", str(self.dir / "job.toml"),
+                "--seed", f"127.0.0.1:{self.ports[self.names.index(seed or self.names[0])]}",
                 "--control-socket", str(self.path(node, ".sock")), "--log-level", agent_log_level]
         argv += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
-        with open(self.path(node, ".log"), "wb") as log:  # the child keeps its own copy of the file
+        with open(self.path(node, ".log"), "ab") as log:  # the child keeps its own copy of the file
             proc = subprocess.Popen([*argv, "--", *trainer], env=self.env, stdout=subprocess.DEVNULL,
                                     stderr=log)
+        if node in self.procs:
+            self.replaced.append(self.procs.pop(node))
         self.procs[node] = proc
         return proc
 
@@ -172,11 +186,15 @@ class LocalJob:
 
     def close(self, grace: float = REAP_GRACE_S) -> None:
         """End every process the job started (see the module docstring); idempotent."""
-        for pid in self._trainers():
-            if _state(pid) in ("T", "t"):  # stopped: it would ignore its launcher's SIGTERM
-                _kill(pid)
+        def kill_stopped() -> None:
+            for pid in self._trainers():
+                if _state(pid) in ("T", "t"):  # stopped: it would ignore its launcher's SIGTERM
+                    _kill(pid)
+
+        # again while the launchers end: a SIGSTOP sent just before may not have taken effect yet
+        kill_stopped()
         try:
-            reap(self.procs.values(), grace)
+            reap([*self.replaced, *self.procs.values()], grace, while_waiting=kill_stopped)
         finally:
             for pid in self._trainers():  # outlived its launcher
                 if _state(pid) not in (None, "Z", "X"):

@@ -1,9 +1,11 @@
 """Run a local job under faults and check it: the state it ends with, and each fault's timeline.
 
 :func:`run_scenario` starts a :class:`~gossiprec.harness.job.LocalJob` of ``ranks`` trainers and
-``spares`` hot spares, each running the demo's trainer (:mod:`gossiprec.harness.trainer`), and lets
-them begin together once every one has loaded. It sends the faults that have no phase itself (in list
-order, each once its node has committed the fault's step); the others the trainers fire themselves.
+``spares`` hot spares, each running the demo's trainer (:mod:`gossiprec.harness.trainer`); the
+trainers begin together by themselves (``start()`` is the barrier, and waits for the spares to be up:
+:data:`SPARES_UP_S`). It sends the faults that have no phase itself (in list
+order, each once its node has committed the fault's step; a fault for node :data:`STORE_HOST` goes to
+whichever node hosts the current epoch's store then); the others the trainers fire themselves.
 When every rank of the final world has committed the last step, it waits for the rest of the
 processes to end by themselves (the launchers of fenced nodes kill their stopped trainers; unused
 spares leave with the job) and then builds the result:
@@ -40,6 +42,12 @@ from gossiprec.harness.workload import reference_state
 
 END_WAIT_S = 10.0
 """After the last step, how long the processes left have to end by themselves."""
+STORE_HOST = "@store"
+"""The node of a fault sent from here that means "the host of the current epoch's store" (rank 0's node
+in epoch 0, then the ``store_node`` of the newest recovery record), resolved when the fault is due."""
+SPARES_UP_S = 120.0
+"""How long the ranks wait in ``start()`` for the spares to be up (``TrainerConfig.wait_for_spares``): a
+fault must not find a spare still importing torch, or its recovery measures the import."""
 
 
 def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *, hidden: int = 256,
@@ -47,7 +55,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                  allow_shrink: bool = False, checkpoint_every: int = 0, slow_fetch: float = 0.0,
                  lr_scale: bool = False, tp_pp: int = 1, trainer_timeout: float = 30.0, log: Any = None,
                  verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
-                 mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = ()) -> dict[str, Any]:
+                 mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = (),
+                 late: Mapping[str, float] = {}, trainer_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
     ones without a phase sent from here, in list order) and compare the final states with the
     failure-free run.
@@ -61,8 +70,10 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     changes), e.g. ``tp_pp=ranks`` leaves every shard without a replica. ``protocol``: agreement
     settings for every agent (``--protocol``); ``mistakes``: node -> a loop mistake of
     :data:`~gossiprec.harness.trainer.MISTAKES` its trainer makes; ``may_fail``: nodes whose trainer
-    may exit with an error without failing the run. Once the job is done, every process left must end
-    by itself: ``exits`` holds each launcher's exit code (None: still running :data:`END_WAIT_S` later).
+    may exit with an error without failing the run; ``late``: node -> seconds its trainer sleeps before
+    it starts (a slow import); ``trainer_args``: more options for every trainer. Once the job is done,
+    every process left must end by itself: ``exits`` holds each launcher's exit code (None: still
+    running :data:`END_WAIT_S` later).
     """
     def say(msg: str) -> None:
         if log is not None:
@@ -73,19 +84,24 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         names = job.names
         # slow and hold are stalls the trainers make themselves, not faults to report on
         everything, faults = list(faults), [f for f in faults if f.kind not in ("slow", "hold")]
-        unknown = {f.node for f in everything} - set(names)
+        unknown = {f.node for f in everything} - set(names) - {STORE_HOST}
+        if any(f.node == STORE_HOST and f.phase is not None for f in everything):
+            raise ConfigError(f"a {STORE_HOST} fault is sent from outside: give it no phase")
         if unknown:
             raise ConfigError(f"faults name unknown nodes {sorted(unknown)}; nodes are {names}")
+        commands: dict[str, list[str]] = {}
         for name in names:
             cmd = [sys.executable, "-m", "gossiprec.harness.trainer", "--steps", str(steps),
                    "--hidden", str(hidden), "--step-ms", str(step_ms), "--timeout", str(trainer_timeout),
-                   "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch), "--go", str(tmp / "go")]
+                   "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch),
+                   "--wait-for-spares", str(SPARES_UP_S), "--late", str(late.get(name, 0.0)), *trainer_args]
             cmd += [a for f in everything if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
             cmd += ["--mistake", mistakes[name]] if name in mistakes else []
             if checkpoint_every:
                 cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
             cmd += ["--lr-scale"] * lr_scale + ["--verbose"] * verbose
             job.spawn(name, cmd, agent_log_level=agent_log_level, protocol=protocol)
+            commands[name] = cmd
         say(f"started {ranks} ranks + {spares} spare(s) in {tmp}")
         procs = job.procs
         result: dict[str, Any] = {"ranks": ranks, "spares": spares, "steps": steps,
@@ -94,14 +110,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         fault_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout
         victims = {f.node for f in faults}
-        while not all((tmp / f"{n}.ready").exists() for n in names):  # every trainer and spare loaded
-            ended = {n: p.returncode for n, p in procs.items() if p.poll() is not None}
-            if ended:
-                raise GossiprecError(f"trainers failed before training began: {ended}; see the logs in {tmp}")
-            if time.monotonic() > deadline:
-                raise GossiprecError(f"the trainers did not start within {timeout:.0f}s; see the logs in {tmp}")
-            time.sleep(0.01)
-        (tmp / "go").write_text("1")
+        paused: dict[str, int] = {}
         while True:
             if time.monotonic() > deadline:
                 raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
@@ -110,16 +119,48 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             if failed:
                 raise GossiprecError(f"trainers failed: {failed}; see the logs in {tmp}")
             i = len(fault_at)
-            if i < len(sent) and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
+            if i < len(sent) and sent[i].node == STORE_HOST:
+                host = _store_host(tmp, names)
+                if host is not None and read_int(tmp / f"{host}.step") >= sent[i].step:
+                    f = Fault(host, sent[i].kind, sent[i].step)
+                    faults[faults.index(sent[i])] = sent[i] = f
+                    victims.add(host)
+                    say(f"the store of the current epoch is hosted by {host}")
+            if i < len(sent) and sent[i].node != STORE_HOST and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
                 f = sent[i]
-                pid = job.pid(f.node)
-                os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
-                fault_at[i] = time.monotonic()
-                say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
-                    f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+                if f.kind == "reprovision":  # the whole node dies; started again once the others recovered
+                    paused[f.node] = _records_count(tmp, names, but=f.node)
+                    os.kill(job.pid(f.node), signal.SIGKILL)  # in its own session: the launcher's death spares it
+                    procs[f.node].kill()
+                    procs[f.node].wait()
+                    fault_at[i] = time.monotonic()
+                    say(f"SIGKILL agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
+                elif f.kind == "pause":  # the whole node (agent and trainer), until the others recovered
+                    paused[f.node] = _records_count(tmp, names, but=f.node)
+                    procs[f.node].send_signal(signal.SIGSTOP)
+                    os.kill(job.pid(f.node), signal.SIGSTOP)
+                    fault_at[i] = time.monotonic()
+                    say(f"SIGSTOP agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
+                else:
+                    pid = job.pid(f.node)
+                    os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                    fault_at[i] = time.monotonic()
+                    say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
+                        f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+            for node, count in list(paused.items()):
+                if _records_count(tmp, names, but=node) > count:  # the others recovered without it
+                    del paused[node]
+                    if procs[node].poll() is not None:  # reprovisioned: the same command, the same job spec
+                        job.spawn(node, commands[node], agent_log_level=agent_log_level, protocol=protocol)
+                        say(f"started {node} again (a re-provisioned host)")
+                        continue
+                    # the trainer first: a launcher that wakes to a stopped child kills it as hung
+                    os.kill(job.pid(node), signal.SIGCONT)
+                    procs[node].send_signal(signal.SIGCONT)
+                    say(f"SIGCONT trainer and agent of {node}: the partition heals")
             outs = [o for o in (read_json(tmp / f"{n}.json") for n in names) if o is not None]
             done = [o for o in outs if o.get("step") == steps and not o.get("released")]
-            if len(fault_at) == len(sent) and done and len(done) >= max(o["world_size"] for o in done):
+            if len(fault_at) == len(sent) and not paused and done and len(done) >= max(o["world_size"] for o in done):
                 break
             time.sleep(0.01)
         stopped = [f.node for f in faults if f.kind == "stop"]
@@ -129,6 +170,31 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
         result["exits"] = {n: p.poll() for n, p in procs.items()}
         return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
+
+
+def _records_count(tmp: Path, names: Sequence[str], but: str = "") -> int:
+    """How many recovery records the nodes (but ``but``) have written so far."""
+    paths = [tmp / f"{n}.records" for n in names if n != but]
+    return sum(len(p.read_text().splitlines()) for p in paths if p.exists())
+
+
+def _store_host(tmp: Path, names: Sequence[str]) -> str | None:
+    """The node hosting the newest epoch's store, from the recovery records (rank 0's node, ``n0``,
+    before any); None while the newest recovery's records are still to come from every rank."""
+    newest: tuple[int, str] | None = None
+    for n in names:
+        path = tmp / f"{n}.records"
+        lines = path.read_text().splitlines() if path.exists() else []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # half written
+                continue
+            if newest is None or rec["epoch"] > newest[0]:
+                newest = (int(rec["epoch"]), str(rec.get("store_node") or ""))
+    if newest is None:
+        return names[0]
+    return newest[1] or None
 
 
 def _results(result: dict[str, Any], tmp: Path, names: list[str], faults: Sequence[Fault], sent: list[Fault],

@@ -3,15 +3,19 @@
 It trains the demo workload (:mod:`gossiprec.harness.workload`) with
 :class:`~gossiprec.trainer.loop.ResilientTrainer`, the gradients reduced in rank order
 (``exact=True``) so that the orchestrator can replay the run bit for bit, each step paced to
-``--step-ms``. It waits for the ``--go`` file before joining, so that every trainer and spare has
-loaded (torch imported, model built) before a fault can find one still loading. Its ``--fault``
-arguments fire at their phases (:class:`~gossiprec.harness.faults.FaultInjector`); ``--mistake``
-makes it commit one of the loop mistakes of :data:`MISTAKES`, for the tests of what catches them.
+``--step-ms``. The ranks start together in ``start()`` (the first group is the barrier) and wait there
+up to ``--wait-for-spares`` seconds for the spares to be up, so that a fault does not find one still
+loading; ``--late S`` makes this process sleep S seconds first (a rank importing torch from a slow
+file system). Its ``--fault`` arguments fire at their phases
+(:class:`~gossiprec.harness.faults.FaultInjector`); ``--mistake`` makes it commit one of the loop
+mistakes of :data:`MISTAKES`, for the tests of what catches them. It exits with the codes of
+:mod:`gossiprec.trainer.exits` (0 finished or not needed, 75 stopped).
 
 What it leaves next to ``--out`` (``<node>.json``), for the orchestrator: ``.pid`` and ``.ready`` at
 start-up, ``.step`` (the last committed step) after every commit, ``.records`` (one recovery record
 per line, appended as they happen, so that they survive a later death), ``.fault`` (when a fault
-fired), and at the end ``.state`` (its complete state as bytes) and the ``.json`` report (or
+fired), ``.dropped`` (one line each time it dropped its state to wait as a spare: fenced or removed),
+and at the end ``.state`` (its complete state as bytes) and the ``.json`` report (or
 ``{"released": true}`` when a shrink released it).
 """
 
@@ -40,13 +44,17 @@ def trainer_main(args: argparse.Namespace) -> int:
 
     from gossiprec.trainer.capture import capture_state
     from gossiprec.trainer.config import TrainerConfig
+    from gossiprec.trainer.exits import exit_code
     from gossiprec.trainer.loop import ResilientTrainer
     from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, Released
 
     torch.set_num_threads(1)
     out = Path(args.out)
     (out.with_suffix(".pid")).write_text(str(os.getpid()))
+    if args.late:
+        time.sleep(args.late)  # a slow start: torch from a shared file system, CUDA initialisation
     mistake = args.mistake
+    await_view = tuple(int(x) for x in args.await_view.split(":")) if args.await_view else None
     model, opt, cursor = build(args.hidden * (2 if mistake == "wide-model" else 1))
     if mistake == "numpy-per-rank":
         import numpy as np
@@ -84,13 +92,17 @@ def trainer_main(args: argparse.Namespace) -> int:
     objects = objects_of(model, opt, cursor)
     if mistake == "no-data-position":
         del objects["data"]  # the cursor still moves, but nobody carries it to a spare
-    rt = ResilientTrainer(objects, TrainerConfig(timeout=args.timeout),
-                          on_recovered=on_recovered, on_resize=on_resize,
-                          on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook)
+    config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares,
+                           **({"start_timeout": args.start_timeout} if args.start_timeout else {}),
+                           **({"recovery_timeout": args.recovery_timeout} if args.recovery_timeout else {}))
+    def on_drop(why: str) -> None:
+        with open(out.with_suffix(".dropped"), "a") as f:  # kept if this process dies later
+            f.write(why + "\n")
+
+    rt = ResilientTrainer(objects, config, on_recovered=on_recovered, on_resize=on_resize,
+                          on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook,
+                          on_drop=on_drop)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
-    if args.go:  # start together: a fault must not find a spare still loading
-        while not Path(args.go).exists():
-            time.sleep(0.01)
     t_start = time.monotonic()
     progress = out.with_suffix(".step")
     commits: list[float] = []
@@ -112,6 +124,8 @@ def trainer_main(args: argparse.Namespace) -> int:
             rt.commit()
             commits.append(time.monotonic())
             progress.write_text(str(rt.step))
+            if await_view is not None and rt.step == await_view[0]:
+                wait_for_view(rt, await_view[1])
             if ckpt is not None and args.checkpoint_every and rt.rank == 0 \
                     and rt.step % args.checkpoint_every == 0:
                 save_checkpoint(ckpt, rt.objects, rt.step)
@@ -121,16 +135,12 @@ def trainer_main(args: argparse.Namespace) -> int:
             left = args.step_ms / 1000.0 - (time.monotonic() - t0)
             if left > 0:
                 time.sleep(left)  # pacing: stands in for a longer compute step
-    except (Released, JobFinished) as exc:
-        print(f"gossiprec demo trainer {rt.node}: {exc}", file=sys.stderr, flush=True)
+    except (Released, JobFinished, JobStopped) as exc:
+        print(f"gossiprec demo trainer {rt.node}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         if isinstance(exc, Released):
             out.write_text(json.dumps({"node": rt.node, "released": True, "step": rt.step, "records": records}))
         rt.close()
-        os._exit(0)
-    except JobStopped as exc:
-        print(f"gossiprec demo trainer {rt.node}: {exc}", file=sys.stderr, flush=True)
-        rt.close()
-        os._exit(3)
+        os._exit(exit_code(exc))
     final = capture_state(objects_of(model, opt, cursor), step=rt.step, checksum=False)
     out.with_suffix(".state").write_bytes(state_bytes(final))
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "world_size": rt.world_size, "step": rt.step,
@@ -138,6 +148,19 @@ def trainer_main(args: argparse.Namespace) -> int:
                                "commit_times": commits, "state_bytes": final.header.total_nbytes}))
     rt.finish()
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
+
+
+def wait_for_view(rt: Any, members: int) -> None:
+    """Poll the agent until its view holds ``members`` members (or the trainer is interrupted: a newer
+    view than the one trained in, which the next step recovers into, may be the one awaited)."""
+    from gossiprec.local.protocol import ViewBrief
+
+    while True:
+        st = rt.control.status()
+        view = ViewBrief.from_wire(st["view"]) if st.get("view") else None
+        if view is not None and len(view.members) >= members:
+            return
+        time.sleep(0.05)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,7 +171,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", dest="step_ms", type=float, default=20.0, help="pace each step to this long")
     p.add_argument("--timeout", type=float, default=30.0, help="group and collective timeout, seconds")
     p.add_argument("--out", required=True, help="the report's path; the other files go beside it")
-    p.add_argument("--go", default="", help="wait for this file before joining")
+    p.add_argument("--late", type=float, default=0.0, help="sleep this long before anything else (a slow start)")
+    p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
+                   help="start() waits this long for the spares to be up (TrainerConfig.wait_for_spares)")
+    p.add_argument("--start-timeout", dest="start_timeout", type=float, default=0.0,
+                   help="TrainerConfig.start_timeout (0: its default)")
+    p.add_argument("--recovery-timeout", dest="recovery_timeout", type=float, default=0.0,
+                   help="TrainerConfig.recovery_timeout (0: its default)")
+    p.add_argument("--await-view", dest="await_view", default="",
+                   help="STEP:N: after committing STEP, wait until the agent's view holds N members (a node "
+                        "cut off has rejoined)")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
     p.add_argument("--slow-fetch", dest="slow_fetch", type=float, default=0.0,
                    help="sleep this long per received chunk of state")

@@ -7,6 +7,7 @@ from gossiprec.trainer.capture import capture_state
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.digest import ReplicaMismatch
 from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.exits import EXIT_FINISHED, EXIT_NOT_NEEDED, EXIT_STOPPED, exit_code
 from gossiprec.trainer.fetch import fetch_state
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
 from gossiprec.trainer.loop import ResilientTrainer, rank_ordered_mean
@@ -14,11 +15,13 @@ from gossiprec.trainer.objects import Stateful, training_state
 from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
 from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, RecoveryRecord, Released
 from gossiprec.trainer.rng import RNGState
+from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.settings import TrainerSettings, transfer_key
 
 __all__ = [
-    "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups", "JobFinished", "JobStopped", "NoReplica",
-    "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch", "ResilientTrainer", "Stateful", "TrainerConfig",
-    "TrainerSettings", "capture_state", "fetch_state", "materialize_optimizer_state", "rank_ordered_mean",
-    "restore_state", "training_state", "transfer_key",
+    "EXIT_FINISHED", "EXIT_NOT_NEEDED", "EXIT_STOPPED", "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups",
+    "JobFinished", "JobStopped", "NoReplica", "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch",
+    "ResilientTrainer", "Stateful", "TrainerConfig", "TrainerSettings", "TransferKeys", "capture_state", "exit_code",
+    "fetch_state", "materialize_optimizer_state", "rank_ordered_mean", "restore_state", "training_state",
+    "transfer_key",
 ]

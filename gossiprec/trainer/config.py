@@ -25,9 +25,22 @@ class TrainerConfig:
     backend: str = "gloo"
     """torch.distributed backend of every epoch's group: ``gloo`` (CPU tensors) or ``nccl``."""
     timeout: float = 30.0
-    """Seconds that group construction and one collective may take before they fail. The state
-    transfer of a recovery gets :attr:`fetch_timeout`, a silent donor :attr:`stall_timeout`, the last
-    barrier of ``finish()`` :attr:`finish_timeout`."""
+    """Seconds that a recovery's group construction and one collective may take before they fail. The
+    state transfer of a recovery gets :attr:`fetch_timeout`, a silent donor :attr:`stall_timeout`, the last
+    barrier of ``finish()`` :attr:`finish_timeout`; the first group :attr:`start_timeout`."""
+    start_timeout: float = 600.0
+    """Seconds ``start()`` waits for every rank of view 0 to join the first group (and a spare or a
+    re-provisioned host for its agent to be admitted). Generous: a rank may import torch from a shared
+    file system or initialise CUDA for minutes; after it, the error names the ranks that never came."""
+    recovery_timeout: float = 120.0
+    """Seconds a trainer's recovery waits for a plan it can apply (after a collective failed without a
+    view change, or after a plan that could not finish) before it raises
+    :class:`~gossiprec.errors.RecoveryError` naming what it tried, so that its exit makes the agents
+    agree on a new view; a spare (or a fenced trainer, which waits as one) waits without bound."""
+    wait_for_spares: float = 0.0
+    """Seconds ``start()`` waits, once the first group is built, for the spares of view 0 to report
+    that they are up (0: not at all). A spare still importing torch when a rank fails makes that
+    recovery wait for it; a job that wants warm spares from its first step waits here."""
     poll_interval: float = 0.002
     """Seconds between two looks of a waiting collective at its abort event: how fast an agent's view
     change interrupts it. In (0, 1]."""
@@ -39,8 +52,9 @@ class TrainerConfig:
     offsets, so any member's store follows from the view's member address; no address is gossiped."""
     donor_offset: int = DONOR_OFFSET
     """Port of this trainer's state donor: its agent's port + this (differs from :attr:`store_offset`)."""
-    bind_host: str = "0.0.0.0"
-    """Address the store and donor servers listen on."""
+    bind_host: str | None = None
+    """Address the store and donor servers (and gloo's connections) listen on. None: this member's
+    address as the agent gives it, the one the other members reach it at; nothing listens elsewhere."""
     linger: float = 5.0
     """Seconds a rank released by a shrink keeps serving its state to the receivers before it leaves."""
     background_snapshot: bool = True
@@ -63,12 +77,16 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("timeout", "poll_interval", "wait_report_after", "linger"):
+        for name in ("timeout", "poll_interval", "wait_report_after", "linger", "start_timeout",
+                     "recovery_timeout", "wait_for_spares"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
-        if self.timeout <= 0:
-            raise ConfigError(f"timeout must be > 0 s, got {self.timeout!r}")
+        for name in ("timeout", "start_timeout", "recovery_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0 s, got {getattr(self, name)!r}")
+        if self.wait_for_spares < 0:
+            raise ConfigError(f"wait_for_spares must be >= 0 s, got {self.wait_for_spares!r}")
         if not 0 < self.poll_interval <= 1.0:
             raise ConfigError(f"poll_interval must be in (0, 1] s, got {self.poll_interval!r}")
         if self.wait_report_after < 0 or self.linger < 0:
@@ -80,8 +98,9 @@ class TrainerConfig:
                 raise ConfigError(f"{name} must be an int port offset in [1, 65535], got {value!r}")
         if self.store_offset == self.donor_offset:
             raise ConfigError(f"store_offset and donor_offset must differ, both are {self.store_offset}")
-        if not isinstance(self.bind_host, str) or not self.bind_host:
-            raise ConfigError(f"bind_host must be a host name or address, got {self.bind_host!r}")
+        if self.bind_host is not None and (not isinstance(self.bind_host, str) or not self.bind_host):
+            raise ConfigError(f"bind_host must be a host name or address (or None: the agent's), got "
+                              f"{self.bind_host!r}")
         for name in ("background_snapshot", "verify_replicas", "stateless_data"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

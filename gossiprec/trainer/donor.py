@@ -1,9 +1,11 @@
 """The donor: serves byte ranges of this process's committed state to receivers over TCP.
 
 One thread per connection, on blocking sockets: ``sendall(memoryview)`` goes straight from the
-snapshot's tensors, with no copy in Python. A request must authenticate and carry a transfer id not
-served before (:mod:`gossiprec.trainer.transfer_wire`); anything else gets an unauthenticated refusal,
-and errors on one connection never reach the others or the training loop.
+snapshot's tensors, with no copy in Python. A request must authenticate under one of the keys the donor
+accepts (every installed key of a keyring that rotates, :mod:`gossiprec.trainer.keys`; the answer goes
+out under the key that opened it) and carry a transfer id not served before
+(:mod:`gossiprec.trainer.transfer_wire`); anything else gets an unauthenticated refusal, and errors on
+one connection never reach the others or the training loop.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cryptography.exceptions import InvalidTag
 
 from gossiprec.errors import ConfigError, DecodeError, GossiprecError
 from gossiprec.trainer.capture import StateSnapshot
+from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.transfer_wire import (
     DEFAULT_CHUNK, ID_SIZE, KIND_OK, KIND_REFUSED, MAX_REQUEST_BODY, REQ_MAGIC, REQ_PREFIX, TAG_SIZE, VERSION, WHOLE,
     LazySeal, SealedState, TransferRequest, check_key, derive_aead, open_request, recv_exact, select_chunks,
@@ -41,18 +44,24 @@ class DonorServer:
     reuses while the provider returns that same object. It is called once per request and may refuse
     by returning None or raising a GossiprecError (its message goes back to the receiver). The server
     itself refuses when the state's step differs from the requested one. The snapshot's tensors must
-    not change once sealed (capture with ``copy=True``, or keep training paused).
+    not change once sealed (capture with ``copy=True``, or keep training paused). ``key``: one key, or
+    the :class:`~gossiprec.trainer.keys.TransferKeys` of a keyring (every installed key accepted).
     """
 
-    def __init__(self, state_provider: StateProvider, key: bytes, host: str = "0.0.0.0", port: int = 0,
+    def __init__(self, state_provider: StateProvider, key: bytes | TransferKeys, host: str = "0.0.0.0", port: int = 0,
                  *, context: bytes = b"", stall_timeout: float = 30.0, max_connections: int = 16,
                  remember_ids: int = 4096, chunk_size: int = DEFAULT_CHUNK) -> None:
-        check_key(key)
+        if not isinstance(key, TransferKeys):
+            check_key(key)
+            key = TransferKeys.fixed(bytes(key))
         self._chunk_size = chunk_size
         self._seal_lock = threading.Lock()
         self._last_seal: LazySeal | None = None
+        self._seals: dict[bytes, LazySeal] = {}
+        """The lazy seal of the snapshot served last, per key (receivers may sign with different keys
+        during a rotation)."""
         self._provider = state_provider
-        self._key = bytes(key)
+        self._keys = key
         self._context = context
         self._host, self._port = host, port
         self._stall = stall_timeout
@@ -143,15 +152,22 @@ class DonorServer:
                 self._count("refused")
                 send_plain_refusal(conn, "not a gossiprec state-transfer request of this version")
                 return
-            try:
-                tid, req = open_request(self._key, prefix + recv_exact(conn, n + TAG_SIZE), self._context)
-            except InvalidTag:
+            frame = prefix + recv_exact(conn, n + TAG_SIZE)
+            opened = None
+            for key in self._keys.accepted():
+                try:
+                    opened = key, *open_request(key, frame, self._context)
+                    break
+                except InvalidTag:
+                    continue
+            if opened is None:
                 self._count("auth_failed")
                 log.warning("state transfer request from %s failed authentication (another cluster key?)",
                             peer)
                 send_plain_refusal(conn, "request failed authentication: the donor uses another "
                                           "cluster key")
                 return
+            key, tid, req = opened
             with self._lock:
                 replay = tid in self._seen
                 self._seen[tid] = None
@@ -161,7 +177,7 @@ class DonorServer:
                 self._count("refused")
                 send_plain_refusal(conn, "transfer id already served (replayed request)")
                 return
-            self._respond(conn, tid, req, peer)
+            self._respond(conn, key, tid, req, peer)
         except (OSError, ConnectionError, DecodeError) as exc:
             self._count("aborted")
             log.info("state transfer to %s ended early: %s", peer, exc)
@@ -174,22 +190,25 @@ class DonorServer:
     def prepare(self, snapshot: StateSnapshot, ranges: Sequence[tuple[int, int]]) -> None:
         """Tag the chunks of byte ranges ``ranges`` of ``snapshot`` now (blocking: call it from a spare
         thread as soon as a plan names this donor), so that the receivers' requests find them ready."""
-        seal = self._sealed(snapshot)
+        seal = self._sealed(snapshot, self._keys.primary())
         assert isinstance(seal, LazySeal)
         for start, end in ranges:
             seal.tags_for(seal.stripe(start, end))
 
-    def _sealed(self, served: SealedState | StateSnapshot) -> SealedState | LazySeal:
+    def _sealed(self, served: SealedState | StateSnapshot, key: bytes) -> SealedState | LazySeal:
         if isinstance(served, SealedState):
             return served
-        with self._seal_lock:  # one lazy seal per raw snapshot: its chunks are tagged as requested
-            if self._last_seal is None or self._last_seal.snapshot is not served:
-                self._last_seal = LazySeal(served, self._key, self._chunk_size, self._context)
-            return self._last_seal
+        with self._seal_lock:  # one lazy seal per raw snapshot and key: its chunks are tagged as requested
+            seal = self._seals.get(key)
+            if seal is None or seal.snapshot is not served:
+                self._seals = {k: s for k, s in self._seals.items() if s.snapshot is served}
+                seal = self._seals[key] = LazySeal(served, key, self._chunk_size, self._context)
+            self._last_seal = seal
+            return seal
 
-    def _respond(self, conn: socket.socket, tid: bytes, req: TransferRequest, peer: str) -> None:
+    def _respond(self, conn: socket.socket, key: bytes, tid: bytes, req: TransferRequest, peer: str) -> None:
         salt = os.urandom(ID_SIZE)
-        aead = derive_aead(self._key, tid + salt, b"response", self._context)
+        aead = derive_aead(key, tid + salt, b"response", self._context)
         refusal: str | None = None
         sealed: SealedState | LazySeal | None = None
         try:
@@ -200,7 +219,7 @@ class DonorServer:
                 refusal = (f"donor's committed step is {served.step}, the receiver asked for step "
                            f"{req.step}")
             else:
-                sealed = self._sealed(served)
+                sealed = self._sealed(served, key)
                 if req.end > sealed.snapshot.header.total_nbytes and req.end != WHOLE:
                     refusal = (f"range [{req.start}, {req.end}) beyond the state's "
                                f"{sealed.snapshot.header.total_nbytes} bytes")

@@ -4,7 +4,11 @@ A ``ViewInstalled`` for a newer epoch, or ``Fenced``, aborts the current group
 (:class:`~gossiprec.trainer.groups.EpochGroups`): a waiting all-reduce raises within a poll slice and
 the trainer enters its recovery, which waits for the newest ``PlanReady`` kept here (``status`` is
 polled as a fallback: :meth:`Follower.absorb_status`). A lost agent connection aborts the group too.
-``JobFinished`` ends the wait of a spare; failure events are kept for the recovery's timeline.
+``JobFinished`` ends the wait of a spare; ``Fenced`` holds a recovery until ``Unfenced`` (the node is
+in an agreed view again). Failure events are kept for the recovery's timeline: a recovery is dated by
+the first failure event about a member the agreed view no longer holds, counted from when that member
+was last seen alive (so a suspicion of a starved member during start-up, refuted since, never dates
+the failure of another one).
 
 Every field is written by the follower's thread (or the status poll) and read by the loop under
 :attr:`Follower.cond`, which is notified on every change.
@@ -18,7 +22,8 @@ from typing import Any, Callable
 
 from gossiprec.core.election import Plan
 from gossiprec.core.events import (
-    AlertRaised, CoreEvent, Fenced, JobFinished, MemberFailed, MemberLeft, MemberSuspected, PlanReady, ViewInstalled,
+    AlertRaised, CoreEvent, Fenced, JobFinished, MemberAlive, MemberFailed, MemberLeft, MemberSuspected, PlanReady,
+    Unfenced, ViewInstalled,
 )
 from gossiprec.errors import DecodeError
 from gossiprec.local.client import ControlClient
@@ -52,7 +57,12 @@ class Follower:
         """Why the agreed view stopped the job (no spare, no shrink), if it did."""
         self.finished: int | None = None
         """The step at which the job's trainers finished, once the agent heard of it."""
-        self.failure_events: list[float] = []
+        self.failures: dict[str, list[float]] = {}
+        """When each member was reported failing (suspected, failed, left, alerted about), newest last."""
+        self.alive_at: dict[str, float] = {}
+        """When each member was last reported alive again (a refuted suspicion, a rejoin)."""
+        self.members: frozenset[str] | None = None
+        """The members of the newest view installed (None before the first ``ViewInstalled``)."""
         self.last_view_at: float | None = None
         self._closed = closed
         self._abort = abort
@@ -97,14 +107,20 @@ class Follower:
 
     def on_event(self, ev: CoreEvent) -> None:
         if isinstance(ev, FAILURE_EVENTS):
+            who = ev.subject if isinstance(ev, AlertRaised) else ev.name
             with self.cond:
-                self.failure_events = [*self.failure_events[-63:], ev.at]
+                self.failures[who] = [*self.failures.get(who, [])[-15:], ev.at]
+            return
+        if isinstance(ev, MemberAlive):
+            with self.cond:
+                self.alive_at[ev.name] = ev.at
             return
         if isinstance(ev, ViewInstalled):
             with self.cond:
                 if ev.epoch > self.newest_view:
                     self.newest_view = ev.epoch
                     self.last_view_at = ev.at
+                    self.members = frozenset(ev.members)
                 if ev.stopped:
                     self.stopped = ev.stopped
                 self.cond.notify_all()
@@ -126,18 +142,27 @@ class Follower:
                 self.fenced = ev.reason or "fenced"
                 self.cond.notify_all()
             self._abort(f"fenced: {self.fenced}")
+        elif isinstance(ev, Unfenced):
+            with self.cond:
+                self.fenced = ""
+                self.newest_view = max(self.newest_view, ev.epoch)
+                self.cond.notify_all()
 
     def absorb_status(self, st: dict[str, Any], epoch: int) -> None:
         """What a ``status`` reply tells (the fallback to events): the newest view, whether it stopped
-        the job (when newer than ``epoch``), and its plan if not known yet."""
+        the job (when newer than ``epoch``), whether this node is fenced, and its plan if not known yet."""
         wire = st.get("plan_wire")
         plan = Plan.from_wire(wire) if wire is not None else None
         view = ViewBrief.from_wire(st["view"]) if st.get("view") else None
         with self.cond:
             if view is not None:
+                if view.epoch > self.newest_view or self.members is None:
+                    self.members = frozenset(m.node for m in view.members)
                 self.newest_view = max(self.newest_view, view.epoch)
                 if view.stopped and view.epoch > epoch:
                     self.stopped = view.stopped
+                if "fenced" in st:  # the agent's word now: a Fenced or Unfenced event may be missed or late
+                    self.fenced = str(st["fenced"] or "")
             if plan is not None and plan.epoch not in self.plans:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = time.monotonic()
@@ -153,7 +178,10 @@ class Follower:
         return self.fenced or self.lost
 
     def detection_since(self, since: float) -> tuple[float | None, float | None]:
-        """(the first failure event after ``since``, when the newest view was installed), or None each."""
+        """(the first failure event after ``since`` about a member the newest view no longer holds, counted
+        from when that member was last alive; when the newest view was installed), or None each."""
         with self.cond:
-            seen = [t for t in self.failure_events if t > since]
+            members = self.members
+            seen = [t for who, times in self.failures.items() if members is None or who not in members
+                    for t in times if t > max(since, self.alive_at.get(who, since))]
             return (min(seen) if seen else None), self.last_view_at

@@ -4,11 +4,15 @@ Theory of operation
 -------------------
 Recovery in place means the surviving processes keep running and switch to a new group when the
 membership changes; nobody calls ``init_process_group`` again. :class:`EpochGroups` builds, for each
-epoch the agent decides, a standalone backend (``ProcessGroupGloo``, or ``ProcessGroupNCCL`` with
-non-blocking communicators) on ``PrefixStore("gossiprec/e{epoch}", store)``. The store is a TCPStore
-hosted by whichever process the recovery plan names (:func:`start_store_server` in that process,
-:func:`connect_store` everywhere else); the per-epoch prefix keeps keys of an old group from leaking
-into a new one, so one store serves every epoch.
+epoch the agent decides, a standalone backend (``ProcessGroupGloo`` on a device bound to this member's
+address, or ``ProcessGroupNCCL`` with non-blocking communicators) on ``PrefixStore("gossiprec/e{epoch}",
+store)``. The store is a TCPStore hosted by whichever process the recovery plan names
+(:func:`start_store_server` in that process, :func:`connect_store` everywhere else, connected from the
+build's own thread so that a store host that is late or gone delays only a build that can be
+cancelled); the per-epoch prefix keeps keys of an old group from leaking into a new one, so one store
+serves every epoch. Given the cluster's keys, every value goes through a
+:func:`~gossiprec.trainer.keys.sealed_store` (authenticated: a TCPStore has none). Each rank marks its
+arrival in the epoch's store first, so a build that times out names the ranks that never came.
 
 Collectives are issued asynchronously and waited for in slices of ``poll_interval`` against the
 group's abort event (:meth:`EpochGroup.abort`, set by the agent from another thread). On gloo the slice
@@ -50,6 +54,8 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
+    from gossiprec.trainer.keys import TransferKeys
+
 STORE_PREFIX = "gossiprec/e{epoch}"
 BACKENDS = ("gloo", "nccl")
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
@@ -62,11 +68,14 @@ class CollectiveAborted(RecoveryError):
     The group is unusable afterwards: build the next epoch's group.
     """
 
-    def __init__(self, message: str, *, epoch: int, op: str, reason: str) -> None:
+    def __init__(self, message: str, *, epoch: int, op: str, reason: str,
+                 missing: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.epoch = epoch
         self.op = op
         self.reason = reason
+        self.missing = missing
+        """For a build that timed out: the ranks that never marked their arrival in the epoch's store."""
 
 
 def store_prefix(epoch: int) -> str:
@@ -77,13 +86,21 @@ def start_store_server(host: str = "0.0.0.0", port: int = 0, *, timeout: float =
                        ) -> tuple[dist.TCPStore, int]:
     """Host a TCPStore in this process (any rank may); returns the store and the port it listens on.
 
-    ``port=0`` picks a free port. The server does not wait for workers; clients connect with
-    :func:`connect_store`. It lives as long as the returned object does.
+    It listens on ``host`` alone: torch's TCPStore server binds every interface whatever host it is
+    given, so the socket is bound here and handed over. ``port=0`` picks a free port. The server does
+    not wait for workers; clients connect with :func:`connect_store`. It lives as long as the returned
+    object does.
     """
+    import socket
+
     import torch.distributed as dist
 
-    store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout), wait_for_workers=False)
-    return store, int(store.port)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=1024)
+    bound = int(sock.getsockname()[1])
+    store = dist.TCPStore(host, bound, None, True, timedelta(seconds=timeout), wait_for_workers=False,
+                          master_listen_fd=sock.detach())
+    return store, bound
 
 
 def connect_store(host: str, port: int, *, timeout: float = 30.0) -> dist.TCPStore:
@@ -305,18 +322,30 @@ class EpochGroup:
 class EpochGroups:
     """Builds each epoch's group on a shared store and keeps every retired one alive (the graveyard).
 
-    ``store`` is a TCPStore client (or server) object; ``timeout`` (seconds) bounds group construction
-    and is the default per-collective timeout; ``poll_interval`` (seconds) is how often a waiting
-    collective looks at its abort event. ``device`` is the CUDA device for NCCL.
+    ``store`` is a TCPStore client (or server) object (None: each build connects its own);
+    ``timeout`` (seconds) bounds group construction and is the default per-collective timeout;
+    ``poll_interval`` (seconds) is how often a waiting collective looks at its abort event. ``device``
+    is the CUDA device for NCCL. ``host``: the address gloo's connections bind to (default: what the
+    host name resolves to). ``keys``: seal every store value with the cluster's keys (see
+    :mod:`gossiprec.trainer.keys`).
     """
 
-    def __init__(self, store: dist.Store, *, backend: str = "gloo", timeout: float = 30.0,
-                 poll_interval: float = 0.005, device: torch.device | int | None = None) -> None:
+    def __init__(self, store: dist.Store | None, *, backend: str = "gloo", timeout: float = 30.0,
+                 poll_interval: float = 0.005, device: torch.device | int | None = None,
+                 host: str | None = None, keys: TransferKeys | None = None) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not 0 < poll_interval <= 1.0 or timeout <= 0:
             raise ConfigError("poll_interval must be in (0, 1] s and timeout > 0 s")
+        if backend == "nccl":
+            check_nccl_environment()
         self.store = store
+        self.host = host
+        self.keys = keys
+        self._sealed: dict[int, Any] = {}
+        """The sealed wrapper of each store (by id): the Python objects must outlive every group built on
+        them (the C++ side calls back into them)."""
+        self._stores_seen: list[Any] = []
         self.backend = backend
         self.timeout = timeout
         self.poll_interval = poll_interval
@@ -327,14 +356,17 @@ class EpochGroups:
         self._lock = threading.Lock()
 
     def build(self, epoch: int, rank: int, world_size: int, *, store: dist.Store | None = None,
-              cancelled: Callable[[], str] | None = None) -> EpochGroup:
+              connect: Callable[[], dist.Store] | None = None, cancelled: Callable[[], str] | None = None,
+              timeout: float | None = None) -> EpochGroup:
         """Retire the current group and build epoch ``epoch``'s (blocks until all ranks joined).
 
-        Construction runs in a helper thread; an :meth:`abort` of this epoch, ``timeout``, or
-        ``cancelled()`` returning a reason (polled every ``poll_interval``: it closes the window in
-        which an abort sent before the build began would be missed, e.g. a newer view) makes this
-        raise :class:`CollectiveAborted` promptly and leaves the half-built group in the graveyard.
-        ``store`` replaces the shared store (e.g. the plan moved it to another host).
+        Construction runs in a helper thread; an :meth:`abort` of this epoch, the build's timeout
+        (``timeout``, default the groups' ``timeout``), or ``cancelled()`` returning a reason (polled every
+        ``poll_interval``: it closes the window in which an abort sent before the build began would be
+        missed, e.g. a newer view) makes this raise :class:`CollectiveAborted` promptly and leaves the
+        half-built group in the graveyard; a timeout names the ranks that never arrived. ``store``
+        replaces the shared store (e.g. the plan moved it to another host); ``connect()`` makes it in
+        the helper thread instead (a client that may have to wait for its server).
         """
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} is not in [0, {world_size})")
@@ -352,13 +384,20 @@ class EpochGroups:
             self._building = group
         import torch.distributed as dist
 
-        prefixed = dist.PrefixStore(store_prefix(epoch), self.store)
+        limit = self.timeout if timeout is None else timeout
         outcome: list[BaseException | None] = []
         done = threading.Event()
+        prefixed: list[Any] = []
 
         def construct() -> None:
             try:
-                group.pg = self._make_backend(prefixed, rank, world_size)
+                if connect is not None:
+                    self.store = connect()
+                if self.store is None:
+                    raise ConfigError(f"no store to build epoch {epoch}'s group on")
+                prefixed.append(dist.PrefixStore(store_prefix(epoch), self._sealed_store(self.store)))
+                prefixed[0].set(f"arrived/{rank}", b"1")
+                group.pg = self._make_backend(prefixed[0], rank, world_size, limit)
                 outcome.append(None)
             except BaseException as exc:  # reported to the caller below
                 outcome.append(exc)
@@ -366,19 +405,27 @@ class EpochGroups:
 
         builder = threading.Thread(target=construct, name=f"gossiprec-build-e{epoch}", daemon=True)
         builder.start()
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + limit
         while not done.wait(self.poll_interval):
             why_cancelled = cancelled() if cancelled is not None else ""
             if why_cancelled:
                 group.abort(why_cancelled)
             if group.abort_event.is_set() or time.monotonic() >= deadline:
-                why = group.abort_reason or f"not all {world_size} ranks joined within {self.timeout:.1f}s"
+                missing: tuple[int, ...] = ()
+                why = group.abort_reason
+                reason = "aborted"
+                if not why:
+                    reason = "timeout"
+                    missing = _missing(prefixed, world_size)
+                    who = (f"ranks {list(missing)} never arrived" if missing else
+                           "the store could not be reached" if not prefixed else "every rank arrived")
+                    why = f"not all {world_size} ranks joined within {limit:.1f}s ({who})"
                 group.abort(why)
                 with self._lock:
                     self._building = None
                     self.graveyard.append(group)
                 raise CollectiveAborted(f"building epoch {epoch}'s group failed: {why}", epoch=epoch,
-                                        op="build", reason="aborted" if group.abort_reason else "timeout")
+                                        op="build", reason=reason, missing=missing)
         err = outcome[0]
         with self._lock:
             self._building = None
@@ -386,6 +433,8 @@ class EpochGroups:
                 self.graveyard.append(group)
             else:
                 self.current = group
+        if isinstance(err, ConfigError):
+            raise err  # a misconfiguration (NCCL without CUDA, ...): no later plan can fix it
         if err is not None:
             raise CollectiveAborted(f"building epoch {epoch}'s group failed: {err}", epoch=epoch, op="build",
                                     reason="peer_failed") from err
@@ -419,13 +468,50 @@ class EpochGroups:
             self.graveyard.append(self.current)
             self.current = None
 
-    def _make_backend(self, store: dist.Store, rank: int, world_size: int) -> Any:
+    def _sealed_store(self, store: Any) -> Any:
+        if self.keys is None:
+            return store
+        sealed = self._sealed.get(id(store))
+        if sealed is None:
+            from gossiprec.trainer.keys import sealed_store
+
+            sealed = self._sealed[id(store)] = sealed_store(store, self.keys)
+            self._stores_seen.append(store)  # keeps the id from being reused by another store
+        return sealed
+
+    def _make_backend(self, store: dist.Store, rank: int, world_size: int, limit: float) -> Any:
         import torch.distributed as dist
 
-        timeout = timedelta(seconds=self.timeout)
+        # the group's own timeout bounds its rendezvous too (gloo waits for its peers' addresses that long)
+        timeout = timedelta(seconds=max(self.timeout, limit))
         if self.backend == "gloo":
-            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            if self.host is None:
+                return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+            return dist.ProcessGroupGloo(store, rank, world_size, opts)
         return make_nccl_backend(store, rank, world_size, timeout, self.device)
+
+
+def _missing(prefixed: list[Any], world_size: int) -> tuple[int, ...]:
+    """The ranks whose arrival mark is not in the epoch's store (empty if the store cannot be asked)."""
+    if not prefixed:
+        return ()
+    try:
+        return tuple(r for r in range(world_size) if not prefixed[0].check([f"arrived/{r}"]))
+    except RuntimeError:
+        return ()
+
+
+def check_nccl_environment() -> None:
+    """Refuse (ConfigError) a ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` that makes NCCL kill the process on a
+    timeout: the agent's abort must be able to end a collective instead (``gossiprec run`` sets 2)."""
+    mode = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    if mode not in ("0", "2"):
+        raise ConfigError(f"TORCH_NCCL_ASYNC_ERROR_HANDLING={mode} makes NCCL kill the process on a timeout "
+                          "instead of letting gossiprec recover; set it to 2 (or 0) before starting the trainer "
+                          "(`gossiprec run` sets 2 unless the environment says otherwise)")
 
 
 def make_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
@@ -440,10 +526,7 @@ def make_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: ti
 
     if not torch.cuda.is_available() or not dist.is_nccl_available():
         raise ConfigError("the NCCL backend needs CUDA and an NCCL build of torch; use backend='gloo'")
-    mode = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
-    if mode not in ("0", "2"):
-        raise ConfigError(f"TORCH_NCCL_ASYNC_ERROR_HANDLING={mode} makes NCCL kill the process on a "
-                          "timeout; set it to 2 (or 0) in the environment before starting the trainer")
+    check_nccl_environment()
     opts = dist.ProcessGroupNCCL.Options()
     opts.config.blocking = False
     opts._timeout = timeout

@@ -38,7 +38,10 @@ others'. A rank frozen inside the all-reduce reported ``communicate`` like the p
 so a rank whose collective is still pending ``wait_report_after`` seconds in reports ``waiting``
 (when the wire protocol's PHASES has it), which leaves the frozen rank behind. The hung process must
 be killed by its launcher once its node is out of the view (``gossiprec run`` does); if it wakes first,
-its trainer raises :class:`~gossiprec.errors.FencedError`.
+its trainer drops its state and waits as a spare, as a fenced one does (:mod:`gossiprec.trainer.recovery`).
+
+**Exits.** :meth:`~ResilientTrainer.leave` ends a process after the outcomes that are not crashes
+(not needed, released, stopped in good order) with the codes of :mod:`gossiprec.trainer.exits`.
 
 **The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
 waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.recovery.JobFinished`.
@@ -49,20 +52,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, NoReturn
 
 from gossiprec.core.wire import PHASES
-from gossiprec.errors import ConfigError, GossiprecError
+from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
-from gossiprec.local.protocol import ControlError, ViewBrief
+from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
 from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.checks import ReplicaChecks
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.exits import exit_code
 from gossiprec.trainer.follower import Follower
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, start_store_server
+from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server
+from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, has_data_position
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.receive import materialize_optimizers
@@ -100,21 +106,25 @@ class ResilientTrainer:
     it must be identical on every replica at a given step (rank-specific choices, such as which
     shard of data a rank reads, are computed from :attr:`rank`, not stored). ``config``: the tunables
     (:class:`~gossiprec.trainer.config.TrainerConfig`). ``control``: a connected client of the agent,
-    ``key``: the 32-byte transfer key; either one not given comes from ``settings`` (default
-    :meth:`TrainerSettings.from_env() <gossiprec.trainer.settings.TrainerSettings.from_env>`).
+    ``key``: the 32-byte key (or the :class:`~gossiprec.trainer.keys.TransferKeys`) state transfers and
+    stores are authenticated with; either one not given comes from ``settings`` (default
+    :meth:`TrainerSettings.from_env() <gossiprec.trainer.settings.TrainerSettings.from_env>`: the
+    keyring ``gossiprec run`` names, followed as it rotates).
     ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world,
     new_world)``: the world size changed (shrink); ``on_no_replica(NoReplica) -> step``: load the
     user's checkpoint into the objects (see :mod:`gossiprec.trainer.recovery`); ``on_phase(step,
-    phase)``: tracing / fault-injection hook (see the module docstring).
+    phase)``: tracing / fault-injection hook (see the module docstring); ``on_drop(why)``: this process
+    dropped its state to wait as a spare (its node was fenced or removed).
     """
 
     def __init__(self, objects: Mapping[str, Stateful], config: TrainerConfig | None = None, *,
                  settings: TrainerSettings | None = None, control: ControlClient | None = None,
-                 key: bytes | None = None,
+                 key: bytes | TransferKeys | None = None,
                  on_recovered: Callable[[RecoveryRecord], None] | None = None,
                  on_resize: Callable[[int, int], None] | None = None,
                  on_no_replica: Callable[[NoReplica], int] | None = None,
-                 on_phase: Callable[[int, str], None] | None = None) -> None:
+                 on_phase: Callable[[int, str], None] | None = None,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         config = TrainerConfig() if config is None else config
         if not isinstance(config, TrainerConfig):
             raise ConfigError(f"config must be a TrainerConfig, got {type(config).__name__}")
@@ -130,6 +140,8 @@ class ResilientTrainer:
                 "Register the position (training_state(model, opt, data=position), any object with "
                 "state_dict/load_state_dict), or pass TrainerConfig(stateless_data=True) if every batch is a "
                 "function of rt.step and rt.rank")
+        if config.backend == "nccl":
+            check_nccl_environment()  # now, not as a silent failure inside the first group's build
         self.config = config
         self._job = JobState()
         self.objects: dict[str, Stateful] = {**objects, JOB_ENTRY: self._job}
@@ -146,8 +158,8 @@ class ResilientTrainer:
         self.node: str = str(control.node)
         if key is None:
             assert settings is not None
-            key = settings.transfer_key()
-        self.key = key
+            key = settings.transfer_keys()
+        self.keys: TransferKeys = key if isinstance(key, TransferKeys) else TransferKeys.fixed(key)
         self.rank: int = -1
         self.world_size: int = 0
         self.epoch: int = -1
@@ -178,17 +190,31 @@ class ResilientTrainer:
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         self._recovery = Recovery(self, job=self._job, follower=self._follower, snaps=self._snaps,
                                   checks=self._checks, peers=self._peers, closed=self._closed,
-                                  report=self._report, commit=self._commit_snapshot)
+                                  report=self._report, commit=self._commit_snapshot, announce=self._announce,
+                                  on_drop=on_drop)
+
+    @property
+    def key(self) -> bytes:
+        """The key this trainer signs its state transfers with now (the keyring's primary)."""
+        return self.keys.primary()
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> ResilientTrainer:
         """Open the store and donor servers, follow the agent's events, and join the job.
 
-        A trainer of view 0 builds the epoch-0 group (rank 0's store) and commits step 0, the
-        initial state. A spare blocks until a plan gives it a rank and the state has arrived.
+        A trainer of view 0 builds the epoch-0 group on rank 0's store: the job's start barrier, which
+        waits up to ``start_timeout`` for every rank, then raises a RecoveryError naming the ranks that
+        never came; it commits step 0, the initial state. A process whose agent is not admitted yet (a
+        spare joining a running job, a re-provisioned host whose agent still catches up) waits for the
+        admission; a spare then blocks until a plan gives it a rank and the state has arrived.
         """
         config = self.config
         status = self.control.status()
+        if status.get("secure") and not self.keys.keyed:
+            raise ConfigError(
+                "the cluster is keyed (its agent seals its traffic with a keyring) but this trainer has no "
+                "keyring, so its state transfers would be signed with a key anyone can compute: start it with "
+                "`gossiprec run` (it passes the keyring's path in GOSSIPREC_KEYRING), or pass key=")
         if status.get("progress_page"):
             try:
                 self._page = page = ProgressPage.open(str(status["progress_page"]))
@@ -197,17 +223,14 @@ class ResilientTrainer:
                           "another trainer in this process holds it, or no robust mutexes here)")
             except ConfigError as exc:
                 log.warning("progress goes through the control socket: %s", exc)
-        if not status.get("view"):
-            raise ConfigError("the agent has no view: start it with a job spec (`--job job.toml`)")
-        view = ViewBrief.from_wire(status["view"])
-        me = view.member(self.node)
-        if me is None:
-            raise ConfigError(f"node {self.node} is not in view {view.epoch}; check the job spec")
+        deadline = time.monotonic() + config.start_timeout
+        view, me = self._admitted(status, deadline)
         self._peers.refresh()
-        _, my_port = self._peers.agent_of(self.node)
-        self._peers.store_server, _ = start_store_server(config.bind_host, my_port + config.store_offset,
+        host, my_port = self._peers.agent_of(self.node)
+        bind = config.bind_host or host
+        self._peers.store_server, _ = start_store_server(bind, my_port + config.store_offset,
                                                          timeout=config.timeout)
-        self._donor = DonorServer(self._serve, self.key, config.bind_host, my_port + config.donor_offset).start()
+        self._donor = DonorServer(self._serve, self.keys, bind, my_port + config.donor_offset).start()
         self._follower.newest_view = view.epoch
         self._follower.start()
         self.role = me.role
@@ -220,25 +243,78 @@ class ResilientTrainer:
             self._commit_snapshot(0)
             rank0 = view.node_of_rank(0)
             assert rank0 is not None  # view 0 gives ranks 0..world-1 (checked where it is made)
-            self.groups = EpochGroups(self._peers.store_for(rank0), backend=config.backend,
-                                      timeout=config.timeout, poll_interval=config.poll_interval)
+            self.groups = EpochGroups(None, backend=config.backend, timeout=config.timeout,
+                                      poll_interval=config.poll_interval, host=bind, keys=self.keys)
             try:
-                self.groups.build(0, self.rank, self.world_size)
-                self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
+                # the start barrier: rank 0's trainer may not listen yet (a slow import), so connect in the
+                # build, which a newer view cancels (this agent caught up to a job that went on without it)
+                self.groups.build(0, self.rank, self.world_size, timeout=config.start_timeout,
+                                  connect=lambda: self._peers.store_for(rank0, connect_timeout=config.start_timeout),
+                                  cancelled=lambda: self._follower.superseded(0))
             except CollectiveAborted as exc:
+                if exc.reason == "timeout":
+                    who = ", ".join(f"{r} ({view.node_of_rank(r)})" for r in exc.missing) or "unknown"
+                    raise RecoveryError(
+                        f"the job did not start: ranks {who} did not join the first group within "
+                        f"{config.start_timeout:.0f} s (start_timeout); is their `gossiprec run` up, and did their "
+                        f"trainer reach ResilientTrainer.start()? ({exc})") from exc
                 self._recover(f"epoch 0 group failed: {exc}")
+            else:
+                self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
+                self._wait_for_spares(view)
         else:
             # No group yet: the plan of the current view is still to be applied by this process. A spare
             # whose trainer comes up after the view that promoted it (a slow start on a loaded machine)
             # must take that plan, not wait for a newer one while the survivors wait for it.
             self.epoch = view.epoch - 1
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
-                                      poll_interval=config.poll_interval)
+                                      poll_interval=config.poll_interval, host=bind, keys=self.keys)
             materialize_optimizers(self.objects)
             self._snaps.warm_pool()
             self._report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
+
+    def _admitted(self, status: dict[str, object], deadline: float) -> tuple[ViewBrief, MemberBrief]:
+        """The agent's view and this node in it, once the agent is admitted (polls until ``deadline``)."""
+        said = False
+        while True:
+            view = ViewBrief.from_wire(status["view"]) if status.get("view") else None
+            me = view.member(self.node) if view is not None else None
+            if view is not None and me is not None:
+                return view, me
+            if time.monotonic() >= deadline:
+                where = f"it holds view {view.epoch} without this node" if view is not None else "it has no view"
+                raise ConfigError(f"node {self.node}'s agent was not admitted to the job within "
+                                  f"{self.config.start_timeout:.0f} s ({where}): check its --seeds and --job, and "
+                                  "that the job's agents are up")
+            if not said:
+                log.info("waiting for node %s's agent to be admitted to the job (%s)", self.node,
+                         "no view yet" if view is None else f"view {view.epoch} does not hold it yet")
+                said = True
+            time.sleep(0.2)
+            status = self.control.status()
+
+    def _wait_for_spares(self, view: ViewBrief) -> None:
+        """Up to ``wait_for_spares`` seconds, until every spare of ``view`` has reported (is warm)."""
+        spares = {m.node for m in view.members if m.role == "spare"}
+        if not spares or self.config.wait_for_spares <= 0:
+            return
+        self._report(0, "idle")
+        deadline = time.monotonic() + self.config.wait_for_spares
+        cold = spares
+        while time.monotonic() < deadline:
+            try:
+                rows = self.control.members()
+            except ControlError:
+                return
+            cold = spares - {str(r["name"]) for r in rows if int(r.get("step", -1) or 0) >= 0
+                             and r.get("phase") is not None}
+            if not cold or self._follower.trouble(self.epoch):
+                return
+            time.sleep(0.05)
+        log.warning("spares %s not up after %.0f s (wait_for_spares): training starts without them",
+                    sorted(cold), self.config.wait_for_spares)
 
     # ------------------------------------------------------------------ the loop's calls
     def begin_step(self) -> int:
@@ -359,6 +435,22 @@ class ResilientTrainer:
         if exit_code is not None:
             os._exit(exit_code)
 
+    def leave(self, outcome: BaseException) -> NoReturn:
+        """End this process after ``outcome``, one of the trainer's ends that are not crashes
+        (:class:`~gossiprec.trainer.recovery.JobFinished`, :class:`~gossiprec.trainer.recovery.Released`,
+        :class:`~gossiprec.trainer.recovery.JobStopped`): say why on stderr, stop serving and following the
+        agent, and exit with its code (:func:`gossiprec.trainer.exits.exit_code`: 0, 0, 75) without
+        interpreter teardown (see :meth:`finish`). Anything else is raised again."""
+        from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+
+        if not isinstance(outcome, (JobFinished, Released, JobStopped)):
+            raise outcome
+        code = exit_code(outcome)
+        print(f"gossiprec: node {self.node}: {type(outcome).__name__}: {outcome} (exit {code})", file=sys.stderr,
+              flush=True)
+        self.close()
+        os._exit(code)
+
     def close(self) -> None:
         """Stop following the agent and serving state (copies in flight are waited for)."""
         self._snaps.close()
@@ -408,13 +500,17 @@ class ResilientTrainer:
         if verify:
             self._checks.committed(step, snap)
         self.step = step
+        self._announce(step, snap.header.total_nbytes)
+
+    def _announce(self, step: int, nbytes: int) -> None:
+        """Tell the agent what this rank could serve: committed ``step``, ``nbytes`` of it (0: nothing)."""
         port = self._donor.port if self._donor else None
         page = self._page
         if page is not None:
-            page.set_state(step, None, snap.header.total_nbytes, port)
+            page.set_state(step, None, nbytes, port)
             return
         try:
-            self.control.set_state(step, None, snap.header.total_nbytes, port, wait=False)
+            self.control.set_state(step, None, nbytes, port, wait=False)
         except ControlError as exc:
             self._follower.lost = str(exc)
 

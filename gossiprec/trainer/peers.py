@@ -48,8 +48,10 @@ class Peers:
         """Host and agent port of ``node`` (as last refreshed)."""
         return host_port(self.addrs[node])
 
-    def store_for(self, node: str) -> Any:
-        """The TCPStore hosted by ``node``'s trainer (a client, connected once and kept)."""
+    def store_for(self, node: str, *, connect_timeout: float | None = None) -> Any:
+        """The TCPStore hosted by ``node``'s trainer (a client, connected once and kept). Connecting
+        waits up to ``connect_timeout`` (default the store timeout) for the server: a late store host's
+        trainer may not listen yet; the client's operations then time out after the store timeout."""
         if node == self.node:
             return self.store_server
         if node not in self.addrs:
@@ -57,8 +59,20 @@ class Peers:
         host, port = self.agent_of(node)
         key = (host, port + self.store_offset)
         if key not in self._stores:
-            self._stores[key] = connect_store(host, port + self.store_offset, timeout=self.timeout)
+            wait = self.timeout if connect_timeout is None else max(self.timeout, connect_timeout)
+            store = connect_store(host, port + self.store_offset, timeout=wait)
+            if wait != self.timeout:
+                from datetime import timedelta
+
+                store.set_timeout(timedelta(seconds=self.timeout))
+            self._stores[key] = store
         return self._stores[key]
+
+    def forget(self, node: str) -> None:
+        """Drop the client of ``node``'s store (its host died or came back: connect anew next time)."""
+        if node in self.addrs:
+            host, port = self.agent_of(node)
+            self._stores.pop((host, port + self.store_offset), None)
 
     def donor_of(self, node: str) -> tuple[str, int]:
         """Host and port of ``node``'s donor server (as last refreshed)."""

@@ -18,6 +18,17 @@ always starts from the state restored at the target step, so when a newer view i
 before its first step, the next recovery restores and calls it again. A survivor dropped by a shrink
 raises :class:`Released` once it has served its receivers for ``linger`` seconds.
 
+**Fenced or removed.** A node that cannot reach a majority of its view is fenced; one the others removed
+(a minority after the partition heals, a re-provisioned host whose agent catches up) gets a plan without
+it. Either way this process's state is no longer trusted: it drops its snapshots, tells the agent it
+holds nothing, and waits as a spare, in the same process, for the partition to heal and a plan to give
+it a rank (``gossiprec run`` keeps such a process; only one that does not answer is killed).
+
+**Bounded.** A trainer's recovery waits at most ``recovery_timeout`` for a plan it can apply (after a
+collective failed and no view change follows, or after a plan that could not finish), then raises
+:class:`~gossiprec.errors.RecoveryError` with what it tried: its exit makes the agents agree on a view
+without it, whose plan the others apply. A spare waits without bound.
+
 **No replica left.** A plan with action ``checkpoint`` (some replica group has no surviving holder)
 calls ``on_no_replica(NoReplica)`` on every rank of the new world: it loads the user's checkpoint into
 the objects and returns its step; the ranks check with one all-reduce that they all loaded the same
@@ -49,6 +60,7 @@ if TYPE_CHECKING:
     from gossiprec.trainer.donor import DonorServer
     from gossiprec.trainer.follower import Follower
     from gossiprec.trainer.groups import EpochGroup, EpochGroups
+    from gossiprec.trainer.keys import TransferKeys
     from gossiprec.trainer.objects import JobState, Stateful
     from gossiprec.trainer.peers import Peers
     from gossiprec.trainer.snapshots import Snapshots
@@ -115,6 +127,8 @@ class RecoveryRecord:
     started waiting, not a failure)."""
     superseded: tuple[tuple[int, int, str], ...] = ()
     """Earlier plans of this recovery that did not complete: (epoch, target step, why), in order."""
+    store_node: str = ""
+    """The node whose trainer hosts this epoch's store (the group's rendezvous)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -124,6 +138,8 @@ class RecoveryRecord:
 class _Pending:
     cause: str
     noticed_at: float
+    since: float = 0.0
+    """Failure events before this are older recoveries' (see :meth:`Follower.detection_since`)."""
     detected_at: float | None = None
     agreed_at: float | None = None
     fields: dict[str, Any] = field(default_factory=dict)
@@ -144,7 +160,7 @@ class Trainer(Protocol):
     node: str
     objects: dict[str, Stateful]
     config: TrainerConfig
-    key: bytes
+    keys: TransferKeys
     control: ControlClient
     groups: EpochGroups | None
     epoch: int
@@ -161,13 +177,15 @@ class Recovery:
     """Recovers ``trainer`` in place (see the module docstring), with the trainer's parts.
 
     ``report(step, phase)`` tells the agent this rank's progress; ``commit(step)`` commits the objects as
-    ``step`` (a snapshot this rank can donate, announced to the agent); ``closed`` is set when the
-    trainer closes.
+    ``step`` (a snapshot this rank can donate, announced to the agent); ``announce(step, nbytes)`` tells
+    the agent what this rank holds (0 bytes: nothing); ``closed`` is set when the trainer closes.
     """
 
     def __init__(self, trainer: Trainer, *, job: JobState, follower: Follower, snaps: Snapshots,
                  checks: ReplicaChecks, peers: Peers, closed: threading.Event,
-                 report: Callable[[int, str], None], commit: Callable[[int], None]) -> None:
+                 report: Callable[[int, str], None], commit: Callable[[int], None],
+                 announce: Callable[[int, int], None] = lambda step, nbytes: None,
+                 on_drop: Callable[[str], None] | None = None) -> None:
         self._t = trainer
         self._job = job
         self._follower = follower
@@ -177,6 +195,10 @@ class Recovery:
         self._closed = closed
         self._report = report
         self._commit = commit
+        self._announce = announce
+        self._on_drop = on_drop
+        self.dropped: list[str] = []
+        """Why this process dropped its state and became a spare (fenced, removed), each time it did."""
         self._pending: _Pending | None = None
         """The recovery in progress."""
         self._record_open: _Pending | None = None
@@ -188,7 +210,7 @@ class Recovery:
     def recover(self, cause: str, spare: bool = False) -> None:
         """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
         t = self._t
-        pending = self._pending or self._record_open or _Pending(cause, time.monotonic())
+        pending = self._pending or self._record_open or _Pending(cause, time.monotonic(), self._last_recovered_at)
         if pending is self._record_open:  # the last recovery's first step never completed: still that one
             pending.attempts.append((t.epoch, t.step, f"superseded before its first step ({cause})"))
             self._record_open = None
@@ -196,12 +218,14 @@ class Recovery:
         self._snaps.settle()  # before anything (a fetch, a checkpoint load) writes into the live tensors
         self._snaps.begin_recovery()
         self._report(t.step, "recovering")
+        deadline = time.monotonic() + t.config.recovery_timeout
         while True:
-            plan = self._wait_plan(spare)
-            pending.detected_at, pending.agreed_at = self._follower.detection_since(self._last_recovered_at)
+            plan = self._wait_plan(spare, deadline, pending)
+            pending.detected_at, pending.agreed_at = self._follower.detection_since(pending.since)
             try:
                 if self._apply_plan(plan, pending):
                     return
+                deadline = time.monotonic() + t.config.recovery_timeout
             except (FencedError, Released, JobStopped, JobFinished):
                 raise
             except LayoutMismatch as exc:
@@ -216,6 +240,9 @@ class Recovery:
                 pending.attempts.append((plan.epoch, int(pending.fields.get("target_step", -1)),
                                          f"{type(exc).__name__}: {exc}"[:300]))
                 t.epoch = max(t.epoch, plan.epoch)
+                if plan.store_node is not None:
+                    self._peers.forget(plan.store_node)  # a client of a store host that died is no use again
+                deadline = time.monotonic() + t.config.recovery_timeout
                 continue
 
     def first_step(self) -> RecoveryRecord | None:
@@ -225,6 +252,9 @@ class Recovery:
             return None
         self._record_open = None
         f = p.fields
+        if p.detected_at is None:  # the plan came by a status poll before the follower read the events
+            p.detected_at, agreed = self._follower.detection_since(p.since)
+            p.agreed_at = p.agreed_at if p.agreed_at is not None else agreed
         return RecoveryRecord(epoch=self._t.epoch, cause=p.cause, role=f["role"], rank=f["rank"],
                               world_size=f["world_size"], target_step=f["target_step"],
                               lost_steps=f["lost_steps"], noticed_at=p.noticed_at, detected_at=p.detected_at,
@@ -233,7 +263,8 @@ class Recovery:
                               bytes_received=f["bytes_received"], transfer_s=f["transfer_s"],
                               action=f.get("action", "resume"),
                               previous_world_size=f.get("previous_world_size", 0),
-                              previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts))
+                              previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts),
+                              store_node=f.get("store_node", ""))
 
     def abort_older_than(self, epoch: int, reason: str) -> None:
         """Abort the current group and a group being built, when they belong to an epoch < ``epoch``."""
@@ -245,38 +276,65 @@ class Recovery:
                 groups.abort(epoch=e, reason=reason)
 
     # ------------------------------------------------------------------ the plan
-    def _wait_plan(self, spare: bool) -> Plan:
-        """The plan of the newest epoch this rank knows of (waits; polls status as a fallback)."""
+    def _wait_plan(self, spare: bool, deadline: float, pending: _Pending) -> Plan:
+        """The plan of the newest epoch this rank knows of (waits; polls status as a fallback). A fence
+        makes this process a spare (:meth:`become_spare`) that waits for the heal; a trainer that gets no
+        plan it can apply by ``deadline`` raises RecoveryError."""
         t, f = self._t, self._follower
         next_poll = time.monotonic()
         while True:
             with f.cond:
+                fenced = f.fenced
+            if fenced:
+                self.become_spare(f"fenced: {fenced}")
+            with f.cond:
                 if f.lost:
                     raise RecoveryError(f"lost the local agent ({f.lost}); this trainer stops")
-                if f.fenced:
-                    raise FencedError(f"this node was fenced ({f.fenced}): it is on the minority side "
-                                      "or was removed; the trainer must stop")
                 if f.finished is not None:
                     if t.role == "trainer" and t.step < f.finished:
                         raise JobStopped(f"the job finished at step {f.finished} on other ranks while this rank "
                                          f"was recovering at step {t.step}: its state is not the final one")
                     raise JobFinished(f"the job finished at step {f.finished}; this {t.role} is no "
                                       "longer needed")
-                if f.stopped:
+                if f.stopped and not f.fenced:
                     raise JobStopped(f"the agreed view stops the job ({f.stopped}); restart it from your "
                                      "checkpoint with more spares, or set allow_shrink = true in the job spec")
                 newest = max(f.plans, default=-1)
-                if newest > t.epoch and newest >= f.newest_view:
+                if not f.fenced and newest > t.epoch and newest >= f.newest_view:
                     return f.plans[newest]
-                f.cond.wait(0.05 if not spare else 0.2)
+                if not f.fenced and t.role == "trainer" and time.monotonic() >= deadline:
+                    tried = "; ".join(f"epoch {e}: {why}" for e, _, why in pending.attempts) or "none"
+                    raise RecoveryError(
+                        f"the recovery from {pending.cause!r} got no plan it could apply within "
+                        f"{t.config.recovery_timeout:.0f} s (recovery_timeout; plans tried: {tried}); this trainer "
+                        "exits so that the agents agree on a view without it")
+                f.cond.wait(0.05 if not spare and not f.fenced else 0.2)
             if time.monotonic() >= next_poll:
-                next_poll = time.monotonic() + (0.1 if not spare else 0.5)
+                next_poll = time.monotonic() + (0.1 if not spare and not fenced else 0.5)
                 try:
                     st = t.control.status()
                 except ControlError as exc:
                     f.set_lost(str(exc))
                     continue
                 f.absorb_status(st, t.epoch)
+
+    def become_spare(self, why: str) -> None:
+        """This process's state is no longer trusted (fenced, removed): drop it, retire the group, tell
+        the agent it holds nothing, and wait as a spare from here on. Idempotent."""
+        t = self._t
+        if t.role == "spare" and not self._snaps.steps():
+            return
+        log.warning("%s: this node's state is dropped; it waits as a spare for the job to take it back", why)
+        self.dropped.append(why)
+        if t.groups is not None:
+            t.groups.retire(why)
+        self._snaps.drop_all()
+        t.role, t.rank, t.world_size, t.step = "spare", -1, 0, 0
+        self._job.world_size = 0
+        self._report(0, "idle")
+        self._announce(0, 0)
+        if self._on_drop is not None:
+            self._on_drop(why)
 
     def _apply_plan(self, plan: Plan, pending: _Pending) -> bool:
         """Move state and build the group as ``plan`` says; False when this process stays a spare."""
@@ -290,16 +348,20 @@ class Recovery:
             if any(x.donor_node == t.node for x in plan.transfers):
                 self._closed.wait(t.config.linger)  # released: serve the receivers for a while
             t.epoch = epoch
-            if t.role == "spare":
-                self._last_recovered_at = time.monotonic()  # failures so far were handled without us
-                return False  # still a spare: wait for a later plan
-            raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.reason}); "
-                           "leave the job (exit 0): the others go on without it")
+            if t.role == "trainer" and t.node in plan.released:
+                raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.reason}); "
+                               "leave the job (exit 0): the others go on without it")
+            if t.role == "trainer":  # removed, not released: the others replaced this rank
+                self.become_spare(f"the plan of epoch {epoch} gives node {t.node} no rank")
+            self._last_recovered_at = time.monotonic()  # failures so far were handled without us
+            pending.since = self._last_recovered_at
+            return False  # a spare: wait for a later plan
         if action == "checkpoint" and t.on_no_replica is None:
             raise JobStopped(f"the plan of epoch {epoch} finds no surviving replica of some state "
                              f"({plan.reason}); pass on_no_replica= to ResilientTrainer to load your "
                              "checkpoint in place, or restart the job from it")
         pending.fields.update(rank=my_rank, world_size=world, action=action, previous_role=t.role,
+                              store_node=plan.store_node or "",
                               planned_at=self._follower.planned_at.get(epoch, time.monotonic()))
         mine = sorted((x for x in plan.transfers if x.receiver_node == t.node), key=lambda x: x.offset)
         if action == "checkpoint":
@@ -312,7 +374,8 @@ class Recovery:
         assert t.groups is not None and plan.store_node is not None
         self.building_epoch = epoch
         try:
-            group = t.groups.build(epoch, my_rank, world, store=self._peers.store_for(plan.store_node),
+            store_node = plan.store_node
+            group = t.groups.build(epoch, my_rank, world, connect=lambda: self._peers.store_for(store_node),
                                    cancelled=lambda: self._follower.superseded(epoch))
         finally:
             self.building_epoch = None
@@ -397,7 +460,7 @@ class Recovery:
         if t.on_phase is not None:
             kwargs["on_progress"] = lambda _donor, _got: self._hook(target, "fetch")
         try:
-            return fetch_state(donors, t.key, target_objects, stripes=stripes, **kwargs)
+            return fetch_state(donors, t.keys.primary(), target_objects, stripes=stripes, **kwargs)
         except TransferError as exc:
             if len(donors) == 1 or isinstance(exc, LayoutMismatch):
                 raise
@@ -413,7 +476,7 @@ class Recovery:
             if self._follower.newest_view > int(kwargs["epoch"]):
                 break  # a newer view: its plan decides
             try:
-                return fetch_state([donor], self._t.key, target, **kwargs)
+                return fetch_state([donor], self._t.keys.primary(), target, **kwargs)
             except TransferError as exc:
                 last = exc
         raise last

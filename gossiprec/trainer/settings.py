@@ -7,19 +7,21 @@ Everything else in the trainer takes these values as arguments. (The one other v
 looks at is torch's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which NCCL reads itself: building an NCCL
 group checks it, see :mod:`gossiprec.trainer.groups`.)
 
-**Keys.** State transfers are authenticated with the primary key of the cluster's keyring
-(``GOSSIPREC_KEYRING``); without one (``--insecure`` clusters) a key derived from the cluster name is
-used, which protects against accidents, not attackers.
+**Keys.** State transfers and the epoch stores are authenticated with the cluster's keyring, whose path
+(never the key) ``gossiprec run`` puts in ``GOSSIPREC_KEYRING``; it is followed as it rotates
+(:mod:`gossiprec.trainer.keys`). Without one (``--insecure`` clusters) a key derived from the cluster name
+is used, which protects against accidents, not attackers; ``ResilientTrainer.start`` refuses it when the
+agent says the cluster is keyed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from gossiprec.errors import ConfigError
+from gossiprec.trainer.keys import TransferKeys
 
 if TYPE_CHECKING:
     from gossiprec.local.client import ControlClient
@@ -63,18 +65,17 @@ class TrainerSettings:
                               "`gossiprec run ... -- python train.py`, or pass the agent's control socket path")
         return ControlClient(self.control_path, timeout=timeout)
 
+    def transfer_keys(self) -> TransferKeys:
+        """The keys state transfers and stores are authenticated with (see the module docstring)."""
+        if self.keyring:
+            return TransferKeys.from_file(self.keyring)
+        return TransferKeys.insecure(self.cluster)
+
     def transfer_key(self) -> bytes:
-        """The 32-byte key state transfers are authenticated with (see the module docstring)."""
-        return transfer_key(self.keyring, self.cluster)
+        """The 32-byte key a transfer is signed with now (the keyring's primary)."""
+        return self.transfer_keys().primary()
 
 
 def transfer_key(keyring: str | None, cluster: str = DEFAULT_CLUSTER) -> bytes:
     """The primary key of the keyring at ``keyring``, else a key derived from ``cluster`` (insecure)."""
-    if keyring:
-        from gossiprec.security.keyring import Keyring
-
-        key = Keyring.load(keyring).primary
-        if key is None:
-            raise ConfigError(f"keyring {keyring} has no primary key; run `gossiprec keys use KEY`")
-        return key
-    return hashlib.sha256(b"gossiprec-insecure-transfer\x00" + cluster.encode()).digest()
+    return TrainerSettings(keyring=keyring, cluster=cluster).transfer_key()

@@ -1,0 +1,52 @@
+"""What the trainer's follower makes of the agent's events: when a recovery's failure was detected, and
+the fence that turns a trainer into a waiting spare (events fed in directly, no agent)."""
+
+from __future__ import annotations
+
+import threading
+
+from gossiprec.core.events import Fenced, MemberAlive, MemberLeft, MemberSuspected, Unfenced, ViewInstalled
+from gossiprec.trainer.follower import Follower
+
+
+def _follower() -> tuple[Follower, list[str]]:
+    aborts: list[str] = []
+    f = Follower("/nonexistent.sock", threading.Event(), abort=aborts.append, abort_older=lambda e, r: None,
+                 on_plan=lambda plan: None)
+    return f, aborts
+
+
+def _view(epoch: int, members: tuple[str, ...], at: float, removed: tuple[str, ...] = ()) -> ViewInstalled:
+    return ViewInstalled(epoch, f"c{epoch}", members, removed, (), False, True, at)
+
+
+def test_a_refuted_start_up_suspicion_of_a_survivor_does_not_date_the_victims_failure() -> None:
+    f, _ = _follower()
+    f.on_event(_view(0, ("n0", "n1", "n2"), 1.0))
+    f.on_event(MemberSuspected("n0", 0, "n1", 2.0))  # a starved member during start-up...
+    f.on_event(MemberAlive("n0", 1, 2.5))  # ...refuted
+    f.on_event(MemberLeft("n2", 0, 10.0))  # the victim, killed at 9.9
+    assert f.detection_since(0.0) == (None, 1.0)  # the view still holds n2: not yet agreed
+    f.on_event(_view(1, ("n0", "n1", "n3"), 10.4, removed=("n2",)))
+    assert f.detection_since(0.0) == (10.0, 10.4)
+    # a failure before the last recovery belongs to it, not to the next one
+    assert f.detection_since(10.2) == (None, 10.4)
+
+
+def test_a_suspicion_of_the_victim_refuted_before_it_died_counts_from_after_it() -> None:
+    f, _ = _follower()
+    f.on_event(_view(0, ("n0", "n1"), 1.0))
+    f.on_event(MemberSuspected("n1", 0, "n0", 2.0))
+    f.on_event(MemberAlive("n1", 1, 2.2))
+    f.on_event(MemberSuspected("n1", 1, "n0", 7.0))
+    f.on_event(_view(1, ("n0", "n2"), 7.5, removed=("n1",)))
+    assert f.detection_since(0.0) == (7.0, 7.5)
+
+
+def test_a_fence_aborts_and_holds_until_unfenced() -> None:
+    f, aborts = _follower()
+    f.on_event(_view(0, ("n0", "n1", "n2"), 1.0))
+    f.on_event(Fenced(0, "no quorum: cannot reach a majority of the view", 3.0))
+    assert f.fenced.startswith("no quorum") and aborts and f.trouble(0)
+    f.on_event(Unfenced(2, 9.0))
+    assert f.fenced == "" and f.newest_view == 2
