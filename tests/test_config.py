@@ -197,6 +197,7 @@ AGREEMENT_WAN_RULE = {
     "join_retry": "x5", "rejoin_after": "x5", "catchup_interval": "x5", "direct_votes_max": "=",
     "watch_first": "x5", "watch_interval": "x5", "realert_interval": "x5", "reaggregate_first": "x5",
     "reaggregate_gap_max": "x5", "reaggregate_for": "x5", "report_hold": "x5", "report_poll": "x5",
+    "hello_for": "x5", "unfence_after": "x5",
 }
 
 

@@ -17,6 +17,14 @@ in the fast round; else the most-voted proposal (ties: smallest digest); else th
 
 A member accepts a fast vote only while it has promised no classic round, so a value chosen in the fast
 round is never contradicted. Quorums are counted among the members of the current view only.
+
+What a member stands behind (``backs``; the node passes :func:`keeps_quorum`): it votes for, accepts and
+coordinates only change sets that keep a majority of the view, itself among them. So a change set that
+would remove most of the view (alerts gathered across a flapping partition accuse everyone) is never
+decided: it waits for the alerts to change, and the watchdog fences; and every quorum that decides lies
+among the members the decision keeps. A coordinator bound to a value it may not stand behind (the one
+Fast Paxos says may have been chosen) abstains rather than pick another: a removed member leaves
+coordinating to the others.
 """
 
 from __future__ import annotations
@@ -24,13 +32,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gossiprec.core.view import Change, View, changes_digest
+from gossiprec.core.view import REMOVE, Change, View, changes_digest
 from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Votes
 
 Rank = tuple[int, str]
 ChangeRow = tuple[str, int, str, str, str]
 """A change on the wire: (node, kind, addr, host, rack)."""
 FAST: Rank = (0, "")
+
+
+def removes_majority(view: View, changes: list[Change]) -> bool:
+    """Whether ``changes`` leave fewer than a majority of ``view`` (such a change is never decided)."""
+    removed = {c.node for c in changes if c.kind == REMOVE and c.node in view}
+    return len(view) - len(removed) < view.majority()
+
+
+def keeps_quorum(view: View, changes: list[Change], me: str) -> bool:
+    """Whether member ``me`` may vote for, accept or coordinate ``changes``: they keep a majority of the
+    view, and keep ``me`` (a member does not help decide its own removal; the kept majority does)."""
+    if removes_majority(view, changes):
+        return False
+    return not any(c.node == me and c.kind == REMOVE for c in changes)
 
 
 def change_rows(changes: list[Change]) -> tuple[ChangeRow, ...]:
@@ -57,6 +79,8 @@ class Consensus:
     me: str
     broadcast: Callable[[str, Message], None]
     send_to: Callable[[str, Message], None]
+    backs: Callable[[list[Change]], bool] = field(default=lambda changes: True)
+    """Whether this member may vote for, accept or coordinate a change set (see the module docstring)."""
     proposals: dict[bytes, list[Change]] = field(default_factory=dict)
     votes: dict[bytes, int] = field(default_factory=dict)
     my_vote: bytes | None = None
@@ -76,7 +100,7 @@ class Consensus:
         """Vote for our own cut (once per epoch)."""
         digest = changes_digest(self.view.epoch, self.view.config_id, changes)
         self._learn(digest, changes)
-        if self.my_vote is None and self.promised == FAST:
+        if self.my_vote is None and self.promised == FAST and self.backs(changes):
             idx = self.view.index(self.me)
             if idx is None:
                 return
@@ -178,12 +202,14 @@ class Consensus:
                 self.resend()
 
     def _choose(self) -> tuple[bytes, list[Change]] | None:
+        """The value this coordinator must (or may) propose, or None: nothing to propose, or a value bound
+        by an earlier round that this member may not stand behind (it abstains; see the module docstring)."""
         promises = list(self.promises.values())
         classic = [p for p in promises if p.vround > 0 and p.vdigest is not None]
         if classic:
             best = max(classic, key=lambda p: (p.vround, p.vcoordinator))
             assert best.vdigest is not None
-            return best.vdigest, self.proposals[best.vdigest]
+            return self._if_mine(best.vdigest)
         counts: dict[bytes, int] = {}
         for p in promises:
             if p.vdigest is not None:
@@ -192,17 +218,23 @@ class Consensus:
         need = self.view.fast_quorum() - (n - len(promises))
         possible = [d for d, c in counts.items() if c >= need]
         if possible:
-            d = min(possible)
+            return self._if_mine(min(possible))
+        # free choice: only among the values this member may stand behind
+        ok = [d for d in self.proposals if self.backs(self.proposals[d])]
+        voted = [d for d in counts if d in ok]
+        if voted:
+            d = min(voted, key=lambda x: (-counts[x], x))
             return d, self.proposals[d]
-        if counts:
-            d = min(counts, key=lambda x: (-counts[x], x))
-            return d, self.proposals[d]
-        if self.my_vote is not None:
+        if self.my_vote is not None and self.my_vote in ok:
             return self.my_vote, self.proposals[self.my_vote]
-        if self.proposals:
-            d = min(self.proposals)
+        if ok:
+            d = min(ok)
             return d, self.proposals[d]
         return None
+
+    def _if_mine(self, digest: bytes) -> tuple[bytes, list[Change]] | None:
+        changes = self.proposals[digest]
+        return (digest, changes) if self.backs(changes) else None
 
     def on_accept(self, msg: Accept) -> None:
         rank = (msg.round, msg.coordinator)
@@ -212,6 +244,8 @@ class Consensus:
         changes = changes_from_rows(msg.changes)
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
             return
+        if not self.backs(changes):
+            return  # not ours to accept: as if it were lost (the members it keeps form a quorum)
         self.promised = rank
         self.accepted_rank = rank
         self.accepted_digest = msg.digest

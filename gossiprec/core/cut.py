@@ -45,6 +45,9 @@ class CutDetector:
     _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
     last_change: float = float("-inf")
     last_departure: float = float("-inf")
+    _marks: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """(subject, kind) -> its (H, L): a pure function of the overlay, computed once per view (evaluate
+    reads it for every tally, and a partition or a hang storm evaluates often)."""
 
     def alert(self, observer: str, subject: str, kind: int, retract: bool, now: float,
               addr: str = "", host: str = "", rack: str = "") -> bool:
@@ -94,9 +97,13 @@ class CutDetector:
         return len(tally.observers) if tally else 0
 
     def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
-        if kind == JOIN:
-            return watermarks(len(self.overlay.joiner_observers(subject)))
-        return watermarks(len(self.overlay.observers(subject)))
+        key = (subject, kind)
+        marks = self._marks.get(key)
+        if marks is None:
+            ov = self.overlay
+            d = len(ov.joiner_observers(subject) if kind == JOIN else ov.observers(subject))
+            marks = self._marks[key] = watermarks(d)
+        return marks
 
     def evaluate(self, now: float) -> tuple[list[Change], float | None]:
         """(proposal, next time worth re-evaluating). The proposal is empty while not ready."""

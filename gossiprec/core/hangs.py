@@ -9,8 +9,13 @@ Rule: the *frontier* is the most advanced (step, phase) in the sample (this memb
 observers: K random members each way, trainers only; in a hang every healthy rank waits at the frontier,
 so the sample shows it at O(K) per check instead of O(N)). A subject behind the frontier whose (step,
 phase) has not changed for ``max(hang_floor, hang_mult * median step time)`` (``checkpoint_timeout`` at
-least while it saves a checkpoint) is hung. The stall is dated from when that (step, phase) began (its
-owner's acks carry its age), never before this view's install. Only a subject that answered one of our
+least while it saves a checkpoint) *while others were ahead of it* is hung. The stall is dated from when
+that (step, phase) began (its owner's acks carry its age), but not before the earliest moment a member
+of the sample is known to have been past it (when its own current (step, phase) began), and never
+before this view's install. So a stall every rank shares (a slow collective, a file system, a long GC)
+is no one's hang: when the job resumes, this member sees its own progress at once and others' only at
+their next answer, and without the second bound every rank it had not heard from yet would look stalled
+since the stall began. Only a subject that answered one of our
 probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
@@ -20,9 +25,10 @@ change is under way nothing is judged: every rank waits for the new view.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from gossiprec.core import timers
 from gossiprec.core.config import AgreementConfig
@@ -84,7 +90,8 @@ class HangCheck:
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node._my_progress
-                since = now  # (never judged: only the frontier counts)
+                # (never judged: only the frontier, and when it was reached, count)
+                since = max(self.swim.progress_since, node._installed_at)
             else:
                 p = self.swim.progress(name)
                 if p is None or now - p.seen_at > acfg.progress_stale:
@@ -102,6 +109,7 @@ class HangCheck:
         if frontier[0] < 0 or not times:
             return
         threshold = max(acfg.hang_floor, acfg.hang_mult * statistics.median(times) / 1000.0)
+        passed = _passed_since(table)
         due = float("inf")
         alerted = obs.alerted
         for s in obs.subjects:
@@ -114,6 +122,7 @@ class HangCheck:
                     del alerted[s]
                     obs.alert(s, REMOVE, HUNG, now, retract=True)
                 continue
+            since = max(since, passed(step, phase))  # behind only since someone got past it
             limit = since + (max(threshold, acfg.checkpoint_timeout) if phase == CHECKPOINT else threshold)
             within = acfg.answered_within
             if now >= limit - within and now - obs.answered.get(s, -math.inf) > within:
@@ -137,3 +146,22 @@ class HangCheck:
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
             node._at(due, timers.HANG)
+
+
+def _passed_since(table: dict[str, tuple[int, int, float]]) -> Callable[[int, int], float]:
+    """For the sample's rows (step, phase, since), a function of a position: the earliest ``since``
+    among the rows ahead of it (a member ahead got past it no later than its current position began)."""
+    rows = sorted(((step, phase), since) for step, phase, since in table.values())
+    # suffix minima: best[i] = min since over rows[i:]
+    best = [0.0] * len(rows)
+    low = math.inf
+    for i in range(len(rows) - 1, -1, -1):
+        low = min(low, rows[i][1])
+        best[i] = low
+    positions = [pos for pos, _ in rows]
+
+    def passed(step: int, phase: int) -> float:
+        i = bisect.bisect_right(positions, (step, phase))
+        return best[i] if i < len(best) else math.inf
+
+    return passed

@@ -17,7 +17,8 @@ Rules:
   whose silence already spans ``confirm_after`` is *ready*: it confirms the moment another alert arrives.
 - ``retract_after`` answers in a row (one when this member is fenced: it was the one cut off) withdraw an
   unreachable alert; a flapping node rarely answers three times running.
-- A subject that announced its departure is alerted as departed at once.
+- A subject that announced its departure is alerted as departed at once; one whose new process said hello
+  while we had answers from an older one, as restarted (see :mod:`~gossiprec.core.catchup`).
 
 Every alert of ours goes to the node (:meth:`~gossiprec.core.node.Node._on_alert`), which tallies it in
 the cut detector like anyone else's, and to the other members (one hop in a small view, and gossip).
@@ -32,7 +33,7 @@ from gossiprec.core.events import AlertRaised, ProbeResult
 from gossiprec.core.membership import Membership
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import JOIN, REMOVE, View
-from gossiprec.core.wire import ALERT_REASONS, DEPARTED, JOINING, UNREACHABLE, Alert, JoinRequest
+from gossiprec.core.wire import ALERT_REASONS, DEPARTED, JOINING, RESTARTED, UNREACHABLE, Alert, JoinRequest
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -184,6 +185,12 @@ class Observer:
         if subject in self.subject_set and self.alerted.get(subject) != DEPARTED:
             self.alerted[subject] = DEPARTED
             self.alert(subject, REMOVE, DEPARTED, now)
+
+    def restarted(self, subject: str, now: float) -> None:
+        """A new process of ``subject`` said hello, and we had answers from an older one: its place goes."""
+        if subject in self.subject_set and self.alerted.get(subject) != RESTARTED:
+            self.alerted[subject] = RESTARTED  # (not retracted by the new process's answers)
+            self.alert(subject, REMOVE, RESTARTED, now)
 
     def joining(self, msg: JoinRequest, ov: Overlay, now: float) -> None:
         """A joiner asked to be admitted: its joiner observers alert (once per view)."""
