@@ -417,6 +417,11 @@ class Membership:
         msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
         if rec.status == SUSPECT:  # buddy system: tell the suspect at once
             msgs.append(Suspect(target, rec.incarnation, self.name))
+        elif rec.status == DEAD:
+            # only probed when the agreement layer watches it closely (a subject that may come back): if it
+            # answers, it learns it was declared dead and refutes; a healed partition's members, declared
+            # dead longer than gossip_to_dead ago, would otherwise never hear it
+            msgs.append(Dead(target, rec.incarnation, self.name))
         self._send(rec.addr, msgs, piggyback=True, dest=target)
         if verify:
             self._send_indirect(seq, now)

@@ -42,7 +42,8 @@ from gossiprec.sim.metrics import Progress, quantiles
 from gossiprec.sim.network import NetworkModel
 from gossiprec.sim.quorum import QuorumAudit
 
-SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join")
+SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join",
+             "delay")
 COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
                                                                            "recovering"))
 ABORT_DELAY = 0.002
@@ -98,6 +99,8 @@ class AgreementChecker:
         self.minority: set[int] = set()
         self.minority_active = False
         self.removed_at: dict[str, tuple[int, float]] = {}
+        self.removals: dict[str, set[int]] = {}
+        """Name -> every epoch whose view removed it (a node removed, back, removed again: two)."""
         self.violations: list[str] = []
         self.joined: set[str] = set()
 
@@ -121,6 +124,7 @@ class AgreementChecker:
                     self.fail(f"{self.cluster.names[idx]} on the minority side decided epoch {ev.epoch}")
             for r in ev.removed:
                 self.removed_at.setdefault(r, (ev.epoch, now))
+                self.removals.setdefault(r, set()).add(ev.epoch)
             self.joined.update(ev.joined)
         elif t is PlanReady:
             prev = self.plan_of_epoch.setdefault(ev.epoch, ev.digest)
@@ -201,6 +205,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     victims: list[int] = []
     hung: set[int] = set()
     slow: set[int] = set()
+    slow_node: list[int] = []
     expect_removed: set[int] = set()
     expect_kept: set[int] = set(range(n))
     t_fault = params.fault_at
@@ -245,6 +250,11 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     elif sc == "flap":
         victims = [rng.randrange(n)]
         cluster.at(t_fault, lambda: cluster.network.set_node_loss(victims[0], 0.8, 0.8))
+    elif sc == "delay":
+        # one node's every packet held back 0.3-0.8 s: removed once at most, never back and forth
+        v = rng.randrange(n)
+        slow_node.append(v)
+        cluster.at(t_fault, lambda: cluster.network.set_node_delay(v, 0.3, 0.8))
     elif sc == "donor":
         first = rng.choice(trainers)
         victims = [first]
@@ -408,5 +418,6 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "fenced": sorted(names[i] for i in checker.fenced),
         "joined": sorted(checker.joined),
         "training_step": state["step"],
+        "most_removals": max((len(e) for e in checker.removals.values()), default=0),
     }
     return result
