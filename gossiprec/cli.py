@@ -16,7 +16,7 @@ from gossiprec.errors import GossiprecError
 _OWNER: dict[str, str] = {
     "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keyring", "agent": "gossiprec.agent.cli",
     "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
-    "status": "gossiprec.agent.ops", "bench": "gossiprec.bench",
+    "status": "gossiprec.agent.ops", "bench": "gossiprec.bench", "spec": "gossiprec.agent.spec",
 }
 
 
