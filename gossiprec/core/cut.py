@@ -11,7 +11,8 @@ alert arrived during the last ``settle`` seconds (the alerts of a correlated fai
 short window; waiting for it to close lands them in one view change).
 
 Implicit alerts: while some subjects are stable or unstable, an observer of a subject that is itself in
-that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members).
+that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members),
+once the subject has real alerts close to L from observers outside that set.
 
 Discounted witnesses: alerts raised by an observer that is itself stable for removal do not count
 against other subjects (an isolated node accuses everyone; its own observers all accuse it).
@@ -138,6 +139,11 @@ class CutDetector:
                 if real[key] < max(1, low - 1):
                     continue
                 t = self._tallies[key]
+                if sum(1 for o in t.observers if o not in troubled and o not in stable_out) < max(1, low - 1):
+                    # only alerts from observers not themselves on their way out seed implicit ones: a node
+                    # on a lossy link accuses its subjects, and with a failed rack among their observers
+                    # its word alone would otherwise take a healthy one out with it
+                    continue
                 c = real[key] + sum(1 for o in self.overlay.observers(s) if o in troubled and o not in t.observers)
                 if c != counts[key]:
                     counts[key] = c

@@ -267,8 +267,12 @@ class Node:
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
         self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to,
-                                   lambda changes, v=view: keeps_quorum(v, changes, self.name))
+        me = self.name
+
+        def allowed(changes: list[Change]) -> bool:
+            return keeps_quorum(view, changes, me)
+
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
