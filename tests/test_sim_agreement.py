@@ -93,3 +93,14 @@ def test_a_rack_and_a_flapping_node_take_no_healthy_node_with_them() -> None:
         assert r["removed_all_expected"], f"seed {r['seed']}: kept {set(r['expected_removed']) - set(r['removed'])}"
         assert r["healthy_removed"] == [], f"seed {r['seed']}: removed healthy {r['healthy_removed']}"
         _settled(r, within=10.0)
+
+
+def test_the_bench_command_reports_every_figure() -> None:
+    from gossiprec.bench.agreement import KEYS, run
+
+    report = run(nodes=10, seeds=1, scenarios=["quiet", "stall"], workers=1, progress=False)
+    for sc in ("quiet", "stall"):
+        row = report["scenarios"][sc]
+        assert set(KEYS) <= set(row)
+        assert row["invariant_violations"] == 0 and row["majority_removed_runs"] == 0
+    assert set(report["cpu_cost_vs_quiet"]) == {"quiet", "stall"}

@@ -44,7 +44,7 @@ from gossiprec.sim.network import NetworkModel
 from gossiprec.sim.quorum import QuorumAudit
 
 SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join",
-             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap")
+             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet")
 COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
                                                                            "recovering"))
 ABORT_DELAY = 0.002
