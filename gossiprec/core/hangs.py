@@ -20,7 +20,10 @@ probes within ``answered_within`` is judged (a crashed one is the probes' busine
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
 counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts. While a
-change is under way nothing is judged: every rank waits for the new view.
+change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
+every other by more than synchronous training allows (one step, plus what the time between the reports
+permits: see ``AgreementConfig.step_floor_ms``) is the anomaly, not the ranks waiting for it: it is left
+out of the frontier, and its observers alert it as ``implausible``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import REMOVE, View
-from gossiprec.core.wire import HUNG, PHASES
+from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -87,11 +90,14 @@ class HangCheck:
         frontier = (-1, 0)
         times = []
         table: dict[str, tuple[int, int, float]] = {}
+        seen: dict[str, tuple[float, float]] = {}
+        """name -> (when its record was heard, when its (step, phase) began): for the plausibility check"""
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node._my_progress
                 # (never judged: only the frontier, and when it was reached, count)
                 since = max(self.swim.progress_since, node._installed_at)
+                seen_at, began = now, self.swim.progress_since
             else:
                 p = self.swim.progress(name)
                 if p is None or now - p.seen_at > acfg.progress_stale:
@@ -100,21 +106,33 @@ class HangCheck:
                 # this check; and never before this view was installed
                 step, phase, ms = p.step, p.phase, p.step_ms
                 since = max(p.since, node._installed_at)
+                seen_at, began = p.seen_at, p.since
             if step < 0 or phase == RECOVERING:
                 continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
             table[name] = (step, phase, since)
+            seen[name] = (seen_at, began)
             if ms > 0:
                 times.append(ms)
             frontier = max(frontier, (step, phase))
         if frontier[0] < 0 or not times:
             return
-        threshold = max(acfg.hang_floor, acfg.hang_mult * statistics.median(times) / 1000.0)
+        median_s = statistics.median(times) / 1000.0
+        threshold = max(acfg.hang_floor, acfg.hang_mult * median_s)
+        bogus = _implausible(table, seen, max(acfg.step_floor_ms / 1000.0, median_s))
+        if bogus is not None:
+            # a rank ahead of every other by more than synchronous training allows (a counter gone wrong)
+            # is the anomaly, not the ranks that wait for it: out of the frontier, and alerted if ours
+            del table[bogus]
+            frontier = max((step, phase) for step, phase, _ in table.values())
+            if bogus in obs.subject_set and bogus not in obs.alerted:
+                obs.alerted[bogus] = IMPLAUSIBLE
+                obs.alert(bogus, REMOVE, IMPLAUSIBLE, now)
         passed = _passed_since(table)
         due = float("inf")
         alerted = obs.alerted
         for s in obs.subjects:
             row = table.get(s)
-            if row is None:
+            if row is None or alerted.get(s) == IMPLAUSIBLE:
                 continue
             step, phase, since = row
             if (step, phase) >= frontier:
@@ -146,6 +164,22 @@ class HangCheck:
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
             node._at(due, timers.HANG)
+
+
+def _implausible(table: dict[str, tuple[int, int, float]], seen: dict[str, tuple[float, float]],
+                 step_s: float) -> str | None:
+    """The one rank whose step is ahead of every other's by more than synchronous training allows: the
+    next one's, plus what it may have advanced from when its step began to when the leader's report was
+    heard (``2 + 2 * dt / step_s`` steps; generous: relayed records are older than they look), or None."""
+    if len(table) < 2:
+        return None
+    ranked = sorted(table, key=lambda n: table[n][0], reverse=True)
+    top, second = ranked[0], ranked[1]
+    lead = table[top][0] - table[second][0]
+    if lead <= 2:
+        return None
+    dt = max(0.0, seen[top][0] - seen[second][1])
+    return top if lead > 2 + 2 * dt / step_s else None
 
 
 def _passed_since(table: dict[str, tuple[int, int, float]]) -> Callable[[int, int], float]:

@@ -46,7 +46,7 @@ from gossiprec.core.events import (
     CoreEvent, Fenced, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, Unfenced,
     ViewInstalled,
 )
-from gossiprec.core.hangs import HangCheck
+from gossiprec.core.hangs import RECOVERING, HangCheck
 from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
@@ -56,6 +56,7 @@ from gossiprec.core.wire import (
     ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, Message,
     PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
 )
+from gossiprec.errors import ProtocolError
 
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
@@ -194,6 +195,17 @@ class Node:
 
     # ------------------------------------------------------------------ trainer side
     def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
+        """The trainer's progress; a report that jumps further ahead of the previous one than synchronous
+        training can go in the time between them (see ``AgreementConfig.step_floor_ms``) raises
+        :class:`~gossiprec.errors.ProtocolError` and nothing is kept."""
+        prev, prev_phase, prev_ms = self._my_progress
+        if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
+            # (out of recovering a rank may land at any step: the state it received)
+            elapsed = max(0.0, now - self.swim.progress_since)
+            per_step = max(self.acfg.step_floor_ms, min(prev_ms, step_ms if isinstance(step_ms, int) else 0)) / 1000
+            if step - prev > 2 + 2 * elapsed / per_step:
+                raise ProtocolError(f"step jumped from {prev} to {step} in {elapsed:.3f} s, more than synchronous "
+                                    "training can do: report each step as it begins (a step counter gone wrong?)")
         self.swim.set_progress(step, phase, step_ms, now)  # validates: raises before anything is kept
         self._my_progress = (step, phase, step_ms)
         if self.aggregates.held_until is not None:

@@ -479,8 +479,8 @@ CHANGES = _seq(CHANGE, MAX_MEMBERS)
 BITMAP = _blob(MAX_MEMBERS // 8 + 1)
 
 # Alert reasons
-UNREACHABLE, HUNG, DEPARTED, JOINING, RESTARTED = 0, 1, 2, 3, 4
-ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted")
+UNREACHABLE, HUNG, DEPARTED, JOINING, RESTARTED, IMPLAUSIBLE = 0, 1, 2, 3, 4, 5
+ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "implausible")
 
 
 @message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(len(ALERT_REASONS) - 1), _bool, ADDR,
