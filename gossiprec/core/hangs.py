@@ -127,7 +127,7 @@ class HangCheck:
             if bogus in obs.subject_set and bogus not in obs.alerted:
                 obs.alerted[bogus] = IMPLAUSIBLE
                 obs.alert(bogus, REMOVE, IMPLAUSIBLE, now)
-        passed = _passed_since(table)
+        passed: Callable[[int, int], float] | None = None
         due = float("inf")
         alerted = obs.alerted
         for s in obs.subjects:
@@ -140,6 +140,8 @@ class HangCheck:
                     del alerted[s]
                     obs.alert(s, REMOVE, HUNG, now, retract=True)
                 continue
+            if passed is None:
+                passed = _passed_since(table)  # (built once, only when someone is behind)
             since = max(since, passed(step, phase))  # behind only since someone got past it
             limit = since + (max(threshold, acfg.checkpoint_timeout) if phase == CHECKPOINT else threshold)
             within = acfg.answered_within
@@ -171,12 +173,16 @@ def _implausible(table: dict[str, tuple[int, int, float]], seen: dict[str, tuple
     """The one rank whose step is ahead of every other's by more than synchronous training allows: the
     next one's, plus what it may have advanced from when its step began to when the leader's report was
     heard (``2 + 2 * dt / step_s`` steps; generous: relayed records are older than they look), or None."""
-    if len(table) < 2:
-        return None
-    ranked = sorted(table, key=lambda n: table[n][0], reverse=True)
-    top, second = ranked[0], ranked[1]
-    lead = table[top][0] - table[second][0]
-    if lead <= 2:
+    top = second = ""
+    best = nxt = -1
+    for name, row in table.items():  # (one pass: the hang check runs often in a hang storm)
+        step = row[0]
+        if step > best:
+            top, second, best, nxt = name, top, step, best
+        elif step > nxt:
+            second, nxt = name, step
+    lead = best - nxt
+    if not second or lead <= 2:
         return None
     dt = max(0.0, seen[top][0] - seen[second][1])
     return top if lead > 2 + 2 * dt / step_s else None
