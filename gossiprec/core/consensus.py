@@ -18,13 +18,25 @@ in the fast round; else the most-voted proposal (ties: smallest digest); else th
 A member accepts a fast vote only while it has promised no classic round, so a value chosen in the fast
 round is never contradicted. Quorums are counted among the members of the current view only.
 
-What a member stands behind (``backs``; the node passes :func:`keeps_quorum`): it votes for, accepts and
-coordinates only change sets that keep a majority of the view, itself among them. So a change set that
-would remove most of the view (alerts gathered across a flapping partition accuse everyone) is never
-decided: it waits for the alerts to change, and the watchdog fences; and every quorum that decides lies
-among the members the decision keeps. A coordinator bound to a value it may not stand behind (the one
-Fast Paxos says may have been chosen) abstains rather than pick another: a removed member leaves
-coordinating to the others.
+What a member stands behind (``backs``; the node passes :func:`keeps_quorum`): it votes for, coordinates
+and freely picks only change sets that keep a majority of the view, itself among them (a member does not
+vote for its own removal). As an acceptor it refuses only change sets that remove a majority of the view
+(:func:`removes_majority`): one that removes it may already be bound (accepted in a classic round, or
+possibly chosen in the fast round), and if the members it removes refused it, a bound value whose
+backers lost one member could neither be decided nor abandoned, and the epoch would wedge. Since no
+member votes for, and no acceptor accepts, a change set removing a majority, none is ever decided (alerts
+gathered across a flapping partition that accuse everyone wait, and the watchdog fences).
+
+A coordinator's free choice (no value bound) takes only change sets that keep at least a majority of the
+view among its promisers: a value voted by one side of a healed partition that removes the other side,
+now answering, is passed over for the cut the alerts show now. A coordinator bound to a value it may not
+stand behind abstains rather than pick another (a removed member leaves coordinating to the others; the
+members the value keeps form a majority, so one of them coordinates it), and a member that stands behind
+no proposal of the epoch starts no round.
+
+Safety needs none of these filters: an acceptor's refusal is a lost message to Paxos, and the coordinator
+picks as Fast Paxos says whenever a value may have been chosen; the filters only keep some values from
+ever being decided.
 """
 
 from __future__ import annotations
@@ -148,7 +160,9 @@ class Consensus:
 
     # ------------------------------------------------------------------ classic rounds
     def start_round(self) -> None:
-        if self.decided is not None:
+        """Become coordinator of the next round, unless decided or this member stands behind no proposal
+        (a member the cut removes leaves coordinating to the members it keeps)."""
+        if self.decided is not None or not any(self.backs(c) for c in self.proposals.values()):
             return
         self.highest_round += 1
         self.my_round = (self.highest_round, self.me)
@@ -219,8 +233,12 @@ class Consensus:
         possible = [d for d, c in counts.items() if c >= need]
         if possible:
             return self._if_mine(min(possible))
-        # free choice: only among the values this member may stand behind
-        ok = [d for d in self.proposals if self.backs(self.proposals[d])]
+        # free choice: only among the values this member may stand behind, and that keep a majority of the
+        # view among the members that answered (a value one side voted that removes the other, answering
+        # now, is passed over; with too few such promisers the choice waits for more promises)
+        majority = self.view.majority()
+        ok = [d for d, ch in self.proposals.items()
+              if self.backs(ch) and self._kept_promisers(ch) >= majority]
         voted = [d for d in counts if d in ok]
         if voted:
             d = min(voted, key=lambda x: (-counts[x], x))
@@ -231,6 +249,10 @@ class Consensus:
             d = min(ok)
             return d, self.proposals[d]
         return None
+
+    def _kept_promisers(self, changes: list[Change]) -> int:
+        removed = {c.node for c in changes if c.kind == REMOVE}
+        return sum(1 for p in self.promises if p not in removed)
 
     def _if_mine(self, digest: bytes) -> tuple[bytes, list[Change]] | None:
         changes = self.proposals[digest]
@@ -244,8 +266,8 @@ class Consensus:
         changes = changes_from_rows(msg.changes)
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
             return
-        if not self.backs(changes):
-            return  # not ours to accept: as if it were lost (the members it keeps form a quorum)
+        if removes_majority(self.view, changes):
+            return  # never decided (see the module docstring): as if the Accept were lost
         self.promised = rank
         self.accepted_rank = rank
         self.accepted_digest = msg.digest
