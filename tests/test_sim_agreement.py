@@ -5,10 +5,13 @@ from delivered packets, no decision that removes a majority); every failed check
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
+from gossiprec.core.node import RESTART_FENCE
+from gossiprec.core.view import REMOVE
+from gossiprec.core.wire import RESTARTED, Alert
 from gossiprec.errors import InvariantViolation
 from gossiprec.sim.agree import AgreeParams, run_agreement
 
@@ -66,6 +69,54 @@ def test_a_restarted_agent_is_back_in_the_view(scenario: str) -> None:
         assert r["most_removals"] == 1, f"seed {r['seed']}"
         assert set(r["expected_removed"]) <= set(r["joined"]), f"seed {r['seed']}: not back in the view"
         _settled(r, within=5.0)
+
+
+def _quiet_with(monkeypatch: pytest.MonkeyPatch, at: float, act: Callable[[Any], None]) -> dict[str, Any]:
+    """The quiet scenario (10 nodes, seed 1) with ``act(cluster)`` run at virtual time ``at``."""
+    import gossiprec.sim.agree as agree
+
+    build = agree.build_cluster
+
+    def patched(params: AgreeParams) -> Any:
+        cluster, names, extra = build(params)
+        cluster.at(at, lambda: act(cluster))
+        return cluster, names, extra
+
+    monkeypatch.setattr(agree, "build_cluster", patched)
+    return run_agreement(AgreeParams(scenario="quiet", nodes=10, seed=1, duration=8.0))
+
+
+def test_a_node_that_refutes_suspicion_during_start_up_is_not_taken_for_a_restart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # suspected once while it still says hello: it refutes (its incarnation rises), yet it is the same
+    # process; its Hello names the incarnation it started at, so no observer alerts 'restarted'
+    def refute(cluster: Any) -> None:
+        m = cluster.nodes[3].machine
+        before = m.incarnation
+        m.swim._refute(m.incarnation, "n00001", cluster.now)
+        assert m.incarnation > before
+
+    r = _quiet_with(monkeypatch, 1.2, refute)
+    assert r["views_decided"] == 0 and r["removed"] == [], r["removed"]
+    assert r["fenced"] == []
+
+
+def test_one_restarted_alert_that_makes_no_change_does_not_fence_for_good(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one observer's word that n3 restarted (a stale record of an older process, say): too few alerts for
+    # a change, so n3 is no restart; it fences at once (a restart's trainer must not take the old place
+    # over), then unfences in the same view
+    def one_alert(cluster: Any) -> None:
+        m = cluster.nodes[3].machine
+        v = m.view
+        observer = m._overlay(v).observers(m.name)[0]
+        m._on_alert(Alert(v.epoch, v.config_id, observer, m.name, REMOVE, RESTARTED, False, m.addr, "", ""),
+                    cluster.now)
+        assert m.fenced == RESTART_FENCE
+
+    r = _quiet_with(monkeypatch, 2.5, one_alert)
+    assert r["fenced"] != [], "the alert fenced nobody: the test tests nothing"
+    assert r["views_decided"] == 0 and r["removed"] == []
+    assert r["fenced_at_end"] == []
 
 
 def test_fencing_ends_after_the_final_heal() -> None:

@@ -218,7 +218,7 @@ class CatchUp:
         if v is None or node.name not in v:
             return
         ov = node._overlay(v)
-        msg = Hello(node.name, node.addr, node.incarnation, v.epoch, v.config_id)
+        msg = Hello(node.name, node.addr, node.start_incarnation, v.epoch, v.config_id)
         for name in dict.fromkeys(ov.observers(node.name) + ov.joiner_observers(node.name)):
             m = v.member(name)
             if m is not None and name != node.name:
@@ -243,6 +243,7 @@ class CatchUp:
         if node.name in v and msg.node in v and node.name in node._overlay(v).observers(msg.node):
             first = self.swim.first_acked(msg.node)
             if first is not None and first < msg.incarnation:
-                # we had answers from an older process of it: that process (and its trainer's state) is
-                # gone, and its place in the view with it; the new process joins as a spare
+                # we had answers from an older process of it (the Hello names the incarnation its process
+                # started at, not the current one, which rises with every refutation): that process (and
+                # its trainer's state) is gone, and its place in the view with it; the new one joins as a spare
                 node.observer.restarted(msg.node, now)

@@ -127,6 +127,10 @@ class Node:
         self.catchup = CatchUp(self, swim, acfg)
         self.hello_until = now + acfg.hello_for
         """Until then this process says hello to its observers (see :meth:`CatchUp.hello`)."""
+        self.start_incarnation = incarnation
+        """The incarnation this process started at (its Hello says so: refuting suspicion raises the
+        current one, and an observer comparing with that would take a healthy process for a new one)."""
+        self._fenced_at = now
         self._healthy_since: float | None = None
         """Since when this fenced member (still in its view) reaches a majority with nothing pending."""
         if view is not None:
@@ -342,6 +346,7 @@ class Node:
     def _fence(self, reason: str, now: float) -> None:
         if not self.fenced:
             self.fenced = reason
+            self._fenced_at = now
             self._events.append(Fenced(self.view.epoch if self.view else -1, reason, now))
 
     # ------------------------------------------------------------------ sending helpers
@@ -624,7 +629,11 @@ class Node:
                             else "no decision within fence_after", now)
         else:
             self._trouble_since = None
-            if self.fenced and self.fenced != RESTART_FENCE:
+            # A restart's observers alert at once (each gets its Hello), so their change is proposed within
+            # a settle window, and pending keeps the fence until the old place is removed. Alerts that
+            # never make a change (one observer's stale record, say) are not a restart: once they have
+            # had unstable_timeout to become one, the fence ends as any other does.
+            if self.fenced and (self.fenced != RESTART_FENCE or now - self._fenced_at >= acfg.unstable_timeout):
                 self._maybe_unfence(v, now)
         self.hangs.run(now)
 
