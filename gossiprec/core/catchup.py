@@ -217,6 +217,11 @@ class CatchUp:
         v = node.view
         if v is None or node.name not in v:
             return
+        if now > node.hello_until - self.acfg.hello_for:
+            # no news came back from the first Hellos: also ask two members SWIM holds alive (the
+            # observers this view names may all be gone, for a restart from the job spec holds view 0, or
+            # every Hello was lost); a job's first start, all on view 0, asks nobody at once
+            self.catch_up(now)
         ov = node._overlay(v)
         msg = Hello(node.name, node.addr, node.start_incarnation, v.epoch, v.config_id)
         for name in dict.fromkeys(ov.observers(node.name) + ov.joiner_observers(node.name)):

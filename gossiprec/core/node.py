@@ -652,8 +652,11 @@ class Node:
             self._healthy_since = None
             return
         if self._healthy_since is None:
-            self._healthy_since = now
+            # the window opens with the question actually sent (catch-ups are rate-limited: one skipped
+            # would let the member unfence without having asked); else the next watchdog round asks
             self.catchup.catch_up(now)
+            if self.catchup.last_catchup == now:
+                self._healthy_since = now
         elif now - self._healthy_since >= self.acfg.unfence_after:
             self._healthy_since = None
             self.fenced = ""
