@@ -71,6 +71,15 @@ def test_a_restarted_agent_is_back_in_the_view(scenario: str) -> None:
         _settled(r, within=5.0)
 
 
+def test_a_reprovisioned_host_of_a_small_job_is_admitted_back_as_a_spare() -> None:
+    # two trainers and a spare, as the harness's reprovision fault: a trainer's host dies, the spare takes
+    # its rank, and the host comes back from the job spec (view 0, same name and address) 6-8 s later
+    for r in _runs("respawn", nodes=3, spares=1, duration=16.0):
+        assert r["removed"] == r["expected_removed"] and r["most_removals"] == 1, f"seed {r['seed']}"
+        assert set(r["expected_removed"]) <= set(r["joined"]), f"seed {r['seed']}: not admitted back"
+        _settled(r, within=3.0)
+
+
 def _quiet_with(monkeypatch: pytest.MonkeyPatch, at: float, act: Callable[[Any], None]) -> dict[str, Any]:
     """The quiet scenario (10 nodes, seed 1) with ``act(cluster)`` run at virtual time ``at``."""
     import gossiprec.sim.agree as agree
