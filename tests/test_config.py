@@ -192,11 +192,12 @@ def test_wan_timeouts_are_the_lan_ones_times_the_factor() -> None:
 AGREEMENT_WAN_RULE = {
     "k": "=", "alert_after": "x5", "confirm_after": "x5", "settle": "x5", "settle_departed": "x5",
     "unstable_timeout": "x5", "fallback_timeout": "x5", "fallback_jitter": "x5", "retry_interval": "x5",
-    "fence_after": "x5", "hang_floor": "x5", "hang_mult": "=", "checkpoint_timeout": "x5",
+    "fence_after": "x5", "hang_floor": "x5", "hang_mult": "=", "step_floor_ms": "=", "checkpoint_timeout": "x5",
     "answered_within": "x5", "progress_stale": "x5", "evict_stragglers": "=", "retract_after": "=",
     "join_retry": "x5", "rejoin_after": "x5", "catchup_interval": "x5", "direct_votes_max": "=",
     "watch_first": "x5", "watch_interval": "x5", "realert_interval": "x5", "reaggregate_first": "x5",
     "reaggregate_gap_max": "x5", "reaggregate_for": "x5", "report_hold": "x5", "report_poll": "x5",
+    "hello_for": "x5", "unfence_after": "x5",
 }
 
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import pytest
 
-from gossiprec.core.consensus import Consensus
+from gossiprec.core.consensus import Consensus, keeps_quorum
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import JOIN, REMOVE, Change, View, ViewMember, changes_digest
 from gossiprec.core.wire import (
@@ -444,3 +444,104 @@ def test_first_decision_sticks() -> None:
     assert c.decided is not None and c.decided.digest == digest(view, A)
     c.start_round()
     assert c.my_round is None  # nothing left to coordinate
+
+
+# -- what a member stands behind (the node's keeps_quorum) ---------------------------------------------
+
+def _backing_bus(n: int) -> Bus:
+    """A bus whose members stand behind what the node's rule allows (:func:`keeps_quorum`)."""
+    bus = Bus(make_view(n))
+    for name, c in bus.nodes.items():
+        c.backs = lambda changes, me=name: keeps_quorum(bus.view, changes, me)
+    return bus
+
+
+
+def test_a_bound_value_whose_backers_lost_one_member_is_still_decided() -> None:
+    # N = 16 cut 9 | 7: side A (m0..m8) votes V = "remove B" (9 votes, short of the fast quorum 13; B
+    # learns V but does not vote for its own removal). Round 1's Accept reaches only m1, then m8
+    # crashes: V is bound (accepted in a classic round) and only 8 of its backers are left, one short of
+    # a majority. The members V removes accept it (it keeps a majority), so a later round decides it;
+    # had they refused it, no round could decide V nor abandon it, and the epoch would wedge.
+    bus = _backing_bus(16)
+    side_b = [f"m{i}" for i in range(9, 16)]
+    v = [Change(m, REMOVE) for m in side_b]
+    for c in bus.nodes.values():
+        c.propose(v)
+    assert bus.nodes["m9"].my_vote is None and bus.nodes["m0"].my_vote == digest(bus.view, v)
+    bus.nodes["m0"].start_round()
+    bus.drop = lambda src, dst, msg: isinstance(msg, Accept) and dst != "m1"
+    bus.pump()
+    assert bus.nodes["m1"].accepted_rank == (1, "m0") and bus.nodes["m0"].decided is None
+    bus.drop = lambda src, dst, msg: "m8" in (src, dst)
+    bus.nodes["m2"].start_round()
+    bus.pump()
+    decided = {name: d for name, d in bus.decisions().items() if name != "m8"}
+    assert set(decided.values()) == {digest(bus.view, v)}
+
+
+def test_acceptors_refuse_only_values_that_remove_a_majority() -> None:
+    view = make_view(8)
+    half = [Change(f"m{i}", REMOVE) for i in range(1, 4)]  # keeps 5 = majority, removes m1
+    most = [Change(f"m{i}", REMOVE) for i in range(1, 5)]  # keeps 4 < majority
+    for changes, accepted in ((half, True), (most, False)):
+        out: list[tuple[str, Message]] = []
+        c = Consensus(view, "m1", lambda k, m: None, lambda dst, m, out=out: out.append((dst, m)),
+                      lambda ch: keeps_quorum(view, ch, "m1"))
+        d = digest(view, changes)
+        c.on_accept(Accept(view.epoch, view.config_id, 1, "m0", d, rows(changes)))
+        assert any(isinstance(m, Accepted) for _, m in out) is accepted
+        c.propose(changes)
+        assert c.my_vote is None  # voting keeps the "keeps me" rule
+
+
+def test_free_choice_passes_over_a_value_that_removes_answering_promisers() -> None:
+    # N = 16, majority 9, fast quorum 13. The coordinator m0 voted V = "remove m9..m15" (one side of a
+    # healed partition); m9..m15 answer its Prepare now. Of the first 9 promisers only 2 voted V
+    # (fewer than 13 - 7): V was not chosen in the fast round, and the choice is free. V keeps only 2 of
+    # the promisers: the coordinator picks the cut the alerts show now (remove the crashed m8).
+    view = make_view(16)
+    out: list[tuple[str, Message]] = []
+    c = Consensus(view, "m0", lambda k, m: None, lambda dst, m: out.append((dst, m)),
+                  lambda ch: keeps_quorum(view, ch, "m0"))
+    v = [Change(f"m{i}", REMOVE) for i in range(9, 16)]
+    now = [Change("m8", REMOVE)]
+    c.propose(v)
+    c.propose(now)  # learned; m0 voted already
+    c.start_round()
+    r, me = c.my_round  # type: ignore[misc]
+    vd = digest(view, v)
+    for acceptor in ["m0", *(f"m{i}" for i in range(9, 16)), "m1"]:
+        voted = acceptor in ("m0", "m1")
+        c.on_promise(Promise(view.epoch, view.config_id, r, me, acceptor, 0, "", vd if voted else None,
+                             rows(v) if voted else None))
+    assert c.accept_value is not None and c.accept_value[0] == digest(view, now)
+    assert _accepts(out) == {digest(view, now)}
+
+
+def test_free_choice_waits_for_more_promises_when_no_value_keeps_a_majority_of_them() -> None:
+    view = make_view(8)
+    out: list[tuple[str, Message]] = []
+    c = Consensus(view, "m0", lambda k, m: None, lambda dst, m: out.append((dst, m)),
+                  lambda ch: keeps_quorum(view, ch, "m0"))
+    c.propose(A)  # removes m1
+    c.start_round()
+    r, me = c.my_round  # type: ignore[misc]
+    for acceptor in ("m0", "m1", "m2", "m3", "m4"):  # majority 5, but A keeps only 4 of them
+        c.on_promise(Promise(view.epoch, view.config_id, r, me, acceptor, 0, "", None, None))
+    assert c.accept_value is None
+    c.on_promise(Promise(view.epoch, view.config_id, r, me, "m5", 0, "", None, None))
+    assert c.accept_value is not None and c.accept_value[0] == digest(view, A)
+
+
+def test_a_member_that_backs_no_proposal_starts_no_round() -> None:
+    view = make_view(8)
+    out: list[tuple[str, Message]] = []
+    c = Consensus(view, "m1", lambda k, m: None, lambda dst, m: out.append((dst, m)),
+                  lambda ch: keeps_quorum(view, ch, "m1"))
+    c.propose(A)  # removes m1 itself: learned, not voted
+    c.start_round()
+    assert c.my_round is None and out == []
+    c.propose(C)
+    c.start_round()
+    assert c.my_round is not None and any(isinstance(m, Prepare) for _, m in out)

@@ -714,3 +714,35 @@ def test_a_report_held_for_a_view_that_removed_us_is_dropped() -> None:
     assert n0.aggregates.held_until is None
     n0.tick(net.now + 1.0)  # the hold's timer fires with nothing to report: no error
     assert n0.counters.get("machine_errors", 0) == 0
+
+
+def test_a_process_holding_a_view_that_lists_it_also_asks_peers_for_news_after_its_first_hello() -> None:
+    # its observers may all be gone (a restart from the job spec holds view 0) or every Hello lost: from
+    # its second Hello round on it also asks two live members for newer news; at its very start (a job's
+    # first start, everyone on view 0) it asks nobody
+    node = make_node()
+    assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] == []
+    asked: list[Any] = []
+    while not asked:
+        t = node.next_deadline()
+        assert t < node.acfg.hello_for, "no ViewRequest within hello_for"
+        node.tick(t)
+        asked = [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)]
+    assert t >= node.acfg.join_retry and asked[0].src == "n0" and asked[0].epoch == 0
+
+
+def test_a_fenced_member_unfences_only_after_asking_for_news_in_its_healthy_window() -> None:
+    # a catch-up sent just before the window opens rate-limits the one the window would send: the window
+    # waits for a question actually sent, so a view that removed this member can come back first
+    node = make_node()
+    v = node.view
+    assert v is not None
+    node._fence("no decision within fence_after", 0.0)
+    node.catchup.catch_up(0.0)
+    node.take_sends()
+    node._maybe_unfence(v, 0.1)  # rate-limited: nothing asked
+    node._maybe_unfence(v, 0.1 + node.acfg.unfence_after + 0.05)
+    assert node.fenced, "unfenced without having asked for news"
+    assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] != []
+    node._maybe_unfence(v, 0.2 + 2 * node.acfg.unfence_after)
+    assert not node.fenced

@@ -1,4 +1,5 @@
-"""Benchmarks of real processes (``gossiprec bench ...``); the simulator has its own (``gossiprec sim``).
+"""Benchmarks of real processes (``gossiprec bench ...``); the simulator has its own (``gossiprec sim``),
+and ``bench agreement`` sweeps its agreement scenarios over many seeds.
 
 Each sub-command lives in its own module and prints one JSON report; :func:`add_cli` registers them.
 """
@@ -11,8 +12,8 @@ from typing import Any
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with its sub-commands (``agents``, ``recovery``, ``baseline``, ``device-transfer``,
-    ``commit``, ``digest``, ``bootstrap``) to the ``gossiprec`` parser."""
-    from gossiprec.bench import agents, baseline, bootstrap, commit, device, digest, recovery
+    ``commit``, ``digest``, ``bootstrap``, ``agreement``) to the ``gossiprec`` parser."""
+    from gossiprec.bench import agents, agreement, baseline, bootstrap, commit, device, digest, recovery
 
     p = subparsers.add_parser("bench", help="benchmarks of real agent processes",
                               description="Benchmarks of real agent processes; each prints JSON.")
@@ -24,5 +25,6 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     commit.add_cli(sub)
     digest.add_cli(sub)
     bootstrap.add_cli(sub)
+    agreement.add_cli(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p  # type: ignore[no-any-return]

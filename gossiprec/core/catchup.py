@@ -13,6 +13,10 @@ of an older epoch (their sender missed a decision).
   pseudo-random ~2K members, at most once per ``catchup_interval`` each: O(N) pushes, not O(N^2)); a
   member the decision removed learns so, and asks to join again.
 - A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert.
+- A new process that holds a view listing it (an agent restarted from the job spec holds view 0) says
+  :class:`Hello` to its observers for ``hello_for``: a member holding a later view sends its news back
+  (the process learns it was removed, and joins again); an observer that had answers from an older
+  process of it alerts ``restarted`` (the old process's place is removed, not silently taken over).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from gossiprec.core.config import AgreementConfig
 from gossiprec.core.consensus import ChangeRow, changes_from_rows
 from gossiprec.core.membership import Membership
 from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
-from gossiprec.core.wire import ALIVE, MAX_DELTA_STEPS, JoinRequest, ViewDelta, ViewRequest, ViewState
+from gossiprec.core.wire import ALIVE, MAX_DELTA_STEPS, Hello, JoinRequest, ViewDelta, ViewRequest, ViewState
 from gossiprec.errors import ConfigError, ProtocolError
 
 if TYPE_CHECKING:
@@ -201,3 +205,50 @@ class CatchUp:
             self.swim.send_addr(msg.addr, ViewState(self.view_wire(v)), reliable=True)  # a joiner: all of it
             return
         node.observer.joining(msg, node._overlay(v), now)
+
+    # ------------------------------------------------------------------ a new process
+    def hello(self, now: float, seeds: tuple[str, ...] = ()) -> None:
+        """Within ``hello_for`` of this process's start, and while it holds a view that lists it: tell its
+        observers in that view (and ``seeds``) that this process started; again every ``join_retry``."""
+        node = self.node
+        if now >= node.hello_until:
+            return
+        node._at(now + self.acfg.join_retry, timers.HELLO)
+        v = node.view
+        if v is None or node.name not in v:
+            return
+        if now > node.hello_until - self.acfg.hello_for:
+            # no news came back from the first Hellos: also ask two members SWIM holds alive (the
+            # observers this view names may all be gone, for a restart from the job spec holds view 0, or
+            # every Hello was lost); a job's first start, all on view 0, asks nobody at once
+            self.catch_up(now)
+        ov = node._overlay(v)
+        msg = Hello(node.name, node.addr, node.start_incarnation, v.epoch, v.config_id)
+        for name in dict.fromkeys(ov.observers(node.name) + ov.joiner_observers(node.name)):
+            m = v.member(name)
+            if m is not None and name != node.name:
+                self.swim.send_addr(m.addr, msg)
+        for addr in seeds:
+            if addr != node.addr:
+                self.swim.send_addr(addr, msg)
+
+    def on_hello(self, msg: Hello, now: float) -> None:
+        node = self.node
+        v = node.view
+        if v is None or msg.node == node.name:
+            return
+        if v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config):
+            # it holds an older view (restarted from the job spec, say): our news, straight back; each of
+            # its few observers answers, at most once per catchup_interval
+            if now - self.pushed_view.get(msg.node, float("-inf")) >= self.acfg.catchup_interval:
+                self.pushed_view[msg.node] = now
+                self.swim.send_addr(msg.addr, self.view_news(msg.epoch, msg.config), reliable=True)
+        elif msg.epoch > v.epoch:
+            self.catch_up(now)
+        if node.name in v and msg.node in v and node.name in node._overlay(v).observers(msg.node):
+            first = self.swim.first_acked(msg.node)
+            if first is not None and first < msg.incarnation:
+                # we had answers from an older process of it (the Hello names the incarnation its process
+                # started at, not the current one, which rises with every refutation): that process (and
+                # its trainer's state) is gone, and its place in the view with it; the new one joins as a spare
+                node.observer.restarted(msg.node, now)

@@ -246,6 +246,13 @@ class AgreementConfig:
     hang_mult: float = 3.0
     """A rank is hung once stalled behind the frontier for max(hang_floor, hang_mult * median step time)
     (a ratio, not a time)."""
+    step_floor_ms: int = 1
+    """Milliseconds: the shortest training step the plausibility checks assume (a property of the job,
+    not of the network: no profile scales it). Synchronous training keeps every rank within one step of
+    the others, so a rank reported ahead of every other by more than ``2 + 2 * dt / step`` steps (``dt``:
+    how far apart in time the two reports are; ``step``: the median step time, at least this) is the
+    anomaly (a buggy counter), not the ranks waiting for it; and a trainer's report that jumps ahead of
+    its previous one by more than ``2 + 2 * elapsed / step`` steps is refused."""
     checkpoint_timeout: float = 600.0
     """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is
     judged hung only after this long, not after the step-time threshold."""
@@ -262,7 +269,16 @@ class AgreementConfig:
     join_retry: float = 0.5
     """A member outside the view (a joiner, or one removed) asks its joiner observers again this often."""
     rejoin_after: float = 2.0
-    """A member removed from the view asks to join again (as a spare) after this long."""
+    """A member removed from the view asks to join again (as a spare) after this long (a process still
+    within ``hello_for`` of its start asks at once: its trainer is new, nothing of it must be stopped
+    first)."""
+    hello_for: float = 3.0
+    """For this long after it starts, a process that holds a view listing it says so to its observers
+    (every ``join_retry``): one that restarted is told the current view, and its old process's place is
+    removed (reason ``restarted``) instead of silently taken over."""
+    unfence_after: float = 1.0
+    """A fenced member that is still in its view, reaches a majority of it again and has nothing pending
+    unfences after this long (it first asks two members for newer view news)."""
     catchup_interval: float = 0.3
     """At most one catch-up (asking two members for the view) per this long, and at most one view pushed
     to each member that alerts in an older epoch."""

@@ -17,6 +17,26 @@ in the fast round; else the most-voted proposal (ties: smallest digest); else th
 
 A member accepts a fast vote only while it has promised no classic round, so a value chosen in the fast
 round is never contradicted. Quorums are counted among the members of the current view only.
+
+What a member stands behind (``backs``; the node passes :func:`keeps_quorum`): it votes for, coordinates
+and freely picks only change sets that keep a majority of the view, itself among them (a member does not
+vote for its own removal). As an acceptor it refuses only change sets that remove a majority of the view
+(:func:`removes_majority`): one that removes it may already be bound (accepted in a classic round, or
+possibly chosen in the fast round), and if the members it removes refused it, a bound value whose
+backers lost one member could neither be decided nor abandoned, and the epoch would wedge. Since no
+member votes for, and no acceptor accepts, a change set removing a majority, none is ever decided (alerts
+gathered across a flapping partition that accuse everyone wait, and the watchdog fences).
+
+A coordinator's free choice (no value bound) takes only change sets that keep at least a majority of the
+view among its promisers: a value voted by one side of a healed partition that removes the other side,
+now answering, is passed over for the cut the alerts show now. A coordinator bound to a value it may not
+stand behind abstains rather than pick another (a removed member leaves coordinating to the others; the
+members the value keeps form a majority, so one of them coordinates it), and a member that stands behind
+no proposal of the epoch starts no round.
+
+Safety needs none of these filters: an acceptor's refusal is a lost message to Paxos, and the coordinator
+picks as Fast Paxos says whenever a value may have been chosen; the filters only keep some values from
+ever being decided.
 """
 
 from __future__ import annotations
@@ -24,13 +44,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from gossiprec.core.view import Change, View, changes_digest
+from gossiprec.core.view import REMOVE, Change, View, changes_digest
 from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Votes
 
 Rank = tuple[int, str]
 ChangeRow = tuple[str, int, str, str, str]
 """A change on the wire: (node, kind, addr, host, rack)."""
 FAST: Rank = (0, "")
+
+
+def removes_majority(view: View, changes: list[Change]) -> bool:
+    """Whether ``changes`` leave fewer than a majority of ``view`` (such a change is never decided)."""
+    removed = {c.node for c in changes if c.kind == REMOVE and c.node in view}
+    return len(view) - len(removed) < view.majority()
+
+
+def keeps_quorum(view: View, changes: list[Change], me: str) -> bool:
+    """Whether member ``me`` may vote for, accept or coordinate ``changes``: they keep a majority of the
+    view, and keep ``me`` (a member does not help decide its own removal; the kept majority does)."""
+    if removes_majority(view, changes):
+        return False
+    return not any(c.node == me and c.kind == REMOVE for c in changes)
 
 
 def change_rows(changes: list[Change]) -> tuple[ChangeRow, ...]:
@@ -57,6 +91,8 @@ class Consensus:
     me: str
     broadcast: Callable[[str, Message], None]
     send_to: Callable[[str, Message], None]
+    backs: Callable[[list[Change]], bool] = field(default=lambda changes: True)
+    """Whether this member may vote for, accept or coordinate a change set (see the module docstring)."""
     proposals: dict[bytes, list[Change]] = field(default_factory=dict)
     votes: dict[bytes, int] = field(default_factory=dict)
     my_vote: bytes | None = None
@@ -76,7 +112,7 @@ class Consensus:
         """Vote for our own cut (once per epoch)."""
         digest = changes_digest(self.view.epoch, self.view.config_id, changes)
         self._learn(digest, changes)
-        if self.my_vote is None and self.promised == FAST:
+        if self.my_vote is None and self.promised == FAST and self.backs(changes):
             idx = self.view.index(self.me)
             if idx is None:
                 return
@@ -124,7 +160,9 @@ class Consensus:
 
     # ------------------------------------------------------------------ classic rounds
     def start_round(self) -> None:
-        if self.decided is not None:
+        """Become coordinator of the next round, unless decided or this member stands behind no proposal
+        (a member the cut removes leaves coordinating to the members it keeps)."""
+        if self.decided is not None or not any(self.backs(c) for c in self.proposals.values()):
             return
         self.highest_round += 1
         self.my_round = (self.highest_round, self.me)
@@ -178,12 +216,14 @@ class Consensus:
                 self.resend()
 
     def _choose(self) -> tuple[bytes, list[Change]] | None:
+        """The value this coordinator must (or may) propose, or None: nothing to propose, or a value bound
+        by an earlier round that this member may not stand behind (it abstains; see the module docstring)."""
         promises = list(self.promises.values())
         classic = [p for p in promises if p.vround > 0 and p.vdigest is not None]
         if classic:
             best = max(classic, key=lambda p: (p.vround, p.vcoordinator))
             assert best.vdigest is not None
-            return best.vdigest, self.proposals[best.vdigest]
+            return self._if_mine(best.vdigest)
         counts: dict[bytes, int] = {}
         for p in promises:
             if p.vdigest is not None:
@@ -192,17 +232,31 @@ class Consensus:
         need = self.view.fast_quorum() - (n - len(promises))
         possible = [d for d, c in counts.items() if c >= need]
         if possible:
-            d = min(possible)
+            return self._if_mine(min(possible))
+        # free choice: only among the values this member may stand behind, and that keep a majority of the
+        # view among the members that answered (a value one side voted that removes the other, answering
+        # now, is passed over; with too few such promisers the choice waits for more promises)
+        majority = self.view.majority()
+        ok = [d for d, ch in self.proposals.items()
+              if self.backs(ch) and self._kept_promisers(ch) >= majority]
+        voted = [d for d in counts if d in ok]
+        if voted:
+            d = min(voted, key=lambda x: (-counts[x], x))
             return d, self.proposals[d]
-        if counts:
-            d = min(counts, key=lambda x: (-counts[x], x))
-            return d, self.proposals[d]
-        if self.my_vote is not None:
+        if self.my_vote is not None and self.my_vote in ok:
             return self.my_vote, self.proposals[self.my_vote]
-        if self.proposals:
-            d = min(self.proposals)
+        if ok:
+            d = min(ok)
             return d, self.proposals[d]
         return None
+
+    def _kept_promisers(self, changes: list[Change]) -> int:
+        removed = {c.node for c in changes if c.kind == REMOVE}
+        return sum(1 for p in self.promises if p not in removed)
+
+    def _if_mine(self, digest: bytes) -> tuple[bytes, list[Change]] | None:
+        changes = self.proposals[digest]
+        return (digest, changes) if self.backs(changes) else None
 
     def on_accept(self, msg: Accept) -> None:
         rank = (msg.round, msg.coordinator)
@@ -212,6 +266,8 @@ class Consensus:
         changes = changes_from_rows(msg.changes)
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
             return
+        if removes_majority(self.view, changes):
+            return  # never decided (see the module docstring): as if the Accept were lost
         self.promised = rank
         self.accepted_rank = rank
         self.accepted_digest = msg.digest

@@ -11,7 +11,8 @@ alert arrived during the last ``settle`` seconds (the alerts of a correlated fai
 short window; waiting for it to close lands them in one view change).
 
 Implicit alerts: while some subjects are stable or unstable, an observer of a subject that is itself in
-that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members).
+that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members),
+once the subject has real alerts close to L from observers outside that set.
 
 Discounted witnesses: alerts raised by an observer that is itself stable for removal do not count
 against other subjects (an isolated node accuses everyone; its own observers all accuse it).
@@ -45,6 +46,9 @@ class CutDetector:
     _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
     last_change: float = float("-inf")
     last_departure: float = float("-inf")
+    _marks: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """(subject, kind) -> its (H, L): a pure function of the overlay, computed once per view (evaluate
+    reads it for every tally, and a partition or a hang storm evaluates often)."""
 
     def alert(self, observer: str, subject: str, kind: int, retract: bool, now: float,
               addr: str = "", host: str = "", rack: str = "") -> bool:
@@ -94,9 +98,13 @@ class CutDetector:
         return len(tally.observers) if tally else 0
 
     def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
-        if kind == JOIN:
-            return watermarks(len(self.overlay.joiner_observers(subject)))
-        return watermarks(len(self.overlay.observers(subject)))
+        key = (subject, kind)
+        marks = self._marks.get(key)
+        if marks is None:
+            ov = self.overlay
+            d = len(ov.joiner_observers(subject) if kind == JOIN else ov.observers(subject))
+            marks = self._marks[key] = watermarks(d)
+        return marks
 
     def evaluate(self, now: float) -> tuple[list[Change], float | None]:
         """(proposal, next time worth re-evaluating). The proposal is empty while not ready."""
@@ -131,6 +139,11 @@ class CutDetector:
                 if real[key] < max(1, low - 1):
                     continue
                 t = self._tallies[key]
+                if sum(1 for o in t.observers if o not in troubled and o not in stable_out) < max(1, low - 1):
+                    # only alerts from observers not themselves on their way out seed implicit ones: a node
+                    # on a lossy link accuses its subjects, and with a failed rack among their observers
+                    # its word alone would otherwise take a healthy one out with it
+                    continue
                 c = real[key] + sum(1 for o in self.overlay.observers(s) if o in troubled and o not in t.observers)
                 if c != counts[key]:
                     counts[key] = c

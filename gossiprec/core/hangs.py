@@ -9,20 +9,29 @@ Rule: the *frontier* is the most advanced (step, phase) in the sample (this memb
 observers: K random members each way, trainers only; in a hang every healthy rank waits at the frontier,
 so the sample shows it at O(K) per check instead of O(N)). A subject behind the frontier whose (step,
 phase) has not changed for ``max(hang_floor, hang_mult * median step time)`` (``checkpoint_timeout`` at
-least while it saves a checkpoint) is hung. The stall is dated from when that (step, phase) began (its
-owner's acks carry its age), never before this view's install. Only a subject that answered one of our
+least while it saves a checkpoint) *while others were ahead of it* is hung. The stall is dated from when
+that (step, phase) began (its owner's acks carry its age), but not before the earliest moment a member
+of the sample is known to have been past it (when its own current (step, phase) began), and never
+before this view's install. So a stall every rank shares (a slow collective, a file system, a long GC)
+is no one's hang: when the job resumes, this member sees its own progress at once and others' only at
+their next answer, and without the second bound every rank it had not heard from yet would look stalled
+since the stall began. Only a subject that answered one of our
 probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
 counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts. While a
-change is under way nothing is judged: every rank waits for the new view.
+change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
+every other by more than synchronous training allows (one step, plus what the time between the reports
+permits: see ``AgreementConfig.step_floor_ms``) is the anomaly, not the ranks waiting for it: it is left
+out of the frontier, and its observers alert it as ``implausible``.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from gossiprec.core import timers
 from gossiprec.core.config import AgreementConfig
@@ -31,7 +40,7 @@ from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import REMOVE, View
-from gossiprec.core.wire import HUNG, PHASES
+from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -81,10 +90,14 @@ class HangCheck:
         frontier = (-1, 0)
         times = []
         table: dict[str, tuple[int, int, float]] = {}
+        seen: dict[str, tuple[float, float]] = {}
+        """name -> (when its record was heard, when its (step, phase) began): for the plausibility check"""
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node._my_progress
-                since = now  # (never judged: only the frontier counts)
+                # (never judged: only the frontier, and when it was reached, count)
+                since = max(self.swim.progress_since, node._installed_at)
+                seen_at, began = now, self.swim.progress_since
             else:
                 p = self.swim.progress(name)
                 if p is None or now - p.seen_at > acfg.progress_stale:
@@ -93,20 +106,33 @@ class HangCheck:
                 # this check; and never before this view was installed
                 step, phase, ms = p.step, p.phase, p.step_ms
                 since = max(p.since, node._installed_at)
+                seen_at, began = p.seen_at, p.since
             if step < 0 or phase == RECOVERING:
                 continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
             table[name] = (step, phase, since)
+            seen[name] = (seen_at, began)
             if ms > 0:
                 times.append(ms)
             frontier = max(frontier, (step, phase))
         if frontier[0] < 0 or not times:
             return
-        threshold = max(acfg.hang_floor, acfg.hang_mult * statistics.median(times) / 1000.0)
+        median_s = statistics.median(times) / 1000.0
+        threshold = max(acfg.hang_floor, acfg.hang_mult * median_s)
+        bogus = _implausible(table, seen, max(acfg.step_floor_ms / 1000.0, median_s))
+        if bogus is not None:
+            # a rank ahead of every other by more than synchronous training allows (a counter gone wrong)
+            # is the anomaly, not the ranks that wait for it: out of the frontier, and alerted if ours
+            del table[bogus]
+            frontier = max((step, phase) for step, phase, _ in table.values())
+            if bogus in obs.subject_set and bogus not in obs.alerted:
+                obs.alerted[bogus] = IMPLAUSIBLE
+                obs.alert(bogus, REMOVE, IMPLAUSIBLE, now)
+        passed: Callable[[int, int], float] | None = None
         due = float("inf")
         alerted = obs.alerted
         for s in obs.subjects:
             row = table.get(s)
-            if row is None:
+            if row is None or alerted.get(s) == IMPLAUSIBLE:
                 continue
             step, phase, since = row
             if (step, phase) >= frontier:
@@ -114,6 +140,9 @@ class HangCheck:
                     del alerted[s]
                     obs.alert(s, REMOVE, HUNG, now, retract=True)
                 continue
+            if passed is None:
+                passed = _passed_since(table)  # (built once, only when someone is behind)
+            since = max(since, passed(step, phase))  # behind only since someone got past it
             limit = since + (max(threshold, acfg.checkpoint_timeout) if phase == CHECKPOINT else threshold)
             within = acfg.answered_within
             if now >= limit - within and now - obs.answered.get(s, -math.inf) > within:
@@ -137,3 +166,42 @@ class HangCheck:
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
             node._at(due, timers.HANG)
+
+
+def _implausible(table: dict[str, tuple[int, int, float]], seen: dict[str, tuple[float, float]],
+                 step_s: float) -> str | None:
+    """The one rank whose step is ahead of every other's by more than synchronous training allows: the
+    next one's, plus what it may have advanced from when its step began to when the leader's report was
+    heard (``2 + 2 * dt / step_s`` steps; generous: relayed records are older than they look), or None."""
+    top = second = ""
+    best = nxt = -1
+    for name, row in table.items():  # (one pass: the hang check runs often in a hang storm)
+        step = row[0]
+        if step > best:
+            top, second, best, nxt = name, top, step, best
+        elif step > nxt:
+            second, nxt = name, step
+    lead = best - nxt
+    if not second or lead <= 2:
+        return None
+    dt = max(0.0, seen[top][0] - seen[second][1])
+    return top if lead > 2 + 2 * dt / step_s else None
+
+
+def _passed_since(table: dict[str, tuple[int, int, float]]) -> Callable[[int, int], float]:
+    """For the sample's rows (step, phase, since), a function of a position: the earliest ``since``
+    among the rows ahead of it (a member ahead got past it no later than its current position began)."""
+    rows = sorted(((step, phase), since) for step, phase, since in table.values())
+    # suffix minima: best[i] = min since over rows[i:]
+    best = [0.0] * len(rows)
+    low = math.inf
+    for i in range(len(rows) - 1, -1, -1):
+        low = min(low, rows[i][1])
+        best[i] = low
+    positions = [pos for pos, _ in rows]
+
+    def passed(step: int, phase: int) -> float:
+        i = bisect.bisect_right(positions, (step, phase))
+        return best[i] if i < len(best) else math.inf
+
+    return passed

@@ -117,6 +117,10 @@ class Membership:
         self._timers: list[tuple[float, int, int, object]] = []
         self._cancelled: set[int] = set()
         self._direct: deque[tuple[float, int]] = deque()
+        self._first_acked: dict[str, int] = {}
+        """The lowest incarnation each member answered one of our probes at (a process starts at its lowest
+        and only refutes upwards: an answer below a member's current incarnation came from an older
+        process of it; see :meth:`first_acked`)."""
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._limit_n = -1
@@ -170,6 +174,19 @@ class Membership:
 
     def health(self) -> int:
         return self.awareness.score
+
+    def first_acked(self, name: str) -> int | None:
+        """The lowest incarnation at which ``name`` answered one of our probes (None: never, or forgotten)."""
+        return self._first_acked.get(name)
+
+    def forget_acked(self, name: str) -> None:
+        """Forget ``name``'s answers (its old process's place in the view is settled)."""
+        self._first_acked.pop(name, None)
+
+    @property
+    def progress_since(self) -> float:
+        """When this node's own (step, phase) became current (see :meth:`set_progress`)."""
+        return self._my_since
 
     # ------------------------------------------------------------------ outputs
     def take_sends(self) -> list[Send]:
@@ -400,6 +417,11 @@ class Membership:
         msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
         if rec.status == SUSPECT:  # buddy system: tell the suspect at once
             msgs.append(Suspect(target, rec.incarnation, self.name))
+        elif rec.status == DEAD:
+            # only probed when the agreement layer watches it closely (a subject that may come back): if it
+            # answers, it learns it was declared dead and refutes; a healed partition's members, declared
+            # dead longer than gossip_to_dead ago, would otherwise never hear it
+            msgs.append(Dead(target, rec.incarnation, self.name))
         self._send(rec.addr, msgs, piggyback=True, dest=target)
         if verify:
             self._send_indirect(seq, now)
@@ -493,6 +515,9 @@ class Membership:
             return
         probe.acked = True
         del self._probes[msg.seq]
+        first = self._first_acked.get(msg.src)
+        if first is None or msg.incarnation < first:
+            self._first_acked[msg.src] = msg.incarnation
         if probe.timer:
             self._cancelled.add(probe.timer)
         self.awareness.apply(-1)
@@ -645,6 +670,7 @@ class Membership:
         name, inc = arg
         if self._table.forget(name, inc):
             self._book.forget(name)
+            self._first_acked.pop(name, None)
 
     def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
         if accused_inc >= MAX_INCARNATION:

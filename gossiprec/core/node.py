@@ -39,26 +39,28 @@ from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.consensus import FAST, Consensus, change_rows
+from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan
 from gossiprec.core.events import (
     CoreEvent, Fenced, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, Unfenced,
     ViewInstalled,
 )
-from gossiprec.core.hangs import HangCheck
+from gossiprec.core.hangs import RECOVERING, HangCheck
 from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    LEFT, UNREACHABLE, Accept, Accepted, Alert, Decided, JobDone, JoinRequest, Message, PlanDigest, Prepare, Promise,
-    Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
+    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, Message,
+    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
 )
+from gossiprec.errors import ProtocolError
 
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
+RESTART_FENCE = "restarted: the view still holds this node's previous process, which is being removed"
 WATCH_EARLY = 0.1
 """The watchdog (fencing, hang checks; every ``AgreementConfig.watch_interval``) runs up to this much early
 in a tick that happens anyway (the probe timer's), so it seldom needs a wake-up of its own."""
@@ -123,6 +125,14 @@ class Node:
         self.hangs = HangCheck(self, self.observer, swim, acfg)
         self.aggregates = Aggregates(self, swim, acfg)
         self.catchup = CatchUp(self, swim, acfg)
+        self.hello_until = now + acfg.hello_for
+        """Until then this process says hello to its observers (see :meth:`CatchUp.hello`)."""
+        self.start_incarnation = incarnation
+        """The incarnation this process started at (its Hello says so: refuting suspicion raises the
+        current one, and an observer comparing with that would take a healthy process for a new one)."""
+        self._fenced_at = now
+        self._healthy_since: float | None = None
+        """Since when this fenced member (still in its view) reaches a majority with nothing pending."""
         if view is not None:
             self._install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
         else:
@@ -131,6 +141,7 @@ class Node:
             swim.join(seeds, now)
             self._at(now + acfg.join_retry, timers.JOIN)
         self._at(now + acfg.watch_first, timers.WATCH)
+        self.catchup.hello(now, seeds if view is not None else ())
 
     # ------------------------------------------------------------------ machine interface
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
@@ -188,6 +199,17 @@ class Node:
 
     # ------------------------------------------------------------------ trainer side
     def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
+        """The trainer's progress; a report that jumps further ahead of the previous one than synchronous
+        training can go in the time between them (see ``AgreementConfig.step_floor_ms``) raises
+        :class:`~gossiprec.errors.ProtocolError` and nothing is kept."""
+        prev, prev_phase, prev_ms = self._my_progress
+        if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
+            # (out of recovering a rank may land at any step: the state it received)
+            elapsed = max(0.0, now - self.swim.progress_since)
+            per_step = max(self.acfg.step_floor_ms, min(prev_ms, step_ms if isinstance(step_ms, int) else 0)) / 1000
+            if step - prev > 2 + 2 * elapsed / per_step:
+                raise ProtocolError(f"step jumped from {prev} to {step} in {elapsed:.3f} s, more than synchronous "
+                                    "training can do: report each step as it begins (a step counter gone wrong?)")
         self.swim.set_progress(step, phase, step_ms, now)  # validates: raises before anything is kept
         self._my_progress = (step, phase, step_ms)
         if self.aggregates.held_until is not None:
@@ -253,15 +275,27 @@ class Node:
         self.plan = None
         self.aggregates.start_view(now)
         self._trouble_since = None
+        self._healthy_since = None
+        for node in removed:
+            self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
         ov = self._overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
         self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to)
+        me = self.name
+
+        def allowed(changes: list[Change]) -> bool:
+            return keeps_quorum(view, changes, me)
+
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
+        self._eval_due: float | None = None
+        self._withheld = False
+        """The cut is ready but removes a majority of the view: it is not proposed (trouble, as a vote
+        that no quorum answers is)."""
         if self.name in view:
             obs.watch(ov, now)
             # departures announced before this view was installed still count in it
@@ -280,9 +314,14 @@ class Node:
         if self.name not in view:
             if old is not None and self.name in old:
                 self._fence("removed from the view", now)
-                # not at once: the launcher first kills a trainer that was removed as hung (and this
-                # agent leaves); a healed minority asks a little later and loses nothing
-                self._at(now + self.acfg.rejoin_after, timers.JOIN)
+                if now < self.hello_until:
+                    # a new process (restarted, say): its trainer is new too, nothing to stop first
+                    self.hello_until = now
+                    self._at(now, timers.JOIN)
+                else:
+                    # not at once: the launcher first kills a trainer that was removed as hung (and this
+                    # agent leaves); a healed minority asks a little later and loses nothing
+                    self._at(now + self.acfg.rejoin_after, timers.JOIN)
             else:
                 self._at(now, timers.JOIN)
             return
@@ -307,6 +346,7 @@ class Node:
     def _fence(self, reason: str, now: float) -> None:
         if not self.fenced:
             self.fenced = reason
+            self._fenced_at = now
             self._events.append(Fenced(self.view.epoch if self.view else -1, reason, now))
 
     # ------------------------------------------------------------------ sending helpers
@@ -362,7 +402,7 @@ class Node:
         if v is not None and self.name in v and self.cut.departed(subject, now):
             if self._trouble_since is None:
                 self._trouble_since = now
-            self._at(now + self.cut.settle_departed, timers.EVAL)
+            self._eval_at(now + self.cut.settle_departed)
         self.observer.departed(subject, now)
 
     # ------------------------------------------------------------------ agreement messages
@@ -398,6 +438,10 @@ class Node:
 
     def _on_alert(self, msg: Alert, now: float) -> None:
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
+            if msg.subject == self.name and msg.reason == RESTARTED:
+                # our observers knew an older process of ours: its place (and its trainer's rank) is being
+                # removed; this process's trainer must not take it over meanwhile
+                self._fence(RESTART_FENCE, now)
             self.observer.on_alert(msg, now)
         if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
                           msg.rack):
@@ -405,7 +449,7 @@ class Node:
                 self._bcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
             if self._trouble_since is None:
                 self._trouble_since = now
-            self._at(now + self.acfg.settle, timers.EVAL)
+            self._eval_at(now + self.acfg.settle)
 
     def _on_votes(self, msg: Votes, now: float) -> None:
         self.consensus.on_votes(msg)
@@ -454,12 +498,36 @@ class Node:
             return None
         return next((m.node for m in v.members if m.node not in removed), None)
 
+    def _eval_at(self, when: float) -> None:
+        """Evaluate the cut at ``when``, or sooner if an evaluation is armed already: one armed at a time.
+        Every alert would otherwise arm its own, and each evaluation reads every tally (quadratic in the
+        alerts of a partition or a hang storm); the settle window it finds still open re-arms it."""
+        due = self._eval_due
+        if due is not None and due <= when:
+            return
+        self._eval_due = when
+        self._at(when, timers.EVAL)
+
+    def _on_eval_timer(self, now: float) -> None:
+        due = self._eval_due
+        if due is None or now < due:
+            return  # superseded by a sooner evaluation (which re-armed what it still needed)
+        self._eval_due = None
+        self._evaluate(now)
+
     def _evaluate(self, now: float) -> None:
         if self.view is None or self.consensus.decided is not None or self.name not in self.view \
                 or self.finished is not None:  # the job is over: its members leave, nothing to agree on
             return
         changes, wake = self.cut.evaluate(now)
-        if changes:
+        if changes and removes_majority(self.view, changes):
+            # Alerts gathered across a flapping partition (or a heal) can accuse most of the view at once;
+            # no such change is ever proposed: it waits for the alerts to change (retractions re-evaluate)
+            # and, if nothing does, the watchdog fences (see :func:`keeps_quorum`).
+            self.counters["cut_withheld_majority"] = self.counters.get("cut_withheld_majority", 0) + 1
+            self._withheld = True
+        elif changes:
+            self._withheld = False
             c = self.consensus
             voted = c.my_vote
             c.propose(changes)
@@ -467,7 +535,9 @@ class Node:
                 self._send_vote_to_all(c.my_vote)
             self._after_consensus(now)
         elif wake is not None:
-            self._at(wake, timers.EVAL)
+            self._eval_at(wake)
+        else:
+            self._withheld = False  # nothing stable left (the accusations were retracted)
 
     def _send_vote_to_all(self, digest: bytes) -> None:
         """Our vote (with its proposal) to every member of a small view (see :meth:`_one_hop_to_all`), so
@@ -543,21 +613,54 @@ class Node:
         # answers (the minority side of a partition; its members do not all see a cut of their own)
         cons = self.consensus
         pending = cons.decided is None and (cons.my_vote is not None or bool(cons.votes) or bool(cons.proposals)
-                                            or cons.promised != FAST)
+                                            or cons.promised != FAST or self._withheld)
         # every subject we watch is unreachable from here: most likely we are the one cut off (a node
         # that hears nobody; Lifeguard keeps such a node from suspecting, so SWIM's count stays high)
         subjects = obs.subjects
         cut_off = len(subjects) >= 2 and all(obs.alerted.get(x) == UNREACHABLE for x in subjects)
         if live < v.majority() or pending or cut_off:
+            self._healthy_since = None
             if self._trouble_since is None:
                 self._trouble_since = now
             elif now - self._trouble_since >= acfg.fence_after:
                 self._fence("no quorum: cannot reach a majority of the view" if live < v.majority()
                             else "cut off: no subject answers" if cut_off
+                            else "the cut removes a majority of the view: not proposed" if self._withheld
                             else "no decision within fence_after", now)
         else:
             self._trouble_since = None
+            # A restart's observers alert at once (each gets its Hello), so their change is proposed within
+            # a settle window, and pending keeps the fence until the old place is removed. Alerts that
+            # never make a change (one observer's stale record, say) are not a restart: once they have
+            # had unstable_timeout to become one, the fence ends as any other does.
+            if self.fenced and (self.fenced != RESTART_FENCE or now - self._fenced_at >= acfg.unstable_timeout):
+                self._maybe_unfence(v, now)
         self.hangs.run(now)
+
+    def _maybe_unfence(self, v: View, now: float) -> None:
+        """Fenced, still in the view, nothing pending and a live majority by SWIM's count: once the view's
+        own members that SWIM holds alive (not suspect) are a majority for ``unfence_after``, unfence.
+        Only a new view unfenced before, and after a final heal a member could stay fenced in an intact
+        view for good. It first asks two members for newer news: a view that removed it is installed
+        (and fences it for that reason) long before it would unfence here."""
+        alive = 0
+        for m in v.members:
+            rec = self.swim.member(m.node)
+            if rec is not None and rec.status == ALIVE:
+                alive += 1
+        if alive < v.majority():
+            self._healthy_since = None
+            return
+        if self._healthy_since is None:
+            # the window opens with the question actually sent (catch-ups are rate-limited: one skipped
+            # would let the member unfence without having asked); else the next watchdog round asks
+            self.catchup.catch_up(now)
+            if self.catchup.last_catchup == now:
+                self._healthy_since = now
+        elif now - self._healthy_since >= self.acfg.unfence_after:
+            self._healthy_since = None
+            self.fenced = ""
+            self._events.append(Unfenced(v.epoch, now))
 
 
 Handler = Callable[[Node, Any, float], None]
@@ -567,6 +670,7 @@ _ANY_VIEW: dict[type, Handler] = {
     ViewState: lambda n, m, now: n.catchup.on_view_state(m, now),
     ViewDelta: lambda n, m, now: n.catchup.on_view_delta(m, now),
     JoinRequest: lambda n, m, now: n.catchup.on_join_request(m, now),
+    Hello: lambda n, m, now: n.catchup.on_hello(m, now),
     JobDone: Node._on_job_done,
 }
 """Messages handled whatever view they name."""
@@ -586,12 +690,13 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
 """Messages of the current view: (handler, whether a member outside that view handles it too)."""
 
 _TIMER_HANDLERS: dict[int, Callable[[Node, float], None]] = {
-    timers.EVAL: lambda n, now: n._evaluate(now),
+    timers.EVAL: lambda n, now: n._on_eval_timer(now),
     timers.FALLBACK: lambda n, now: n._fallback(now),
     timers.RESEND: lambda n, now: n._resend(now),
     timers.WATCH: lambda n, now: n._watch(now),
     timers.HANG: lambda n, now: n.hangs.on_timer(now),
     timers.JOIN: lambda n, now: n.catchup.join_retry(now),
     timers.REPORT: lambda n, now: n.aggregates.maybe_report(now),
+    timers.HELLO: lambda n, now: n.catchup.hello(now),
 }
 """What each timer kind runs."""

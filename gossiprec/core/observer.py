@@ -17,7 +17,8 @@ Rules:
   whose silence already spans ``confirm_after`` is *ready*: it confirms the moment another alert arrives.
 - ``retract_after`` answers in a row (one when this member is fenced: it was the one cut off) withdraw an
   unreachable alert; a flapping node rarely answers three times running.
-- A subject that announced its departure is alerted as departed at once.
+- A subject that announced its departure is alerted as departed at once; one whose new process said hello
+  while we had answers from an older one, as restarted (see :mod:`~gossiprec.core.catchup`).
 
 Every alert of ours goes to the node (:meth:`~gossiprec.core.node.Node._on_alert`), which tallies it in
 the cut detector like anyone else's, and to the other members (one hop in a small view, and gossip).
@@ -32,7 +33,7 @@ from gossiprec.core.events import AlertRaised, ProbeResult
 from gossiprec.core.membership import Membership
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.view import JOIN, REMOVE, View
-from gossiprec.core.wire import ALERT_REASONS, DEPARTED, JOINING, UNREACHABLE, Alert, JoinRequest
+from gossiprec.core.wire import ALERT_REASONS, DEPARTED, JOINING, RESTARTED, UNREACHABLE, Alert, JoinRequest
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -44,7 +45,7 @@ class Observer:
     """The observer part of one :class:`~gossiprec.core.node.Node` (its state lives for one view)."""
 
     __slots__ = ("node", "swim", "acfg", "subjects", "subject_set", "streak", "refresh", "ready", "alerted",
-                 "answered", "ok_since", "my_alerts")
+                 "answered", "ok_since", "my_alerts", "knocking")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -70,6 +71,9 @@ class Observer:
         """Answers in a row from a subject we alerted as unreachable."""
         self.my_alerts: dict[str, Alert] = {}
         """Our own alerts of this view, by broadcast key (re-sent by the watchdog until the view changes)."""
+        self.knocking: dict[str, JoinRequest] = {}
+        """Joiners that asked us (one of their joiner observers) to be admitted, waiting for an answer to
+        our probe before we alert."""
 
     # ------------------------------------------------------------------ a new view
     def start_view(self, view: View, ov: Overlay) -> None:
@@ -80,6 +84,7 @@ class Observer:
         self.my_alerts = {}
         self.ok_since = {}
         self.alerted = {}
+        self.knocking = {}
         me = self.node.name
         self.subjects = tuple(sorted(ov.subjects(me))) if me in view else ()
         self.subject_set = frozenset(self.subjects)
@@ -114,11 +119,14 @@ class Observer:
     def refocus(self) -> None:
         # subjects that may have failed are probed every round (each failed probe is evidence towards
         # an alert, and the alerts' spread is the view change's tail); progress refreshes take turns
-        self.swim.set_focus(self.streak, self.refresh, self.node._now)
+        focus = self.streak.keys() | self.knocking.keys() if self.knocking else self.streak
+        self.swim.set_focus(focus, self.refresh, self.node._now)
 
     # ------------------------------------------------------------------ evidence
     def on_probe(self, ev: ProbeResult, now: float) -> None:
         subject = ev.target
+        if subject in self.knocking:
+            self._knocked(subject, ev.ok, now)
         if subject not in self.subject_set:
             return
         alerted = self.alerted
@@ -185,13 +193,36 @@ class Observer:
             self.alerted[subject] = DEPARTED
             self.alert(subject, REMOVE, DEPARTED, now)
 
+    def restarted(self, subject: str, now: float) -> None:
+        """A new process of ``subject`` said hello, and we had answers from an older one: its place goes."""
+        if subject in self.subject_set and self.alerted.get(subject) != RESTARTED:
+            self.alerted[subject] = RESTARTED  # (not retracted by the new process's answers)
+            self.alert(subject, REMOVE, RESTARTED, now)
+
     def joining(self, msg: JoinRequest, ov: Overlay, now: float) -> None:
-        """A joiner asked to be admitted: its joiner observers alert (once per view)."""
-        if self.node.name in ov.joiner_observers(msg.node):
-            key = f"join:{msg.node}"
-            if key not in self.alerted:
-                self.alerted[key] = JOINING
-                self.alert(msg.node, JOIN, JOINING, now, addr=msg.addr, host=msg.host, rack=msg.rack)
+        """A joiner asked to be admitted: its joiner observers alert (once per view), each once its
+        joiner answered one of their probes in time. Admission asks for the evidence whose absence would
+        remove the joiner again at once (a node whose every packet is late would otherwise be removed and
+        readmitted over and over, each time a recovery of the job)."""
+        if self.node.name not in ov.joiner_observers(msg.node) or f"join:{msg.node}" in self.alerted:
+            return
+        if self.swim.member(msg.node) is None:
+            self._admit(msg, now)  # not known to SWIM yet (nothing to probe): its first view is the test
+        elif msg.node not in self.knocking:
+            self.knocking[msg.node] = msg
+            self.refocus()  # probed every round until it answers or misses once
+
+    def _knocked(self, joiner: str, ok: bool, now: float) -> None:
+        msg = self.knocking.pop(joiner)
+        self.refocus()
+        if ok:
+            self._admit(msg, now)
+        # a missed probe: nothing until the joiner asks again (every join_retry), so a joiner that never
+        # answers in time costs one probe per retry
+
+    def _admit(self, msg: JoinRequest, now: float) -> None:
+        self.alerted[f"join:{msg.node}"] = JOINING
+        self.alert(msg.node, JOIN, JOINING, now, addr=msg.addr, host=msg.host, rack=msg.rack)
 
     # ------------------------------------------------------------------ output
     def alert(self, subject: str, kind: int, reason: int, now: float, retract: bool = False,

@@ -53,6 +53,8 @@ class Overlay:
     _rings: list[tuple[list[bytes], list[str]]] = field(default_factory=list)
     _observers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _subjects: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _joiner_obs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Joiner observers computed so far (a joiner knocks every ``join_retry``; each answer needs them)."""
 
     @classmethod
     def build(cls, config_id: str, nodes: Iterable[str], k_max: int = 10) -> "Overlay":
@@ -88,6 +90,9 @@ class Overlay:
 
     def joiner_observers(self, joiner: str) -> tuple[str, ...]:
         """The would-be predecessors of a node that is not (yet) in the view: its temporary observers."""
+        got = self._joiner_obs.get(joiner)
+        if got is not None:
+            return got
         out: list[str] = []
         for r, (keys, order) in enumerate(self._rings):
             pos = bisect.bisect_left(keys, ring_key(self.config_id, r, joiner))
@@ -96,7 +101,10 @@ class Overlay:
                 out.append(pred)
         if not self._rings and self.nodes:
             out = [self.nodes[0]]
-        return tuple(out)
+        if len(self._joiner_obs) >= 4 * len(self.nodes) + 64:
+            self._joiner_obs.clear()  # bounded: names from the network must not grow it without end
+        got = self._joiner_obs[joiner] = tuple(out)
+        return got
 
     def thresholds(self, subject: str, joining: bool = False) -> tuple[int, int]:
         d = len(self.joiner_observers(subject) if joining else self.observers(subject))

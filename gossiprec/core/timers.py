@@ -8,9 +8,9 @@ has changed; the others run whatever the view.
 
 from __future__ import annotations
 
-EVAL, FALLBACK, RESEND, WATCH, JOIN, HANG, REPORT = range(7)
+EVAL, FALLBACK, RESEND, WATCH, JOIN, HANG, REPORT, HELLO = range(8)
 """Evaluate the cut; fall back to a classic round; re-send the coordinator's phase; the watchdog; ask to
-join; an extra hang check; look at the trainer while a state report is held."""
+join; an extra hang check; look at the trainer while a state report is held; say hello (a new process)."""
 
 AGREEMENT = frozenset({EVAL, FALLBACK, RESEND})
 """The kinds that belong to one epoch's agreement."""

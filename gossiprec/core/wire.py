@@ -479,11 +479,12 @@ CHANGES = _seq(CHANGE, MAX_MEMBERS)
 BITMAP = _blob(MAX_MEMBERS // 8 + 1)
 
 # Alert reasons
-UNREACHABLE, HUNG, DEPARTED, JOINING = 0, 1, 2, 3
-ALERT_REASONS = ("unreachable", "hung", "departed", "joining")
+UNREACHABLE, HUNG, DEPARTED, JOINING, RESTARTED, IMPLAUSIBLE = 0, 1, 2, 3, 4, 5
+ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "implausible")
 
 
-@message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(3), _bool, ADDR, _text(MAX_NAME, allow_empty=True),
+@message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(len(ALERT_REASONS) - 1), _bool, ADDR,
+         _text(MAX_NAME, allow_empty=True),
          _text(MAX_NAME, allow_empty=True))
 @value_class
 class Alert(Message):
@@ -625,6 +626,22 @@ class JoinRequest(Message):
     host: str
     rack: str
     epoch: int
+
+
+@message(35, NAME, ADDR, U64, EPOCH, _text(32, allow_empty=True))
+@value_class
+class Hello(Message):
+    """A new process of ``node`` (started at ``incarnation``; refutations since do not count) holds view
+    (``epoch``, ``config``), which lists it: to its observers, for a while after it starts. An observer
+    that had answers from an older process of it alerts (``restarted``): the old process's place in the
+    view is not the new one's. A member holding a later view sends its news back (a process restarted
+    from the job spec holds view 0)."""
+
+    node: str
+    addr: str
+    incarnation: int
+    epoch: int
+    config: str
 
 
 @message(31, EPOCH, CFG, STEP, _optional(STEP), _uint(2**62), BITMAP)

@@ -35,7 +35,7 @@ import stat
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
-from gossiprec.errors import ConfigError
+from gossiprec.errors import ConfigError, ProtocolError
 from gossiprec.local.protocol import (
     CONTROL_VERSION, LENGTH_PREFIX, MAX_REQUEST_FRAME, ControlError, check_request, decode_body, encode_frame,
     event_to_dict, finished_args, frame_length, layout_args, report_args, state_args, to_plain,
@@ -436,7 +436,12 @@ class ControlServer:
         return {"pong": True}
 
     def _op_report(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
-        self.backend.control_report(*report_args(req))
+        try:
+            self.backend.control_report(*report_args(req))
+        except ControlError:
+            raise
+        except ProtocolError as exc:  # the core refused the values (a step further ahead than training goes)
+            raise ControlError("bad_args", str(exc)) from exc
         return {}
 
     def _op_state(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:

@@ -9,7 +9,8 @@ command that replays it):
    deciding member, by :mod:`gossiprec.sim.quorum`: votes from ``fast_quorum`` members on the fast path,
    Accepted from a ``majority`` in a classic round, counted by the audit itself);
 3. every member that computes the plan of an epoch computes the same plan (same digest);
-4. the minority side of a partition never decides.
+4. the minority side of a partition never decides;
+5. no decision removes a majority of its predecessor view.
 
 Liveness is checked by the scenario's expectations (e.g. "after the faults stop, the majority decides
 within a bounded time"), reported in the figures and asserted by the tests.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.events import Fenced, PlanReady, ViewInstalled
+from gossiprec.core.events import Fenced, PlanReady, Unfenced, ViewInstalled
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
@@ -42,7 +43,8 @@ from gossiprec.sim.metrics import Progress, quantiles
 from gossiprec.sim.network import NetworkModel
 from gossiprec.sim.quorum import QuorumAudit
 
-SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join")
+SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join",
+             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet")
 COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
                                                                            "recovering"))
 ABORT_DELAY = 0.002
@@ -98,8 +100,12 @@ class AgreementChecker:
         self.minority: set[int] = set()
         self.minority_active = False
         self.removed_at: dict[str, tuple[int, float]] = {}
+        self.removals: dict[str, set[int]] = {}
+        """Name -> every epoch whose view removed it (a node removed, back, removed again: two)."""
         self.violations: list[str] = []
         self.joined: set[str] = set()
+        self.fenced_now: set[int] = set()
+        self.unfenced_at: dict[int, float] = {}
 
     def fail(self, msg: str) -> None:
         self.violations.append(msg)
@@ -115,12 +121,16 @@ class AgreementChecker:
             problem = self.quorum.installed(idx, ev)
             if problem is not None:
                 self.fail(problem)
+            before = len(ev.members) - len(ev.joined) + len(ev.removed)
+            if before - len(ev.removed) < before // 2 + 1:
+                self.fail(f"epoch {ev.epoch} removed {len(ev.removed)} of {before} members: a majority")
             if ev.decided_here:
                 self.decided_fast[ev.epoch] = self.decided_fast.get(ev.epoch, False) or ev.fast
                 if self.minority_active and idx in self.minority:
                     self.fail(f"{self.cluster.names[idx]} on the minority side decided epoch {ev.epoch}")
             for r in ev.removed:
                 self.removed_at.setdefault(r, (ev.epoch, now))
+                self.removals.setdefault(r, set()).add(ev.epoch)
             self.joined.update(ev.joined)
         elif t is PlanReady:
             prev = self.plan_of_epoch.setdefault(ev.epoch, ev.digest)
@@ -129,6 +139,10 @@ class AgreementChecker:
             self.plans.setdefault(ev.epoch, {})[idx] = now
         elif t is Fenced:
             self.fenced.setdefault(idx, now)
+            self.fenced_now.add(idx)
+        elif t is Unfenced:
+            self.fenced_now.discard(idx)
+            self.unfenced_at[idx] = now
 
 
 def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str, Any]]:
@@ -137,8 +151,10 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
     n = params.nodes
     names = [f"n{i:05d}" for i in range(n)]
     trainers = n - params.spares
-    racks = 20  # a rack is 5% of the nodes
+    racks = 4 if params.scenario == "rackflap" else 20  # a rack is 5% of the nodes (25% in rackflap)
     late = set(range(trainers, n)) if params.scenario == "join" else set()
+    from_spec: set[int] = set()
+    """Nodes whose next process starts from the job spec (view 0, as an agent restarted by its launcher)."""
     members = []
     for i, name in enumerate(names):
         if i in late:
@@ -152,7 +168,7 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
     base = {name: MemberInfo(name, name, 1) for name in names}
     order = tuple(names)
     memo: dict[Any, Any] = {}
-    extra: dict[str, Any] = {"view0": view0, "racks": racks, "late": late}
+    extra: dict[str, Any] = {"view0": view0, "racks": racks, "late": late, "from_spec": from_spec}
 
     def member_of(idx: int) -> ViewMember:
         name = names[idx]
@@ -169,8 +185,8 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
     def make(idx: int, now: float, incarnation: int, rng: random.Random) -> Node:
         name = names[idx]
         m = member_of(idx)
-        if incarnation == 1 and idx not in late:
-            node = Node(config, name, name, incarnation=1, rng=rng, now=now, view=view0, agreement=acfg,
+        if (incarnation == 1 or idx in from_spec) and idx not in late:
+            node = Node(config, name, name, incarnation=incarnation, rng=rng, now=now, view=view0, agreement=acfg,
                         host=m.host, rack=m.rack, role=m.role, members=base, member_order=order,
                         members_live=n, memo=memo)
         else:
@@ -201,9 +217,13 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     victims: list[int] = []
     hung: set[int] = set()
     slow: set[int] = set()
+    slow_node: list[int] = []
+    stall_until = -1.0
     expect_removed: set[int] = set()
     expect_kept: set[int] = set(range(n))
     t_fault = params.fault_at
+    last_fault = t_fault
+    """The last fault's time (a heal, a restart): the settle time counts from there."""
     sc = params.scenario
 
     # --- faults -----------------------------------------------------------------------------------
@@ -245,6 +265,63 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     elif sc == "flap":
         victims = [rng.randrange(n)]
         cluster.at(t_fault, lambda: cluster.network.set_node_loss(victims[0], 0.8, 0.8))
+    elif sc == "delay":
+        # one node's every packet held back 0.3-0.8 s: removed once at most, never back and forth
+        v = rng.randrange(n)
+        slow_node.append(v)
+        cluster.at(t_fault, lambda: cluster.network.set_node_delay(v, 0.3, 0.8))
+    elif sc == "flappart":
+        # partitions that heal and re-split differently every 0.5-4 s (sometimes healed for a moment),
+        # then a final heal at fault_at + heal_after: nothing decided may remove a majority, and after the
+        # heal every node is back, unfenced, in one view
+        t = t_fault
+        end = t_fault + params.heal_after
+        while t < end:
+            order = list(range(n))
+            rng.shuffle(order)
+            cut = rng.randint(1, n // 2)
+            groups = [set(order[:cut]), set(order[cut:])]
+            cluster.at(t, lambda g=groups: cluster.network.partition(g))
+            t += rng.uniform(0.5, 4.0)
+            if rng.random() < 0.3 and t < end:
+                cluster.at(t, cluster.network.heal)
+                t += rng.uniform(0.03, 0.3)
+        cluster.at(end, cluster.network.heal)
+        last_fault = end
+    elif sc == "heal":
+        # exact halves, healed before either side's SWIM has declared the other dead: every node fences,
+        # nobody may decide, and after the heal every node unfences in the intact view
+        order = list(range(n))
+        rng.shuffle(order)
+        halves = [set(order[: n // 2]), set(order[n // 2:])]
+        cluster.at(t_fault, lambda: cluster.network.partition(halves))
+        last_fault = t_fault + params.heal_after
+        cluster.at(last_fault, cluster.network.heal)
+    elif sc == "stall":
+        # the whole job waits 1.3-5 s in one collective (a slow file system, a long GC, a cut link) and
+        # resumes: no one is hung
+        stall_until = t_fault + rng.uniform(1.3, 5.0)
+    elif sc in ("restart", "respawn"):
+        # a trainer's agent dies and its launcher starts it again from the job spec (view 0): at once
+        # (0.2-1.2 s, before anyone removed it) or after its removal (6-8 s)
+        v = rng.choice(trainers)
+        victims = [v]
+        extra["from_spec"].add(v)
+        back = t_fault + (rng.uniform(0.2, 1.2) if sc == "restart" else rng.uniform(6.0, 8.0))
+        cluster.at(t_fault, lambda: cluster.crash(v))
+        cluster.at(back, lambda: cluster.restart(v))
+        hung.add(v)  # its new trainer reports no progress: the job waits for the view without the old one
+        last_fault = back
+    elif sc == "mass":
+        victims = rng.sample(range(n), (2 * n) // 5)  # 40% at once
+        cluster.at(t_fault, lambda: [cluster.crash(v) for v in victims])
+    elif sc == "rackflap":
+        rack = rng.randrange(extra["racks"])
+        victims = [i for i in range(n) if i % extra["racks"] == rack]
+        flapper = rng.choice([i for i in range(n) if i not in victims])
+        victims.append(flapper)
+        cluster.at(t_fault, lambda: [cluster.crash(v) for v in victims[:-1]])
+        cluster.at(t_fault, lambda: cluster.network.set_node_loss(flapper, 0.8, 0.8))
     elif sc == "donor":
         first = rng.choice(trainers)
         victims = [first]
@@ -308,7 +385,10 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     def blocked() -> bool:
         if cluster.now < t_fault:
             return False
-        for v in victims if sc in ("crash", "rack", "hang", "donor", "oneway", "flap") else []:
+        if cluster.now < stall_until:
+            return True
+        for v in victims if sc in ("crash", "rack", "hang", "donor", "oneway", "flap", "restart", "respawn", "mass",
+                                   "rackflap") else []:
             # blocked while some live trainer still has v as a trainer in its view
             for i in trainers:
                 node = cluster.nodes[i]
@@ -352,6 +432,41 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
                 cluster.at(cluster.now + 0.01, watch_for_first_view)
         cluster.at(t_fault, watch_for_first_view)
 
+    # --- settling: after the last fault, every live node holds one view that lists exactly the live nodes,
+    # and none is fenced (nodes expected out, or free to be either way, are not counted)
+    dont_care = set(slow_node)
+    if sc in ("hang", "oneway", "flap"):
+        dont_care |= set(victims)
+    elif sc == "rackflap":
+        dont_care.add(victims[-1])  # the flapping node
+    settle: dict[str, float] = {}
+
+    def settled() -> bool:
+        epoch = None
+        live = set()
+        for node in cluster.nodes:
+            if node.state == CRASHED or node.index in dont_care:
+                continue
+            m = node.machine
+            if m.view is None or m.fenced or (epoch is not None and m.view.epoch != epoch):
+                return False
+            epoch = m.view.epoch
+            live.add(node.name)
+            view = m.view
+        if sc in ("restart", "respawn") and not all(names[v] in checker.removals for v in victims):
+            return False  # the old process's place must go first
+        return epoch is not None and {x for x in view.nodes if index_of[x] not in dont_care} == live
+
+    index_of = cluster.index_of
+
+    def watch_settle() -> None:
+        if settled():
+            settle["at"] = cluster.now
+        else:
+            cluster.at(cluster.now + 0.05, watch_settle)
+
+    cluster.at(last_fault, watch_settle)
+
     progress = Progress(show_progress)
     for k in range(1, 11):
         cluster.run_until(params.duration * k / 10)
@@ -383,8 +498,8 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
                     plan.append(max(plans[i] for i in survivors) - t_fault)
                     break
     removed_names = set(checker.removed_at)
-    healthy_removed = sorted(names[i] for i in expect_kept if names[i] in removed_names and
-                             sc not in ("partition",))
+    healthy_removed = sorted(names[i] for i in expect_kept if names[i] in removed_names and i not in slow_node
+                             and sc not in ("partition", "flappart"))
     result = {
         "scenario": sc,
         "nodes": n,
@@ -408,5 +523,11 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "fenced": sorted(names[i] for i in checker.fenced),
         "joined": sorted(checker.joined),
         "training_step": state["step"],
+        "most_removals": max((len(e) for e in checker.removals.values()), default=0),
+        # last fault (a heal, a restart) -> every live node in one view of exactly the live nodes, unfenced
+        "settle_s": round(settle["at"] - last_fault, 3) if "at" in settle else None,
+        "settled_at_end": settled(),
+        "fenced_at_end": sorted(names[i] for i in range(n) if cluster.nodes[i].state != CRASHED
+                                and i not in dont_care and cluster.nodes[i].machine.fenced),
     }
     return result

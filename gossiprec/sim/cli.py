@@ -28,7 +28,11 @@ longer than 1 s) but were declared dead by anyone; bytes are datagram payload by
 Agreement scenarios (--scenario, the whole core: overlay, cut detection, consensus, plan):
 crash, rack (5% of nodes at once), hang (a trainer stalls), straggler (a trainer lags but moves),
 partition (majority/minority, healed after 8 s), split (exact halves), oneway (a node loses all inbound
-traffic), flap (80% loss on one node's links), donor (a donor dies during the plan), join (spares join).
+traffic), flap (80% loss on one node's links), donor (a donor dies during the plan), join (spares join),
+delay (every packet of one node 0.3-0.8 s late), flappart (partitions re-split every 0.5-4 s until a final
+heal), stall (the whole job waits 1.3-5 s in one collective), restart / respawn (an agent restarted from
+the job spec before / after its removal), heal (exact halves healed in an intact view), mass (40% crash
+at once), rackflap (a quarter of the nodes crash while another loses 80%), quiet (no fault: the baseline).
 They report agree_s (fault -> every survivor installed the view without the failed nodes), plan_s
 (fault -> identical plan everywhere), views_decided, fast_path_ratio and invariant_violations.
 --seeds N repeats a scenario over seeds 1..N; --sweep 16,128,1024 measures a one-node crash per size

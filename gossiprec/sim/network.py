@@ -52,6 +52,7 @@ class Network:
     _blocked_groups: set[tuple[int, int]] = field(default_factory=set)
     _loss_to: dict[int, float] = field(default_factory=dict)
     _loss_from: dict[int, float] = field(default_factory=dict)
+    _delay_of: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def partition(self, groups: list[frozenset[int]] | list[set[int]], one_way: bool = False) -> None:
         """Cut traffic between groups (all pairs of groups, or only from group i to later groups)."""
@@ -74,6 +75,7 @@ class Network:
         self._blocked = {}
         self._loss_to = {}
         self._loss_from = {}
+        self._delay_of = {}
 
     def block(self, src: int, dst: int) -> None:
         """Cut the one direction ``src -> dst``."""
@@ -83,6 +85,11 @@ class Network:
         """Extra loss on one node's links (a flapping NIC), in addition to the model's."""
         self._loss_to[node] = inbound
         self._loss_from[node] = outbound
+
+    def set_node_delay(self, node: int, low: float, high: float) -> None:
+        """Every datagram and stream message to or from ``node`` is held back by an extra uniform
+        ``low..high`` seconds (a node on a congested or failing link; both ends of a pair count once)."""
+        self._delay_of[node] = (low, high)
 
     def cut(self, src: int, dst: int) -> bool:
         if self._blocked_groups:
@@ -103,6 +110,10 @@ class Network:
         if m.jitter:
             # rng.expovariate(1.0 / m.jitter), inlined: the same expression, so the same float
             delay += -_log(1.0 - rng.random()) / (1.0 / m.jitter)
+        if self._delay_of:
+            slow = self._delay_of.get(src) or self._delay_of.get(dst)
+            if slow is not None:
+                delay += slow[0] + rng.random() * (slow[1] - slow[0])
         if reliable:
             return [now + delay + m.latency]
         loss = m.loss

@@ -59,6 +59,18 @@ def run_seeds(base: AgreeParams, seeds: int, workers: int = 2, first_seed: int =
         "agree_s_across_runs": quantiles(agree),
         "fast_path_ratio": round(sum(r["fast_path_ratio"] for r in ok) / max(1, len(ok)), 3),
         "fenced_runs": sum(1 for r in ok if r["fenced"]),
+        # the run ended with a live node (one that should be in the view) fenced, or not settled into one
+        # view of exactly the live nodes
+        "ended_fenced_runs": sum(1 for r in ok if r["fenced_at_end"]),
+        "ended_fenced_seeds": [r["seed"] for r in ok if r["fenced_at_end"]][:20],
+        "unsettled_runs": sum(1 for r in ok if not r["settled_at_end"]),
+        "unsettled_seeds": [r["seed"] for r in ok if not r["settled_at_end"]][:20],
+        "settle_s_across_runs": quantiles([r["settle_s"] for r in ok if r["settle_s"] is not None]),
+        "majority_removed_runs": sum(1 for v in violations if "a majority" in v["violation"]),
+        "view_changes_per_run": quantiles([float(r["views_decided"]) for r in ok]),
+        "removed_again_runs": sum(1 for r in ok if r["most_removals"] > 1),
+        "removed_again_seeds": [r["seed"] for r in ok if r["most_removals"] > 1][:20],
         "cpu_s_total": round(sum(r["cpu_s"] for r in ok), 3),
         "events_total": sum(r["events"] for r in ok),
+        "events_per_cpu_s": round(sum(r["events"] for r in ok) / max(1e-9, sum(r["cpu_s"] for r in ok))),
     }
