@@ -323,7 +323,7 @@ def test_torchrun_loses_a_worker_and_a_spare_takes_its_rank_in_place(tmp_path: P
             # has committed step `kill_at` (a fault at a known step, not at a moment the test hopes to hit)
             fault = f" --fault kill@committed:{kill_at}" if i == 2 else ""
             worker = (f"exec {sys.executable} -m gossiprec.harness.trainer --steps {steps} --hidden {hidden} "
-                      f"--step-ms 20 --go {work}/go --out {work}/$GOSSIPREC_NODE.json{fault}")
+                      f"--step-ms 20 --wait-for-spares 120 --out {work}/$GOSSIPREC_NODE.json{fault}")
             conf = ",".join(f"{k}={v}" for k, v in _conf(base, host=f"n{i}").items())
             common = ["--nnodes", "3", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-id", "torchrun-test",
                       "--rdzv-conf", conf, "--monitor-interval", "0.1", "--no-python", "sh", "-c", worker]
@@ -343,7 +343,6 @@ def test_torchrun_loses_a_worker_and_a_spare_takes_its_rank_in_place(tmp_path: P
         while not all((work / f"n{i}-0.ready").exists() for i in (1, 2, 3)):  # every worker loaded
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs.values()), logs()
             time.sleep(0.05)
-        (work / "go").write_text("1")
         codes = {}
         for name, p in procs.items():
             try:
