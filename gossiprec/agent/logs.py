@@ -17,6 +17,8 @@ from gossiprec.local.protocol import event_to_dict
 
 _QUIET_EVENTS = frozenset({"ProbeResult"})
 """Events logged at debug level: one per probe, far too many for info."""
+_LOUD_EVENTS = {"JobSpecMismatch": logging.ERROR, "BootMismatch": logging.ERROR}
+"""Events that say the job was started wrongly: errors, whatever the level."""
 
 
 class _TextFormatter(logging.Formatter):
@@ -56,6 +58,6 @@ def configure_logging(fmt: str = "text", level: str = "info", stream: Any = None
 def log_event(logger: logging.Logger, ev: Any) -> None:
     """One line per machine event, its fields attached (encoded only when the level is enabled)."""
     name = type(ev).__name__
-    level = logging.DEBUG if name in _QUIET_EVENTS else logging.INFO
+    level = logging.DEBUG if name in _QUIET_EVENTS else _LOUD_EVENTS.get(name, logging.INFO)
     if logger.isEnabledFor(level):
         logger.log(level, "event %s", name, extra={"fields": event_to_dict(ev)})

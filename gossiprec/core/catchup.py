@@ -171,6 +171,15 @@ class CatchUp:
         node = self.node
         counters = node.counters
         epoch = msg.view[0] if isinstance(msg.view, (list, tuple)) and msg.view else None
+        if node.view is not None and node.view.epoch == 0 and epoch == 0:
+            try:
+                other = View.from_wire(msg.view)
+            except ProtocolError:
+                counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
+                return
+            if other.config_id != node.view.config_id:
+                node.spec_mismatch("", other.config_id, other, now)  # a ViewState names no sender
+            return
         if node.view is not None and type(epoch) is int and epoch <= node.view.epoch:
             counters["rx_stale_view"] = counters.get("rx_stale_view", 0) + 1
             return  # not news: skip the O(N) parse (after a change many members push the same view)
@@ -236,6 +245,15 @@ class CatchUp:
         node = self.node
         v = node.view
         if v is None or msg.node == node.name:
+            return
+        if v.epoch == 0 and msg.epoch == 0 and v.config_id != msg.config:
+            # two views 0: its agents read another job spec. Both sides refuse; our view 0 and our Hello go
+            # back, so that it names the differing members and answers with its own view 0
+            node.spec_mismatch(msg.node, msg.config, None, now)
+            if now - self.pushed_view.get(msg.node, float("-inf")) >= self.acfg.catchup_interval:
+                self.pushed_view[msg.node] = now
+                self.swim.send_addr(msg.addr, ViewState(self.view_wire(v)), reliable=True)
+                self.swim.send_addr(msg.addr, Hello(node.name, node.addr, node.start_incarnation, 0, v.config_id))
             return
         if v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config):
             # it holds an older view (restarted from the job spec, say): our news, straight back; each of

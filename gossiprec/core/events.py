@@ -189,3 +189,19 @@ class ViewZeroAgreed(CoreEvent):
     members: tuple[str, ...]
     member: bool
     at: float
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpecMismatch(CoreEvent):
+    """A member of view 0 holds another view 0 (its agents read another job spec): this node fences
+    and takes no part in agreement, so that the two can never decide side by side. ``only_ours``,
+    ``only_theirs`` and ``differ`` (same name, other address, role or rank) are empty until its view
+    0 arrived."""
+
+    peer: str
+    ours: str
+    theirs: str
+    only_ours: tuple[str, ...]
+    only_theirs: tuple[str, ...]
+    differ: tuple[str, ...]
+    at: float

@@ -43,8 +43,8 @@ from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum,
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan
 from gossiprec.core.events import (
-    CoreEvent, Fenced, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, Unfenced,
-    ViewInstalled,
+    CoreEvent, Fenced, JobFinished, JobSpecMismatch, MemberFailed, MemberJoined, MemberLeft, MemberSuspected,
+    ProbeResult, Unfenced, ViewInstalled,
 )
 from gossiprec.core.hangs import RECOVERING, HangCheck
 from gossiprec.core.membership import Membership
@@ -60,6 +60,7 @@ from gossiprec.errors import ProtocolError
 
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
+SPEC_FENCE = "job spec mismatch"
 RESTART_FENCE = "restarted: the view still holds this node's previous process, which is being removed"
 WATCH_EARLY = 0.1
 """The watchdog (fencing, hang checks; every ``AgreementConfig.watch_interval``) runs up to this much early
@@ -107,6 +108,9 @@ class Node:
         self._now = now
         self._installed_at = now
         self.fenced: str = ""
+        self.spec_conflict: str = ""
+        """Set when a member of view 0 holds another view 0: fenced for good, out of agreement."""
+        self._spec_seen: set[tuple[str, str, bool]] = set()
         self.view: View | None = None
         self.plan: Plan | None = None
         self.finished: int | None = None
@@ -303,7 +307,7 @@ class Node:
                 rec = self.swim.member(node)
                 if node in view and node != self.name and rec is not None and rec.status == LEFT:
                     self._observe_departure(node, now)
-            if self.fenced:
+            if self.fenced and not self.spec_conflict:
                 self.fenced = ""
                 self._events.append(Unfenced(view.epoch, now))
         else:
@@ -343,6 +347,32 @@ class Node:
         self._install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
                       joined=joined)
 
+    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
+        """Another view 0 than ours (``other``, when it arrived): fence for good and take no part in
+        agreement from here on (neither side may decide a view that the other would not)."""
+        v = self.view
+        assert v is not None
+        key = (peer, theirs, other is not None)
+        if key in self._spec_seen:
+            return
+        self._spec_seen.add(key)
+        only_ours: tuple[str, ...] = ()
+        only_theirs: tuple[str, ...] = ()
+        differ: tuple[str, ...] = ()
+        if other is not None:
+            mine = {m.node: (m.addr, m.role, m.rank) for m in v.members}
+            them = {m.node: (m.addr, m.role, m.rank) for m in other.members}
+            only_ours = tuple(sorted(set(mine) - set(them)))
+            only_theirs = tuple(sorted(set(them) - set(mine)))
+            differ = tuple(sorted(n for n in set(mine) & set(them) if mine[n] != them[n]))
+        self.counters["spec_mismatch"] = self.counters.get("spec_mismatch", 0) + 1
+        self._events.append(JobSpecMismatch(peer, v.config_id, theirs, only_ours, only_theirs, differ, now))
+        if not self.spec_conflict:
+            self.spec_conflict = (f"{SPEC_FENCE}: this node's view 0 is {v.config_id}, "
+                                  f"{peer or 'another member'}'s is {theirs}")
+            self.fenced = ""  # this reason replaces any other
+            self._fence(self.spec_conflict, now)
+
     def _fence(self, reason: str, now: float) -> None:
         if not self.fenced:
             self.fenced = reason
@@ -353,9 +383,13 @@ class Node:
     def _bcast(self, key: str, msg: Message) -> None:
         # bitmap aggregates (votes, state reports, plan digests) grow by merging: keep their transmit count
         t = type(msg)
+        if self.spec_conflict and t in _THIS_VIEW:
+            return
         self.swim.broadcast(key, msg, self._now, merge=t is Votes or t is Report or t is PlanDigest)
 
     def _send_to(self, node: str, msg: Message) -> None:
+        if self.spec_conflict and type(msg) in _THIS_VIEW:
+            return
         if node == self.name:
             self._on_message(msg, self._now)
             return
@@ -433,6 +467,9 @@ class Node:
             self.counters["rx_other_epoch"] = self.counters.get("rx_other_epoch", 0) + 1
             return
         entry = _THIS_VIEW.get(t)
+        if self.spec_conflict and entry is not None:
+            self.counters["rx_spec_conflict"] = self.counters.get("rx_spec_conflict", 0) + 1
+            return
         if entry is not None and (entry[1] or self.name in v):
             entry[0](self, msg, now)
 
@@ -633,7 +670,8 @@ class Node:
             # a settle window, and pending keeps the fence until the old place is removed. Alerts that
             # never make a change (one observer's stale record, say) are not a restart: once they have
             # had unstable_timeout to become one, the fence ends as any other does.
-            if self.fenced and (self.fenced != RESTART_FENCE or now - self._fenced_at >= acfg.unstable_timeout):
+            if self.fenced and not self.spec_conflict and (
+                    self.fenced != RESTART_FENCE or now - self._fenced_at >= acfg.unstable_timeout):
                 self._maybe_unfence(v, now)
         self.hangs.run(now)
 
