@@ -74,6 +74,23 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         p.wait()
 
 
+def _first_steps(files: list[Path], procs: list[subprocess.Popen[bytes]], t0: float, tmp: Path,
+                 timeout: float) -> dict[str, Any]:
+    """Wait for every rank's first-step file, let the job end (a minute at most), stop what is left."""
+    try:
+        stamps = _wait_files(files, procs, timeout)
+        for p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                break
+    finally:
+        _stop(procs)
+    if stamps is None:
+        return {"ok": False, "log_dir": str(tmp)}
+    return {"ok": True, "first_step_s": round(max(stamps) - t0, 3), "spread_s": round(max(stamps) - min(stamps), 3)}
+
+
 def run_gossiprec(ranks: int, spares: int, hidden: int, tmp: Path, timeout: float) -> dict[str, Any]:
     n = ranks + spares
     ports = free_ports(n + 1, width=3)
@@ -93,20 +110,8 @@ def run_gossiprec(ranks: int, spares: int, hidden: int, tmp: Path, timeout: floa
         with open(tmp / f"b{i:03d}.log", "wb") as log:
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-    try:
-        files = [tmp / f"b{i:03d}.step" for i in range(ranks)]  # ranks 0.. are the first in rank order
-        stamps = _wait_files(files, procs, timeout)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                break
-    finally:
-        _stop(procs)
-    if stamps is None:
-        return {"ok": False, "log_dir": str(tmp)}
-    return {"ok": True, "first_step_s": round(max(stamps) - t0, 3), "spread_s": round(max(stamps) - min(stamps), 3),
-            "dead_seed": dead, "seeds": seeds}
+    files = [tmp / f"b{i:03d}.step" for i in range(ranks)]  # ranks 0.. are the first in rank order
+    return {**_first_steps(files, procs, t0, tmp, timeout), "dead_seed": dead, "seeds": seeds}
 
 
 def run_torchrun(ranks: int, hidden: int, tmp: Path, timeout: float) -> dict[str, Any]:
@@ -124,18 +129,7 @@ def run_torchrun(ranks: int, hidden: int, tmp: Path, timeout: float) -> dict[str
         with open(tmp / f"t{i:03d}.log", "wb") as log:
             procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-    try:
-        stamps = _wait_files([tmp / f"r{r}.step" for r in range(ranks)], procs, timeout)
-        for p in procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                break
-    finally:
-        _stop(procs)
-    if stamps is None:
-        return {"ok": False, "log_dir": str(tmp)}
-    return {"ok": True, "first_step_s": round(max(stamps) - t0, 3), "spread_s": round(max(stamps) - min(stamps), 3)}
+    return _first_steps([tmp / f"r{r}.step" for r in range(ranks)], procs, t0, tmp, timeout)
 
 
 def run(ranks_list: list[int], trials: int, spares: int, hidden: int, timeout: float, keep: bool) -> dict[str, Any]:
