@@ -70,6 +70,7 @@ from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.agent.cli import run_async
 from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
+from gossiprec.agent.removal import Readmitted, membership_changes
 from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
 from gossiprec.core.bootstrap import Booting
 
@@ -288,35 +289,14 @@ class Launcher:
         """Once this node is out of the agreed view, SIGKILL the child's process group if it cannot be
         trusted to wait as a spare (see the module docstring); the child may be stopped or stuck, so
         nothing gentler is sure to work."""
-        view = agent.machine.view if agent.machine is not None else None
-        member = view is not None and agent.name in view
-        fenced_first = ""
-        told = False  # this removal was handled already (a view without us, then the agent's fence)
-        async for ev in events:
-            name = type(ev).__name__
-            if name == "ViewInstalled":
-                if agent.name in ev.members:
-                    member, fenced_first, told, self.kept = True, "", False, None
-                    continue
-                if not member:
-                    continue  # a joiner is outside the view until admitted
-                reason = f"removed from the view of epoch {ev.epoch}"
-            elif name == "Fenced" and str(ev.reason).startswith("removed"):
-                if told:
-                    continue
-                reason = f"{ev.reason} (epoch {ev.epoch})"
-            elif name == "Fenced":
-                fenced_first = str(ev.reason)
+        async for change in membership_changes(agent, events):
+            if isinstance(change, Readmitted):
+                self.kept = None
                 continue
-            elif name == "Unfenced":
-                fenced_first = ""
-                continue
-            else:
-                continue
-            member, told = False, True
+            reason = change.reason
             if proc.returncode is not None:
                 return
-            keep = await self._keep_after_removal(agent, proc, fenced_first)
+            keep = await self._keep_after_removal(agent, proc, change.fenced_first)
             if keep:
                 self.kept = f"{reason}: {keep}"
                 log.warning("this node was %s; the training process (pid %d) is kept: %s", reason, proc.pid, keep)

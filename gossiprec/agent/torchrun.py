@@ -71,13 +71,13 @@ from gossiprec.agent.hub import Subscription
 from gossiprec.agent.launcher import child_environment
 from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
+from gossiprec.agent.removal import Readmitted, membership_changes
 from gossiprec.agent.settings import ENV, AgentSettings, split_host_port
 from gossiprec.agent.torchrun_conf import NodePlan, check_torchrun_argv, plan_node
 from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend
 
 __all__ = ["BACKEND", "AgentThread", "GossiprecRendezvous", "create_handler", "launch", "make_handler", "register",
            "torchrun_backend"]
-from gossiprec.core.events import Fenced, ViewInstalled
 
 log = logging.getLogger(__name__)
 
@@ -258,20 +258,10 @@ class AgentThread:
     async def _fence_watch(self, agent: Agent, events: Subscription) -> None:
         """SIGKILL the workers once this node is out of the agreed view: the others have replaced it, and
         a stopped or stuck worker must not wake up later with stale state (as ``gossiprec run`` does)."""
-        view = agent.machine.view if agent.machine is not None else None
-        member = view is not None and agent.name in view
-        async for ev in events:
-            if isinstance(ev, ViewInstalled):
-                if agent.name in ev.members:
-                    member = True
-                    continue
-                if not member:
-                    continue  # a joiner is outside the view until admitted
-                reason = f"removed from the view of epoch {ev.epoch}"
-            elif isinstance(ev, Fenced) and ev.reason.startswith("removed"):
-                reason = f"{ev.reason} (epoch {ev.epoch})"
-            else:
+        async for change in membership_changes(agent, events):
+            if isinstance(change, Readmitted):
                 continue
+            reason = change.reason
             self.fenced = reason
             agent.leave_now(f"fenced ({reason}): torchrun's workers are killed", failed=True)
             pids = self.kill()

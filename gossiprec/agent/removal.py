@@ -1,0 +1,70 @@
+"""When this node leaves the agreed view, and whether it was fenced before: one reading for every launcher.
+
+``gossiprec run`` and the torchrun rendezvous both act on their training processes when the agents
+remove this node (the others have replaced it; a stopped or stuck trainer must not wake up later with
+stale state). Both read that moment from the agent's event stream in the same way, here:
+
+- a :class:`~gossiprec.core.events.ViewInstalled` without this node, while it was a member, is a
+  removal; one while it was not (a joiner waiting for admission) is not;
+- the agent's own ``Fenced`` whose reason starts with "removed" is the same removal told again unless
+  no view said so first (then it is the removal);
+- any other ``Fenced`` (no quorum, a spec mismatch) is remembered until ``Unfenced`` or readmission:
+  a node fenced before it was removed was cut off, not replaced while running, so its trainer dropped
+  its state and may wait as a spare;
+- a view with this node again is a readmission.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterable, AsyncIterator
+
+from gossiprec.core.events import Fenced, Unfenced, ViewInstalled
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """This node left the agreed view."""
+
+    reason: str
+    fenced_first: str  # why the node was fenced before the removal; "" if it was not
+
+
+@dataclass(frozen=True, slots=True)
+class Readmitted:
+    """This node is in the agreed view again (of ``epoch``)."""
+
+    epoch: int
+
+
+async def membership_changes(agent: Any, events: AsyncIterable[object]) -> AsyncIterator[Removed | Readmitted]:
+    """Each removal of ``agent``'s node and each readmission after one, in order, from ``events``
+    (the agent's subscription); ends when the subscription does."""
+    view = agent.machine.view if agent.machine is not None else None
+    member = view is not None and agent.name in view
+    fenced_first = ""
+    told = False  # this removal was reported already (a view without us, then the agent's fence)
+    async for ev in events:
+        if isinstance(ev, ViewInstalled):
+            if agent.name in ev.members:
+                if not member or told:
+                    yield Readmitted(ev.epoch)
+                member, fenced_first, told = True, "", False
+                continue
+            if not member:
+                continue  # a joiner is outside the view until admitted
+            reason = f"removed from the view of epoch {ev.epoch}"
+        elif isinstance(ev, Fenced) and ev.reason.startswith("removed"):
+            if told:
+                continue
+            reason = f"{ev.reason} (epoch {ev.epoch})"
+        elif isinstance(ev, Fenced):
+            fenced_first = ev.reason
+            continue
+        elif isinstance(ev, Unfenced):
+            fenced_first = ""
+            continue
+        else:
+            continue
+        member, told = False, True
+        yield Removed(reason, fenced_first)
