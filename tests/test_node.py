@@ -28,7 +28,7 @@ from gossiprec.core.topology import JobTopology
 from gossiprec.core.consensus import change_rows
 from gossiprec.core.view import REMOVE, Change, View, ViewMember, changes_digest
 from gossiprec.core.wire import (
-    UNREACHABLE, Ack, Alert, Dead, Decided, IndirectPing, Nack, Ping, Votes, ViewDelta, ViewRequest, ViewState,
+    UNREACHABLE, Ack, Alert, Dead, Decided, Hello, IndirectPing, Nack, Ping, Votes, ViewDelta, ViewRequest, ViewState,
     decode_packet, encode_packet,
 )
 from gossiprec.sim.agree import AgreeParams, run_agreement
@@ -746,3 +746,29 @@ def test_a_fenced_member_unfences_only_after_asking_for_news_in_its_healthy_wind
     assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] != []
     node._maybe_unfence(v, 0.2 + 2 * node.acfg.unfence_after)
     assert not node.fenced
+
+
+def test_view_pushes_to_names_outside_the_view_are_bounded_per_interval() -> None:
+    # a Hello names its sender and its address freely: a key holder inventing names must not make a
+    # member send its view to any address without limit (nor grow its memory of whom it pushed to)
+    v0 = view0()
+    ahead = make_node("n1", v0)
+    _decide(ahead, [Change("n5", REMOVE)], 0.1)
+    assert ahead.view is not None and ahead.view.epoch == 1
+    ahead.take_sends()
+    budget = len(ahead.view) + 8
+
+    def hellos(names: list[str], now: float) -> int:
+        for n in names:
+            ahead.receive(encode_packet([Hello(n, f"victim-{n}", 1, 0, v0.config_id)]), now)
+        return sum(1 for a, _ in sent_messages(ahead) if a.startswith("victim-"))
+
+    interval = ahead.acfg.catchup_interval
+    assert hellos([f"x{i}" for i in range(200)], 0.2) == budget
+    assert hellos([f"y{i}" for i in range(50)], 0.2 + interval / 2) == 0
+    assert hellos(["x0"], 0.2 + interval / 2) == 0  # once per name per interval
+    assert hellos([f"z{i}" for i in range(200)], 0.2 + interval * 1.01) == budget
+    assert len(ahead.catchup.pushed_view) <= budget + len(ahead.view)
+    # a member of the view is never held back by the outsiders' budget
+    ahead.receive(encode_packet([Hello("n0", "n0", 1, 0, v0.config_id)]), 0.2 + interval * 1.02)
+    assert [m for a, m in sent_messages(ahead) if a == "n0"]

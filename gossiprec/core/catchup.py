@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 class CatchUp:
     """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
 
-    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view")
+    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view", "outsider_window")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -51,9 +51,30 @@ class CatchUp:
         self.last_catchup = float("-inf")
         self.pushed_view: dict[str, float] = {}
         """Member -> when we last pushed it the current view (reset with every view)."""
+        self.outsider_window = (float("-inf"), 0)
+        """(start, count) of the current catchup_interval's pushes to names outside the view."""
 
     def start_view(self) -> None:
         self.pushed_view = {}
+
+    def _may_push(self, who: str, v: View, now: float) -> bool:
+        """Whether ``who`` may be sent our view now, and if so note it. Each name at most once per
+        catchup_interval; names outside the view (a Hello names its sender and its address freely, so
+        a key holder could make us send views to any address under ever new names) at most one per
+        member of the view and a few more per interval in all, and their entries do not outlive it."""
+        interval = self.acfg.catchup_interval
+        if now - self.pushed_view.get(who, float("-inf")) < interval:
+            return False
+        if who not in v:
+            start, count = self.outsider_window
+            if now - start >= interval:
+                start, count = now, 0
+                self.pushed_view = {m: t for m, t in self.pushed_view.items() if m in v or now - t < interval}
+            if count >= len(v) + 8:
+                return False
+            self.outsider_window = (start, count + 1)
+        self.pushed_view[who] = now
+        return True
 
     # ------------------------------------------------------------------ asking
     def catch_up(self, now: float) -> None:
@@ -117,9 +138,8 @@ class CatchUp:
         if len(v) > pushers and hashlib.blake2b(f"{member}|{node.name}".encode(), digest_size=4).digest()[0] \
                 * len(v) >= pushers * 256:
             return
-        if now - self.pushed_view.get(member, float("-inf")) < self.acfg.catchup_interval:
+        if not self._may_push(member, v, now):
             return
-        self.pushed_view[member] = now
         rec = self.swim.member(member)
         if rec is not None and rec.addr:
             self.swim.send_addr(rec.addr, self.view_news(epoch, config), reliable=True)
@@ -250,16 +270,14 @@ class CatchUp:
             # two views 0: its agents read another job spec. Both sides refuse; our view 0 and our Hello go
             # back, so that it names the differing members and answers with its own view 0
             node.spec_mismatch(msg.node, msg.config, None, now)
-            if now - self.pushed_view.get(msg.node, float("-inf")) >= self.acfg.catchup_interval:
-                self.pushed_view[msg.node] = now
+            if self._may_push(msg.node, v, now):
                 self.swim.send_addr(msg.addr, ViewState(self.view_wire(v)), reliable=True)
                 self.swim.send_addr(msg.addr, Hello(node.name, node.addr, node.start_incarnation, 0, v.config_id))
             return
         if v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config):
             # it holds an older view (restarted from the job spec, say): our news, straight back; each of
             # its few observers answers, at most once per catchup_interval
-            if now - self.pushed_view.get(msg.node, float("-inf")) >= self.acfg.catchup_interval:
-                self.pushed_view[msg.node] = now
+            if self._may_push(msg.node, v, now):
                 self.swim.send_addr(msg.addr, self.view_news(msg.epoch, msg.config), reliable=True)
         elif msg.epoch > v.epoch:
             self.catch_up(now)
