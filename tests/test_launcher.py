@@ -148,7 +148,7 @@ async def test_removed_from_the_view_kills_a_stopped_child(sockdir: str) -> None
     try:
         await asyncio.wait_for(launcher.started.wait(), 10)
         assert launcher.agent is not None and launcher.proc is not None and launcher.proc.returncode is None
-        while not launcher_mod._stopped(launcher.proc.pid):  # the child has stopped itself: "hung"
+        while not launcher_mod.stopped(launcher.proc.pid):  # the child has stopped itself: "hung"
             await asyncio.sleep(0.01)
         # The watcher takes events in order and kills at a removal: a minority fence first, then a
         # removal. Had the minority fence killed the child, the kill would name epoch 3; a stopped child

@@ -255,3 +255,31 @@ async def test_with_the_exit_bell_off_there_is_none_to_arm(tmpdir_: str) -> None
             me = [r for r in agent.control_members() if r["self"]][0]
             assert me["step"] == 5  # the page still carries the progress
             assert agent._bell is None  # and nothing watches a bell
+
+
+@pytest.mark.skipif(bell.pthreads() is None, reason="no robust mutexes on this system")
+async def test_the_agent_leaves_when_its_trainer_stays_stopped_for_the_hang_threshold(tmpdir_: str) -> None:
+    # a trainer stopped inside a collective freezes the others' progress too: only its own agent can
+    # tell it from a stall that all ranks share, by its process state
+    s = AgentSettings(name="n0", bind_host="127.0.0.1", port=0, insecure=True,
+                      control_socket=f"{tmpdir_}/n0.sock")
+    async with Agent(s) as agent:
+        p = _trainer(page_path_for(agent.control_path), "kill")
+        try:
+            await agent.wait_until(lambda: agent._bell is not None, 5)
+            # stopped and continued before the threshold: a pause, not a hang
+            os.kill(p.pid, signal.SIGSTOP)
+            await agent.wait_until(lambda: agent._stopped_since is not None, 5)
+            os.kill(p.pid, signal.SIGCONT)
+            await agent.wait_until(lambda: agent._stopped_since is None, 5)
+            assert not agent.leaving and "trainer_stopped" not in agent.counters
+            os.kill(p.pid, signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            await agent.wait_until(lambda: agent.leaving, 10)
+            assert time.monotonic() - stopped_at >= agent.agreement.hang_floor
+            assert agent.counters["trainer_stopped"] == 1
+            assert agent.leave_reason is not None and f"pid {p.pid}" in agent.leave_reason
+            assert "stopped" in agent.leave_reason
+        finally:
+            p.kill()
+            p.wait()

@@ -71,6 +71,7 @@ from gossiprec.agent.cli import run_async
 from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.removal import Readmitted, membership_changes
+from gossiprec.local.bell import stopped
 from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
 from gossiprec.core.bootstrap import Booting
 
@@ -107,16 +108,6 @@ class ChildExit:
     at: float
     """``time.monotonic()`` when the launcher saw the exit."""
     runtime_s: float
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, a debugger): ``/proc/<pid>/stat``'s state."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state in ("T", "t")
 
 
 def exit_code_of(returncode: int) -> int:
@@ -312,7 +303,7 @@ class Launcher:
 
     async def _keep_after_removal(self, agent: Agent, proc: asyncio.subprocess.Process, fenced_first: str) -> str:
         """Why the child may stay after a removal ("" if it must be killed): see the module docstring."""
-        if _stopped(proc.pid):
+        if stopped(proc.pid):
             return ""
         if fenced_first:
             return f"the node was fenced first ({fenced_first}): it waits as a spare for the partition to heal"
@@ -321,7 +312,7 @@ class Launcher:
             state = agent.trainer_state
             if state is None or not state.get("state_bytes") or not state.get("committed_step"):
                 return "it holds no trained state: it waits as a spare"
-            if time.monotonic() >= deadline or proc.returncode is not None or _stopped(proc.pid):
+            if time.monotonic() >= deadline or proc.returncode is not None or stopped(proc.pid):
                 return ""
             await asyncio.sleep(0.05)
 

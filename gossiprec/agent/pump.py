@@ -59,13 +59,16 @@ from gossiprec.agent.transport import (
 )
 from gossiprec.core.machine import Machine, MachineFactory
 from gossiprec.errors import ProtocolError
-from gossiprec.local.bell import BellWatcher
+from gossiprec.local.bell import BellWatcher, stopped
 from gossiprec.local.protocol import state_problem
 from gossiprec.local.progress import ProgressPage, page_path_for
 from gossiprec.local.server import ControlServer
 from gossiprec.security.keyring import Keyring, KeyringError
 
 log = logging.getLogger(__name__)
+
+STOPPED_LOOK_S = 0.1
+"""How often the agent looks whether its trainer is stopped (one read of ``/proc/<pid>/stat``)."""
 
 _STATE_KEYS = ("committed_step", "inflight_step", "state_bytes", "transfer_port")
 """The fields of ``trainer_state`` in the status reply (the control socket's ``state`` message)."""
@@ -92,6 +95,7 @@ class Agent:
     ) -> None:
         self.settings = settings
         self.config = settings.protocol_config()
+        self.agreement = settings.agreement_config()
         self.machine_factory = machine_factory if machine_factory is not None else node_factory(settings)
         self.keyring = keyring
         self.leave_drain = leave_drain if leave_drain is not None else max(0.1, 4 * self.config.gossip_interval)
@@ -125,6 +129,9 @@ class Agent:
         self._page_seq = 0
         self._bell: BellWatcher | None = None
         """Waits on the trainer's exit bell (see :mod:`gossiprec.local.bell`) once the trainer armed it."""
+        self._stopped_since: tuple[int, float] | None = None
+        """(pid, since when) while the trainer holding the bell is seen stopped at every look."""
+        self._stopped_due = -math.inf
         self._state = "new"
         self._closing = False
         self._stack: AsyncExitStack | None = None
@@ -393,6 +400,9 @@ class Agent:
         assert m is not None
         self._sync_page()
         now = self.clock()
+        if now >= self._stopped_due:
+            self._stopped_due = now + STOPPED_LOOK_S
+            self._check_stopped(now)
         try:
             if now >= self._keyring_due:
                 self._keyring_due = now + self.keyring_check_s
@@ -619,6 +629,26 @@ class Agent:
         self._count("trainer_exit_bell")
         self.leave_now(f"the training process (pid {pid}) is dying (its exit bell rang)", failed=True)
         self.stop()
+
+    def _check_stopped(self, now: float) -> None:
+        """Leave once the trainer has been stopped (SIGSTOP, a debugger) at every look for as long as
+        the hang check gives a stalled rank. Its progress is frozen like everyone's when it stops inside
+        a collective (the others wait in the same one), so no observer can tell it from a stall that all
+        ranks share; only this host sees the process state. The launcher then kills the stopped trainer
+        once the node is out of the view (see :mod:`gossiprec.agent.launcher`)."""
+        pid = self._page.bell_pid() if self._page is not None and self._bell is not None else 0
+        if not pid or self.leave_reason is not None or not stopped(pid):
+            self._stopped_since = None
+            return
+        if self._stopped_since is None or self._stopped_since[0] != pid:
+            self._stopped_since = (pid, now)
+            return
+        acfg = self.agreement
+        limit = max(acfg.hang_floor, acfg.hang_mult * self._progress[2] / 1000.0)
+        if now - self._stopped_since[1] >= limit:
+            self._count("trainer_stopped")
+            self.leave_now(f"the training process (pid {pid}) has been stopped (SIGSTOP or a debugger) for "
+                           f"{now - self._stopped_since[1]:.1f} s: a spare takes its rank", failed=True)
 
     def _close_page(self) -> None:
         if self._bell is not None:

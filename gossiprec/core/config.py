@@ -245,7 +245,8 @@ class AgreementConfig:
     raise it for such jobs."""
     hang_mult: float = 3.0
     """A rank is hung once stalled behind the frontier for max(hang_floor, hang_mult * median step time)
-    (a ratio, not a time)."""
+    (a ratio, not a time). A trainer its agent sees stopped (SIGSTOP, a debugger) for max(hang_floor,
+    hang_mult * its step time) is hung wherever it stopped: its agent leaves the view."""
     step_floor_ms: int = 1
     """Milliseconds: the shortest training step the plausibility checks assume (a property of the job,
     not of the network: no profile scales it). Synchronous training keeps every rank within one step of

@@ -194,6 +194,16 @@ def exiting(pid: int) -> bool:
     return state in (b"Z", b"X", b"x") or bool(flags & PF_EXITING)
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, or a debugger holding it), by ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] in (b"T", b"t")
+
+
 class BellWatcher:
     """Agent side: one thread waiting on the bell of the page at ``path`` held by trainer ``pid``.
 
