@@ -56,3 +56,11 @@ def test_readmission_after_a_removal_resets_the_fence_and_a_later_removal_is_tol
                                 view(4, "a", "b"), view(5, "b"), Fenced(5, "removed from the view", 0.0)])
     assert got == [Removed("removed from the view of epoch 2", "no quorum"), Readmitted(3),
                    Removed("removed from the view of epoch 5", "")]
+
+
+def test_the_agents_own_departure_is_the_last_change_told() -> None:
+    from gossiprec.agent.hub import AgentLeaving
+    from gossiprec.agent.removal import Leaving
+    got = changes(agent(True), [AgentLeaving("b", "other", False, 0.0), AgentLeaving("a", "stopped", True, 0.0),
+                                view(2, "b")])
+    assert got == [Leaving("stopped", True)]

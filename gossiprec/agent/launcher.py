@@ -46,6 +46,9 @@ of another kind. It keeps the child when the node was fenced first (a minority t
 the partition, not the trainer, is at fault) and when the child holds no trained state (a spare, or a
 re-provisioned host whose new trainer has not trained in this job yet).
 
+A child stopped for the hang threshold makes the agent leave (see ``Agent._check_stopped``); a leaving
+agent sees no more views, so the launcher kills a child that is still stopped when its agent leaves.
+
 Known limit: if the launcher itself is SIGKILLed the child keeps running (new session); the training
 library notices because the control socket closes.
 
@@ -70,7 +73,7 @@ from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.agent.cli import run_async
 from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
-from gossiprec.agent.removal import Readmitted, membership_changes
+from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
 from gossiprec.local.bell import stopped
 from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
 from gossiprec.core.bootstrap import Booting
@@ -108,6 +111,13 @@ class ChildExit:
     at: float
     """``time.monotonic()`` when the launcher saw the exit."""
     runtime_s: float
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the child leads its own session and group
+    except ProcessLookupError:
+        pass
 
 
 def exit_code_of(returncode: int) -> int:
@@ -284,6 +294,12 @@ class Launcher:
             if isinstance(change, Readmitted):
                 self.kept = None
                 continue
+            if isinstance(change, Leaving):
+                if proc.returncode is None and stopped(proc.pid):  # nothing will ever continue it
+                    self.fenced = f"the agent left ({change.reason})"
+                    log.warning("the agent left while the training process (pid %d) is stopped: killing it", proc.pid)
+                    _kill_group(proc.pid)
+                return
             reason = change.reason
             if proc.returncode is not None:
                 return
@@ -295,10 +311,7 @@ class Launcher:
             self.fenced = reason
             log.warning("this node was %s: killing the training process (pid %d)", reason, proc.pid)
             agent.leave_now(f"fenced ({reason}): the training process is killed", failed=True)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session and group
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)
             return
 
     async def _keep_after_removal(self, agent: Agent, proc: asyncio.subprocess.Process, fenced_first: str) -> str:

@@ -11,7 +11,9 @@ stale state). Both read that moment from the agent's event stream in the same wa
 - any other ``Fenced`` (no quorum, a spec mismatch) is remembered until ``Unfenced`` or readmission:
   a node fenced before it was removed was cut off, not replaced while running, so its trainer dropped
   its state and may wait as a spare;
-- a view with this node again is a readmission.
+- a view with this node again is a readmission;
+- the agent's own departure (:class:`~gossiprec.agent.hub.AgentLeaving`) ends the stream: a leaving
+  agent sees no more views, so a launcher must act on it then (a stopped trainer is not left behind).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, AsyncIterable, AsyncIterator
 
+from gossiprec.agent.hub import AgentLeaving
 from gossiprec.core.events import Fenced, Unfenced, ViewInstalled
 
 
@@ -37,9 +40,17 @@ class Readmitted:
     epoch: int
 
 
-async def membership_changes(agent: Any, events: AsyncIterable[object]) -> AsyncIterator[Removed | Readmitted]:
+@dataclass(frozen=True, slots=True)
+class Leaving:
+    """This node's agent is leaving the job (the last change told)."""
+
+    reason: str
+    failed: bool
+
+
+async def membership_changes(agent: Any, events: AsyncIterable[object]) -> AsyncIterator[Removed | Readmitted | Leaving]:
     """Each removal of ``agent``'s node and each readmission after one, in order, from ``events``
-    (the agent's subscription); ends when the subscription does."""
+    (the agent's subscription), then its departure if it leaves; ends when the subscription does."""
     view = agent.machine.view if agent.machine is not None else None
     member = view is not None and agent.name in view
     fenced_first = ""
@@ -64,6 +75,9 @@ async def membership_changes(agent: Any, events: AsyncIterable[object]) -> Async
         elif isinstance(ev, Unfenced):
             fenced_first = ""
             continue
+        elif isinstance(ev, AgentLeaving) and ev.name == agent.name:
+            yield Leaving(ev.reason, ev.failed)
+            return
         else:
             continue
         member, told = False, True

@@ -71,7 +71,8 @@ from gossiprec.agent.hub import Subscription
 from gossiprec.agent.launcher import child_environment
 from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
-from gossiprec.agent.removal import Readmitted, membership_changes
+from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
+from gossiprec.local.bell import stopped
 from gossiprec.agent.settings import ENV, AgentSettings, split_host_port
 from gossiprec.agent.torchrun_conf import NodePlan, check_torchrun_argv, plan_node
 from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend
@@ -261,6 +262,12 @@ class AgentThread:
         async for change in membership_changes(agent, events):
             if isinstance(change, Readmitted):
                 continue
+            if isinstance(change, Leaving):
+                stuck = [pid for pid in worker_processes(os.getpid()) if stopped(pid)]
+                if stuck:  # a leaving agent sees no more views: nothing would end them later
+                    self.fenced = f"the agent left ({change.reason})"
+                    log.warning("the agent left while workers %s are stopped: killed %s", stuck, self.kill())
+                return
             reason = change.reason
             self.fenced = reason
             agent.leave_now(f"fenced ({reason}): torchrun's workers are killed", failed=True)
