@@ -48,7 +48,10 @@ class Leaving:
     failed: bool
 
 
-async def membership_changes(agent: Any, events: AsyncIterable[object]) -> AsyncIterator[Removed | Readmitted | Leaving]:
+Change = Removed | Readmitted | Leaving
+
+
+async def membership_changes(agent: Any, events: AsyncIterable[object]) -> AsyncIterator[Change]:
     """Each removal of ``agent``'s node and each readmission after one, in order, from ``events``
     (the agent's subscription), then its departure if it leaves; ends when the subscription does."""
     view = agent.machine.view if agent.machine is not None else None
