@@ -7,7 +7,9 @@ trainers begin together by themselves (``start()`` is the barrier, and waits for
 order, each once its node has committed the fault's step; a fault for node :data:`STORE_HOST` goes to
 whichever node hosts the current epoch's store then); the others the trainers fire themselves.
 :class:`Action` s are the caller's own interventions (a partition of the network, its healing), each
-done once its condition holds, in list order. Given ``hosts``, node i runs on host i of its own
+done once its condition holds, in list order. With ``lockstep``, every trainer waits after committing
+the step of each fault sent from here until it has been sent (``--gate``), so that the fault lands at
+that step whatever the load. Given ``hosts``, node i runs on host i of its own
 (:class:`~gossiprec.harness.job.Hosts`, e.g. a network namespace).
 When every rank of the final world has committed the last step, it waits for the rest of the
 processes to end by themselves (the launchers of fenced nodes kill their stopped trainers; unused
@@ -71,7 +73,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                  verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
                  mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = (),
                  late: Mapping[str, float] = {}, trainer_args: Sequence[str] = (), hosts: Hosts | None = None,
-                 actions: Sequence[Action] = ()) -> dict[str, Any]:
+                 actions: Sequence[Action] = (), lockstep: bool = False) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
     ones without a phase sent from here, in list order) and compare the final states with the
     failure-free run.
@@ -87,7 +89,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     :data:`~gossiprec.harness.trainer.MISTAKES` its trainer makes; ``may_fail``: nodes whose trainer
     may exit with an error without failing the run; ``late``: node -> seconds its trainer sleeps before
     it starts (a slow import); ``trainer_args``: more options for every trainer; ``hosts``: a host of its
-    own for each node (default: all on loopback); ``actions``: see :class:`Action`. Once the job is done,
+    own for each node (default: all on loopback); ``actions``: see :class:`Action`; ``lockstep``: see the
+    module docstring (the gate of step S is ``<workdir>/gate-S``). Once the job is done,
     every process left must end by itself: ``exits`` holds each launcher's exit code (None: still
     running :data:`END_WAIT_S` later).
     """
@@ -112,6 +115,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                    "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch),
                    "--wait-for-spares", str(SPARES_UP_S), "--late", str(late.get(name, 0.0)), *trainer_args]
             cmd += [a for f in everything if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
+            if lockstep:
+                cmd += [a for s in sorted({f.step for f in faults if f.phase is None})
+                        for a in ("--gate", f"{s}:{tmp / f'gate-{s}'}")]
             cmd += ["--mistake", mistakes[name]] if name in mistakes else []
             if checkpoint_every:
                 cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
@@ -168,6 +174,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     fault_at[i] = time.monotonic()
                     say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
                         f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+            if lockstep and i < len(fault_at):
+                (tmp / f"gate-{sent[i].step}").touch()  # the fault is out: the ranks go on
             for node, count in list(paused.items()):
                 if _records_count(tmp, names, but=node) > count:  # the others recovered without it
                     del paused[node]
