@@ -13,7 +13,12 @@ the agent's coordinates in its environment:
     GOSSIPREC_CLUSTER  the cluster name
     GOSSIPREC_KEYRING  the keyring file's path on a keyed cluster (the trainer authenticates its state
                        transfers and stores with it and follows its rotation; the key itself never
-                       enters the environment); removed on an ``--insecure`` one
+                       enters the environment); removed on an ``--insecure`` one, and with
+                       ``--keyring-fd``, which passes the keyring down a pipe instead:
+    GOSSIPREC_KEYRING_FD  (``--keyring-fd``) the number of the descriptor the keyring arrives on: the
+                       read end of a pipe only the child inherits; the launcher writes the agent's keyring
+                       into it before the child starts and again each time the agent reloads a changed
+                       one (see :mod:`gossiprec.trainer.keys`), for a trainer that cannot read the file
     THP_MEM_ALLOC_ENABLE=1  unless already set: huge pages for PyTorch's CPU tensors (see THP_VAR)
     TORCH_NCCL_ASYNC_ERROR_HANDLING=2  unless already set: NCCL's default (3) kills the process on a
                        collective's timeout instead of letting the agent's abort end it (see NCCL_VAR)
@@ -77,6 +82,7 @@ from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
 from gossiprec.local.bell import stopped
 from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
 from gossiprec.core.bootstrap import Booting
+from gossiprec.security.keyring import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +158,14 @@ torch's default, 3, tears the process down on a timeout. The trainer refuses an 
 another value than 0 or 2 (:func:`gossiprec.trainer.groups.check_nccl_environment`)."""
 
 
-def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
-    """The training process's environment: ``base`` plus the agent's coordinates and keyring path (and
-    :data:`THP_VAR` = 1, :data:`NCCL_VAR` = 2 unless ``base`` sets them)."""
+def child_environment(agent: Agent, base: Mapping[str, str], *, keyring_fd: int | None = None) -> dict[str, str]:
+    """The training process's environment: ``base`` plus the agent's coordinates and keyring path, or
+    ``keyring_fd``'s number instead of the path (and :data:`THP_VAR` = 1, :data:`NCCL_VAR` = 2 unless
+    ``base`` sets them)."""
+    from gossiprec.trainer.keys import KEYRING_FD_ENV
+
     env = dict(base)
+    env.pop(KEYRING_FD_ENV, None)  # a number from elsewhere would name some other descriptor here
     env.setdefault(THP_VAR, "1")
     env.setdefault(NCCL_VAR, "2")
     if env[NCCL_VAR] not in ("0", "2"):
@@ -171,15 +181,72 @@ def child_environment(agent: Agent, base: Mapping[str, str]) -> dict[str, str]:
         role, rank = (me.role, me.rank) if me is not None else ("spare", None)
     env[ENV["role"]] = role
     env[ENV["cluster"]] = s.cluster
-    if s.keyring and not s.insecure:
+    if s.keyring and not s.insecure and keyring_fd is None:
         env[ENV["keyring"]] = os.path.abspath(s.keyring)
     else:
         env.pop(ENV["keyring"], None)
+    if keyring_fd is not None:
+        env[KEYRING_FD_ENV] = str(keyring_fd)
     if rank is None:
         env.pop(ENV["rank"], None)
     else:
         env[ENV["rank"]] = str(rank)
     return env
+
+
+class _KeyPipe:
+    """The keyring handed to the child down a pipe (``--keyring-fd``): written before the child starts,
+    and again whenever the agent's keyring changed. Writes never block the agent: a child that does not
+    read gets the newest keyring once it does."""
+
+    def __init__(self, ring: Keyring) -> None:
+        from gossiprec.trainer.keys import keyring_message
+
+        self.ring = ring
+        self.read_fd, self.write_fd = os.pipe()  # both non-inheritable; pass_fds opens the read end to the child
+        self.sent = ring.keyset
+        first = keyring_message(ring)
+        view = memoryview(first)
+        while view:  # a keyring is far smaller than a pipe's buffer: this never waits
+            view = view[os.write(self.write_fd, view):]
+        os.set_blocking(self.write_fd, False)
+        self.pending = b""
+
+    def started(self) -> None:
+        """The child holds the read end now: ours goes, so that the child sees end of file once we do."""
+        if self.read_fd >= 0:
+            os.close(self.read_fd)
+            self.read_fd = -1
+
+    def push(self) -> bool:
+        """Send the agent's keyring if it changed since the last one sent; False once the child closed
+        its end."""
+        from gossiprec.security.keyring import Keyring
+        from gossiprec.trainer.keys import keyring_message
+
+        ks = self.ring.keyset  # one snapshot (the agent swaps the whole set)
+        if not self.pending and ks is not self.sent:
+            self.sent = ks
+            self.pending = keyring_message(Keyring(list(ks.keys), ks.primary))
+        if self.pending:
+            try:
+                self.pending = self.pending[os.write(self.write_fd, self.pending):]
+            except BlockingIOError:
+                pass  # the child is not reading now: the rest goes on a later push
+            except BrokenPipeError:
+                return False
+        return True
+
+    async def follow(self, agent: Agent) -> None:
+        """Push every keyring change, checked as often as the agent checks its file."""
+        while self.push():
+            await asyncio.sleep(min(agent.keyring_check_s, 1.0))
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self.write_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.read_fd = self.write_fd = -1
 
 
 class Launcher:
@@ -197,6 +264,7 @@ class Launcher:
         kill_grace: float = 10.0,
         child_nice: int = DEFAULT_CHILD_NICE,
         fence_grace: float = DEFAULT_FENCE_GRACE,
+        keyring_fd: bool = False,
     ) -> None:
         if not argv:
             raise ConfigError("no training command: write `gossiprec run [options] -- python train.py ...`")
@@ -211,6 +279,8 @@ class Launcher:
         self.child_kwargs = dict(child_kwargs or {})
         self.kill_grace = kill_grace
         self.fence_grace = fence_grace
+        self.keyring_fd = keyring_fd
+        """Hand the child the keyring down a pipe instead of the file's path (``--keyring-fd``)."""
         self.kept: str | None = None
         """Why the launcher kept the child after this node was removed from the view, if it did."""
         self.agent: Agent | None = None
@@ -238,16 +308,27 @@ class Launcher:
                     log.error("the training process was not started: %s",
                               agent.boot_failure or "the agent stopped before view 0 was agreed")
                     return 1
+            pipe = _KeyPipe(agent.keyring) if self.keyring_fd and agent.keyring is not None else None
+            kwargs = dict(self.child_kwargs)
+            if pipe is not None:
+                kwargs["pass_fds"] = (*kwargs.get("pass_fds", ()), pipe.read_fd)
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *self.argv, env=child_environment(agent, self.environ), start_new_session=True,
-                    **self.child_kwargs)
+                    *self.argv, env=child_environment(agent, self.environ,
+                                                      keyring_fd=None if pipe is None else pipe.read_fd),
+                    start_new_session=True, **kwargs)
             except OSError as exc:
+                if pipe is not None:
+                    pipe.close()
                 code = 127 if isinstance(exc, FileNotFoundError) else 126
                 log.error("cannot start the training process %r: %s", self.argv[0], exc.strerror or exc)
                 agent.leave_now(f"training process could not start: {exc.strerror or exc}", failed=True)
                 return code
             self.proc = proc
+            keys_task = None
+            if pipe is not None:
+                pipe.started()
+                keys_task = asyncio.create_task(pipe.follow(agent), name="gossiprec-keyring-pipe")
             if self.child_nice:
                 try:  # raising a child's niceness needs no privilege; its own children inherit it
                     os.setpriority(os.PRIO_PROCESS, proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.child_nice)
@@ -262,6 +343,14 @@ class Launcher:
             try:
                 rc = await proc.wait()
             finally:
+                if keys_task is not None:
+                    keys_task.cancel()
+                    try:
+                        await keys_task
+                    except asyncio.CancelledError:
+                        pass
+                if pipe is not None:
+                    pipe.close()
                 events.close()
                 watch.cancel()
                 try:
@@ -385,7 +474,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         if args.spare:
             settings = replace(settings, role="spare")
-        launcher = Launcher(settings, command, child_nice=args.trainer_nice)
+        launcher = Launcher(settings, command, child_nice=args.trainer_nice, keyring_fd=args.keyring_fd)
     except ConfigError as exc:
         print(f"gossiprec run: error: {exc}", file=sys.stderr)
         return 2
@@ -404,6 +493,10 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trainer-nice", type=int, default=DEFAULT_CHILD_NICE, metavar="N",
                    help=f"run the training process N nice levels below the agent (default {DEFAULT_CHILD_NICE}; "
                         "0: same priority), so that a saturated CPU cannot starve failure detection")
+    p.add_argument("--keyring-fd", action="store_true",
+                   help="hand the training process the keyring down an inherited descriptor "
+                        "(GOSSIPREC_KEYRING_FD) instead of the file's path: for a trainer that cannot read the "
+                        "file (another user, a container); rotations reach it through this launcher")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                    help="the training command, after `--`")
 

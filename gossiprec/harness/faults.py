@@ -5,14 +5,15 @@ A :class:`Fault` is one of ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``slo
 (the whole node, agent and trainer, SIGSTOPped until the others have recovered without it, then
 SIGCONTed, the trainer first: the node is cut off, then heals, as a minority would) or ``reprovision``
 (the whole node SIGKILLed, then started again with the same job spec once the others have recovered
-without it: a host replaced under the same name). Without a phase, the orchestrator
-sends the signal from outside once the node has committed the fault's step (kill, stop, pause
-and reprovision; the last two have no phase). With one, the trainer acts on itself through :class:`FaultInjector`, its
-``on_phase`` hook, at that phase of the step: ``compute``, ``communicate`` (the all-reduce in flight),
-``optimizer``, ``committed`` (between steps), or ``serve``: a donor, :data:`SERVE_KILL_DELAY` after a
-receiver asked it for state, with the receivers slowed by ``slow_fetch`` seconds per chunk so that it
-dies mid-transfer. Before a kill or stop the injector records when it fired (the timelines are
-measured from that moment).
+without it: a host replaced under the same name) or ``crash`` (the whole host dies for good, without a
+word: its network cut, then every process on it SIGKILLed; see ``LocalJob.crash``). Without a phase,
+the orchestrator sends the signal from outside once the node has committed the fault's step (kill,
+stop, pause, reprovision and crash; the last three have no phase). With one, the trainer acts on
+itself through :class:`FaultInjector`, its ``on_phase`` hook, at that phase of the step: ``compute``,
+``communicate`` (the all-reduce in flight), ``optimizer``, ``committed`` (between steps), or ``serve``:
+a donor, :data:`SERVE_KILL_DELAY` after a receiver asked it for state, with the receivers slowed by
+``slow_fetch`` seconds per chunk so that it dies mid-transfer. Before a kill or stop the injector
+records when it fired (the timelines are measured from that moment).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Callable, Sequence
 
 from gossiprec.errors import ConfigError
 
-FAULT_KINDS = ("kill", "stop", "slow", "hold", "pause", "reprovision")
-OUTSIDE_ONLY = ("pause", "reprovision")
+FAULT_KINDS = ("kill", "stop", "slow", "hold", "pause", "reprovision", "crash")
+OUTSIDE_ONLY = ("pause", "reprovision", "crash")
 """Kinds sent to a whole node from outside (no phase)."""
 SLOW_S = 0.3
 """How long a ``slow`` fault stalls its trainer at its phase."""

@@ -1,9 +1,13 @@
-"""A local job: one ``gossiprec run`` (agent + trainer child) per node on loopback, and its reaping.
+"""A local job: one ``gossiprec run`` (agent + trainer child) per node, on loopback or on hosts of its own.
 
 :class:`LocalJob` decides the members (``ranks`` trainers ``n0``.. with their ranks, then the spares),
 their ports (three in a row per node: agent, epoch store, state donor), and writes the job spec
 (``job.toml``) and a fresh keyring (agents and state transfers are authenticated) into the work
 directory; :meth:`LocalJob.spawn` starts a node's launcher with the trainer command the caller gives.
+By default every node is on 127.0.0.1 (free ports drawn for each); given :class:`Hosts` (e.g. network
+namespaces), node i runs on host i, at that host's address, every node with the same ports
+(:data:`HOST_PORT`: each host has its own network stack), its processes started through
+:meth:`Hosts.command`; :meth:`LocalJob.crash` ends a whole host at once.
 The processes and the caller talk through files in the work directory named after the node
 (``<node>.log``: the launcher's and the trainer's stderr; ``<node>.pid``: the trainer's pid, which
 every trainer writes first); :func:`read_int` and :func:`read_json` read such files while they may
@@ -27,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Iterable, Mapping, Self, Sequence
+from typing import Any, Callable, Iterable, Mapping, Protocol, Self, Sequence
 
 from gossiprec.errors import ConfigError
 from gossiprec.harness.ports import free_ports
@@ -36,13 +40,35 @@ NODE_PORTS = 3
 """Ports per node, from its agent's: agent (UDP and TCP), epoch store (+1), state donor (+2)."""
 REAP_GRACE_S = 10.0
 """How long a launcher has to end its trainer and leave after SIGTERM before it is SIGKILLed."""
+HOST_PORT = 7990
+"""Every node's agent port when each node has a host of its own (store and donor: the next two)."""
+
+
+class Hosts(Protocol):
+    """Hosts of their own for a job's nodes (node i on host i), e.g. network namespaces on one machine."""
+
+    def addr(self, index: int) -> str:
+        """Host ``index``'s address: its agent, store and donor listen there."""
+        ...
+
+    def command(self, index: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` made to run on host ``index`` (e.g. wrapped in ``ip netns exec``)."""
+        ...
+
+    def cut(self, index: int) -> None:
+        """Host ``index``'s network goes silent: no packet leaves or reaches it (a power cut)."""
+        ...
+
+    def kill_all(self, index: int) -> None:
+        """SIGKILL every process on host ``index``."""
+        ...
 
 
 def job_toml(names: Sequence[str], ports: Sequence[int], trainers: int, *, allow_shrink: bool = False,
-             tp_pp: int = 1, placement: bool = False) -> str:
-    """The job spec of view 0 on 127.0.0.1: the first ``trainers`` members are trainers with ranks
-    0.., the rest spares. ``tp_pp`` > 1 declares a grid of ``trainers // tp_pp`` replicas of ``tp_pp``
-    shards; ``placement`` gives member i host ``h<i>`` and rack ``r<i % 4>``."""
+             tp_pp: int = 1, placement: bool = False, addrs: Sequence[str] = ()) -> str:
+    """The job spec of view 0, member i at ``addrs[i]`` (default 127.0.0.1): the first ``trainers``
+    members are trainers with ranks 0.., the rest spares. ``tp_pp`` > 1 declares a grid of ``trainers
+    // tp_pp`` replicas of ``tp_pp`` shards; ``placement`` gives member i host ``h<i>`` and rack ``r<i % 4>``."""
     if tp_pp < 1 or trainers % tp_pp:
         raise ConfigError(f"tp_pp must divide ranks ({trainers}), got {tp_pp}")
     topology = ['topology = "ddp"'] if tp_pp == 1 else ['topology = "grid"', f"dp = {trainers // tp_pp}",
@@ -52,7 +78,8 @@ def job_toml(names: Sequence[str], ports: Sequence[int], trainers: int, *, allow
         role = "trainer" if i < trainers else "spare"
         rank = f"rank = {i}\n" if role == "trainer" else ""
         where = f'host = "h{i}"\nrack = "r{i % 4}"\n' if placement else ""
-        lines.append(f'[[members]]\nname = "{name}"\naddr = "127.0.0.1:{port}"\nrole = "{role}"\n{rank}{where}')
+        addr = addrs[i] if addrs else "127.0.0.1"
+        lines.append(f'[[members]]\nname = "{name}"\naddr = "{addr}:{port}"\nrole = "{role}"\n{rank}{where}')
     return "\n".join(lines)
 
 
@@ -127,12 +154,14 @@ class LocalJob:
     """The members, job spec, keyring and processes of one local job in ``workdir``.
 
     ``env``: the environment the launchers start from (default: this process's), plus an unbuffered
-    Python, one OpenMP thread and the keyring. Use it as a context manager: leaving the block reaps
-    every process (see the module docstring).
+    Python, one OpenMP thread and the keyring. ``hosts``: node i runs on host i (default: every node on
+    loopback). Use it as a context manager: leaving the block reaps every process (see the module
+    docstring).
     """
 
     def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
-                 tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0) -> None:
+                 tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0,
+                 hosts: Hosts | None = None) -> None:
         from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
         self.dir = Path(os.path.abspath(workdir))  # the keyring's path marks the job's trainers (see _trainers)
@@ -140,10 +169,17 @@ class LocalJob:
         self.ranks = ranks
         self.names = [f"n{i}" for i in range(ranks + spares + outsiders)]
         """The members of the job spec, then ``outsiders`` nodes it does not list (they join as spares)."""
-        self.ports = free_ports(len(self.names), width=NODE_PORTS)
+        self.hosts = hosts
+        if hosts is None:
+            self.addrs = ["127.0.0.1"] * len(self.names)
+            self.ports = free_ports(len(self.names), width=NODE_PORTS)
+        else:
+            self.addrs = [hosts.addr(i) for i in range(len(self.names))]
+            self.ports = [HOST_PORT] * len(self.names)
         listed = ranks + spares
         (self.dir / "job.toml").write_text(job_toml(self.names[:listed], self.ports[:listed], ranks,
-                                                    allow_shrink=allow_shrink, tp_pp=tp_pp))
+                                                    allow_shrink=allow_shrink, tp_pp=tp_pp,
+                                                    addrs=self.addrs[:listed]))
         Keyring([decode_key(generate_key())]).save(self.dir / "keyring.json")
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     "GOSSIPREC_KEYRING": str(self.dir / "keyring.json")}
@@ -166,15 +202,16 @@ class LocalJob:
         """Start ``gossiprec run`` for ``node`` with ``trainer`` as its child; ``protocol``: agreement
         settings (``--protocol KEY=VALUE``); ``seed``: the node to join through (default the first).
         A node spawned again (a re-provisioned host) replaces its entry in :attr:`procs`."""
-        port = self.ports[self.names.index(node)]
-        argv = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", "127.0.0.1",
-                "--port", str(port), "--job", str(self.dir / "job.toml"),
-                "--seed", f"127.0.0.1:{self.ports[self.names.index(seed or self.names[0])]}",
+        i, s = self.names.index(node), self.names.index(seed or self.names[0])
+        argv = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", self.addrs[i],
+                "--port", str(self.ports[i]), "--job", str(self.dir / "job.toml"),
+                "--seed", f"{self.addrs[s]}:{self.ports[s]}",
                 "--control-socket", str(self.path(node, ".sock")), "--log-level", agent_log_level]
         argv += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
         with open(self.path(node, ".log"), "ab") as log:  # the child keeps its own copy of the file
-            proc = subprocess.Popen([*argv, "--", *trainer], env=self.env, stdout=subprocess.DEVNULL,
-                                    stderr=log)
+            argv = [*argv, "--", *trainer]
+            proc = subprocess.Popen(argv if self.hosts is None else self.hosts.command(i, argv), env=self.env,
+                                    stdout=subprocess.DEVNULL, stderr=log)
         if node in self.procs:
             self.replaced.append(self.procs.pop(node))
         self.procs[node] = proc
@@ -183,6 +220,21 @@ class LocalJob:
     def pid(self, node: str) -> int:
         """``node``'s trainer's pid (-1 before it has written it)."""
         return read_int(self.path(node, ".pid"))
+
+    def crash(self, node: str) -> None:
+        """``node``'s whole host dies at once, without a word: its network is cut, then every process on
+        it is SIGKILLed (no FIN or RST reaches anyone). On loopback, where there is no network to cut,
+        its trainer and its launcher are SIGKILLed."""
+        i = self.names.index(node)
+        if self.hosts is not None:
+            self.hosts.cut(i)
+            self.hosts.kill_all(i)
+        else:
+            pid = self.pid(node)
+            if pid > 0:
+                _kill(pid)  # in its own session: the launcher's death spares it
+        self.procs[node].kill()
+        self.procs[node].wait()
 
     def close(self, grace: float = REAP_GRACE_S) -> None:
         """End every process the job started (see the module docstring); idempotent."""

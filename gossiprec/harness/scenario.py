@@ -6,6 +6,11 @@ trainers begin together by themselves (``start()`` is the barrier, and waits for
 :data:`SPARES_UP_S`). It sends the faults that have no phase itself (in list
 order, each once its node has committed the fault's step; a fault for node :data:`STORE_HOST` goes to
 whichever node hosts the current epoch's store then); the others the trainers fire themselves.
+:class:`Action` s are the caller's own interventions (a partition of the network, its healing), each
+done once its condition holds, in list order. With ``lockstep``, every trainer waits after committing
+the step of each fault sent from here until it has been sent (``--gate``), so that the fault lands at
+that step whatever the load. Given ``hosts``, node i runs on host i of its own
+(:class:`~gossiprec.harness.job.Hosts`, e.g. a network namespace).
 When every rank of the final world has committed the last step, it waits for the rest of the
 processes to end by themselves (the launchers of fenced nodes kill their stopped trainers; unused
 spares leave with the job) and then builds the result:
@@ -18,8 +23,8 @@ spares leave with the job) and then builds the result:
   the epochs of its recoveries and which node holds which rank after them; the first fault's keys
   are repeated at the top level;
 - ``median_step_s`` (step periods longer than 5 median steps, i.e. the recoveries, left out),
-  ``final_step``, ``worlds``, ``resizes``, ``checkpoint_loads``, ``released``, ``exits`` and
-  ``hung_killed_by_launcher``.
+  ``final_step``, ``worlds``, ``resizes``, ``checkpoint_loads``, ``released``, ``exits``,
+  ``hung_killed_by_launcher`` and ``actions`` (each action's name: the ``time.monotonic()`` it was done at).
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.harness.faults import Fault
-from gossiprec.harness.job import LocalJob, read_int, read_json
+from gossiprec.harness.job import Hosts, LocalJob, read_int, read_json
 from gossiprec.harness.timeline import timeline
 from gossiprec.harness.workload import reference_state
 
@@ -50,13 +56,24 @@ SPARES_UP_S = 120.0
 fault must not find a spare still importing torch, or its recovery measures the import."""
 
 
+@dataclass(frozen=True, slots=True)
+class Action:
+    """Something the caller does to a running job, once: ``do(job)`` as soon as ``when(job)`` holds
+    (checked every few milliseconds, after the previous action was done)."""
+
+    name: str
+    when: Callable[[LocalJob], bool]
+    do: Callable[[LocalJob], None]
+
+
 def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *, hidden: int = 256,
                  step_ms: float = 20.0, workdir: str | None = None, timeout: float = 100.0,
                  allow_shrink: bool = False, checkpoint_every: int = 0, slow_fetch: float = 0.0,
                  lr_scale: bool = False, tp_pp: int = 1, trainer_timeout: float = 30.0, log: Any = None,
                  verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
                  mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = (),
-                 late: Mapping[str, float] = {}, trainer_args: Sequence[str] = ()) -> dict[str, Any]:
+                 late: Mapping[str, float] = {}, trainer_args: Sequence[str] = (), hosts: Hosts | None = None,
+                 actions: Sequence[Action] = (), lockstep: bool = False) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
     ones without a phase sent from here, in list order) and compare the final states with the
     failure-free run.
@@ -71,7 +88,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     settings for every agent (``--protocol``); ``mistakes``: node -> a loop mistake of
     :data:`~gossiprec.harness.trainer.MISTAKES` its trainer makes; ``may_fail``: nodes whose trainer
     may exit with an error without failing the run; ``late``: node -> seconds its trainer sleeps before
-    it starts (a slow import); ``trainer_args``: more options for every trainer. Once the job is done,
+    it starts (a slow import); ``trainer_args``: more options for every trainer; ``hosts``: a host of its
+    own for each node (default: all on loopback); ``actions``: see :class:`Action`; ``lockstep``: see the
+    module docstring (the gate of step S is ``<workdir>/gate-S``). Once the job is done,
     every process left must end by itself: ``exits`` holds each launcher's exit code (None: still
     running :data:`END_WAIT_S` later).
     """
@@ -80,7 +99,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             print(msg, file=log, flush=True)
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-demo-"))
-    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp) as job:
+    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp, hosts=hosts) as job:
         names = job.names
         # slow and hold are stalls the trainers make themselves, not faults to report on
         everything, faults = list(faults), [f for f in faults if f.kind not in ("slow", "hold")]
@@ -96,6 +115,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                    "--out", str(tmp / f"{name}.json"), "--slow-fetch", str(slow_fetch),
                    "--wait-for-spares", str(SPARES_UP_S), "--late", str(late.get(name, 0.0)), *trainer_args]
             cmd += [a for f in everything if f.node == name and f.phase is not None for a in ("--fault", f.spec())]
+            if lockstep:
+                cmd += [a for s in sorted({f.step for f in faults if f.phase is None})
+                        for a in ("--gate", f"{s}:{tmp / f'gate-{s}'}")]
             cmd += ["--mistake", mistakes[name]] if name in mistakes else []
             if checkpoint_every:
                 cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
@@ -111,6 +133,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         deadline = time.monotonic() + timeout
         victims = {f.node for f in faults}
         paused: dict[str, int] = {}
+        done_at: dict[str, float] = {}
         while True:
             if time.monotonic() > deadline:
                 raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
@@ -128,7 +151,11 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     say(f"the store of the current epoch is hosted by {host}")
             if i < len(sent) and sent[i].node != STORE_HOST and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
                 f = sent[i]
-                if f.kind == "reprovision":  # the whole node dies; started again once the others recovered
+                if f.kind == "crash":
+                    job.crash(f.node)
+                    fault_at[i] = time.monotonic()
+                    say(f"crash of {f.node}'s host at step {read_int(tmp / f'{f.node}.step')}")
+                elif f.kind == "reprovision":  # the whole node dies; started again once the others recovered
                     paused[f.node] = _records_count(tmp, names, but=f.node)
                     os.kill(job.pid(f.node), signal.SIGKILL)  # in its own session: the launcher's death spares it
                     procs[f.node].kill()
@@ -147,6 +174,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     fault_at[i] = time.monotonic()
                     say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
                         f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
+            if lockstep and i < len(fault_at):
+                (tmp / f"gate-{sent[i].step}").touch()  # the fault is out: the ranks go on
             for node, count in list(paused.items()):
                 if _records_count(tmp, names, but=node) > count:  # the others recovered without it
                     del paused[node]
@@ -158,9 +187,15 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     os.kill(job.pid(node), signal.SIGCONT)
                     procs[node].send_signal(signal.SIGCONT)
                     say(f"SIGCONT trainer and agent of {node}: the partition heals")
+            if len(done_at) < len(actions) and actions[len(done_at)].when(job):
+                action = actions[len(done_at)]
+                action.do(job)
+                done_at[action.name] = time.monotonic()
+                say(f"{action.name}: done")
             outs = [o for o in (read_json(tmp / f"{n}.json") for n in names) if o is not None]
             done = [o for o in outs if o.get("step") == steps and not o.get("released")]
-            if len(fault_at) == len(sent) and not paused and done and len(done) >= max(o["world_size"] for o in done):
+            if len(fault_at) == len(sent) and not paused and len(done_at) == len(actions) and done \
+                    and len(done) >= max(o["world_size"] for o in done):
                 break
             time.sleep(0.01)
         stopped = [f.node for f in faults if f.kind == "stop"]
@@ -169,6 +204,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             time.sleep(0.02)
         result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
         result["exits"] = {n: p.poll() for n, p in procs.items()}
+        result["actions"] = done_at
         return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
 
 

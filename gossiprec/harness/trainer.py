@@ -8,7 +8,9 @@ up to ``--wait-for-spares`` seconds for the spares to be up, so that a fault doe
 loading; ``--late S`` makes this process sleep S seconds first (a rank importing torch from a slow
 file system). Its ``--fault`` arguments fire at their phases
 (:class:`~gossiprec.harness.faults.FaultInjector`); ``--mistake`` makes it commit one of the loop
-mistakes of :data:`MISTAKES`, for the tests of what catches them. It exits with the codes of
+mistakes of :data:`MISTAKES`, for the tests of what catches them. ``--gate STEP:PATH`` makes it wait
+after committing STEP until PATH exists: the orchestrator's fault lands between two steps of every rank,
+however far a loaded machine lets the training run ahead of it. It exits with the codes of
 :mod:`gossiprec.trainer.exits` (0 finished or not needed, 75 stopped).
 
 What it leaves next to ``--out`` (``<node>.json``), for the orchestrator: ``.pid`` and ``.ready`` at
@@ -55,6 +57,7 @@ def trainer_main(args: argparse.Namespace) -> int:
         time.sleep(args.late)  # a slow start: torch from a shared file system, CUDA initialisation
     mistake = args.mistake
     await_view = tuple(int(x) for x in args.await_view.split(":")) if args.await_view else None
+    gates = {int(step): Path(path) for step, path in (g.split(":", 1) for g in args.gate)}
     model, opt, cursor = build(args.hidden * (2 if mistake == "wide-model" else 1))
     if mistake == "numpy-per-rank":
         import numpy as np
@@ -124,6 +127,8 @@ def trainer_main(args: argparse.Namespace) -> int:
             rt.commit()
             commits.append(time.monotonic())
             progress.write_text(str(rt.step))
+            while rt.step in gates and not gates[rt.step].exists():
+                time.sleep(0.01)  # the orchestrator opens it once it has done what it does at this step
             if await_view is not None and rt.step == await_view[0]:
                 wait_for_view(rt, await_view[1])
             if ckpt is not None and args.checkpoint_every and rt.rank == 0 \
@@ -181,6 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--await-view", dest="await_view", default="",
                    help="STEP:N: after committing STEP, wait until the agent's view holds N members (a node "
                         "cut off has rejoined)")
+    p.add_argument("--gate", action="append", default=[],
+                   help="STEP:PATH: after committing STEP, wait until PATH exists (repeatable)")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
     p.add_argument("--slow-fetch", dest="slow_fetch", type=float, default=0.0,
                    help="sleep this long per received chunk of state")

@@ -3,7 +3,9 @@
 Two channels leave a trainer: state transfers (:mod:`gossiprec.trainer.transfer_wire`) and the
 rendezvous of each epoch's process group on a member's TCPStore (:class:`SealedStore`). Both are
 authenticated with the cluster's keyring, the same file the agent seals its packets with, handed down
-by ``gossiprec run`` as a *path* (``GOSSIPREC_KEYRING``): the key itself never enters an environment.
+by ``gossiprec run`` as a *path* (``GOSSIPREC_KEYRING``) or, with ``gossiprec run --keyring-fd``, down an
+inherited *descriptor* (``GOSSIPREC_KEYRING_FD`` names its number): the key itself never enters an
+environment.
 
 Rotation works as for the agent (:mod:`gossiprec.security.keyring`): the primary key signs (a
 receiver's requests, the values this process writes to a store), every installed key is accepted for
@@ -11,6 +13,14 @@ checking (a donor opens a request with whichever installed key authenticates it 
 that key; a store value names the id of the key that sealed it). The file is looked at again
 (one ``stat``) whenever a key is needed, so a trainer started before a rotation follows it, and a spare
 started after a full rotation (install, use, remove) is served by survivors started before it.
+
+**The descriptor** is for a trainer that cannot read the file (another user, another mount namespace, a
+container): the launcher, which reads the file, writes the keyring down a pipe whose read end only its
+child inherits, and writes it again whenever its agent reloads a changed keyring (a file descriptor of
+the keyring itself could not follow a rotation: the file is replaced by a rename). Each message is a
+4-byte big-endian length and the keyring's JSON (:func:`keyring_message`); :meth:`TransferKeys.from_fd`
+reads the first one at once and the later ones in a thread of its own, swapping the keys in one
+assignment. The descriptor is made non-inheritable on arrival, so the trainer's own children get nothing.
 
 An ``--insecure`` cluster has no keyring: :meth:`TransferKeys.insecure` derives a key from the cluster
 name, which anyone can compute: it guards against accidents (two jobs on one network), not attackers.
@@ -28,8 +38,12 @@ peer address reaches gloo. ``add`` counters cannot be sealed; gloo's rendezvous 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import select
 import threading
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +63,13 @@ KEY_SIZE = 32
 KID_SIZE = 8
 TAG_SIZE = 16
 STORE_INFO = b"gossiprec-store-v1\x00"
+KEYRING_FD_ENV = "GOSSIPREC_KEYRING_FD"
+"""The variable naming the descriptor the keyring arrives on (``gossiprec run --keyring-fd``)."""
+FIRST_KEYS_TIMEOUT = 30.0
+"""How long :meth:`TransferKeys.from_fd` waits for the first keyring (the launcher writes it before it
+starts the trainer, so it is there at once unless the descriptor is not the launcher's)."""
+MAX_MESSAGE = 64 * 1024
+"""Largest keyring message accepted (a keyring file is at most as large)."""
 
 
 def _kid(key: bytes) -> bytes:
@@ -80,6 +101,51 @@ class TransferKeys:
         self.source = source
         """Where the keys come from, for messages (a path, "given", "cluster name")."""
         self._lock = threading.Lock()
+        self.reloaded = threading.Event()
+        """Set each time a keyring arrived down the descriptor after the first (tests wait on it)."""
+
+    @classmethod
+    def from_fd(cls, fd: int) -> TransferKeys:
+        """The keyring arriving on descriptor ``fd`` (see the module docstring), followed as the launcher
+        sends it again; :class:`~gossiprec.errors.ConfigError` if nothing usable arrives."""
+        hint = "start the trainer with `gossiprec run --keyring-fd`, which opens it"
+        try:
+            os.set_inheritable(fd, False)  # the trainer's own children get nothing
+            os.set_blocking(fd, True)
+        except OSError as exc:
+            raise ConfigError(f"{KEYRING_FD_ENV}={fd} is not an open descriptor ({exc.strerror}): {hint}") from None
+        try:
+            ring = _read_ring(fd, time.monotonic() + FIRST_KEYS_TIMEOUT)
+        except (OSError, SecurityError, ValueError) as exc:
+            raise ConfigError(f"no keyring on descriptor {fd} ({KEYRING_FD_ENV}): {exc}; {hint}") from None
+        if ring is None:
+            raise ConfigError(f"descriptor {fd} ({KEYRING_FD_ENV}) closed before a keyring arrived: {hint}")
+        if ring.primary is None:
+            raise ConfigError(f"the keyring on descriptor {fd} has no primary key; run `gossiprec keys use KEY`")
+        keys = cls(ring=ring, source=f"descriptor {fd}")
+        threading.Thread(target=keys._follow, args=(fd,), name="gossiprec-keyring-fd", daemon=True).start()
+        return keys
+
+    def _follow(self, fd: int) -> None:
+        """Take every later keyring from ``fd`` until the launcher closes it (the keys in hand stay)."""
+        assert self._ring is not None
+        while True:
+            try:
+                ring = _read_ring(fd, None)
+            except SecurityError as exc:  # a well-framed message with a bad keyring: wait for the next
+                log.warning("a keyring from descriptor %d was refused, keeping the current keys: %s", fd, exc)
+                continue
+            except (OSError, ValueError) as exc:  # the stream is broken: nothing later can be trusted
+                log.warning("keyring descriptor %d failed (%s): keeping the current keys for good", fd, exc)
+                return
+            if ring is None:
+                return
+            if ring.primary is None:
+                log.warning("a keyring from descriptor %d has no primary key; keeping the current keys", fd)
+                continue
+            self._ring.keyset = ring.keyset  # one reference: readers see the old keys or the new
+            log.info("transfer keys replaced from descriptor %d: %d key(s)", fd, len(ring))
+            self.reloaded.set()
 
     @classmethod
     def from_file(cls, path: str) -> TransferKeys:
@@ -126,11 +192,57 @@ class TransferKeys:
         primary = self.primary()
         if self._ring is None:
             return [primary]
-        return [primary, *(k for k in self._ring.keyset.keys if k != primary)]
+        ks = self._ring.keyset  # one snapshot: a replacement may land meanwhile
+        primary = ks.primary or primary
+        return [primary, *(k for k in ks.keys if k != primary)]
 
     def by_id(self, kid: bytes) -> bytes | None:
         """The accepted key with id ``kid`` (first 8 bytes of its SHA-256), if any."""
         return next((k for k in self.accepted() if _kid(k) == kid), None)
+
+
+def keyring_message(ring: Keyring) -> bytes:
+    """``ring`` as one message down the keyring descriptor: 4-byte big-endian length, compact JSON."""
+    body = json.dumps(ring.to_json(), separators=(",", ":")).encode()
+    return len(body).to_bytes(4, "big") + body
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    """``n`` bytes from ``fd``; None at end of file before the first byte; ValueError if it ends half
+    way, TimeoutError after ``deadline``."""
+    out = b""
+    while len(out) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"nothing arrived within {FIRST_KEYS_TIMEOUT:.0f} s")
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            if out:
+                raise ValueError("the descriptor closed in the middle of a keyring")
+            return None
+        out += chunk
+    return out
+
+
+def _read_ring(fd: int, deadline: float | None) -> Keyring | None:
+    """The next keyring message on ``fd`` (None at end of file)."""
+    from gossiprec.security.keyring import Keyring
+
+    head = _read_exact(fd, 4, deadline)
+    if head is None:
+        return None
+    n = int.from_bytes(head, "big")
+    if not 0 < n <= MAX_MESSAGE:
+        raise ValueError(f"a keyring message of {n} bytes (at most {MAX_MESSAGE})")
+    body = _read_exact(fd, n, deadline)
+    if body is None:
+        raise ValueError("the descriptor closed in the middle of a keyring")
+    try:
+        doc = json.loads(body)
+    except ValueError as exc:
+        raise SecurityError(f"the keyring from descriptor {fd} is not JSON ({exc})") from None
+    return Keyring.from_json(doc, where=f"the keyring from descriptor {fd}")
 
 
 def _store_aead(key: bytes) -> AESGCM:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from gossiprec.core.topology import JobTopology
 from gossiprec.errors import ConfigError
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups, wait_interruptible
+from gossiprec.trainer.keys import TransferKeys
 
 BACKEND_NAME = "gossiprec"
 KEY_PREFIX = "gossiprec/managed/"
@@ -140,8 +141,11 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
     """
 
     def __init__(self, rank: int, size: int, *, global_ranks: Sequence[int] | None = None,
-                 timeout: float = 30.0, poll_interval: float = 0.005, world: ManagedWorld | None = None) -> None:
+                 timeout: float = 30.0, poll_interval: float = 0.005, world: ManagedWorld | None = None,
+                 host: str | None = None, keys: TransferKeys | None = None) -> None:
         super().__init__(rank, size)
+        self._host = host
+        self._keys = keys
         self._rank = rank
         self._size = size
         self.global_ranks = tuple(global_ranks) if global_ranks is not None else None
@@ -156,9 +160,10 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
         self._lock = threading.Lock()
 
     @classmethod
-    def standalone(cls, name: str, *, timeout: float = 30.0, poll_interval: float = 0.005) -> ManagedGroup:
+    def standalone(cls, name: str, *, timeout: float = 30.0, poll_interval: float = 0.005,
+                   host: str | None = None, keys: TransferKeys | None = None) -> ManagedGroup:
         """A group for the caller's own collectives, not registered with torch; rank and size per epoch."""
-        group = cls(0, 1, timeout=timeout, poll_interval=poll_interval)
+        group = cls(0, 1, timeout=timeout, poll_interval=poll_interval, host=host, keys=keys)
         group._name = name
         return group
 
@@ -238,7 +243,8 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
                 raise ConfigError(f"epoch {epoch} is not newer than epoch {last} of {self.describe()}: store "
                                   "prefixes must never be reused")
             if self._epochs is None:
-                self._epochs = EpochGroups(store, timeout=self._timeout, poll_interval=self._poll_interval)
+                self._epochs = EpochGroups(store, timeout=self._timeout, poll_interval=self._poll_interval,
+                                           host=self._host, keys=self._keys)
             epochs = self._epochs
             if self._current is not None:
                 self._current.epoch_group.abort(f"superseded by epoch {epoch}")
@@ -307,10 +313,15 @@ class ManagedWorld:
     :meth:`configure` gives all of them the epoch's backends; :meth:`abort` (any thread) interrupts
     every collective in flight. ``slow_after`` / ``on_slow``: a wait still pending that many seconds
     in calls ``on_slow(group)`` once, from the waiting thread (the trainer can report "waiting").
+    ``host`` and ``keys``: as for :class:`~gossiprec.trainer.groups.EpochGroups` (the address gloo binds
+    to, the agent's; the cluster's keys every store value is sealed with), for every group.
     """
 
     def __init__(self, rank: int, world_size: int, *, timeout: float = 30.0, poll_interval: float = 0.005,
-                 slow_after: float | None = None, on_slow: Callable[[], None] | None = None) -> None:
+                 slow_after: float | None = None, on_slow: Callable[[], None] | None = None,
+                 host: str | None = None, keys: TransferKeys | None = None) -> None:
+        self.host = host
+        self.keys = keys
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -333,7 +344,7 @@ class ManagedWorld:
     def _create(self, opts: Any, _backend_options: Any) -> ManagedGroup:
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         group = ManagedGroup(opts.group_rank, opts.group_size, global_ranks=ranks, timeout=self.timeout,
-                             poll_interval=self.poll_interval, world=self)
+                             poll_interval=self.poll_interval, world=self, host=self.host, keys=self.keys)
         with self._lock:
             if self.epoch is not None:
                 raise ConfigError("a managed group was created after the first configure(); create the "
@@ -400,21 +411,22 @@ _world: ManagedWorld | None = None
 
 
 def init_managed_world(rank: int, world_size: int, *, timeout: float = 30.0, poll_interval: float = 0.005,
-                       slow_after: float | None = None, on_slow: Callable[[], None] | None = None
-                       ) -> ManagedWorld:
+                       slow_after: float | None = None, on_slow: Callable[[], None] | None = None,
+                       host: str | None = None, keys: TransferKeys | None = None) -> ManagedWorld:
     """Make the ``gossiprec`` backend torch's default group; later groups and meshes are managed too.
 
     Call once per process, instead of ``init_process_group``; then build the mesh
     (``init_device_mesh("cpu", shape, mesh_dim_names=...)``) and the model, and call
     :meth:`ManagedWorld.configure` for the epoch. ``rank`` is the mesh position this process plays
-    (a replacement takes the lost rank's). No collective runs here.
+    (a replacement takes the lost rank's). ``host``, ``keys``: see :class:`ManagedWorld` (give the
+    trainer's: the agent's address and ``ResilientTrainer.keys``). No collective runs here.
     """
     global _world
     if _world is not None or dist.is_initialized():
         raise ConfigError("torch.distributed is already initialised in this process; init_managed_world "
                           "must replace init_process_group, once per process")
     world = ManagedWorld(rank, world_size, timeout=timeout, poll_interval=poll_interval, slow_after=slow_after,
-                         on_slow=on_slow)
+                         on_slow=on_slow, host=host, keys=keys)
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create_managed, devices=["cpu"], extended_api=True)
     _world = world

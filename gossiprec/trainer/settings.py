@@ -8,7 +8,8 @@ looks at is torch's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which NCCL reads it
 group checks it, see :mod:`gossiprec.trainer.groups`.)
 
 **Keys.** State transfers and the epoch stores are authenticated with the cluster's keyring, whose path
-(never the key) ``gossiprec run`` puts in ``GOSSIPREC_KEYRING``; it is followed as it rotates
+(never the key) ``gossiprec run`` puts in ``GOSSIPREC_KEYRING``, or which arrives on the descriptor
+``GOSSIPREC_KEYRING_FD`` names (``gossiprec run --keyring-fd``); it is followed as it rotates
 (:mod:`gossiprec.trainer.keys`). Without one (``--insecure`` clusters) a key derived from the cluster name
 is used, which protects against accidents, not attackers; ``ResilientTrainer.start`` refuses it when the
 agent says the cluster is keyed.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.keys import TransferKeys
+from gossiprec.trainer.keys import KEYRING_FD_ENV, TransferKeys
 
 if TYPE_CHECKING:
     from gossiprec.local.client import ControlClient
@@ -45,6 +46,8 @@ class TrainerSettings:
     """The cluster name (``GOSSIPREC_CLUSTER``): what the insecure transfer key is derived from."""
     keyring: str | None = None
     """Path of the cluster's keyring (``GOSSIPREC_KEYRING``); None: an ``--insecure`` cluster."""
+    keyring_fd: int | None = None
+    """The descriptor the keyring arrives on (``GOSSIPREC_KEYRING_FD``), instead of a path."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerSettings:
@@ -52,9 +55,14 @@ class TrainerSettings:
         from gossiprec.agent.settings import ENV
 
         env = os.environ if environ is None else environ
+        fd_text = env.get(KEYRING_FD_ENV) or None
+        if fd_text is not None and not fd_text.isdigit():
+            raise ConfigError(f"{KEYRING_FD_ENV}={fd_text!r} is not a descriptor number; `gossiprec run "
+                              "--keyring-fd` sets it")
         return cls(control_path=env.get(ENV["control_socket"]) or None,
                    cluster=env.get(ENV["cluster"], DEFAULT_CLUSTER),
-                   keyring=env.get(ENV["keyring"]) or None)
+                   keyring=env.get(ENV["keyring"]) or None,
+                   keyring_fd=None if fd_text is None else int(fd_text))
 
     def connect(self, *, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
         """A client connected to the agent's control socket (requests wait ``timeout`` seconds)."""
@@ -67,6 +75,8 @@ class TrainerSettings:
 
     def transfer_keys(self) -> TransferKeys:
         """The keys state transfers and stores are authenticated with (see the module docstring)."""
+        if self.keyring_fd is not None:
+            return TransferKeys.from_fd(self.keyring_fd)
         if self.keyring:
             return TransferKeys.from_file(self.keyring)
         return TransferKeys.insecure(self.cluster)
