@@ -93,6 +93,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     if mistake == "no-data-position":
         del objects["data"]  # the cursor still moves, but nobody carries it to a spare
     config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares,
+                           snapshot_copies=args.snapshot_copies,
                            **({"start_timeout": args.start_timeout} if args.start_timeout else {}),
                            **({"recovery_timeout": args.recovery_timeout} if args.recovery_timeout else {}))
     def on_drop(why: str) -> None:
@@ -188,6 +189,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
     p.add_argument("--lr-scale", dest="lr_scale", action="store_true", help="on_resize scales the learning rate")
     p.add_argument("--mistake", choices=MISTAKES, default=None)
+    p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=2,
+                   help="TrainerConfig.snapshot_copies: host copies of the state kept for recovery (2, 1, 0)")
     p.add_argument("--verbose", action="store_true", help="a progress line every 10 steps")
     return p
 

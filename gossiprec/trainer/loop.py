@@ -178,7 +178,7 @@ class ResilientTrainer:
         self._closed = threading.Event()
         self._left = ""
         """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
-        self._snaps = Snapshots(self.objects, background=config.background_snapshot)
+        self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=config.snapshot_copies)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
                                      device=config.device)
@@ -496,7 +496,9 @@ class ResilientTrainer:
         """Capture the objects as step ``step`` and tell the agent. ``verify``: copy everything now with
         checksums, and compare the state across replicas (and with the live tensors) at the next
         all-reduce of gradients."""
-        snap = self._snaps.commit(step, checksum=verify)
+        # a view change already known: the recovery comes before any optimizer step, so one copy can keep
+        # the previous step too (a plan whose reports lag a commit may name it)
+        snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
         if verify:
             self._checks.committed(step, snap)
         self.step = step
