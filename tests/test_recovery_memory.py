@@ -46,3 +46,15 @@ def test_one_copy_kills_in_every_phase_bit_identical(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_no_copy_kills_in_every_phase_bit_identical(tmp_path: Path) -> None:
     _kills_in_every_phase(tmp_path, 0)
+
+
+@pytest.mark.slow
+def test_bucketed_gradients_kills_in_every_phase_bit_identical(tmp_path: Path) -> None:
+    # gradients all-reduced in buckets during backward (overlap_gradients, 0.25 MiB buckets: several
+    # per step); "communicate" now fires inside backward, with the first bucket on the wire
+    faults = [Fault("n1", "kill", 6, "compute"), Fault("n0", "kill", 12, "communicate"),
+              Fault("n2", "kill", 18, "optimizer"), Fault("n3", "kill", 24, "committed")]
+    res = run_scenario(2, 4, 30, faults, hidden=512, step_ms=10.0, workdir=str(tmp_path), timeout=200.0,
+                       trainer_args=["--bucket-mb", "0.25", "--snapshot-copies", "1"])
+    assert res["bit_identical"] and res["final_step"] == [30], res
+    assert all(f["fired"] and f["lost_steps"] == 0 for f in res["faults"]), res["faults"]

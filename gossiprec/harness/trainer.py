@@ -103,6 +103,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     rt = ResilientTrainer(objects, config, on_recovered=on_recovered, on_resize=on_resize,
                           on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook,
                           on_drop=on_drop)
+    if args.bucket_mb > 0:
+        rt.overlap_gradients(model.parameters(), exact=True, bucket_mb=args.bucket_mb)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
     t_start = time.monotonic()
     progress = out.with_suffix(".step")
@@ -189,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
     p.add_argument("--lr-scale", dest="lr_scale", action="store_true", help="on_resize scales the learning rate")
     p.add_argument("--mistake", choices=MISTAKES, default=None)
+    p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=0.0,
+                   help="all-reduce gradients in buckets of this many MiB during backward (0: one flat all-reduce)")
     p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=2,
                    help="TrainerConfig.snapshot_copies: host copies of the state kept for recovery (2, 1, 0)")
     p.add_argument("--verbose", action="store_true", help="a progress line every 10 steps")

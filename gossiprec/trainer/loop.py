@@ -81,7 +81,9 @@ from gossiprec.trainer.snapshots import Snapshots
 if TYPE_CHECKING:
     import torch
 
+    from gossiprec.trainer.buckets import GradientBuckets
     from gossiprec.trainer.capture import StateSnapshot
+    from gossiprec.trainer.groups import PendingCollective
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +177,7 @@ class ResilientTrainer:
         """The agent's progress page (:mod:`gossiprec.local.progress`): reports and state go there, without
         a system call or a wake-up of the agent; None: they go through the control socket."""
         self._donor: DonorServer | None = None
+        self._buckets: GradientBuckets | None = None
         self._closed = threading.Event()
         self._left = ""
         """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
@@ -327,8 +330,25 @@ class ResilientTrainer:
         self._hook(self.step + 1, "compute")
         return self.step + 1
 
+    def overlap_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False,
+                          bucket_mb: float = 25.0) -> None:
+        """All-reduce the gradients of ``params`` in buckets while backward produces them
+        (:mod:`gossiprec.trainer.buckets`); ``allreduce_gradients`` then waits for them. Call once,
+        before the first backward; ``exact`` must be what ``allreduce_gradients`` is called with.
+        Gradients are taken when backward produces them: accumulate over several backward passes, or
+        change ``.grad`` before ``allreduce_gradients()``, only without this."""
+        from gossiprec.trainer.buckets import GradientBuckets
+
+        if self._buckets is not None:
+            self._buckets.remove()
+        self._buckets = GradientBuckets(params, issue=self._issue_bucket, exact=exact,
+                                        rank_world=lambda: (self.rank, self.world_size),
+                                        bucket_bytes=max(1, int(bucket_mb * 1024 * 1024)),
+                                        on_issue=self._bucket_issued)
+
     def allreduce_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False) -> bool:
-        """Average the gradients of ``params`` over the group (one flat all-reduce).
+        """Average the gradients of ``params`` over the group (one flat all-reduce, or the buckets of
+        :meth:`overlap_gradients`, issued during backward).
 
         Returns False when the collective was interrupted: recovery has already run and the loop
         must start the step again (``continue``). A parameter without a gradient counts as zero.
@@ -341,6 +361,13 @@ class ResilientTrainer:
 
         plist = [p for p in params if p.requires_grad]
         self._report(self.step + 1, "communicate")
+        if self._buckets is not None:
+            if exact != self._buckets.exact:
+                raise ConfigError(f"allreduce_gradients(exact={exact}) but overlap_gradients(exact="
+                                  f"{self._buckets.exact}): pass the same to both")
+            if not self._wait_buckets(plist):
+                return False
+            return self._after_allreduce(plist)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plist]
         flat = torch.cat([g.reshape(-1) for g in grads])  # a fresh buffer: an aborted one may be written later
         if exact:
@@ -360,6 +387,9 @@ class ResilientTrainer:
             else:
                 p.grad.copy_(chunk)
             offset += n
+        return self._after_allreduce(plist)
+
+    def _after_allreduce(self, plist: list[torch.Tensor]) -> bool:
         self._snaps.settle()  # the optimizer step comes next: the last commit's copies must be done
         if self._snaps.background:
             self._snaps.update_late(plist)
@@ -480,6 +510,39 @@ class ResilientTrainer:
         except CollectiveAborted as exc:
             self._recover(f"{exc.reason}: {exc}")
             return False
+
+    def _issue_bucket(self, tensor: torch.Tensor, op: str) -> object:
+        """Start one bucket's all-reduce (from a gradient hook); None when a view change is known."""
+        if self._follower.trouble(self.epoch):
+            return None
+        assert self.groups is not None and self.groups.current is not None
+        return self.groups.current.allreduce(tensor, op, async_op=True)
+
+    def _bucket_issued(self) -> None:
+        """The first bucket of a step is on the wire (from a gradient hook, inside backward)."""
+        self._report(self.step + 1, "communicate")
+        self._hook(self.step + 1, "communicate")
+
+    def _wait_buckets(self, plist: list[torch.Tensor]) -> bool:
+        """Wait for the gradient buckets (recovering, and False, when interrupted)."""
+        assert self._buckets is not None
+        step = self.step + 1
+        first = [True]
+
+        def wait(pending: PendingCollective) -> None:
+            if first[0]:
+                first[0] = False
+                self._snaps.copier.run_held()  # copies the thread has not begun, while the buckets are on the wire
+            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
+            pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
+
+        try:
+            if self._buckets.finish(plist, wait):
+                return True
+            self._recover("view change")
+        except CollectiveAborted as exc:
+            self._recover(f"{exc.reason}: {exc}")
+        return False
 
     def _check_collective(self, tensor: torch.Tensor, op: str) -> bool:
         return self._collective(tensor, op, hook=False)
