@@ -30,8 +30,8 @@ Report: per mode the median, p10 and p90 step time (host wall clock from one ste
 the device synchronised at each step's end: nothing the commit leaves running escapes the timing, since
 the next optimizer step waits for it) and the overhead against ``none`` (ratio of medians minus one),
 the state size, the host memory each mode keeps for recovery (``host_bytes_kept``, and as a multiple
-of the state: ``host_copies_of_state``), and ``snapshot_identical``: the last deferred snapshot, once settled, holds the bytes a
-synchronous capture of the same step gives (crc32 of every tensor).
+of the state: ``host_copies_of_state``), and ``snapshot_identical``: the last snapshot, once settled,
+holds the bytes a synchronous capture of the same step gives (crc32 of every tensor).
 """
 
 from __future__ import annotations
