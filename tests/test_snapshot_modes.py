@@ -172,3 +172,94 @@ def test_snapshot_copies_is_validated() -> None:
             TrainerConfig(snapshot_copies=bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError):
         Snapshots({}, background=True, copies=5)
+
+
+class _Control:
+    """The control calls a committing trainer makes, recorded."""
+
+    path = "/nonexistent"
+    node = "n0"
+
+    def __init__(self) -> None:
+        self.states: list[tuple[int, int | None]] = []
+
+    def set_state(self, step: int, inflight: int | None = None, *_: Any, wait: bool = False) -> None:
+        self.states.append((step, inflight))
+
+    def report(self, *_: Any, **__: Any) -> None:
+        pass
+
+
+def test_a_commit_that_keeps_the_previous_step_reports_both_to_the_election() -> None:
+    # committed = the kept copy, inflight = this step (StateReport.servable): the election then resumes
+    # at the newest step every replica group holds, and the report hold (trainer still "finishing")
+    # waits for the recovery to begin
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    model, opt, cursor, objects = _job()
+    control = _Control()
+    rt = ResilientTrainer(objects, TrainerConfig(snapshot_copies=1), control=control,  # type: ignore[arg-type]
+                          key=bytes(32))
+    rt._commit_snapshot(0)
+    for _ in range(2):
+        _backward(model, opt, cursor)
+        rt._snaps.settle()
+        rt._snaps.update_late(list(model.parameters()))
+        opt.step()
+        rt.commit()
+    assert control.states == [(0, None), (1, None), (2, None)]
+    _backward(model, opt, cursor)
+    rt._snaps.settle()
+    opt.step()
+    rt._follower.newest_view = 1  # a newer view is known when step 3 commits
+    rt.commit()
+    assert control.states[-1] == (2, 3) and rt.step == 3 and rt._snaps.steps() == [2, 3]
+    rt._snaps.begin_recovery()
+    snap = rt._snaps.at(2)
+    assert snap is not None
+    rt._snaps.restore(snap)  # the plan resumes at 2: step 3 is gone, and the agent is told
+    assert control.states[-1] == (2, None) and rt._snaps.steps() == [2]
+    rt.close()
+
+
+def test_one_copy_being_written_is_served_only_once_complete(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a donor asks for the last commit while the copier thread is still writing it into the one copy:
+    # it waits for the copy and gets the whole step, never a half-written buffer
+    import threading
+
+    from gossiprec.trainer import capture, snapshots
+
+    model, opt, cursor, objects = _job(hidden=256)
+    snaps = Snapshots(objects, background=True, copies=1)
+    snaps.commit(0)
+    _step(snaps, model, opt, cursor, 1)
+    gate, started = threading.Event(), threading.Event()
+    run = capture.DeferredCopies.run
+
+    def slow_run(self: capture.DeferredCopies) -> None:
+        started.set()
+        gate.wait(10)
+        run(self)
+
+    monkeypatch.setattr(capture.DeferredCopies, "run", slow_run)
+    monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)  # to the thread at once
+    _backward(model, opt, cursor)
+    snaps.settle()
+    snaps.update_late(list(model.parameters()))
+    opt.step()
+    snaps.commit(2)
+    committed = _state(objects, 2)
+    assert started.wait(10)  # the thread is inside the copy
+    served: list[bytes] = []
+
+    def donor() -> None:
+        snap = snaps.at(2)
+        served.append(snap.payload() if snap is not None else b"")
+
+    t = threading.Thread(target=donor)
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not served  # waits for the copy
+    gate.set()
+    t.join(10)
+    assert served == [committed]

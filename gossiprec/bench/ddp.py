@@ -1,8 +1,8 @@
 """``gossiprec bench ddp``: data-parallel step time with and without gossiprec, gloo on the CPU, 2 ranks.
 
 Two processes on loopback train the same model (square linear layers, ``--mb`` MB of weights, AdamW)
-from the same initial state; each loop runs ``--steps`` timed steps after ``--warmup``, and the loops
-take turns in ``--rounds`` rounds (machine load drifts: every loop sees the same drift):
+from the same initial state; after ``--warmup`` steps each, the loops take turns step by step for
+``--rounds`` x ``--steps`` timed steps (machine load drifts: every loop sees the same drift):
 
 ``plain``
     no gossiprec: ``torch.distributed``'s default group, the gradients concatenated after backward
@@ -130,14 +130,15 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
         elif rt is not None:
             rt.step += 1
 
-    for _ in range(args["rounds"]):
-        for name in args["loops"]:
-            for i in range(args["warmup"] + args["steps"]):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(name)
-                if i >= args["warmup"]:
-                    loops[name]["times"].append(time.perf_counter() - t0)
+    for name in args["loops"]:
+        for _ in range(args["warmup"]):
+            step(name)
+    for _ in range(args["rounds"] * args["steps"]):
+        for name in args["loops"]:  # one step of each loop in turn: load that drifts hits every loop alike
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(name)
+            loops[name]["times"].append(time.perf_counter() - t0)
     report: dict[str, Any] = {"loops": {}}
     for name, lp in loops.items():
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in lp["model"].parameters())).hexdigest()
@@ -234,7 +235,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=8, help="square linear layers (8)")
     p.add_argument("--batch", type=int, default=64, help="rows per step (64)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per loop and round (10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per loop and round (2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per loop first (2)")
     p.add_argument("--rounds", type=int, default=3, help="rounds of the loops in turn (3)")
     p.add_argument("--loops", default=",".join(LOOPS), help=f"loops to run ({','.join(LOOPS)})")
     p.add_argument("--copies", type=int, default=1, help="TrainerConfig.snapshot_copies of the gossiprec loops (1)")

@@ -182,6 +182,7 @@ class ResilientTrainer:
         self._left = ""
         """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
         self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=config.snapshot_copies)
+        self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
                                      device=config.device)
@@ -565,17 +566,22 @@ class ResilientTrainer:
         if verify:
             self._checks.committed(step, snap)
         self.step = step
-        self._announce(step, snap.header.total_nbytes)
+        older = self._snaps.kept_previous()
+        if older is not None:  # both servable: the election picks the newest every replica group holds
+            self._announce(older, snap.header.total_nbytes, inflight=step)
+        else:
+            self._announce(step, snap.header.total_nbytes)
 
-    def _announce(self, step: int, nbytes: int) -> None:
-        """Tell the agent what this rank could serve: committed ``step``, ``nbytes`` of it (0: nothing)."""
+    def _announce(self, step: int, nbytes: int, inflight: int | None = None) -> None:
+        """Tell the agent what this rank could serve: committed ``step`` (and ``inflight``, a newer step
+        held too), ``nbytes`` of it (0: nothing)."""
         port = self._donor.port if self._donor else None
         page = self._page
         if page is not None:
-            page.set_state(step, None, nbytes, port)
+            page.set_state(step, inflight, nbytes, port)
             return
         try:
-            self.control.set_state(step, None, nbytes, port, wait=False)
+            self.control.set_state(step, inflight, nbytes, port, wait=False)
         except ControlError as exc:
             self._follower.lost = str(exc)
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from gossiprec.errors import ConfigError, RecoveryError
 from gossiprec.trainer.capture import StateSnapshot, capture_deferred
@@ -85,6 +85,9 @@ class Snapshots:
         """The thread that runs the loop (the only one that checks and takes finished copies)."""
         self._served: tuple[StateSnapshot, StateSnapshot] | None = None
         """A live snapshot and what donors serve of it (its device tensors staged in host memory)."""
+        self.on_restored: Callable[[int, int], None] | None = None
+        """Called with (step, bytes) after a restore that overwrote a live snapshot of another step, so
+        that the agent no longer reports that step as held."""
         self._job_step = 0
         """The step of the snapshot the last deferred copies belong to."""
 
@@ -163,11 +166,21 @@ class Snapshots:
                 self._served = (snap, snap.served())  # one host copy of live device tensors per snapshot
             return self._served[1]
 
+    def kept_previous(self) -> int | None:
+        """With one copy, after a commit that kept the previous step (``keep_previous``): that step."""
+        with self._lock:
+            if self.copies == 1 and len(self._held) == 2 and self._held[-1].live and self._held[0].valid():
+                return self._held[0].step
+        return None
+
     def restore(self, snap: StateSnapshot) -> int:
         """Reload ``snap`` (held here) into the objects; returns the bytes copied. A snapshot of live
         tensors stays valid: loading the objects' state dicts copies each of those tensors onto itself,
         which moves its version counter, so the record is taken again."""
+        held_live = [h.step for h in self.held if h.live and h.step != snap.step]
         copied = restore_state(self.objects, snap, unchanged=self.unchanged)
+        if held_live and self.on_restored is not None:
+            self.on_restored(snap.step, snap.header.total_nbytes)  # the live step is gone: say so
         if snap.live:
             versions = {i: snap.tensors[i]._version for i in snap.live}
             again = replace(snap, sources=tuple((p, versions.get(i, v)) for i, (p, v) in enumerate(snap.sources)))
