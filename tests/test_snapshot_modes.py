@@ -263,3 +263,27 @@ def test_one_copy_being_written_is_served_only_once_complete(monkeypatch: pytest
     gate.set()
     t.join(10)
     assert served == [committed]
+
+
+def test_one_torn_copy_leaves_nothing_and_the_next_commit_copies_everything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gossiprec.errors import RecoveryError
+    from gossiprec.trainer import snapshots
+
+    monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)
+    model, opt, cursor, objects = _job()
+    snaps = Snapshots(objects, background=True, copies=1)
+    snaps.commit(0)
+    _step(snaps, model, opt, cursor, 1)
+    _backward(model, opt, cursor)
+    snaps.settle()
+    snaps.update_late(list(model.parameters()))
+    opt.step()
+    snaps.commit(2)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # changed before the copy finished: the one copy is torn
+    with pytest.raises(RecoveryError, match="background_snapshot=False"):
+        snaps.settle()
+    assert snaps.steps() == [] and not snaps.background
+    snaps.commit(3)  # everything inside the commit now
+    snap = snaps.at(3)
+    assert snap is not None and snap.payload() == _state(objects, 3)

@@ -21,7 +21,10 @@ from the same initial state; after ``--warmup`` steps each, the loops take turns
 The trainer runs without an agent (a stub takes its reports); its group is an
 :class:`~gossiprec.trainer.groups.EpochGroups` group as a recovery builds it. ``--copies`` is
 ``TrainerConfig.snapshot_copies``. Report (rank 0's clock): per loop the median, p10 and p90 step
-time and the overhead against ``plain`` (ratio of medians minus one); the host memory each gossiprec
+time and the overhead against ``plain`` (ratio of medians minus one; ``paired_overhead_pct``: the
+median of each turn's ratio to the ``plain`` step just before it, which cancels slow load drift), the
+median CPU time of rank 0's process per step (all its threads: what the loop costs the machine,
+whatever else shares it) and its overhead against ``plain``; the host memory each gossiprec
 loop keeps for recovery (bytes, and as a multiple of the state); ``same_final_state``: every loop ends
 with the same parameters bit for bit (with two ranks every reduction is one addition, so bucket
 boundaries cannot change a result).
@@ -89,7 +92,7 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
     for name in args["loops"]:
         model = _model(args["mb"], args["layers"])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loop: dict[str, Any] = {"model": model, "opt": opt, "times": [], "net": model, "rt": None}
+        loop: dict[str, Any] = {"model": model, "opt": opt, "times": [], "cpu": [], "net": model, "rt": None}
         if name == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -136,13 +139,14 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
     for _ in range(args["rounds"] * args["steps"]):
         for name in args["loops"]:  # one step of each loop in turn: load that drifts hits every loop alike
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(name)
             loops[name]["times"].append(time.perf_counter() - t0)
+            loops[name]["cpu"].append(time.process_time() - c0)
     report: dict[str, Any] = {"loops": {}}
     for name, lp in loops.items():
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in lp["model"].parameters())).hexdigest()
-        row: dict[str, Any] = {"times": lp["times"], "digest": digest}
+        row: dict[str, Any] = {"times": lp["times"], "cpu": lp["cpu"], "digest": digest}
         rt = lp["rt"]
         if rt is not None:
             rt._snaps.settle()
@@ -201,8 +205,15 @@ def run(mb: float = 64.0, layers: int = 8, batch: int = 64, steps: int = 10, war
     result: dict[str, Any] = {"torch": torch.__version__, "backend": "gloo", "world_size": 2, "mb": mb,
                               "layers": layers, "batch": batch, "steps": steps * rounds, "copies": copies,
                               "threads_per_rank": threads, "cpus": os.cpu_count(), "loops": {}}
+    plain = raw["loops"].get("plain")
     for name, row in raw["loops"].items():
         out_row: dict[str, Any] = _stats(row["times"])
+        out_row["cpu_median_s"] = round(statistics.median(row["cpu"]), 5)
+        if plain is not None and name != "plain":
+            ratios = [t / b for t, b in zip(row["times"], plain["times"], strict=True)]
+            out_row["paired_overhead_pct"] = round(100 * (statistics.median(ratios) - 1), 2)
+            base_cpu = statistics.median(plain["cpu"])
+            out_row["cpu_overhead_pct"] = round(100 * (out_row["cpu_median_s"] / base_cpu - 1), 2)
         if "host_bytes" in row:
             out_row["host_bytes_kept"] = row["host_bytes"]
             out_row["host_copies_of_state"] = round(row["host_bytes"] / row["state_bytes"], 3)

@@ -193,7 +193,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mistake", choices=MISTAKES, default=None)
     p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=0.0,
                    help="all-reduce gradients in buckets of this many MiB during backward (0: one flat all-reduce)")
-    p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=2,
+    p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=1,
                    help="TrainerConfig.snapshot_copies: host copies of the state kept for recovery (2, 1, 0)")
     p.add_argument("--verbose", action="store_true", help="a progress line every 10 steps")
     return p

@@ -60,12 +60,12 @@ class TrainerConfig:
     background_snapshot: bool = True
     """Copy a commit's parameters and optimizer state while the next step computes (only the optimizer
     step may change them in between); False copies everything inside ``commit()``."""
-    snapshot_copies: int = 2
+    snapshot_copies: int = 1
     """Host copies of parameters and optimizer state kept for recovery (:mod:`gossiprec.trainer.snapshots`):
-    2 (the last two commits: a plan may name either; 2x the state in host memory), 1 (the last commit,
-    overwritten in place; 1x) or 0 (none: a commit is the live tensors until the next optimizer step;
-    only buffers, RNG and data position are copied). Which failures each covers: README, "Memory of
-    commits"."""
+    1 (default: the last commit, overwritten in place; 1x the state in host memory), 2 (the last two
+    commits, so that a second plan may still name a step the first one rolled back: 2x) or 0 (none: a
+    commit is the live tensors until the next optimizer step; only buffers, RNG and data position are
+    copied). Which failures each covers: README, "Memory of commits"."""
     verify_replicas: bool = True
     """Compare a digest of the state across each replica group at the start, after the first step,
     after every recovery and every :attr:`verify_every` steps; a mismatch raises

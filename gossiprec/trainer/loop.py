@@ -4,6 +4,7 @@
 
     rt = ResilientTrainer(training_state(model, opt, data=pos))
     rt.start()                                # trainer: build the epoch group; spare: wait for a rank
+    rt.overlap_gradients(model.parameters())  # optional: all-reduce in buckets during backward
     while rt.step < steps:
         s = rt.begin_step()                   # the step being computed (committed step + 1)
         opt.zero_grad(); loss_of(model, batch(rt.rank, s)).backward()

@@ -1,4 +1,4 @@
-"""Commit handling: the last two snapshots of the registered objects, and when their copies are made.
+"""Commit handling: the snapshots of the registered objects kept for recovery, and when copies are made.
 
 Step ``s`` is committed on a rank when its optimizer step has finished and ``commit()`` has captured
 the objects into a snapshot (a copy, into a reused buffer). The bulk of that copy, the parameters
@@ -15,13 +15,16 @@ How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
 <gossiprec.trainer.config.TrainerConfig.snapshot_copies>`):
 
 * **2** (double): the last two snapshots, because the agent's state report of a new view can lag one
-  commit behind the trainer; a donor serves whichever step the plan names. 2x the state in host memory.
-* **1** (single): one snapshot, overwritten in place by each commit. While its late copies run (step
+  commit behind the trainer, or a second plan may name a step the first one rolled back; a donor serves
+  whichever step the plan names. 2x the state in host memory.
+* **1** (single, the default): one snapshot, overwritten in place by each commit. While its late copies run (step
   ``s + 1``'s compute), it is marked incomplete; a donor or a reload asking for step ``s`` waits for the
   copies (:meth:`at` settles first), so the last committed step is always servable, and step ``s - 1``
   is gone. A commit made while a newer view is already known (:meth:`commit` with ``keep_previous``) does
   not overwrite the snapshot: it holds step ``s`` as a view of the live tensors (no optimizer step runs
-  before the recovery), so both ``s - 1`` (copy) and ``s`` (live) stay servable for the plan. 1x.
+  before the recovery), so both ``s - 1`` (copy) and ``s`` (live) stay servable for the plan, and the
+  trainer reports both (committed ``s - 1``, in flight ``s``). A reload of ``s - 1`` overwrites the live
+  ``s``, and the agent is told at once (:attr:`Snapshots.on_restored`). 1x.
 * **0** (snapshot-free): no copy of parameters and optimizer state; a commit's snapshot *is* the live
   tensors (:attr:`~gossiprec.trainer.capture.StateSnapshot.live`), valid until the next optimizer step
   modifies them. Only the small rest (buffers, RNG, data position) is copied, so a step interrupted
