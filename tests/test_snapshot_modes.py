@@ -287,3 +287,38 @@ def test_one_torn_copy_leaves_nothing_and_the_next_commit_copies_everything(monk
     snaps.commit(3)  # everything inside the commit now
     snap = snaps.at(3)
     assert snap is not None and snap.payload() == _state(objects, 3)
+
+
+def test_a_donor_asking_during_a_reload_of_live_tensors_waits_and_gets_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # reloading a live snapshot copies each live tensor onto itself, which moves its version counter; a
+    # donor thread asking in that moment must wait for the record to be taken again, not be refused
+    import threading
+
+    from gossiprec.trainer import snapshots
+
+    model, opt, cursor, objects = _job()
+    snaps = Snapshots(objects, background=True, copies=0)
+    snaps.commit(0)
+    _step(snaps, model, opt, cursor, 1)
+    committed = _state(objects, 1)
+    _backward(model, opt, cursor)
+    snaps.begin_recovery()
+    real = snapshots.restore_state
+    got: list[Any] = []
+    asking: list[threading.Thread] = []
+
+    def restore_and_ask(*args: Any, **kwargs: Any) -> int:
+        copied = real(*args, **kwargs)  # counters moved: valid() would say no right now
+        t = threading.Thread(target=lambda: got.append(snaps.at(1)))
+        t.start()
+        t.join(0.1)
+        assert t.is_alive()  # blocked until the restore has taken the record again
+        asking.append(t)
+        return copied
+
+    monkeypatch.setattr(snapshots, "restore_state", restore_and_ask)
+    snap = snaps.at(1)
+    assert snap is not None
+    snaps.restore(snap)
+    asking[0].join(10)
+    assert got[0] is not None and got[0].payload() == committed

@@ -181,15 +181,18 @@ class Snapshots:
         tensors stays valid: loading the objects' state dicts copies each of those tensors onto itself,
         which moves its version counter, so the record is taken again."""
         held_live = [h.step for h in self.held if h.live and h.step != snap.step]
-        copied = restore_state(self.objects, snap, unchanged=self.unchanged)
-        if held_live and self.on_restored is not None:
-            self.on_restored(snap.step, snap.header.total_nbytes)  # the live step is gone: say so
         if snap.live:
-            versions = {i: snap.tensors[i]._version for i in snap.live}
-            again = replace(snap, sources=tuple((p, versions.get(i, v)) for i, (p, v) in enumerate(snap.sources)))
+            # under the lock: a donor thread asking meanwhile must wait, not find the counters moved
             with self._lock:
+                copied = restore_state(self.objects, snap, unchanged=self.unchanged)
+                versions = {i: snap.tensors[i]._version for i in snap.live}
+                again = replace(snap, sources=tuple((p, versions.get(i, v)) for i, (p, v) in enumerate(snap.sources)))
                 self._held = [again if h is snap or h.step == snap.step and h.live else h for h in self._held]
                 self._served = None
+        else:
+            copied = restore_state(self.objects, snap, unchanged=self.unchanged)
+        if held_live and self.on_restored is not None:
+            self.on_restored(snap.step, snap.header.total_nbytes)  # the live step is gone: say so
         return copied
 
     def steps(self) -> list[int]:
