@@ -28,3 +28,12 @@ def test_cuda_without_a_gpu_is_a_clear_error() -> None:
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="no CUDA device"):
         run("cuda", 1_000_000, 8, 2, 0, ["none"])
+
+
+def test_host_memory_kept_is_two_one_or_almost_no_copies_of_the_state() -> None:
+    report = run("cpu", 3_000_000, 64, steps=3, warmup=1, modes=["deferred", "single", "live"])
+    rows = report["modes"]
+    assert all(rows[m]["snapshot_identical"] is True for m in rows), rows
+    assert rows["deferred"]["host_bytes_kept"] == 2 * rows["single"]["host_bytes_kept"]
+    assert rows["single"]["host_copies_of_state"] == pytest.approx(1.0, abs=0.01)
+    assert rows["live"]["host_copies_of_state"] < 0.01  # the RNG state only

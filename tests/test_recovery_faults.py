@@ -248,8 +248,10 @@ def test_a_second_plan_during_a_recovery_leaves_the_survivor_at_the_new_target(t
     # and the second plan targets 12, which n2 holds: n2 restores twice in one recovery, 11 then 12.
     faults = [Fault("n1", "kill", 12, "optimizer"), Fault("n0", "hold", 12, "optimizer"),
               Fault("n2", "hold", 12, "optimizer"), Fault("n0", "kill", 11, "serve")]
+    # two host copies (TrainerConfig.snapshot_copies=2): with one, n2's reload of 11 overwrites its 12 and
+    # the second plan resumes at 11 (tests/test_recovery_memory.py)
     res = run_scenario(3, 2, 24, faults, hidden=1024, step_ms=10.0, workdir=str(tmp_path), timeout=150.0,
-                       slow_fetch=0.15, protocol={"report_hold": 0})
+                       slow_fetch=0.15, protocol={"report_hold": 0}, trainer_args=["--snapshot-copies", "2"])
     _check_common(res, 24)
     (n2,) = [r for r in _records(tmp_path, "n2") if r["superseded"]]
     assert [s[1] for s in n2["superseded"]] == [11] and n2["target_step"] == 12, n2  # targets 11, then 12

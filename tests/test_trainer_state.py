@@ -516,7 +516,8 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     control = _StubControl()
-    rt = ResilientTrainer(training_state(model, opt, sched, data), control=control)  # type: ignore[arg-type]
+    rt = ResilientTrainer(training_state(model, opt, sched, data), TrainerConfig(snapshot_copies=2),
+                          control=control)  # type: ignore[arg-type]  # two copies: the torn one leaves step 2
     rt._commit_snapshot(1)
     rt._snaps.update_late(list(model.parameters()))  # what allreduce_gradients does
     train_step(model, opt, sched, data)
@@ -543,7 +544,8 @@ def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_t
 
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
-    rt = ResilientTrainer(training_state(model, opt, sched, data), control=_StubControl())  # type: ignore[arg-type]
+    rt = ResilientTrainer(training_state(model, opt, sched, data), TrainerConfig(snapshot_copies=2),
+                          control=_StubControl())  # type: ignore[arg-type]  # two copies: the torn one leaves 4
     rt._commit_snapshot(1)
     rt._snaps.update_late(list(model.parameters()))
     assert rt._snaps.late  # parameters and moments could be deferred ...

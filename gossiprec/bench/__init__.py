@@ -12,8 +12,8 @@ from typing import Any
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with its sub-commands (``agents``, ``recovery``, ``baseline``, ``device-transfer``,
-    ``commit``, ``digest``, ``bootstrap``, ``agreement``) to the ``gossiprec`` parser."""
-    from gossiprec.bench import agents, agreement, baseline, bootstrap, commit, device, digest, recovery
+    ``commit``, ``ddp``, ``digest``, ``bootstrap``, ``agreement``) to the ``gossiprec`` parser."""
+    from gossiprec.bench import agents, agreement, baseline, bootstrap, commit, ddp, device, digest, recovery
 
     p = subparsers.add_parser("bench", help="benchmarks of real agent processes",
                               description="Benchmarks of real agent processes; each prints JSON.")
@@ -23,6 +23,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     baseline.add_cli(sub)
     device.add_cli(sub)
     commit.add_cli(sub)
+    ddp.add_cli(sub)
     digest.add_cli(sub)
     bootstrap.add_cli(sub)
     agreement.add_cli(sub)

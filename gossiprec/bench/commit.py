@@ -13,7 +13,13 @@ after ``--warmup`` steps, in the order given by ``--modes``:
     :class:`ResilientTrainer` with its default ``background_snapshot=True``: parameters and optimizer
     state are copied by a background thread while the next step computes (for CUDA tensors: into
     pinned host buffers, on a side stream that waits for the optimizer step, so the DMA runs beside
-    the next step's kernels); the next optimizer step waits for the copy.
+    the next step's kernels); the next optimizer step waits for the copy. Two host copies of the state
+    (``TrainerConfig.snapshot_copies=2``).
+``single``
+    ``deferred`` with one host copy, overwritten in place (``snapshot_copies=1``).
+``live``
+    no host copy of parameters and optimizer state (``snapshot_copies=0``): a commit holds views of
+    the live tensors; only buffers, RNG and data position are copied.
 
 The trainer runs without an agent and without a process group (a stub stands in for the control
 socket): the loop calls ``commit()`` after the optimizer step and, before the next optimizer step,
@@ -23,8 +29,9 @@ refuse a torn snapshot). So the figures are the commit's cost alone.
 Report: per mode the median, p10 and p90 step time (host wall clock from one step's end to the next's,
 the device synchronised at each step's end: nothing the commit leaves running escapes the timing, since
 the next optimizer step waits for it) and the overhead against ``none`` (ratio of medians minus one),
-the state size, and ``snapshot_identical``: the last deferred snapshot, once settled, holds the bytes a
-synchronous capture of the same step gives (crc32 of every tensor).
+the state size, the host memory each mode keeps for recovery (``host_bytes_kept``, and as a multiple
+of the state: ``host_copies_of_state``), and ``snapshot_identical``: the last snapshot, once settled,
+holds the bytes a synchronous capture of the same step gives (crc32 of every tensor).
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ from typing import Any
 from gossiprec.bench.device import layer_shape, sync
 from gossiprec.errors import ConfigError
 
-MODES = ("none", "inline", "deferred")
+MODES = ("none", "inline", "deferred", "single", "live")
+COPIES = {"inline": 2, "deferred": 2, "single": 1, "live": 0}
 
 
 class _StubControl:
@@ -72,7 +80,7 @@ def _build(device: str, nbytes: int, batch: int, seed: int = 0) -> tuple[Any, An
 
 
 def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: int,
-          say: Any) -> tuple[list[float], int, bool | None]:
+          say: Any) -> tuple[list[float], int, bool | None, int]:
     import torch
 
     from gossiprec.trainer.capture import capture_state
@@ -85,7 +93,8 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
     params = list(model.parameters())
     rt = None
     if mode != "none":
-        config = TrainerConfig(background_snapshot=mode == "deferred", stateless_data=True)
+        config = TrainerConfig(background_snapshot=mode != "inline", stateless_data=True,
+                               snapshot_copies=COPIES[mode])
         rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)}, config,
                               control=_StubControl(), key=bytes(32))  # type: ignore[arg-type]
     times: list[float] = []
@@ -108,16 +117,17 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
             times.append(t - t_prev)
         t_prev = t
     same: bool | None = None
-    state_bytes = 0
+    state_bytes = kept = 0
     if rt is not None:
         snap = rt._snaps.at(rt.step)  # settled: the background copies are done
         assert snap is not None
         state_bytes = snap.header.total_nbytes
+        kept = rt._snaps.host_bytes()
         ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)
         same = [zlib.crc32(tensor_bytes(t)) for t in snap.tensors] == [s.crc32 for s in ref.header.tensors]
         rt.close()
     say(f"{mode}: median step {statistics.median(times) * 1000:.2f} ms over {steps} steps")
-    return times, state_bytes, same
+    return times, state_bytes, same, kept
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -135,10 +145,11 @@ def run(device: str, nbytes: int, batch: int, steps: int, warmup: int, modes: li
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                            "torch": torch.__version__, "batch": batch, "steps": steps, "modes": {}}
     for mode in modes:
-        times, state_bytes, same = _loop(mode, device, nbytes, batch, steps, warmup, say)
-        out["modes"][mode] = {**_stats(times), "snapshot_identical": same}
+        times, state_bytes, same, kept = _loop(mode, device, nbytes, batch, steps, warmup, say)
+        out["modes"][mode] = {**_stats(times), "snapshot_identical": same, "host_bytes_kept": kept}
         if state_bytes:
             out["state_bytes"] = state_bytes
+            out["modes"][mode]["host_copies_of_state"] = round(kept / state_bytes, 3)
     base = out["modes"].get("none")
     for mode, row in out["modes"].items():
         row["overhead_pct"] = (round(100 * (row["median_s"] / base["median_s"] - 1), 2)
@@ -174,7 +185,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4096, help="rows per step's batch (4096)")
     p.add_argument("--steps", type=int, default=30, help="timed steps per mode (30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
-    p.add_argument("--modes", default=",".join(MODES), help="loops to run, in order (none,inline,deferred)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"loops to run, in order ({','.join(MODES)})")
     p.add_argument("--json", action="store_true", help="one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd)

@@ -96,6 +96,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     if mistake == "no-data-position":
         del objects["data"]  # the cursor still moves, but nobody carries it to a spare
     config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares,
+                           snapshot_copies=args.snapshot_copies,
                            **({"start_timeout": args.start_timeout} if args.start_timeout else {}),
                            **({"recovery_timeout": args.recovery_timeout} if args.recovery_timeout else {}))
     def on_drop(why: str) -> None:
@@ -105,6 +106,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     rt = ResilientTrainer(objects, config, on_recovered=on_recovered, on_resize=on_resize,
                           on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook,
                           on_drop=on_drop)
+    if args.bucket_mb > 0:
+        rt.overlap_gradients(model.parameters(), exact=True, bucket_mb=args.bucket_mb)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
     t_start = time.monotonic()
     progress = out.with_suffix(".step")
@@ -195,6 +198,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=0)
     p.add_argument("--lr-scale", dest="lr_scale", action="store_true", help="on_resize scales the learning rate")
     p.add_argument("--mistake", choices=MISTAKES, default=None)
+    p.add_argument("--bucket-mb", dest="bucket_mb", type=float, default=0.0,
+                   help="all-reduce gradients in buckets of this many MiB during backward (0: one flat all-reduce)")
+    p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=1,
+                   help="TrainerConfig.snapshot_copies: host copies of the state kept for recovery (2, 1, 0)")
     p.add_argument("--verbose", action="store_true", help="a progress line every 10 steps")
     return p
 

@@ -35,10 +35,30 @@ class StateSnapshot:
     sources: tuple[tuple[int, int], ...] = ()
     """``(data_ptr, in-place version)`` of each copied source tensor at capture (empty when not copied):
     :func:`restore_state` skips tensors that still hold exactly these bytes."""
+    live: tuple[int, ...] = ()
+    """Indices of the payload tensors that are the live tensors themselves (no copy, see ``view`` in
+    :func:`capture_deferred`): the snapshot is valid only while none of them was modified in place."""
 
     @property
     def step(self) -> int:
         return self.header.step
+
+    def valid(self) -> bool:
+        """No live tensor of the payload was modified since capture (always True without live tensors)."""
+        return all(self.tensors[i]._version == self.sources[i][1] for i in self.live)
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory this snapshot holds of its own (live tensors are not its own)."""
+        live = set(self.live)
+        return sum(t.nbytes for i, t in enumerate(self.tensors) if i not in live and t.device.type == "cpu")
+
+    def served(self) -> StateSnapshot:
+        """This snapshot with every tensor in host memory: live CUDA tensors are copied now (a donor of
+        the snapshot-free mode stages its device state for the duration of a transfer)."""
+        if not any(self.tensors[i].device.type != "cpu" for i in self.live):
+            return self
+        tensors = tuple(t.to("cpu") if t.device.type != "cpu" else t for t in self.tensors)
+        return StateSnapshot(self.header, tensors, self.sources, self.live)
 
     def views(self) -> list[memoryview]:
         """Zero-copy byte views of the payload tensors, in header order."""
@@ -134,7 +154,7 @@ def _side_stream(device: Any) -> Any:
 
 def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool = True,
                      checksum: bool = False, reuse: StateSnapshot | None = None,
-                     defer: Container[int] = ()) -> tuple[StateSnapshot, DeferredCopies]:
+                     defer: Container[int] = (), view: Container[int] = ()) -> tuple[StateSnapshot, DeferredCopies]:
     """:func:`capture_state`, except that the copies of contiguous CPU and CUDA tensors whose
     ``data_ptr()`` is in ``defer`` are not made: the snapshot holds their (uninitialised or stale)
     destination tensors (pinned host memory for CUDA sources) and :class:`DeferredCopies` says what to
@@ -155,6 +175,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
     tensors: list[torch.Tensor] = []
     specs: list[TensorSpec] = []
     sources: list[tuple[int, int]] = []
+    live: list[int] = []
     deferred = DeferredCopies([], [], [])
     devices: set[Any] = set()  # CUDA devices of deferred sources
     offset = 0
@@ -166,7 +187,10 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
                                   "transferred (convert sparse tensors in state_dict())")
             ptr, version = t.data_ptr(), t._version
             kept = old is not None and old.dtype == t.dtype and old.shape == t.shape
-            if copy and defer and ptr in defer and (t.is_cpu or t.is_cuda) and t.is_contiguous():
+            if view and ptr in view and (t.is_cpu or t.is_cuda) and t.is_contiguous():
+                payload_t = t.detach()  # shares the version counter: valid() sees the optimizer step
+                live.append(len(tensors))
+            elif copy and defer and ptr in defer and (t.is_cpu or t.is_cuda) and t.is_contiguous():
                 if checksum:
                     raise ConfigError("checksum=True needs every tensor's bytes at capture; defer nothing")
                 if t.is_cuda:
@@ -193,7 +217,8 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
             if kept and old_spec is not None and old_spec.offset == offset and old_spec.crc32 is None and not checksum:
                 specs.append(old_spec)  # the buffer the last capture into it described: same name, dtype, shape
             else:
-                crc = zlib.crc32(tensor_bytes(payload_t)) if checksum else None
+                host_t = payload_t.cpu() if payload_t.is_cuda else payload_t  # a live device tensor: crc of a copy
+                crc = zlib.crc32(tensor_bytes(host_t)) if checksum else None
                 specs.append(TensorSpec(name, dtype_name(payload_t.dtype), tuple(payload_t.shape), offset,
                                         nbytes, crc))
             tensors.append(payload_t)
@@ -204,4 +229,5 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
         event.record(torch.cuda.current_stream(dev))
     header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
                          checksum="crc32" if checksum else "none")
-    return StateSnapshot(header=header, tensors=tuple(tensors), sources=tuple(sources) if copy else ()), deferred
+    return StateSnapshot(header=header, tensors=tuple(tensors), sources=tuple(sources) if copy else (),
+                         live=tuple(live)), deferred

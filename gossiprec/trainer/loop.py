@@ -4,6 +4,7 @@
 
     rt = ResilientTrainer(training_state(model, opt, data=pos))
     rt.start()                                # trainer: build the epoch group; spare: wait for a rank
+    rt.overlap_gradients(model.parameters())  # optional: all-reduce in buckets during backward
     while rt.step < steps:
         s = rt.begin_step()                   # the step being computed (committed step + 1)
         opt.zero_grad(); loss_of(model, batch(rt.rank, s)).backward()
@@ -81,7 +82,9 @@ from gossiprec.trainer.snapshots import Snapshots
 if TYPE_CHECKING:
     import torch
 
+    from gossiprec.trainer.buckets import GradientBuckets
     from gossiprec.trainer.capture import StateSnapshot
+    from gossiprec.trainer.groups import PendingCollective
 
 log = logging.getLogger(__name__)
 
@@ -175,10 +178,12 @@ class ResilientTrainer:
         """The agent's progress page (:mod:`gossiprec.local.progress`): reports and state go there, without
         a system call or a wake-up of the agent; None: they go through the control socket."""
         self._donor: DonorServer | None = None
+        self._buckets: GradientBuckets | None = None
         self._closed = threading.Event()
         self._left = ""
         """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
-        self._snaps = Snapshots(self.objects, background=config.background_snapshot)
+        self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=config.snapshot_copies)
+        self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
                                      device=config.device)
@@ -327,8 +332,25 @@ class ResilientTrainer:
         self._hook(self.step + 1, "compute")
         return self.step + 1
 
+    def overlap_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False,
+                          bucket_mb: float = 25.0) -> None:
+        """All-reduce the gradients of ``params`` in buckets while backward produces them
+        (:mod:`gossiprec.trainer.buckets`); ``allreduce_gradients`` then waits for them. Call once,
+        before the first backward; ``exact`` must be what ``allreduce_gradients`` is called with.
+        Gradients are taken when backward produces them: accumulate over several backward passes, or
+        change ``.grad`` before ``allreduce_gradients()``, only without this."""
+        from gossiprec.trainer.buckets import GradientBuckets
+
+        if self._buckets is not None:
+            self._buckets.remove()
+        self._buckets = GradientBuckets(params, issue=self._issue_bucket, exact=exact,
+                                        rank_world=lambda: (self.rank, self.world_size),
+                                        bucket_bytes=max(1, int(bucket_mb * 1024 * 1024)),
+                                        on_issue=self._bucket_issued)
+
     def allreduce_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False) -> bool:
-        """Average the gradients of ``params`` over the group (one flat all-reduce).
+        """Average the gradients of ``params`` over the group (one flat all-reduce, or the buckets of
+        :meth:`overlap_gradients`, issued during backward).
 
         Returns False when the collective was interrupted: recovery has already run and the loop
         must start the step again (``continue``). A parameter without a gradient counts as zero.
@@ -341,6 +363,13 @@ class ResilientTrainer:
 
         plist = [p for p in params if p.requires_grad]
         self._report(self.step + 1, "communicate")
+        if self._buckets is not None:
+            if exact != self._buckets.exact:
+                raise ConfigError(f"allreduce_gradients(exact={exact}) but overlap_gradients(exact="
+                                  f"{self._buckets.exact}): pass the same to both")
+            if not self._wait_buckets(plist):
+                return False
+            return self._after_allreduce(plist)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plist]
         flat = torch.cat([g.reshape(-1) for g in grads])  # a fresh buffer: an aborted one may be written later
         if exact:
@@ -360,6 +389,9 @@ class ResilientTrainer:
             else:
                 p.grad.copy_(chunk)
             offset += n
+        return self._after_allreduce(plist)
+
+    def _after_allreduce(self, plist: list[torch.Tensor]) -> bool:
         self._snaps.settle()  # the optimizer step comes next: the last commit's copies must be done
         if self._snaps.background:
             self._snaps.update_late(plist)
@@ -481,6 +513,39 @@ class ResilientTrainer:
             self._recover(f"{exc.reason}: {exc}")
             return False
 
+    def _issue_bucket(self, tensor: torch.Tensor, op: str) -> object:
+        """Start one bucket's all-reduce (from a gradient hook); None when a view change is known."""
+        if self._follower.trouble(self.epoch):
+            return None
+        assert self.groups is not None and self.groups.current is not None
+        return self.groups.current.allreduce(tensor, op, async_op=True)
+
+    def _bucket_issued(self) -> None:
+        """The first bucket of a step is on the wire (from a gradient hook, inside backward)."""
+        self._report(self.step + 1, "communicate")
+        self._hook(self.step + 1, "communicate")
+
+    def _wait_buckets(self, plist: list[torch.Tensor]) -> bool:
+        """Wait for the gradient buckets (recovering, and False, when interrupted)."""
+        assert self._buckets is not None
+        step = self.step + 1
+        first = [True]
+
+        def wait(pending: PendingCollective) -> None:
+            if first[0]:
+                first[0] = False
+                self._snaps.copier.run_held()  # copies the thread has not begun, while the buckets are on the wire
+            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
+            pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
+
+        try:
+            if self._buckets.finish(plist, wait):
+                return True
+            self._recover("view change")
+        except CollectiveAborted as exc:
+            self._recover(f"{exc.reason}: {exc}")
+        return False
+
     def _check_collective(self, tensor: torch.Tensor, op: str) -> bool:
         return self._collective(tensor, op, hook=False)
 
@@ -496,21 +561,28 @@ class ResilientTrainer:
         """Capture the objects as step ``step`` and tell the agent. ``verify``: copy everything now with
         checksums, and compare the state across replicas (and with the live tensors) at the next
         all-reduce of gradients."""
-        snap = self._snaps.commit(step, checksum=verify)
+        # a view change already known: the recovery comes before any optimizer step, so one copy can keep
+        # the previous step too (a plan whose reports lag a commit may name it)
+        snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
         if verify:
             self._checks.committed(step, snap)
         self.step = step
-        self._announce(step, snap.header.total_nbytes)
+        older = self._snaps.kept_previous()
+        if older is not None:  # both servable: the election picks the newest every replica group holds
+            self._announce(older, snap.header.total_nbytes, inflight=step)
+        else:
+            self._announce(step, snap.header.total_nbytes)
 
-    def _announce(self, step: int, nbytes: int) -> None:
-        """Tell the agent what this rank could serve: committed ``step``, ``nbytes`` of it (0: nothing)."""
+    def _announce(self, step: int, nbytes: int, inflight: int | None = None) -> None:
+        """Tell the agent what this rank could serve: committed ``step`` (and ``inflight``, a newer step
+        held too), ``nbytes`` of it (0: nothing)."""
         port = self._donor.port if self._donor else None
         page = self._page
         if page is not None:
-            page.set_state(step, None, nbytes, port)
+            page.set_state(step, inflight, nbytes, port)
             return
         try:
-            self.control.set_state(step, None, nbytes, port, wait=False)
+            self.control.set_state(step, inflight, nbytes, port, wait=False)
         except ControlError as exc:
             self._follower.lost = str(exc)
 

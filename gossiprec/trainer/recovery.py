@@ -50,7 +50,7 @@ from gossiprec.errors import FencedError, GossiprecError, RecoveryError, Transfe
 from gossiprec.local.protocol import ControlError
 from gossiprec.trainer.fetch import fetch_state
 from gossiprec.trainer.groups import CollectiveAborted
-from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, restore_state
+from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget
 
 if TYPE_CHECKING:
     from gossiprec.core.election import Plan, Transfer
@@ -441,7 +441,7 @@ class Recovery:
             if snap is None:
                 raise RecoveryError(f"the plan of epoch {plan.epoch} resumes at step {target} from this rank, "
                                     f"but it holds steps {self._snaps.steps()}")
-            copied = restore_state(t.objects, snap, unchanged=self._snaps.unchanged)
+            copied = self._snaps.restore(snap)
             log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
             donor = any(x.donor_node == t.node for x in plan.transfers)
             pending.fields["role"] = "donor" if donor else "survivor"

@@ -1,4 +1,4 @@
-"""Commit handling: the last two snapshots of the registered objects, and when their copies are made.
+"""Commit handling: the snapshots of the registered objects kept for recovery, and when copies are made.
 
 Step ``s`` is committed on a rank when its optimizer step has finished and ``commit()`` has captured
 the objects into a snapshot (a copy, into a reused buffer). The bulk of that copy, the parameters
@@ -11,20 +11,40 @@ snapshot. Everything else (buffers a forward pass updates, RNG, data position) i
 ``commit()``. Tensors on a GPU go to pinned host buffers on a side stream that waits for the optimizer
 step's kernels (:class:`~gossiprec.trainer.capture.DeferredCopies`).
 
-The last *two* snapshots are kept, because the agent's state report of a new view can lag one commit
-behind the trainer; a donor serves whichever step the plan names. Donor threads read them too, so the
-list is guarded by a lock, and only the owner thread (the training loop's) takes finished copies and
-checks them.
+How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
+<gossiprec.trainer.config.TrainerConfig.snapshot_copies>`):
+
+* **2** (double): the last two snapshots, because the agent's state report of a new view can lag one
+  commit behind the trainer, or a second plan may name a step the first one rolled back; a donor serves
+  whichever step the plan names. 2x the state in host memory.
+* **1** (single, the default): one snapshot, overwritten in place by each commit. While its late copies run (step
+  ``s + 1``'s compute), it is marked incomplete; a donor or a reload asking for step ``s`` waits for the
+  copies (:meth:`at` settles first), so the last committed step is always servable, and step ``s - 1``
+  is gone. A commit made while a newer view is already known (:meth:`commit` with ``keep_previous``) does
+  not overwrite the snapshot: it holds step ``s`` as a view of the live tensors (no optimizer step runs
+  before the recovery), so both ``s - 1`` (copy) and ``s`` (live) stay servable for the plan, and the
+  trainer reports both (committed ``s - 1``, in flight ``s``). A reload of ``s - 1`` overwrites the live
+  ``s``, and the agent is told at once (:attr:`Snapshots.on_restored`). 1x.
+* **0** (snapshot-free): no copy of parameters and optimizer state; a commit's snapshot *is* the live
+  tensors (:attr:`~gossiprec.trainer.capture.StateSnapshot.live`), valid until the next optimizer step
+  modifies them. Only the small rest (buffers, RNG, data position) is copied, so a step interrupted
+  before its optimizer step is undone exactly; a step whose optimizer step ran must be rolled forward
+  (every survivor commits it, which the agents' report hold waits for).
+
+Donor threads read the snapshots too, so the list is guarded by a lock, and only the owner thread (the
+training loop's) takes finished copies and checks them.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from gossiprec.errors import RecoveryError
+from gossiprec.errors import ConfigError, RecoveryError
 from gossiprec.trainer.capture import StateSnapshot, capture_deferred
 from gossiprec.trainer.copier import Copier
+from gossiprec.trainer.receive import restore_state
 
 if TYPE_CHECKING:
     import torch
@@ -45,9 +65,12 @@ class Snapshots:
     after a torn snapshot or a write torch did not see, so that the loop's next commits copy everything.
     """
 
-    def __init__(self, objects: Mapping[str, Stateful], *, background: bool) -> None:
+    def __init__(self, objects: Mapping[str, Stateful], *, background: bool, copies: int = 2) -> None:
+        if copies not in (0, 1, 2):
+            raise ConfigError(f"snapshot copies must be 0, 1 or 2, got {copies!r}")
         self.objects = objects
-        self.background = background
+        self.copies = copies
+        self.background = background and copies > 0
         self.copier = Copier()
         self.late: frozenset[int] = frozenset()
         """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`update_late`)."""
@@ -63,6 +86,11 @@ class Snapshots:
         self._lock = threading.Lock()
         self._owner = threading.get_ident()
         """The thread that runs the loop (the only one that checks and takes finished copies)."""
+        self._served: tuple[StateSnapshot, StateSnapshot] | None = None
+        """A live snapshot and what donors serve of it (its device tensors staged in host memory)."""
+        self.on_restored: Callable[[int, int], None] | None = None
+        """Called with (step, bytes) after a restore that overwrote a live snapshot of another step, so
+        that the agent no longer reports that step as held."""
         self._job_step = 0
         """The step of the snapshot the last deferred copies belong to."""
 
@@ -72,21 +100,38 @@ class Snapshots:
         with self._lock:
             return tuple(self._held)
 
-    def commit(self, step: int, *, checksum: bool = False) -> StateSnapshot:
-        """Capture the objects as step ``step``, into the older snapshot's buffers.
+    def host_bytes(self) -> int:
+        """Host memory kept for recovery: the snapshots' own buffers and the warm pool, in bytes."""
+        with self._lock:
+            return sum(s.host_bytes() for s in [*self._held, *self._pool])
+
+    def commit(self, step: int, *, checksum: bool = False, keep_previous: bool = False) -> StateSnapshot:
+        """Capture the objects as step ``step``, into the older snapshot's buffers (see the module
+        docstring for each number of copies).
 
         The late tensors are left to the copier (held or submitted, see :data:`BACKGROUND_MIN_BYTES`),
-        unless ``checksum``: then everything is copied here, with checksums.
+        unless ``checksum``: then everything is copied here, with checksums. ``keep_previous``: a newer
+        view is known, so the recovery comes before any optimizer step: with one copy, keep it and hold
+        this step as a view of the live tensors.
         """
         self.settle()
-        if len(self._held) >= 2:
-            reuse: StateSnapshot | None = self._held[0]
+        if self.copies == 0 or (self.copies == 1 and keep_previous and self._held and not self._held[-1].live):
+            snap, _ = capture_deferred(self.objects, step=step, copy=True, checksum=checksum, view=self._live_set())
+            with self._lock:
+                self._held = [snap] if self.copies == 0 else [self._held[-1], snap]
+                self._served = None
+            return snap
+        with self._lock:
+            copied = [s for s in self._held if not s.live]
+        if len(copied) >= self.copies:
+            reuse: StateSnapshot | None = copied[0]
         else:
             reuse = self._pool.pop() if self._pool else None
         snap, deferred = capture_deferred(self.objects, step=step, copy=True, checksum=checksum, reuse=reuse,
                                           defer=() if checksum else self.late)
         with self._lock:
-            self._held = [*self._held[-1:], snap]
+            self._held = [*copied[-1:], snap] if self.copies == 2 else [snap]
+            self._served = None
         if deferred.pairs:
             self._job_step = step
             if deferred.ready or deferred.nbytes >= BACKGROUND_MIN_BYTES:
@@ -105,7 +150,7 @@ class Snapshots:
         changed = done.modified()
         if changed:
             with self._lock:
-                self._held = self._held[:-1]  # torn: holds parts of two steps
+                self._held = self._held[:-1]  # torn: holds parts of two steps (with one copy: nothing left)
             self.disable_background()
             raise RecoveryError(
                 f"{len(changed)} tensor(s) of the step-{self._job_step} snapshot were modified in place before "
@@ -117,17 +162,63 @@ class Snapshots:
         """The settled snapshot of ``step``, if held (from any thread: donors ask too)."""
         self.settle(main=threading.get_ident() == self._owner)
         with self._lock:
-            return next((s for s in self._held if s.step == step), None)
+            snap = next((s for s in reversed(self._held) if s.step == step and s.valid()), None)
+            if snap is None or not snap.live:
+                return snap
+            if self._served is None or self._served[0] is not snap:
+                self._served = (snap, snap.served())  # one host copy of live device tensors per snapshot
+            return self._served[1]
+
+    def kept_previous(self) -> int | None:
+        """With one copy, after a commit that kept the previous step (``keep_previous``): that step."""
+        with self._lock:
+            if self.copies == 1 and len(self._held) == 2 and self._held[-1].live and self._held[0].valid():
+                return self._held[0].step
+        return None
+
+    def restore(self, snap: StateSnapshot) -> int:
+        """Reload ``snap`` (held here) into the objects; returns the bytes copied. A snapshot of live
+        tensors stays valid: loading the objects' state dicts copies each of those tensors onto itself,
+        which moves its version counter, so the record is taken again."""
+        held_live = [h.step for h in self.held if h.live and h.step != snap.step]
+        if snap.live:
+            # under the lock: a donor thread asking meanwhile must wait, not find the counters moved
+            with self._lock:
+                copied = restore_state(self.objects, snap, unchanged=self.unchanged)
+                versions = {i: snap.tensors[i]._version for i in snap.live}
+                again = replace(snap, sources=tuple((p, versions.get(i, v)) for i, (p, v) in enumerate(snap.sources)))
+                self._held = [again if h is snap or h.step == snap.step and h.live else h for h in self._held]
+                self._served = None
+        else:
+            copied = restore_state(self.objects, snap, unchanged=self.unchanged)
+        if held_live and self.on_restored is not None:
+            self.on_restored(snap.step, snap.header.total_nbytes)  # the live step is gone: say so
+        return copied
 
     def steps(self) -> list[int]:
-        """The steps held."""
+        """The steps held (and still valid)."""
         with self._lock:
-            return [s.step for s in self._held]
+            return [s.step for s in self._held if s.valid()]
 
     def disable_background(self) -> None:
-        """Copy everything inside the commits from now on."""
-        self.late = frozenset()
+        """Copy everything inside the commits from now on (live views are kept with no copies)."""
         self.background = False
+        if self.copies:
+            self.late = frozenset()
+
+    def _live_set(self) -> frozenset[int]:
+        """What a commit may hold as live views: every optimizer's parameters and state (rebuilt when
+        an optimizer's state appears or is reloaded, or a recovery cleared :attr:`late`)."""
+        import torch
+
+        if self._optimizers is None:
+            self._optimizers = [o for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)]
+        key = ("live", tuple((id(o.state), len(o.state)) for o in self._optimizers))
+        if self.copies and self.late:
+            return self.late  # one copy, a view commit: what the last all-reduce of gradients named
+        if not self.late or key != self._late_for:
+            self.late, self._late_for = late_tensors(self.objects, [], optimizer_params=True), key
+        return self.late
 
     def update_late(self, params: list[torch.Tensor]) -> None:
         """Set :attr:`late` for ``params``; on the training step's path, so it is rebuilt only when a
@@ -150,12 +241,12 @@ class Snapshots:
     def drop_all(self) -> None:
         """Forget every snapshot (a checkpoint replaced the job's state); their buffers are reused."""
         with self._lock:
-            self._pool, self._held = self._held, []
+            self._pool, self._held = [s for s in self._held if not s.live], []
 
     def warm_pool(self) -> None:
-        """Map the memory of two future snapshots now (a hot spare, while it waits): its first commits
+        """Map the memory of the future snapshots now (a hot spare, while it waits): its first commits
         after taking a rank then copy into warm buffers instead of page-faulting on the critical path."""
-        self._pool = [capture_deferred(self.objects, step=0, checksum=False)[0] for _ in range(2)]
+        self._pool = [capture_deferred(self.objects, step=0, checksum=False)[0] for _ in range(self.copies)]
 
     def close(self) -> None:
         """Wait for copies in flight (their error, if any, is dropped)."""
@@ -165,13 +256,17 @@ class Snapshots:
             pass
 
 
-def late_tensors(objects: Mapping[str, Stateful], params: list[torch.Tensor]) -> frozenset[int]:
-    """``data_ptr()`` of ``params`` and of every optimizer state tensor among ``objects``."""
+def late_tensors(objects: Mapping[str, Stateful], params: list[torch.Tensor], *,
+                 optimizer_params: bool = False) -> frozenset[int]:
+    """``data_ptr()`` of ``params`` and of every optimizer state tensor among ``objects`` (and, with
+    ``optimizer_params``, of every optimizer's parameters)."""
     import torch
 
     ptrs = {p.data_ptr() for p in params}
     for obj in objects.values():
         if isinstance(obj, torch.optim.Optimizer):
+            if optimizer_params:
+                ptrs.update(p.data_ptr() for g in obj.param_groups for p in g["params"])
             for st in obj.state.values():
                 ptrs.update(v.data_ptr() for v in st.values()
                             if isinstance(v, torch.Tensor) and (v.is_cpu or v.is_cuda))
