@@ -310,6 +310,8 @@ class ResilientTrainer:
             if self.sharded is None:  # a sharded spare builds its objects when a plan gives it a rank
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
+            else:
+                self.sharded.warm()
             self._report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
@@ -557,6 +559,8 @@ class ResilientTrainer:
 
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
+        if self.sharded is not None and self.sharded.built:
+            self.sharded.reset_modules(self.objects)  # before the state is restored into the modules
         try:
             self._recovery.recover(cause, spare)
         except GossiprecError as exc:

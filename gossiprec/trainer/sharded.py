@@ -143,6 +143,16 @@ class ShardedWorld:
     def built(self) -> bool:
         return self.mesh is not None
 
+    def warm(self) -> None:
+        """Import torch's mesh, DTensor, tensor-parallel and FSDP2 modules now (a spare, while it waits):
+        seconds that would otherwise fall between the plan and the state transfer (dynamo too: the
+        first ``distribute_tensor`` imports it)."""
+        import torch._dynamo  # noqa: F401
+        import torch.distributed.device_mesh  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+
     def build(self, rank: int) -> dict[str, Stateful]:
         """Make the managed default group for ``rank``, the mesh, and the user's objects (once)."""
         if self.built:
@@ -179,6 +189,28 @@ class ShardedWorld:
         """Whether the current epoch's groups were aborted (a collective anywhere then raised or will)."""
         world = self.world
         return world is not None and bool(world.abort_reason)
+
+    def reset_modules(self, objects: Mapping[str, Any]) -> int:
+        """After an interrupted step: put every FSDP2 root module among ``objects`` back to its idle,
+        resharded state (torch's ``reset_iter_state``), or the next forward would skip an all-gather that
+        the replacement does (a collective mismatch). Work still pending on the aborted backend is
+        dropped, not waited for (it never completes). Returns the modules reset."""
+        from gossiprec.trainer.managed import ManagedWork
+
+        done = 0
+        for obj in objects.values():
+            reset = getattr(obj, "reset_iter_state", None)
+            if reset is None:
+                continue
+            for module in obj.modules():
+                state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+                for group in getattr(state, "_fsdp_param_groups", ()) if state is not None else ():
+                    result = group._all_gather_result
+                    if result is not None and isinstance(result.all_gather_work, ManagedWork):
+                        group._all_gather_result = None
+            reset()
+            done += 1
+        return done
 
     @property
     def hung(self) -> int:
