@@ -2,7 +2,8 @@
 HSDP with FSDP2), real agents and trainer processes, a rank SIGKILLed in forward, in backward, in the
 optimizer step and between steps, or SIGSTOPped before a tensor-parallel all-reduce; the spare takes
 the rank, receives its shard from the lost rank's replica peer, and every rank's final local state is
-bit-identical to the failure-free run of the same job, with no committed step lost.
+bit-identical to the failure-free run of the same job, resumed at the newest step every shard had
+committed (no committed step lost).
 
 CI runs one job per layout with several faults in a row (and the two failure-free references); the
 whole matrix (every fault alone, in each layout) runs with ``GOSSIPREC_SHARDED_FULL=1``.
@@ -102,7 +103,12 @@ def _check(res: dict[str, Any], reference: dict[int, str]) -> None:
     groups = res["replica_groups"]
     for f in res["faults"]:
         assert f["fired"], (f, where)
-        assert f["lost_steps"] == 0, (f, where)
+        # no step that every shard had committed is lost (a failure inside a step may leave one replica
+        # group a commit ahead of another: that step was never committed by the job, and is redone)
+        before = {r["rank"]: r["target_step"] + r["lost_steps"] for r in f["records"]
+                  if r["previous_role"] == "trainer"}
+        committed = min(max(before[r] for r in g if r in before) for g in groups)
+        assert {r["target_step"] for r in f["records"]} == {committed}, (f, where)
         lost = next(r for r in f["assignment"] if f["roles"][r] == "receiver")
         peer = next(r for g in groups if lost in g for r in g if r != lost)
         # the spare took the lost coordinate and received its shard from the same coordinate of the other replica

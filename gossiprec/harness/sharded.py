@@ -90,7 +90,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
         tl = timeline(rec["t"], first) if rec is not None else {}
         fired.append({"node": f.node, "kind": f.kind, "phase": f.phase, "step": f.step, "fired": rec is not None,
                       **tl, "donors": {r["rank"]: r.get("donors", []) for r in first if r["role"] == "receiver"},
-                      "causes": {r["rank"]: r["cause"] for r in first}})
+                      "causes": {r["rank"]: r["cause"] for r in first}, "records": first})
     return {"layout": layout, "steps": steps, "workdir": str(work),
             "states": {r: hashlib.sha256(job.path(rep["node"], ".state").read_bytes()).hexdigest()
                        for r, rep in sorted(reports.items())},

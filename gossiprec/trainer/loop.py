@@ -588,12 +588,18 @@ class ResilientTrainer:
     def _announce(self, step: int, nbytes: int) -> None:
         """Tell the agent what this rank could serve: committed ``step``, ``nbytes`` of it (0: nothing)."""
         port = self._donor.port if self._donor else None
+        committed, inflight = step, None
+        if self.sharded is not None and nbytes and step > 0 and step - 1 in self._snaps.steps():
+            # The shards of one step come from every replica group, and a failure inside a step can leave
+            # one group a commit ahead of another: offer the step before too (it is still held), so the
+            # election finds a step every group can serve instead of none.
+            committed, inflight = step - 1, step
         page = self._page
         if page is not None:
-            page.set_state(step, None, nbytes, port)
+            page.set_state(committed, inflight, nbytes, port)
             return
         try:
-            self.control.set_state(step, None, nbytes, port, wait=False)
+            self.control.set_state(committed, inflight, nbytes, port, wait=False)
         except ControlError as exc:
             self._follower.lost = str(exc)
 

@@ -464,6 +464,10 @@ class Recovery:
                                     f"but it holds steps {self._snaps.steps()}")
             copied = restore_state(t.objects, snap, unchanged=self._snaps.unchanged)
             log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
+            if self._snaps.steps()[-1] != target:
+                # rolled back behind its newest snapshot (another replica group was a step behind): commit
+                # the target again, so that the step redone next does not sit beside the abandoned one
+                self._commit(target)
             donor = any(x.donor_node == t.node for x in plan.transfers)
             pending.fields["role"] = "donor" if donor else "survivor"
             pending.fields["donors"] = []
