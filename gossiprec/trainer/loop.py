@@ -507,6 +507,10 @@ class ResilientTrainer:
         self.close()
         if exit_code is not None:
             os._exit(exit_code)
+        if self.sharded is not None and self.sharded.hung:
+            log.warning("%d collective(s) are left pending on aborted backends: end this process with "
+                        "os._exit (finish(exit_code=0)), or interpreter teardown may block in gloo's destructor",
+                        self.sharded.hung)
 
     def leave(self, outcome: BaseException) -> NoReturn:
         """End this process after ``outcome``, one of the trainer's ends that are not crashes
