@@ -39,10 +39,11 @@ RANKS = 4
 
 def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares: int = 1,
                 workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
-                trainer_timeout: float = 30.0, log: Any = None) -> dict[str, Any]:
+                trainer_timeout: float = 30.0, hidden: int = 16, log: Any = None) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
-    ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory)."""
+    ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
+    ``hidden``: the MLP's width."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -55,7 +56,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
         for node in job.names:
             argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
                     "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),
-                    "--timeout", str(trainer_timeout), "--wait-for-spares", str(SPARES_UP_S if spares else 0)]
+                    "--timeout", str(trainer_timeout), "--hidden", str(hidden),
+                    "--wait-for-spares", str(SPARES_UP_S if spares else 0)]
             for f in faults:
                 if f.node == node:
                     argv += ["--fault", f.spec()]
@@ -95,6 +97,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             "states": {r: hashlib.sha256(job.path(rep["node"], ".state").read_bytes()).hexdigest()
                        for r, rep in sorted(reports.items())},
             "state_bytes": {r: rep["state_bytes"] for r, rep in sorted(reports.items())},
+            "kept_bytes": {r: rep["kept_bytes"] for r, rep in sorted(reports.items())},
             "assignment": {r: rep["node"] for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

@@ -16,7 +16,8 @@ Batches are a function of (step, data-parallel coordinate) alone (``stateless_da
 
 What it leaves next to ``--out`` (``<node>.json``): ``.pid``, ``.ready``, ``.records`` (one recovery
 record per line), ``.fault`` (when a fault fired), and at the end ``.state`` (the rank's local state as
-bytes: its shards of the model and optimizer) and the ``.json`` report (rank, step, records).
+bytes: its shards of the model and optimizer) and the ``.json`` report (rank, step, records, the bytes
+of its state and of the snapshots it keeps for recovery).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ LAYOUTS = {"tp": MeshSpec((2, 2), ("dp", "tp")), "hsdp": MeshSpec((2, 2), ("repl
 DIM, HIDDEN, BATCH = 8, 16, 4
 
 
-def build_objects(layout: str, mesh: Any) -> dict[str, Any]:
-    """Model and optimizer of ``layout`` on ``mesh``, the same in every process (seeded)."""
+def build_objects(layout: str, mesh: Any, hidden: int = HIDDEN) -> dict[str, Any]:
+    """Model and optimizer of ``layout`` on ``mesh``, the same in every process (seeded); ``hidden``:
+    the MLP's width."""
     import torch
     import torch.nn as nn
 
@@ -53,7 +55,7 @@ def build_objects(layout: str, mesh: Any) -> dict[str, Any]:
         np.random.seed(0)
     except ImportError:
         pass
-    model = nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
+    model = nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, DIM))
     if layout == "tp":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -126,7 +128,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     rt: Any = None
 
     def build(mesh: Any) -> dict[str, Any]:
-        objects = build_objects(layout, mesh)
+        objects = build_objects(layout, mesh, args.hidden)
         _arm(objects, rt, hook)
         return objects
 
@@ -154,6 +156,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     out.with_suffix(".state").write_bytes(state_bytes(final))
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "world_size": rt.world_size, "step": rt.step,
                                "records": records, "state_bytes": final.header.total_nbytes,
+                               "kept_bytes": rt.snapshot_bytes,
                                "hung": rt.sharded.hung if rt.sharded is not None else 0}))
     rt.finish()
     os._exit(0)  # an aborted backend may hold collectives whose destructor would block (managed.py)
@@ -169,6 +172,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0, help="group and collective timeout, seconds")
     p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
                    help="start() waits this long for the spares to be up")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's width")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
     return p
 

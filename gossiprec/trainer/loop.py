@@ -228,6 +228,11 @@ class ResilientTrainer:
                                   on_drop=on_drop)
 
     @property
+    def snapshot_bytes(self) -> int:
+        """Host memory the snapshots kept for recovery hold now (bytes; the last two commits)."""
+        return sum(snap.header.total_nbytes for snap in self._snaps.held)
+
+    @property
     def key(self) -> bytes:
         """The key this trainer signs its state transfers with now (the keyring's primary)."""
         return self.keys.primary()
