@@ -39,11 +39,12 @@ RANKS = 4
 
 def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares: int = 1,
                 workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
-                trainer_timeout: float = 30.0, hidden: int = 16, log: Any = None) -> dict[str, Any]:
+                trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
+                log: Any = None) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
-    ``hidden``: the MLP's width."""
+    ``hidden``: the MLP's width; ``agent_log_level``: the agents' (``info`` logs every agent event)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -61,7 +62,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             for f in faults:
                 if f.node == node:
                     argv += ["--fault", f.spec()]
-            job.spawn(node, argv)
+            job.spawn(node, argv, agent_log_level=agent_log_level)
         deadline = time.monotonic() + timeout
         reports: dict[int, dict[str, Any]] = {}
         while len(reports) < RANKS:
