@@ -21,7 +21,8 @@ from gossiprec.trainer.sharded import MeshSpec
 
 __all__ = [
     "EXIT_FINISHED", "EXIT_NOT_NEEDED", "EXIT_STOPPED", "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups",
-    "JobFinished", "JobStopped", "MeshShrinkRefused", "MeshSpec", "NoReplica", "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch",
+    "JobFinished", "JobStopped", "MeshShrinkRefused", "MeshSpec", "NoReplica", "RNGState", "RecoveryRecord",
+    "Released", "ReplicaMismatch",
     "ResilientTrainer", "Stateful", "TrainerConfig", "TrainerSettings", "TransferKeys", "capture_state", "exit_code",
     "fetch_state", "materialize_optimizer_state", "rank_ordered_mean", "restore_state", "training_state",
     "transfer_key",
