@@ -119,7 +119,7 @@ def _check(res: dict[str, Any], reference: dict[int, str]) -> None:
 CI_JOBS = {
     # a kill in backward (FSDP-free: the data-parallel all-reduce of local shards waits), then a rank
     # stopped before its row-parallel layer: its tensor-parallel peer waits inside the TP all-reduce
-    "tp": [Fault("n3", "kill", 3, "backward"), Fault("n2", "stop", 6, "forward")],
+    "tp": [Fault("n3", "kill", 3, "backprop"), Fault("n2", "stop", 6, "forward")],
     # a kill in forward (peers in the FSDP all-gather), in the optimizer step (after the clip-norm
     # all-reduce), and between two steps
     "hsdp": [Fault("n3", "kill", 3, "forward"), Fault("n1", "kill", 5, "optimizer"),
@@ -143,7 +143,7 @@ def test_sharded_job_spares_take_lost_shards_bit_identical(layout: str, tmp_path
 
 
 FULL_MATRIX = [(layout, kind, phase) for layout in ("tp", "hsdp")
-               for kind, phase in (("kill", "forward"), ("kill", "backward"), ("kill", "optimizer"),
+               for kind, phase in (("kill", "forward"), ("kill", "backprop"), ("kill", "optimizer"),
                                    ("kill", "committed"), ("stop", "forward"))]
 
 

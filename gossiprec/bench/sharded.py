@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from gossiprec.errors import GossiprecError
 
 LAYOUT_NAMES = ("tp", "hsdp")
-PHASES = ("forward", "backward", "optimizer", "committed")
+PHASES = ("forward", "backprop", "optimizer", "committed")
 
 
 def _stats(values: Sequence[float | None]) -> dict[str, float] | None:
@@ -115,7 +115,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                     "failure-free run. Prints one JSON report on stdout.")
     p.add_argument("--layout", choices=(*LAYOUT_NAMES, "both"), default="both")
     p.add_argument("--trials", type=int, default=3, help="kills to time per layout, each in a fresh job (3)")
-    p.add_argument("--phase", choices=PHASES, default="backward", help="where in the step rank 3 dies")
+    p.add_argument("--phase", choices=PHASES, default="backprop",
+                   help="where in the step rank 3 dies (backprop: the backward pass)")
     p.add_argument("--kill-at", dest="kill_at", type=int, default=4, help="the step it dies in (4)")
     p.add_argument("--post-steps", dest="post_steps", type=int, default=4, help="steps after the fault (4)")
     p.add_argument("--hidden", type=int, default=16, help="the MLP's width (16)")

@@ -10,7 +10,7 @@ Two layouts of four ranks, each a tiny MLP (8 -> 16 -> 8) trained with AdamW and
 
 Batches are a function of (step, data-parallel coordinate) alone (``stateless_data``). Faults
 (``--fault KIND@PHASE:STEP``, :class:`~gossiprec.harness.faults.FaultInjector`) fire at ``forward``
-(before the second layer: its tensor-parallel peer then waits in the row-wise all-reduce), ``backward``
+(before the second layer: its tensor-parallel peer then waits in the row-wise all-reduce), ``backprop``
 (between the two layers' gradients), ``optimizer`` (inside ``opt.step()``, after clipping) and
 ``committed`` (between steps), and at the trainer's own phases.
 
@@ -93,7 +93,7 @@ def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int) -> No
 
 
 def _arm(objects: dict[str, Any], rt: Any, hook: FaultInjector) -> None:
-    """The in-step fault phases: ``forward``, ``backward`` and ``optimizer`` of step ``rt.step + 1``."""
+    """The in-step fault phases: ``forward``, ``backprop`` and ``optimizer`` of step ``rt.step + 1``."""
     model, opt = objects["model"], objects["optimizer"]
 
     def at(phase: str) -> None:
@@ -103,7 +103,7 @@ def _arm(objects: dict[str, Any], rt: Any, hook: FaultInjector) -> None:
 
     def relu_out(_m: Any, _a: Any, out: Any) -> None:
         if out.requires_grad:
-            out.register_hook(lambda _g: at("backward"))
+            out.register_hook(lambda _g: at("backprop"))
 
     model[1].register_forward_hook(relu_out)
     opt.register_step_pre_hook(lambda _o, _a, _k: at("optimizer"))
