@@ -10,10 +10,10 @@ sends the signal from outside once the node has committed the fault's step (kill
 and reprovision; the last two have no phase). With one, the trainer acts on itself through :class:`FaultInjector`, its
 ``on_phase`` hook, at that phase of the step: ``compute``, ``communicate`` (the all-reduce in flight),
 ``optimizer``, ``committed`` (between steps), ``forward`` and ``backprop`` (the backward pass; fired
-by a trainer that hooks its model: :mod:`gossiprec.harness.sharded_trainer`), or ``serve``: a donor, :data:`SERVE_KILL_DELAY` after a
-receiver asked it for state, with the receivers slowed by ``slow_fetch`` seconds per chunk so that it
-dies mid-transfer. Before a kill or stop the injector records when it fired (the timelines are
-measured from that moment).
+by a trainer that hooks its model: :mod:`gossiprec.harness.sharded_trainer`), or ``serve``: a donor,
+:data:`SERVE_KILL_DELAY` after a receiver asked it for state, with the receivers slowed by
+``slow_fetch`` seconds per chunk so that it dies mid-transfer. Before a kill or stop the injector
+records when it fired (the timelines are measured from that moment).
 """
 
 from __future__ import annotations
