@@ -464,9 +464,11 @@ class Recovery:
                                     f"but it holds steps {self._snaps.steps()}")
             copied = restore_state(t.objects, snap, unchanged=self._snaps.unchanged)
             log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
-            if self._snaps.steps()[-1] != target:
-                # rolled back behind its newest snapshot (another replica group was a step behind): commit
-                # the target again, so that the step redone next does not sit beside the abandoned one
+            if t.sharded is not None and self._snaps.steps()[-1] != target:
+                # rolled back behind its newest snapshot (another replica group was a step behind, so the job
+                # never committed that step): commit the target again, so that the step redone next does not
+                # sit beside the abandoned one. (A data-parallel survivor keeps its newer step to serve: a
+                # newer plan in the same recovery may target it.)
                 self._commit(target)
             donor = any(x.donor_node == t.node for x in plan.transfers)
             pending.fields["role"] = "donor" if donor else "survivor"
