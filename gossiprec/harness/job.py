@@ -65,15 +65,20 @@ class Hosts(Protocol):
 
 
 def job_toml(names: Sequence[str], ports: Sequence[int], trainers: int, *, allow_shrink: bool = False,
-             tp_pp: int = 1, placement: bool = False, addrs: Sequence[str] = ()) -> str:
+             tp_pp: int = 1, placement: bool = False, addrs: Sequence[str] = (),
+             job_table: str | None = None) -> str:
     """The job spec of view 0, member i at ``addrs[i]`` (default 127.0.0.1): the first ``trainers``
     members are trainers with ranks 0.., the rest spares. ``tp_pp`` > 1 declares a grid of ``trainers
-    // tp_pp`` replicas of ``tp_pp`` shards; ``placement`` gives member i host ``h<i>`` and rack ``r<i % 4>``."""
+    // tp_pp`` replicas of ``tp_pp`` shards; ``placement`` gives member i host ``h<i>`` and rack ``r<i % 4>``;
+    ``job_table`` replaces the ``[job]`` table (e.g. :meth:`MeshSpec.job_toml()
+    <gossiprec.trainer.sharded.MeshSpec.job_toml>`)."""
     if tp_pp < 1 or trainers % tp_pp:
         raise ConfigError(f"tp_pp must divide ranks ({trainers}), got {tp_pp}")
     topology = ['topology = "ddp"'] if tp_pp == 1 else ['topology = "grid"', f"dp = {trainers // tp_pp}",
                                                         f"tp_pp = {tp_pp}"]
     lines = ["[job]", *topology, f'allow_shrink = {"true" if allow_shrink else "false"}', ""]
+    if job_table is not None:
+        lines = [job_table.rstrip("\n"), ""]
     for i, (name, port) in enumerate(zip(names, ports)):
         role = "trainer" if i < trainers else "spare"
         rank = f"rank = {i}\n" if role == "trainer" else ""
@@ -161,7 +166,7 @@ class LocalJob:
 
     def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
                  tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0,
-                 hosts: Hosts | None = None) -> None:
+                 hosts: Hosts | None = None, job_table: str | None = None) -> None:
         from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
         self.dir = Path(os.path.abspath(workdir))  # the keyring's path marks the job's trainers (see _trainers)
@@ -179,7 +184,7 @@ class LocalJob:
         listed = ranks + spares
         (self.dir / "job.toml").write_text(job_toml(self.names[:listed], self.ports[:listed], ranks,
                                                     allow_shrink=allow_shrink, tp_pp=tp_pp,
-                                                    addrs=self.addrs[:listed]))
+                                                    addrs=self.addrs[:listed], job_table=job_table))
         Keyring([decode_key(generate_key())]).save(self.dir / "keyring.json")
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
                     "GOSSIPREC_KEYRING": str(self.dir / "keyring.json")}

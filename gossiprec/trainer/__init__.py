@@ -13,14 +13,16 @@ from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
 from gossiprec.trainer.loop import ResilientTrainer, rank_ordered_mean
 from gossiprec.trainer.objects import Stateful, training_state
 from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
-from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, RecoveryRecord, Released
+from gossiprec.trainer.recovery import JobFinished, JobStopped, MeshShrinkRefused, NoReplica, RecoveryRecord, Released
 from gossiprec.trainer.rng import RNGState
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.settings import TrainerSettings, transfer_key
+from gossiprec.trainer.sharded import MeshSpec
 
 __all__ = [
     "EXIT_FINISHED", "EXIT_NOT_NEEDED", "EXIT_STOPPED", "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups",
-    "JobFinished", "JobStopped", "NoReplica", "RNGState", "RecoveryRecord", "Released", "ReplicaMismatch",
+    "JobFinished", "JobStopped", "MeshShrinkRefused", "MeshSpec", "NoReplica", "RNGState", "RecoveryRecord",
+    "Released", "ReplicaMismatch",
     "ResilientTrainer", "Stateful", "TrainerConfig", "TrainerSettings", "TransferKeys", "capture_state", "exit_code",
     "fetch_state", "materialize_optimizer_state", "rank_ordered_mean", "restore_state", "training_state",
     "transfer_key",

@@ -60,12 +60,14 @@ class TrainerConfig:
     background_snapshot: bool = True
     """Copy a commit's parameters and optimizer state while the next step computes (only the optimizer
     step may change them in between); False copies everything inside ``commit()``."""
-    snapshot_copies: int = 1
+    snapshot_copies: int | None = None
     """Host copies of parameters and optimizer state kept for recovery (:mod:`gossiprec.trainer.snapshots`):
-    1 (default: the last commit, overwritten in place; 1x the state in host memory), 2 (the last two
-    commits, so that a second plan may still name a step the first one rolled back: 2x) or 0 (none: a
-    commit is the live tensors until the next optimizer step; only buffers, RNG and data position are
-    copied). Which failures each covers: README, "Memory of commits"."""
+    1 (the last commit, overwritten in place; 1x the state in host memory), 2 (the last two commits, so
+    that a second plan may still name a step the first one rolled back: 2x) or 0 (none: a commit is the
+    live tensors until the next optimizer step; only buffers, RNG and data position are copied). None
+    (default): 1, and 2 for a sharded job, which needs the step before its last commit too (a failure
+    inside a step can leave its replica groups one commit apart) and refuses fewer. Which failures each
+    covers: README, "Memory of commits"."""
     verify_replicas: bool = True
     """Compare a digest of the state across each replica group at the start, after the first step,
     after every recovery and every :attr:`verify_every` steps; a mismatch raises
@@ -110,8 +112,10 @@ class TrainerConfig:
         for name in ("background_snapshot", "verify_replicas", "stateless_data"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.snapshot_copies, bool) or self.snapshot_copies not in (0, 1, 2):
-            raise ConfigError(f"snapshot_copies must be 0, 1 or 2, got {self.snapshot_copies!r}")
+        if self.snapshot_copies is not None and (isinstance(self.snapshot_copies, bool)
+                                                 or self.snapshot_copies not in (0, 1, 2)):
+            raise ConfigError(f"snapshot_copies must be 0, 1, 2 or None (1; a sharded job: 2), got "
+                              f"{self.snapshot_copies!r}")
         if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
             raise ConfigError(f"verify_every must be an int >= 0 (0: no periodic check), got {self.verify_every!r}")
         if not isinstance(self.verify_exclude, tuple) or not all(isinstance(x, str) and x for x in self.verify_exclude):

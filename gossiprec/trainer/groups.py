@@ -457,6 +457,12 @@ class EpochGroups:
                 return True
         return False
 
+    def shared_store(self) -> Any:
+        """The store the last build used, sealed as the groups' own values are (for other groups of the epoch)."""
+        if self.store is None:
+            raise ConfigError("no store yet: build an epoch's group first")
+        return self._sealed_store(self.store)
+
     def retire(self, reason: str = "retired") -> None:
         """Abort the current group and move it to the graveyard (e.g. before leaving the job)."""
         with self._lock:

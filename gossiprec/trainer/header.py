@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import re
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -367,13 +368,32 @@ def decode_tree(node: Any, tensors: Sequence[torch.Tensor]) -> Any:
     return node
 
 
-def walk_objects(objects: Mapping[str, Stateful]
+def walk_objects(objects: Mapping[str, Stateful], *, wrappers: dict[str, Any] | None = None
                  ) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """Each object's encoded tree, and every tensor of the state with its path, in payload order."""
+    """Each object's encoded tree, and every tensor of the state with its path, in payload order.
+
+    A ``DTensor`` (tensor parallelism, FSDP2 parameters and their optimizer state) stands for its
+    local shard: that is what this rank holds, saves and serves, and what the same coordinate of
+    another replica holds too. ``wrappers`` (if given) gets each such path -> the DTensor, so that a
+    receiver can wrap the bytes it landed in the shard again (:class:`~gossiprec.trainer.receive.ReceiveTarget`).
+    """
     trees: dict[str, Any] = {}
     found: list[tuple[str, torch.Tensor]] = []
     for name, obj in objects.items():
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"state object name {name!r} must be a non-empty str without '/'")
         trees[name] = _encode(obj.state_dict(), (name,), found)
+    dtensor = _dtensor_type()
+    if dtensor is not None:
+        for i, (path, t) in enumerate(found):
+            if isinstance(t, dtensor):
+                found[i] = (path, t._local_tensor)
+                if wrappers is not None:
+                    wrappers[path] = t
     return trees, found
+
+
+def _dtensor_type() -> Any:
+    """torch's ``DTensor`` class if a program imported it (no DTensor can exist otherwise), else None."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None) if module is not None else None

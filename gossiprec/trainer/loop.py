@@ -44,6 +44,20 @@ its trainer drops its state and waits as a spare, as a fenced one does (:mod:`go
 **Exits.** :meth:`~ResilientTrainer.leave` ends a process after the outcomes that are not crashes
 (not needed, released, stopped in good order) with the codes of :mod:`gossiprec.trainer.exits`.
 
+**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
+objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
+rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
+``build(mesh)`` (a spare does it when a plan gives it a rank), and every epoch gives all of the mesh's
+groups that epoch's backend (:mod:`gossiprec.trainer.sharded`). The state is each rank's local shard;
+its donor is the same coordinate in another replica. The step runs inside
+:meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
+
+    rt = ResilientTrainer(None, config, mesh=MeshSpec((2, 2), ("dp", "tp")), build=make_objects)
+    rt.start()
+    while rt.step < steps:
+        with rt.training_step() as s:         # commits at the end; on a failure, recovers and skips
+            loss_of(model, batch(rt.mesh, s)).backward(); opt.step(); opt.zero_grad()
+
 **The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
 waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.recovery.JobFinished`.
 """
@@ -56,7 +70,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
@@ -74,9 +88,10 @@ from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, has_data_po
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.receive import materialize_optimizers
 from gossiprec.trainer.recovery import (
-    JobStopped, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
+    JobStopped, MeshShrinkRefused, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
 )
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
+from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
 from gossiprec.trainer.snapshots import Snapshots
 
 if TYPE_CHECKING:
@@ -91,6 +106,21 @@ log = logging.getLogger(__name__)
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 WAITING = "waiting"
 """The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
+
+
+def _check_objects(objects: Mapping[str, Stateful] | None, config: TrainerConfig) -> None:
+    if not objects:
+        raise ConfigError("ResilientTrainer needs the objects that make up the training state")
+    if JOB_ENTRY in objects:
+        raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
+                          "rename that object")
+    if not config.stateless_data and not has_data_position(objects):
+        raise ConfigError(
+            f"no data position among the objects {sorted(objects)}: a spare that takes a rank would read "
+            "its data from the start, training silently on other batches than the rank it replaces. "
+            "Register the position (training_state(model, opt, data=position), any object with "
+            "state_dict/load_state_dict), or pass TrainerConfig(stateless_data=True) if every batch is a "
+            "function of rt.step and rt.rank")
 
 
 def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -118,36 +148,43 @@ class ResilientTrainer:
     user's checkpoint into the objects (see :mod:`gossiprec.trainer.recovery`); ``on_phase(step,
     phase)``: tracing / fault-injection hook (see the module docstring); ``on_drop(why)``: this process
     dropped its state to wait as a spare (its node was fenced or removed).
+
+    ``mesh`` and ``build(mesh) -> objects``: a sharded job (see the module docstring); ``objects`` is then None.
     """
 
-    def __init__(self, objects: Mapping[str, Stateful], config: TrainerConfig | None = None, *,
+    def __init__(self, objects: Mapping[str, Stateful] | None, config: TrainerConfig | None = None, *,
                  settings: TrainerSettings | None = None, control: ControlClient | None = None,
                  key: bytes | TransferKeys | None = None,
                  on_recovered: Callable[[RecoveryRecord], None] | None = None,
                  on_resize: Callable[[int, int], None] | None = None,
                  on_no_replica: Callable[[NoReplica], int] | None = None,
                  on_phase: Callable[[int, str], None] | None = None,
-                 on_drop: Callable[[str], None] | None = None) -> None:
+                 on_drop: Callable[[str], None] | None = None, mesh: MeshSpec | None = None,
+                 build: Callable[[Any], Mapping[str, Stateful]] | None = None) -> None:
         config = TrainerConfig() if config is None else config
         if not isinstance(config, TrainerConfig):
             raise ConfigError(f"config must be a TrainerConfig, got {type(config).__name__}")
-        if not objects:
-            raise ConfigError("ResilientTrainer needs the objects that make up the training state")
-        if JOB_ENTRY in objects:
-            raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
-                              "rename that object")
-        if not config.stateless_data and not has_data_position(objects):
-            raise ConfigError(
-                f"no data position among the objects {sorted(objects)}: a spare that takes a rank would read "
-                "its data from the start, training silently on other batches than the rank it replaces. "
-                "Register the position (training_state(model, opt, data=position), any object with "
-                "state_dict/load_state_dict), or pass TrainerConfig(stateless_data=True) if every batch is a "
-                "function of rt.step and rt.rank")
+        self.sharded: ShardedWorld | None = None
+        if mesh is not None or build is not None:
+            if not isinstance(mesh, MeshSpec) or build is None or objects is not None:
+                raise ConfigError("a sharded job passes mesh=MeshSpec(...) and build=callable(mesh) -> objects, and "
+                                  "objects=None (the objects are built once the mesh exists)")
+            if config.backend != "gloo":
+                raise ConfigError("a sharded job runs on gloo (mesh device 'cpu') so far")
+            if config.snapshot_copies is not None and config.snapshot_copies < 2:
+                raise ConfigError(f"a sharded job keeps two snapshot copies (snapshot_copies=None or 2), got "
+                                  f"{config.snapshot_copies}: a failure inside a step can leave its replica "
+                                  "groups one commit apart, and the step before the last commit is then the "
+                                  "newest one every shard can serve")
+            self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
+                                        slow_after=config.wait_report_after, on_slow=self._on_slow)
+        else:
+            _check_objects(objects, config)
         if config.backend == "nccl":
             check_nccl_environment()  # now, not as a silent failure inside the first group's build
         self.config = config
         self._job = JobState()
-        self.objects: dict[str, Stateful] = {**objects, JOB_ENTRY: self._job}
+        self.objects: dict[str, Stateful] = {**(objects or {}), JOB_ENTRY: self._job}
         self.on_recovered = on_recovered
         self.on_resize = on_resize
         self.on_no_replica = on_no_replica
@@ -171,6 +208,8 @@ class ResilientTrainer:
         self.role = "trainer"
         self.records: list[RecoveryRecord] = []
         self.groups: EpochGroups | None = None
+        self.mesh: Any = None
+        """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
         self._step_t0 = time.monotonic()
         self._step_ms = 0
         self._last_commit_at: float | None = None
@@ -182,7 +221,8 @@ class ResilientTrainer:
         self._closed = threading.Event()
         self._left = ""
         """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
-        self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=config.snapshot_copies)
+        copies = config.snapshot_copies if config.snapshot_copies is not None else 2 if self.sharded else 1
+        self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=copies)
         self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
@@ -191,12 +231,17 @@ class ResilientTrainer:
                             donor_offset=config.donor_offset, timeout=config.timeout)
         self._follower = Follower(
             control.path, self._closed, abort=self._abort,
-            abort_older=lambda epoch, reason: self._recovery.abort_older_than(epoch, reason),
+            abort_older=self._abort_older,
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         self._recovery = Recovery(self, job=self._job, follower=self._follower, snaps=self._snaps,
                                   checks=self._checks, peers=self._peers, closed=self._closed,
                                   report=self._report, commit=self._commit_snapshot, announce=self._announce,
                                   on_drop=on_drop)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Host memory the snapshots kept for recovery hold now (bytes; the last two commits)."""
+        return sum(snap.header.total_nbytes for snap in self._snaps.held)
 
     @property
     def key(self) -> bytes:
@@ -241,7 +286,10 @@ class ResilientTrainer:
         self.role = me.role
         if view.stopped:
             raise JobStopped(f"the job stopped in view {view.epoch} ({view.stopped})")
+        if self.sharded is not None:
+            self.sharded.spec.check_view(view.world_size, view.replica_groups)
         if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
+            self.prepare_rank(me.rank)
             self.rank, self.world_size, self.epoch = me.rank, view.world_size, 0
             self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
             self._job.world_size = self.world_size
@@ -256,6 +304,7 @@ class ResilientTrainer:
                 self.groups.build(0, self.rank, self.world_size, timeout=config.start_timeout,
                                   connect=lambda: self._peers.store_for(rank0, connect_timeout=config.start_timeout),
                                   cancelled=lambda: self._follower.superseded(0))
+                self.configure_epoch(0)
             except CollectiveAborted as exc:
                 if exc.reason == "timeout":
                     who = ", ".join(f"{r} ({view.node_of_rank(r)})" for r in exc.missing) or "unknown"
@@ -274,8 +323,11 @@ class ResilientTrainer:
             self.epoch = view.epoch - 1
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
-            materialize_optimizers(self.objects)
-            self._snaps.warm_pool()
+            if self.sharded is None:  # a sharded spare builds its objects when a plan gives it a rank
+                materialize_optimizers(self.objects)
+                self._snaps.warm_pool()
+            else:
+                self.sharded.warm()
             self._report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
@@ -405,6 +457,38 @@ class ResilientTrainer:
         """All-reduce ``tensor`` in place on the current group; False (after recovering) if interrupted."""
         return self._collective(tensor, op, hook=True)
 
+    @contextlib.contextmanager
+    def training_step(self) -> Iterator[int]:
+        """One step, written as the user's own code (forward, backward, optimizer, any collectives)::
+
+            with rt.training_step() as s:
+                ...
+
+        Begins step ``s`` (:meth:`begin_step`) and commits it when the block ends. When a collective
+        inside fails or is interrupted by a view change (:class:`~gossiprec.trainer.groups.CollectiveAborted`,
+        or any error raised while this epoch's groups are aborted), the trainer recovers and the block's
+        exception is swallowed: the loop goes on from :attr:`step`, the last committed step.
+        """
+        while True:  # the replicas' comparison runs first; a recovery during it begins the step again
+            step = self.begin_step()
+            if not self._checks.pending or self._checks.run(self._check_collective, self.rank, self.world_size):
+                break
+        try:
+            yield step
+        except Exception as exc:
+            if not self._interrupted(exc):
+                raise
+            self._recover(f"interrupted in step {step}: {exc}")
+            return
+        self.commit()
+
+    def _interrupted(self, exc: BaseException) -> bool:
+        """Whether ``exc`` comes from a failed or aborted collective of this epoch (wrapped or not)."""
+        if isinstance(exc, CollectiveAborted):
+            return True
+        sharded = self.sharded
+        return (sharded is not None and sharded.aborted()) or self._follower.trouble(self.epoch)
+
     def commit(self) -> int:
         """Step ``self.step + 1`` is done (optimizer stepped): capture it; returns the new step.
 
@@ -466,6 +550,10 @@ class ResilientTrainer:
         self.close()
         if exit_code is not None:
             os._exit(exit_code)
+        if self.sharded is not None and self.sharded.hung:
+            log.warning("%d collective(s) are left pending on aborted backends: end this process with "
+                        "os._exit (finish(exit_code=0)), or interpreter teardown may block in gloo's destructor",
+                        self.sharded.hung)
 
     def leave(self, outcome: BaseException) -> NoReturn:
         """End this process after ``outcome``, one of the trainer's ends that are not crashes
@@ -551,11 +639,21 @@ class ResilientTrainer:
 
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
+        if self.sharded is not None and self.sharded.built:
+            self.sharded.reset_modules(self.objects)  # before the state is restored into the modules
         try:
             self._recovery.recover(cause, spare)
         except GossiprecError as exc:
             self._left = f"{type(exc).__name__}: {exc}"  # released, stopped, fenced...: it finishes nothing
             raise
+        if self.sharded is not None:
+            # the interrupted step's gradients are partial, and an aborted collective may still write into
+            # them: the step starts again from none (the loop's own backward makes new ones)
+            import torch
+
+            for obj in self.objects.values():
+                if isinstance(obj, torch.optim.Optimizer):
+                    obj.zero_grad(set_to_none=True)
 
     def _commit_snapshot(self, step: int, verify: bool = False) -> None:
         """Capture the objects as step ``step`` and tell the agent. ``verify``: copy everything now with
@@ -577,12 +675,18 @@ class ResilientTrainer:
         """Tell the agent what this rank could serve: committed ``step`` (and ``inflight``, a newer step
         held too), ``nbytes`` of it (0: nothing)."""
         port = self._donor.port if self._donor else None
+        committed = step
+        if inflight is None and self.sharded is not None and nbytes and step > 0 and step - 1 in self._snaps.steps():
+            # The shards of one step come from every replica group, and a failure inside a step can leave
+            # one group a commit ahead of another: offer the step before too (it is still held), so the
+            # election finds a step every group can serve instead of none.
+            committed, inflight = step - 1, step
         page = self._page
         if page is not None:
-            page.set_state(step, inflight, nbytes, port)
+            page.set_state(committed, inflight, nbytes, port)
             return
         try:
-            self.control.set_state(step, inflight, nbytes, port, wait=False)
+            self.control.set_state(committed, inflight, nbytes, port, wait=False)
         except ControlError as exc:
             self._follower.lost = str(exc)
 
@@ -593,6 +697,44 @@ class ResilientTrainer:
     def _abort(self, reason: str) -> None:
         if self.groups is not None:
             self.groups.abort(reason=reason)
+        if self.sharded is not None:
+            self.sharded.abort(reason)
+
+    def _abort_older(self, epoch: int, reason: str) -> None:
+        self._recovery.abort_older_than(epoch, reason)
+        if self.sharded is not None:
+            self.sharded.abort(reason, epoch=epoch - 1)
+
+    def _on_slow(self) -> None:
+        """A managed collective waits on peers: say so, so that the agents tell this rank from a frozen one."""
+        if WAITING in PHASES:
+            self._report(self.step + 1, WAITING)
+
+    # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
+    def prepare_rank(self, rank: int) -> None:
+        """A sharded job: build the mesh and the objects for ``rank`` (once; a spare when it takes a rank)."""
+        sharded = self.sharded
+        if sharded is None:
+            return
+        if sharded.built:
+            if rank != sharded.rank:
+                raise MeshShrinkRefused(f"the plan gives node {self.node} rank {rank}, but it built the mesh as rank "
+                                        f"{sharded.rank}: a mesh job keeps every rank's coordinate")
+            return
+        objects = sharded.build(rank)
+        _check_objects(objects, self.config)
+        self.mesh = sharded.mesh
+        self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
+        self.objects.update({**objects, JOB_ENTRY: self._job})
+        if self.role == "spare":
+            materialize_optimizers(self.objects)
+
+    def configure_epoch(self, epoch: int) -> None:
+        """A sharded job: give every group of the mesh ``epoch``'s backend, on the epoch's store."""
+        if self.sharded is None:
+            return
+        assert self.groups is not None
+        self.sharded.configure(epoch, self.groups.shared_store(), lambda: self._follower.superseded(epoch))
 
     def _hook(self, step: int, phase: str) -> None:
         if self.on_phase is not None:

@@ -402,6 +402,11 @@ class ManagedWorld:
         return sum(1 for g in groups if g.abort_epoch(reason))
 
     @property
+    def abort_reason(self) -> str:
+        """Why the current epoch was aborted ("" while it was not)."""
+        return self._abort_reason
+
+    @property
     def hung(self) -> int:
         """Collectives aborted while pending on some epoch's backend (they keep it from being freed)."""
         return sum(len(b.hung) for g in self.groups for b in [*g.graveyard, g._current] if b is not None)

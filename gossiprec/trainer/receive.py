@@ -61,7 +61,9 @@ class ReceiveTarget:
         import torch
 
         self.objects: dict[str, Stateful] = dict(objects)
-        _, found = walk_objects(self.objects)
+        self.wrappers: dict[str, Any] = {}
+        """The DTensors among the local state, by name: their shards are the destinations."""
+        _, found = walk_objects(self.objects, wrappers=self.wrappers)
         self._pin = pin_memory and torch.cuda.is_available()
         self._dest: dict[str, torch.Tensor] = {}
         for name, t in found:
@@ -172,8 +174,25 @@ class BoundTarget:
 
     def apply(self) -> None:
         """Rebuild each state dict around the destination tensors and load it into its object."""
+        tensors: Sequence[Any] = self.tensors
+        wrappers = self.target.wrappers
+        if wrappers:
+            tensors = [_as_shard_of(t, wrappers.get(spec.name)) for spec, t in zip(self.header.tensors, tensors,
+                                                                                   strict=True)]
         for name, tree in self.header.trees.items():
-            self.target.objects[name].load_state_dict(decode_tree(tree, self.tensors))
+            self.target.objects[name].load_state_dict(decode_tree(tree, tensors))
+
+
+def _as_shard_of(local: torch.Tensor, like: Any) -> Any:
+    """``local`` as the shard of a DTensor placed as ``like`` (the live DTensor of that name), or
+    ``local`` itself when ``like`` is None: ``load_state_dict`` of a sharded model or optimizer takes
+    DTensors, and one made around the destination copies nothing."""
+    if like is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def mark_written(tensors: Sequence[torch.Tensor]) -> None:

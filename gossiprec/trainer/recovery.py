@@ -63,6 +63,7 @@ if TYPE_CHECKING:
     from gossiprec.trainer.keys import TransferKeys
     from gossiprec.trainer.objects import JobState, Stateful
     from gossiprec.trainer.peers import Peers
+    from gossiprec.trainer.sharded import ShardedWorld
     from gossiprec.trainer.snapshots import Snapshots
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,11 @@ class Released(RecoveryError):
 class JobStopped(RecoveryError):
     """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
     ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
+
+
+class MeshShrinkRefused(JobStopped):
+    """A plan would shrink (or renumber) a job trained on a fixed device mesh: give it spares, or restart it
+    from a checkpoint."""
 
 
 class JobFinished(GossiprecError):
@@ -129,6 +135,8 @@ class RecoveryRecord:
     """Earlier plans of this recovery that did not complete: (epoch, target step, why), in order."""
     store_node: str = ""
     """The node whose trainer hosts this epoch's store (the group's rendezvous)."""
+    donors: tuple[str, ...] = ()
+    """The nodes a receiver fetched its state from, one per stripe (empty for any other role)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -171,6 +179,11 @@ class Trainer(Protocol):
     on_resize: Callable[[int, int], None] | None
     on_no_replica: Callable[[NoReplica], int] | None
     on_phase: Callable[[int, str], None] | None
+    sharded: ShardedWorld | None
+
+    def prepare_rank(self, rank: int) -> None: ...
+
+    def configure_epoch(self, epoch: int) -> None: ...
 
 
 class Recovery:
@@ -264,7 +277,7 @@ class Recovery:
                               action=f.get("action", "resume"),
                               previous_world_size=f.get("previous_world_size", 0),
                               previous_role=f.get("previous_role", "trainer"), superseded=tuple(p.attempts),
-                              store_node=f.get("store_node", ""))
+                              store_node=f.get("store_node", ""), donors=tuple(f.get("donors", ())))
 
     def abort_older_than(self, epoch: int, reason: str) -> None:
         """Abort the current group and a group being built, when they belong to an epoch < ``epoch``."""
@@ -356,6 +369,11 @@ class Recovery:
             self._last_recovered_at = time.monotonic()  # failures so far were handled without us
             pending.since = self._last_recovered_at
             return False  # a spare: wait for a later plan
+        if t.sharded is not None and action == "shrink":
+            raise MeshShrinkRefused(
+                f"the plan of epoch {epoch} shrinks the job to {world} ranks ({plan.reason}), but it trains on a "
+                f"fixed {t.sharded.spec.names}={t.sharded.spec.shape} mesh whose groups keep their sizes: keep "
+                "allow_shrink = false for a mesh job and give it spares, or restart it from a checkpoint")
         if action == "checkpoint" and t.on_no_replica is None:
             raise JobStopped(f"the plan of epoch {epoch} finds no surviving replica of some state "
                              f"({plan.reason}); pass on_no_replica= to ResilientTrainer to load your "
@@ -364,6 +382,7 @@ class Recovery:
                               store_node=plan.store_node or "",
                               planned_at=self._follower.planned_at.get(epoch, time.monotonic()))
         mine = sorted((x for x in plan.transfers if x.receiver_node == t.node), key=lambda x: x.offset)
+        t.prepare_rank(my_rank)  # a sharded spare builds its mesh and objects now, before state lands in them
         if action == "checkpoint":
             target = self._load_checkpoint(plan, my_rank, pending)
         else:
@@ -377,6 +396,7 @@ class Recovery:
             store_node = plan.store_node
             group = t.groups.build(epoch, my_rank, world, connect=lambda: self._peers.store_for(store_node),
                                    cancelled=lambda: self._follower.superseded(epoch))
+            t.configure_epoch(epoch)  # a sharded job: every group of the mesh gets this epoch's backend
         finally:
             self.building_epoch = None
         if action == "checkpoint":
@@ -433,6 +453,7 @@ class Recovery:
         nbytes, xfer_s = 0, 0.0
         if mine:
             pending.fields["role"] = "receiver"
+            pending.fields["donors"] = [x.donor_node for x in mine]
             stats = self._fetch(mine, target, plan.epoch)
             nbytes, xfer_s = stats.nbytes, stats.seconds
             self._commit(target)  # complete and authenticated: this rank can donate it now
@@ -443,8 +464,15 @@ class Recovery:
                                     f"but it holds steps {self._snaps.steps()}")
             copied = self._snaps.restore(snap)
             log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
+            if t.sharded is not None and self._snaps.steps()[-1] != target:
+                # rolled back behind its newest snapshot (another replica group was a step behind, so the job
+                # never committed that step): commit the target again, so that the step redone next does not
+                # sit beside the abandoned one. (A data-parallel survivor keeps its newer step to serve: a
+                # newer plan in the same recovery may target it.)
+                self._commit(target)
             donor = any(x.donor_node == t.node for x in plan.transfers)
             pending.fields["role"] = "donor" if donor else "survivor"
+            pending.fields["donors"] = []
         pending.fields.update(state_at=time.monotonic(), bytes_received=nbytes, transfer_s=xfer_s)
 
     # ------------------------------------------------------------------ fetching

@@ -1,0 +1,104 @@
+"""Run a sharded local job (four ranks on a 2 x 2 mesh, plus spares) under faults, and read what it left.
+
+:func:`run_sharded` starts a :class:`~gossiprec.harness.job.LocalJob` whose job spec's ``[job]`` table is
+written from the layout's :class:`~gossiprec.trainer.sharded.MeshSpec` (never typed twice), each node
+running :mod:`gossiprec.harness.sharded_trainer`; the faults (each with a phase) are fired by the
+trainers themselves. When every rank of the mesh has written its final report, the processes left
+(unused spares, launchers of removed nodes) have :data:`END_WAIT_S` to end by themselves, then the job
+is reaped. The result:
+
+- ``states``: rank -> SHA-256 of its final local state (its shards of model and optimizer, RNG): a run
+  with failures must give the same digests as the failure-free run of the same layout and steps;
+- ``assignment``: rank -> the node that finished it; ``final_step``: the steps the ranks ended at;
+- ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
+  (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
+- ``exits``: each launcher's exit code (None: still running when reaped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from gossiprec.errors import GossiprecError
+from gossiprec.harness.faults import Fault
+from gossiprec.harness.job import LocalJob, read_json
+from gossiprec.harness.timeline import timeline
+
+END_WAIT_S = 10.0
+"""After the last rank's report, how long the processes left have to end by themselves."""
+SPARES_UP_S = 120.0
+"""How long the ranks wait in ``start()`` for the spares to be up (a fault must not find one importing torch)."""
+RANKS = 4
+
+
+def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares: int = 1,
+                workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
+                trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
+                log: Any = None) -> dict[str, Any]:
+    """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
+    ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
+    ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
+    ``hidden``: the MLP's width; ``agent_log_level``: the agents' (``info`` logs every agent event)."""
+    from gossiprec.harness.sharded_trainer import LAYOUTS
+
+    def say(msg: str) -> None:
+        if log is not None:
+            print(msg, file=log, flush=True)
+
+    spec = LAYOUTS[layout]
+    work = Path(workdir or tempfile.mkdtemp(prefix=f"gossiprec-sharded-{layout}-"))
+    with LocalJob(work, RANKS, spares, job_table=spec.job_toml()) as job:
+        for node in job.names:
+            argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
+                    "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),
+                    "--timeout", str(trainer_timeout), "--hidden", str(hidden),
+                    "--wait-for-spares", str(SPARES_UP_S if spares else 0)]
+            for f in faults:
+                if f.node == node:
+                    argv += ["--fault", f.spec()]
+            job.spawn(node, argv, agent_log_level=agent_log_level)
+        deadline = time.monotonic() + timeout
+        reports: dict[int, dict[str, Any]] = {}
+        while len(reports) < RANKS:
+            for node in job.names:
+                rep = read_json(job.path(node, ".json"))
+                if rep is not None and "rank" in rep:
+                    reports[int(rep["rank"])] = rep
+            dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0)
+                    and not any(f.node == n for f in faults)]
+            if dead:
+                raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}")
+            if time.monotonic() >= deadline:
+                raise GossiprecError(f"the sharded job did not finish within {timeout:.0f} s (ranks done: "
+                                     f"{sorted(reports)}); logs in {work}")
+            time.sleep(0.05)
+        say(f"all {RANKS} ranks finished")
+        end = time.monotonic() + END_WAIT_S
+        while time.monotonic() < end and any(p.poll() is None for p in job.procs.values()):
+            time.sleep(0.05)
+        exits = {n: p.poll() for n, p in job.procs.items()}
+    records = [json.loads(line) for node in job.names if job.path(node, ".records").exists()
+               for line in job.path(node, ".records").read_text().splitlines() if line]
+    fired = []
+    for f in faults:
+        rec = read_json(job.path(f.node, ".fault"))
+        after = [r for r in records if rec is not None and r["planned_at"] >= rec["t"]]
+        first = [r for r in after if r["epoch"] == min(x["epoch"] for x in after)] if after else []
+        tl = timeline(rec["t"], first) if rec is not None else {}
+        fired.append({"node": f.node, "kind": f.kind, "phase": f.phase, "step": f.step, "fired": rec is not None,
+                      **tl, "donors": {r["rank"]: r.get("donors", []) for r in first if r["role"] == "receiver"},
+                      "causes": {r["rank"]: r["cause"] for r in first}, "records": first})
+    return {"layout": layout, "steps": steps, "workdir": str(work),
+            "states": {r: hashlib.sha256(job.path(rep["node"], ".state").read_bytes()).hexdigest()
+                       for r, rep in sorted(reports.items())},
+            "state_bytes": {r: rep["state_bytes"] for r, rep in sorted(reports.items())},
+            "kept_bytes": {r: rep["kept_bytes"] for r, rep in sorted(reports.items())},
+            "assignment": {r: rep["node"] for r, rep in sorted(reports.items())},
+            "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
+            "replica_groups": [list(g) for g in spec.topology().replica_groups]}

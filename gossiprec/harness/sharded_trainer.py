@@ -1,0 +1,185 @@
+"""A sharded job's trainer (``python -m gossiprec.harness.sharded_trainer``): one rank or spare under ``gossiprec run``.
+
+Two layouts of four ranks, each a tiny MLP (8 -> 16 -> 8) trained with AdamW and gradient clipping:
+
+- ``tp``: a ``("dp", "tp") = (2, 2)`` mesh; DTensor tensor parallelism along ``tp`` (column-wise first
+  layer, row-wise second: an all-reduce in every forward), gradients averaged along ``dp`` with
+  ``dist.all_reduce`` on the local shards;
+- ``hsdp``: a ``("replicate", "shard") = (2, 2)`` mesh; FSDP2 ``fully_shard`` on both dimensions
+  (all-gathers in forward, reduce-scatters and the replicate all-reduce in backward).
+
+Batches are a function of (step, data-parallel coordinate) alone (``stateless_data``). Faults
+(``--fault KIND@PHASE:STEP``, :class:`~gossiprec.harness.faults.FaultInjector`) fire at ``forward``
+(before the second layer: its tensor-parallel peer then waits in the row-wise all-reduce), ``backprop``
+(between the two layers' gradients), ``optimizer`` (inside ``opt.step()``, after clipping) and
+``committed`` (between steps), and at the trainer's own phases.
+
+What it leaves next to ``--out`` (``<node>.json``): ``.pid``, ``.ready``, ``.records`` (one recovery
+record per line), ``.fault`` (when a fault fired), and at the end ``.state`` (the rank's local state as
+bytes: its shards of the model and optimizer) and the ``.json`` report (rank, step, records, the bytes
+of its state and of the snapshots it keeps for recovery).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gossiprec.harness.faults import Fault, FaultInjector
+from gossiprec.trainer.sharded import MeshSpec
+
+LAYOUTS = {"tp": MeshSpec((2, 2), ("dp", "tp")), "hsdp": MeshSpec((2, 2), ("replicate", "shard"))}
+"""The meshes of the two layouts; the job spec's ``[job]`` table is written from these."""
+DIM, HIDDEN, BATCH = 8, 16, 4
+
+
+def build_objects(layout: str, mesh: Any, hidden: int = HIDDEN) -> dict[str, Any]:
+    """Model and optimizer of ``layout`` on ``mesh``, the same in every process (seeded); ``hidden``:
+    the MLP's width."""
+    import torch
+    import torch.nn as nn
+
+    from gossiprec.trainer.objects import training_state
+
+    torch.manual_seed(0)
+    random.seed(0)  # every generator in the state must be identical across the replicas of a shard
+    try:
+        import numpy as np
+
+        np.random.seed(0)
+    except ImportError:
+        pass
+    model = nn.Sequential(nn.Linear(DIM, hidden), nn.ReLU(), nn.Linear(hidden, DIM))
+    if layout == "tp":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        # src_data_rank=None: every rank shards its own (identically seeded) copy, no scatter, so a
+        # spare builds its model before it has joined its peers' epoch
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()}, src_data_rank=None)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    return training_state(model, opt)
+
+
+def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int) -> None:
+    """One step: forward, backward, data-parallel averaging (tp), clipping, optimizer."""
+    import torch
+    import torch.distributed as dist
+
+    model, opt = objects["model"], objects["optimizer"]
+    dp = mesh.get_coordinate()[0]
+    x = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(1000 * step + dp))
+    model(x).pow(2).mean().backward()
+    if layout == "tp":
+        group = mesh["dp"].get_group()
+        for p in model.parameters():
+            g = p.grad.to_local()
+            dist.all_reduce(g, group=group)
+            g.div_(mesh["dp"].size())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a norm all-reduce over the shards
+    opt.step()
+    opt.zero_grad()
+
+
+def _arm(objects: dict[str, Any], rt: Any, hook: FaultInjector) -> None:
+    """The in-step fault phases: ``forward``, ``backprop`` and ``optimizer`` of step ``rt.step + 1``."""
+    model, opt = objects["model"], objects["optimizer"]
+
+    def at(phase: str) -> None:
+        hook(rt.step + 1, phase)
+
+    model[2].register_forward_pre_hook(lambda _m, _a: at("forward"))
+
+    def relu_out(_m: Any, _a: Any, out: Any) -> None:
+        if out.requires_grad:
+            out.register_hook(lambda _g: at("backprop"))
+
+    model[1].register_forward_hook(relu_out)
+    opt.register_step_pre_hook(lambda _o, _a, _k: at("optimizer"))
+
+
+def trainer_main(args: argparse.Namespace) -> int:
+    import torch
+
+    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.config import TrainerConfig
+    from gossiprec.trainer.exits import exit_code
+    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+    from gossiprec.harness.workload import state_bytes
+
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.with_suffix(".pid").write_text(str(os.getpid()))
+    layout = args.layout
+    hook = FaultInjector([Fault.parse("", f) for f in args.fault], out.with_suffix(".fault"))
+    records: list[dict[str, Any]] = []
+    rt: Any = None
+
+    def build(mesh: Any) -> dict[str, Any]:
+        objects = build_objects(layout, mesh, args.hidden)
+        _arm(objects, rt, hook)
+        return objects
+
+    def on_recovered(rec: Any) -> None:
+        records.append({**rec.to_dict(), "node": rt.node})
+        with open(out.with_suffix(".records"), "a") as f:  # kept even if this trainer dies later
+            f.write(json.dumps(records[-1]) + "\n")
+
+    config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares, stateless_data=True)
+    rt = ResilientTrainer(None, config, mesh=LAYOUTS[layout], build=build, on_recovered=on_recovered,
+                          on_phase=hook)
+    out.with_suffix(".ready").write_text("1")
+    try:
+        rt.start()
+        while rt.step < args.steps:
+            with rt.training_step() as step:
+                train_step(layout, rt.objects, rt.mesh, step)
+            if args.step_ms:
+                time.sleep(args.step_ms / 1000.0)  # pacing: stands in for a longer compute step
+    except (Released, JobFinished, JobStopped) as exc:
+        print(f"gossiprec sharded trainer {rt.node}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        rt.close()
+        os._exit(exit_code(exc))
+    final = capture_state(rt.objects, step=rt.step, checksum=False)
+    out.with_suffix(".state").write_bytes(state_bytes(final))
+    out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "world_size": rt.world_size, "step": rt.step,
+                               "records": records, "state_bytes": final.header.total_nbytes,
+                               "kept_bytes": rt.snapshot_bytes,
+                               "hung": rt.sharded.hung if rt.sharded is not None else 0}))
+    rt.finish()
+    os._exit(0)  # an aborted backend may hold collectives whose destructor would block (managed.py)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gossiprec.harness.sharded_trainer",
+                                description="One rank or spare of a sharded local job (see the module docstring).")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), required=True)
+    p.add_argument("--steps", type=int, required=True, help="train until this step is committed")
+    p.add_argument("--out", required=True, help="the report's path; the other files go beside it")
+    p.add_argument("--step-ms", dest="step_ms", type=float, default=0.0, help="sleep this long after each step")
+    p.add_argument("--timeout", type=float, default=30.0, help="group and collective timeout, seconds")
+    p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
+                   help="start() waits this long for the spares to be up")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's width")
+    p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    return trainer_main(_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

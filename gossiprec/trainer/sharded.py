@@ -1,0 +1,218 @@
+"""Sharded jobs: the device mesh a :class:`~gossiprec.trainer.loop.ResilientTrainer` builds, and what follows from it.
+
+A :class:`MeshSpec` names the mesh's shape and dimensions and which dimension(s) replicate the state
+(``dp`` for dp x tp, ``replicate`` for HSDP). From it alone come the agents' job topology
+(:meth:`MeshSpec.topology`: the ranks along the replicate dimension hold the same shard, each line one
+replica group, read by :func:`~gossiprec.trainer.managed.mesh_topology`) and the job spec's ``[job]``
+lines (:meth:`MeshSpec.job_toml`), so it is never typed twice; :meth:`MeshSpec.check_view` refuses a
+view whose replica groups say otherwise.
+
+:class:`ShardedWorld` is the trainer's side once the rank is known: it makes the ``gossiprec`` backend
+torch's default group (:func:`~gossiprec.trainer.managed.init_managed_world`), builds the
+``DeviceMesh`` and calls the user's ``build(mesh)`` for the objects, once per process, in the same
+order in every process (the managed groups' store keys depend on it); then each epoch's
+:meth:`ShardedWorld.configure` gives every group of the mesh that epoch's backend, and
+:meth:`ShardedWorld.abort` makes every collective blocked anywhere (forward, backward, optimizer, user
+code) raise :class:`~gossiprec.trainer.groups.CollectiveAborted`.
+
+The mesh has a fixed shape: a replacement takes the lost rank's coordinate, and a plan that shrinks
+the job (drops replicas) is refused (:class:`~gossiprec.trainer.recovery.MeshShrinkRefused`): torch's
+groups keep the sizes they were made with.
+
+Importing this module does not import torch; :class:`ShardedWorld` does when it builds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from gossiprec.errors import ConfigError
+from gossiprec.trainer.recovery import MeshShrinkRefused
+
+if TYPE_CHECKING:
+    from gossiprec.core.topology import JobTopology
+    from gossiprec.trainer.managed import ManagedWorld
+    from gossiprec.trainer.objects import Stateful
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """A device mesh: ``shape`` (ranks per dimension), ``names`` (one per dimension) and ``replicate``,
+    the dimension(s) along which ranks hold the same shard (default: the first dimension).
+    ``device``: the mesh's device type (``cpu``: gloo)."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    replicate: str | tuple[str, ...] = ""
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, tuple) or not self.shape or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.shape):
+            raise ConfigError(f"mesh shape must be a non-empty tuple of ints >= 1, got {self.shape!r}")
+        if not isinstance(self.names, tuple) or len(self.names) != len(self.shape) or len(set(self.names)) != len(
+                self.names) or not all(isinstance(n, str) and n for n in self.names):
+            raise ConfigError(f"mesh names must be {len(self.shape)} distinct non-empty strings (one per "
+                              f"dimension of {self.shape}), got {self.names!r}")
+        rep = self.replicated
+        if not rep or any(r not in self.names for r in rep):
+            raise ConfigError(f"replicate must name mesh dimension(s) among {self.names}, got {self.replicate!r}")
+        if self.device != "cpu":
+            raise ConfigError(f"mesh device {self.device!r}: only 'cpu' (gloo) meshes are managed so far")
+
+    @property
+    def replicated(self) -> tuple[str, ...]:
+        """The replicate dimension(s)."""
+        if not self.replicate:
+            return self.names[:1]
+        return (self.replicate,) if isinstance(self.replicate, str) else tuple(self.replicate)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    def topology(self, *, min_replicas: int = 1) -> JobTopology:
+        """The agents' job topology: one replica group per line of the mesh along the replicate dimension(s)."""
+        from gossiprec.trainer.managed import mesh_topology
+
+        return mesh_topology(_RankGrid(self), self.replicated, allow_shrink=False, min_replicas=min_replicas)
+
+    def job_toml(self) -> str:
+        """The job spec's ``[job]`` table for this mesh (the spec's grid must equal :meth:`topology`)."""
+        from gossiprec.core.topology import JobTopology
+
+        topo = self.topology()
+        groups = len(topo.replica_groups)
+        dp = self.world_size // groups
+        if groups == 1:
+            return '[job]\ntopology = "ddp"\nallow_shrink = false\n'
+        if JobTopology.grid(dp, groups).replica_groups != topo.replica_groups:
+            raise ConfigError(f"mesh {self.names}={self.shape} replicating along {self.replicated} has replica "
+                              f"groups {topo.replica_groups}, which a job spec's grid (rank = dp_index * tp_pp + "
+                              "shard) cannot express: put the replicate dimension first")
+        return f'[job]\ntopology = "grid"\ndp = {dp}\ntp_pp = {groups}\nallow_shrink = false\n'
+
+    def check_view(self, world_size: int, replica_groups: Sequence[Sequence[int]]) -> None:
+        """Refuse (ConfigError) a job whose agents' topology is not this mesh's."""
+        want = self.topology().replica_groups
+        got = tuple(sorted(tuple(sorted(int(r) for r in g)) for g in replica_groups)) or (tuple(range(world_size)),)
+        if world_size != self.world_size or got != want:
+            raise ConfigError(
+                f"the job spec's topology ({world_size} ranks, replica groups {list(map(list, got))}) is not the "
+                f"mesh's ({self.names}={self.shape}, replicate {self.replicated}: {self.world_size} ranks, replica "
+                f"groups {list(map(list, want))}); write the job spec's [job] table from the mesh "
+                f"(MeshSpec.job_toml()):\n{self.job_toml() if _grid_ok(self) else '(no grid expresses it)'}")
+
+
+def _grid_ok(spec: MeshSpec) -> bool:
+    try:
+        spec.job_toml()
+    except ConfigError:
+        return False
+    return True
+
+
+class _RankGrid:
+    """What :func:`~gossiprec.trainer.managed.mesh_topology` reads of a mesh (ranks row-major, names)."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        import torch
+
+        self.mesh = torch.arange(spec.world_size).reshape(spec.shape)
+        self.mesh_dim_names = spec.names
+
+
+class ShardedWorld:
+    """This process's managed world, mesh and objects (see the module docstring). Made by the trainer."""
+
+    def __init__(self, spec: MeshSpec, build: Callable[[Any], Mapping[str, Stateful]], *, timeout: float,
+                 poll_interval: float, slow_after: float | None, on_slow: Callable[[], None] | None) -> None:
+        self.spec = spec
+        self.build_objects = build
+        self.timeout = timeout
+        self.poll_interval = poll_interval
+        self.slow_after = slow_after
+        self.on_slow = on_slow
+        self.world: ManagedWorld | None = None
+        self.mesh: Any = None
+        self.rank = -1
+
+    @property
+    def built(self) -> bool:
+        return self.mesh is not None
+
+    def warm(self) -> None:
+        """Import torch's mesh, DTensor, tensor-parallel and FSDP2 modules now (a spare, while it waits):
+        seconds that would otherwise fall between the plan and the state transfer (dynamo too: the
+        first ``distribute_tensor`` imports it)."""
+        import torch._dynamo  # noqa: F401
+        import torch.distributed.device_mesh  # noqa: F401
+        import torch.distributed.fsdp  # noqa: F401
+        import torch.distributed.tensor  # noqa: F401
+        import torch.distributed.tensor.parallel  # noqa: F401
+
+    def build(self, rank: int) -> dict[str, Stateful]:
+        """Make the managed default group for ``rank``, the mesh, and the user's objects (once)."""
+        if self.built:
+            if rank != self.rank:
+                raise MeshShrinkRefused(f"this process built the mesh as rank {self.rank}; a plan now gives it rank "
+                                        f"{rank}: a mesh job keeps every rank's coordinate")
+            raise ConfigError("the mesh is built once per process")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from gossiprec.trainer.managed import init_managed_world
+
+        self.world = init_managed_world(rank, self.spec.world_size, timeout=self.timeout,
+                                        poll_interval=self.poll_interval, slow_after=self.slow_after,
+                                        on_slow=self.on_slow)
+        self.rank = rank
+        self.mesh = init_device_mesh(self.spec.device, self.spec.shape, mesh_dim_names=self.spec.names)
+        objects = self.build_objects(self.mesh)
+        if not isinstance(objects, Mapping) or not objects:
+            raise ConfigError(f"build(mesh) must return the objects of the training state (name -> Stateful), "
+                              f"got {type(objects).__name__}")
+        return dict(objects)
+
+    def configure(self, epoch: int, store: Any, cancelled: Callable[[], str]) -> float:
+        """Every managed group's backend for ``epoch`` (seconds it took)."""
+        assert self.world is not None
+        return self.world.configure(epoch, store, cancelled=cancelled)
+
+    def abort(self, reason: str, epoch: int | None = None) -> None:
+        """Interrupt the collectives of the current epoch (``epoch``: of that epoch and older ones)."""
+        if self.world is not None:
+            self.world.abort(reason, epoch=epoch)
+
+    def aborted(self) -> bool:
+        """Whether the current epoch's groups were aborted (a collective anywhere then raised or will)."""
+        world = self.world
+        return world is not None and bool(world.abort_reason)
+
+    def reset_modules(self, objects: Mapping[str, Any]) -> int:
+        """After an interrupted step: put every FSDP2 root module among ``objects`` back to its idle,
+        resharded state (torch's ``reset_iter_state``), or the next forward would skip an all-gather that
+        the replacement does (a collective mismatch). Work still pending on the aborted backend is
+        dropped, not waited for (it never completes). Returns the modules reset."""
+        from gossiprec.trainer.managed import ManagedWork
+
+        done = 0
+        for obj in objects.values():
+            reset = getattr(obj, "reset_iter_state", None)
+            if reset is None:
+                continue
+            for module in obj.modules():
+                state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+                for group in getattr(state, "_fsdp_param_groups", ()) if state is not None else ():
+                    result = group._all_gather_result
+                    if result is not None and isinstance(result.all_gather_work, ManagedWork):
+                        group._all_gather_result = None
+            reset()
+            done += 1
+        return done
+
+    @property
+    def hung(self) -> int:
+        """Collectives left pending on an aborted backend: leave the process with ``os._exit``."""
+        return self.world.hung if self.world is not None else 0
