@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gossiprec.agent.jobspec import view0_from_dict
-from gossiprec.errors import ConfigError
+from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.harness.job import LocalJob, job_toml, read_int, read_json
 
 SLEEPER = ("import os, sys, time; from pathlib import Path; "
@@ -71,3 +71,14 @@ def test_leaving_the_block_reaps_launchers_and_a_stopped_trainer(tmp_path: Path)
     assert time.monotonic() - t0 < 5.0  # not the launcher's grace period for the stopped trainer
     assert all(p.poll() is not None for p in job.procs.values())
     assert not any(_alive(pid) for pid in trainers)
+
+
+def test_signalling_a_trainer_that_has_not_written_its_pid_is_refused(tmp_path: Path) -> None:
+    # read_int gives -1 for a missing .pid file, and os.kill(-1, SIGKILL) would end every process of
+    # this user: the harness refuses instead
+    job = LocalJob(tmp_path, 2, 0)
+    try:
+        with pytest.raises(GossiprecError, match="has not written its pid"):
+            job.signal("n0", signal.SIGKILL)
+    finally:
+        job.close()

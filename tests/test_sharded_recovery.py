@@ -62,6 +62,12 @@ def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None
     with pytest.raises(ConfigError, match="mesh=MeshSpec"):
         ResilientTrainer({"x": object()}, TrainerConfig(), control=object(), key=b"k" * 32,  # type: ignore[dict-item]
                          mesh=spec, build=lambda mesh: {})
+    # a failure inside a step can leave the replica groups one commit apart: the step before the last
+    # commit must still be held, so a mesh job refuses fewer than two copies
+    for copies in (0, 1):
+        with pytest.raises(ConfigError, match="two snapshot copies"):
+            ResilientTrainer(None, TrainerConfig(snapshot_copies=copies), control=object(), key=b"k" * 32,
+                             mesh=spec, build=lambda mesh: {})
 
 
 @pytest.mark.parametrize("lost", [0, 1, 2, 3])

@@ -283,8 +283,7 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
                 raise RecoveryBenchError(f"trial {index}: the job did not reach step {spec.kill_at}; "
                                          f"see the logs in {tmp}")
             time.sleep(0.005)
-        pid = job.pid(names[victim])
-        os.kill(pid, signal.SIGKILL)
+        pid = job.signal(names[victim], signal.SIGKILL)
         t_kill = time.monotonic()
         res.loadavg_1m = round(os.getloadavg()[0], 2)
         say(f"trial {index}: SIGKILL trainer of {names[victim]} (rank {victim}, pid {pid})")

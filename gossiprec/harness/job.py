@@ -33,7 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Callable, Iterable, Mapping, Protocol, Self, Sequence
 
-from gossiprec.errors import ConfigError
+from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.harness.ports import free_ports
 
 NODE_PORTS = 3
@@ -225,6 +225,16 @@ class LocalJob:
     def pid(self, node: str) -> int:
         """``node``'s trainer's pid (-1 before it has written it)."""
         return read_int(self.path(node, ".pid"))
+
+    def signal(self, node: str, sig: int) -> int:
+        """Send ``sig`` to ``node``'s trainer; returns its pid. Refuses before the trainer wrote its pid:
+        ``os.kill(-1, sig)`` would signal every process this user may signal."""
+        pid = self.pid(node)
+        if pid <= 0:
+            raise GossiprecError(f"{node}'s trainer has not written its pid ({self.path(node, '.pid')}) yet: "
+                                 "nothing to signal")
+        os.kill(pid, sig)
+        return pid
 
     def crash(self, node: str) -> None:
         """``node``'s whole host dies at once, without a word: its network is cut, then every process on

@@ -30,7 +30,6 @@ spares leave with the job) and then builds the result:
 from __future__ import annotations
 
 import json
-import os
 import signal
 import statistics
 import sys
@@ -157,7 +156,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     say(f"crash of {f.node}'s host at step {read_int(tmp / f'{f.node}.step')}")
                 elif f.kind == "reprovision":  # the whole node dies; started again once the others recovered
                     paused[f.node] = _records_count(tmp, names, but=f.node)
-                    os.kill(job.pid(f.node), signal.SIGKILL)  # in its own session: the launcher's death spares it
+                    job.signal(f.node, signal.SIGKILL)  # in its own session: the launcher's death spares it
                     procs[f.node].kill()
                     procs[f.node].wait()
                     fault_at[i] = time.monotonic()
@@ -165,12 +164,11 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                 elif f.kind == "pause":  # the whole node (agent and trainer), until the others recovered
                     paused[f.node] = _records_count(tmp, names, but=f.node)
                     procs[f.node].send_signal(signal.SIGSTOP)
-                    os.kill(job.pid(f.node), signal.SIGSTOP)
+                    job.signal(f.node, signal.SIGSTOP)
                     fault_at[i] = time.monotonic()
                     say(f"SIGSTOP agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
                 else:
-                    pid = job.pid(f.node)
-                    os.kill(pid, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
+                    pid = job.signal(f.node, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
                     fault_at[i] = time.monotonic()
                     say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
                         f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
@@ -184,7 +182,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                         say(f"started {node} again (a re-provisioned host)")
                         continue
                     # the trainer first: a launcher that wakes to a stopped child kills it as hung
-                    os.kill(job.pid(node), signal.SIGCONT)
+                    job.signal(node, signal.SIGCONT)
                     procs[node].send_signal(signal.SIGCONT)
                     say(f"SIGCONT trainer and agent of {node}: the partition heals")
             if len(done_at) < len(actions) and actions[len(done_at)].when(job):
