@@ -172,6 +172,9 @@ def test_a_known_view_change_stops_the_issue_and_two_backwards_are_refused() -> 
     b = GradientBuckets(model.parameters(), issue=lambda t, op: None, rank_world=lambda: (0, 1))
     _backward(model, 0)
     assert b.finish(list(model.parameters()), lambda pending: None) is False
+    # the step is redone after the recovery: one backward is a fresh step, not a second one
+    _backward(model, 0)
+    assert b.finish(list(model.parameters()), lambda pending: None) is False
     _backward(model, 0)
     model(torch.randn(2, 32)).sum().backward()  # accumulation: a second backward in one step
     with pytest.raises(ConfigError, match="gradient accumulation"):

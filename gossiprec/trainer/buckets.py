@@ -177,7 +177,8 @@ class GradientBuckets:
                 self._next += 1
             if self._failed is not None:
                 raise self._failed
-            if self._stopped:
+            if self._stopped:  # the redone step's backward must find a fresh step, not this one's gradients
+                self.reset(drop_buffers=bool(self._pending))
                 return False
             rank, world = self._rank_world()
             for b, (pending, buf) in enumerate(self._pending):
