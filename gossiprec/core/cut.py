@@ -14,6 +14,11 @@ Implicit alerts: while some subjects are stable or unstable, an observer of a su
 that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members),
 once the subject has real alerts close to L from observers outside that set.
 
+Doubt: while a member that SWIM suspected during this view (it may have failed with the others; its
+observers' first accusations are still on their way) has too few alerts to be unstable, no proposal is
+made, for at most ``doubt_timeout`` since this member heard of it (the probes of a failed rack's members
+start over a probe round, and the alerts of a node on a lossy link come later still).
+
 Discounted witnesses: alerts raised by an observer that is itself stable for removal do not count
 against other subjects (an isolated node accuses everyone; its own observers all accuse it).
 """
@@ -46,6 +51,9 @@ class CutDetector:
     _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
     last_change: float = float("-inf")
     last_departure: float = float("-inf")
+    doubt_timeout: float = 0.0
+    _doubt: dict[str, float] = field(default_factory=dict)
+    """Members of the view that SWIM suspected (or held dead) during it -> since when this member knows."""
     _marks: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     """(subject, kind) -> its (H, L): a pure function of the overlay, computed once per view (evaluate
     reads it for every tally, and a partition or a hang storm evaluates often)."""
@@ -93,9 +101,21 @@ class CutDetector:
         self.last_departure = now
         return True
 
+    def doubt(self, subject: str, now: float) -> None:
+        """SWIM suspects ``subject`` (or holds it dead): its observers' alerts may be on their way. Kept
+        through a refutation: a node on a lossy link refutes every suspicion, yet its observers' alerts
+        come (each first accusation waits ``alert_after`` from its observer's own first failed probe)."""
+        if subject not in self._doubt and self.overlay.observers(subject):
+            self._doubt[subject] = now
+
     def count(self, subject: str, kind: int = REMOVE) -> int:
         tally = self._tallies.get((subject, kind))
         return len(tally.observers) if tally else 0
+
+    def unstable(self, subject: str) -> bool:
+        """Whether ``subject`` has at least L alerts for its removal (stable or unstable)."""
+        tally = self._tallies.get((subject, REMOVE))
+        return tally is not None and len(tally.observers) >= self._thresholds(subject, REMOVE)[1]
 
     def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
         key = (subject, kind)
@@ -170,6 +190,22 @@ class CutDetector:
                 t.unstable_since = None
         if not stable:
             return [], wake
+        if self._doubt:
+            # a member SWIM suspects, with too few alerts to be unstable yet, is likely one more failure of
+            # the same event whose observers' alerts are still on their way (their first accusation waits
+            # alert_after from their own first failed probe, and probes of a rack's members start over a
+            # probe round or more): wait a bounded time so it lands in the same view change
+            stable_set = {s for s, kind in stable if kind == REMOVE}
+            for s, since in self._doubt.items():
+                if s in stable_set:
+                    continue
+                key = (s, REMOVE)
+                if key in counts and counts[key] >= self._thresholds(s, REMOVE)[1]:
+                    continue  # unstable: the rule above governs it
+                until = since + self.doubt_timeout
+                if now < until:
+                    blocking = True
+                    wake = until if wake is None else min(wake, until)
         if all(t.departed or not t.observers for t in self._tallies.values()):
             # nothing but announced departures (their observers' alerts add no news): short window
             settled_at = self.last_departure + self.settle_departed
