@@ -286,7 +286,13 @@ class Node:
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
-        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
+        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed,
+                               doubt_timeout=self.acfg.unstable_timeout)
+        if self.name in view:
+            for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
+                rec = self.swim.member(node)
+                if rec is not None and rec.status != ALIVE and node != self.name:
+                    self.cut.doubt(node, now)
         me = self.name
 
         def allowed(changes: list[Change]) -> bool:
@@ -422,6 +428,8 @@ class Node:
                 # also when the news came by gossip: SWIM stops probing members it holds dead, so an
                 # observer that has not alerted yet must keep checking for itself
                 obs.maybe_focus(ev.name)  # type: ignore[union-attr]
+                if self.view is not None:  # (in this view; a refutation does not undo it, see CutDetector)
+                    self.cut.doubt(ev.name, now)  # type: ignore[union-attr]
             elif t is MemberLeft:
                 self._departed.add(ev.name)  # type: ignore[union-attr]
                 self._observe_departure(ev.name, now)  # type: ignore[union-attr]
@@ -563,6 +571,14 @@ class Node:
             # and, if nothing does, the watchdog fences (see :func:`keeps_quorum`).
             self.counters["cut_withheld_majority"] = self.counters.get("cut_withheld_majority", 0) + 1
             self._withheld = True
+        elif changes and not self._keeps_reachable_majority(changes):
+            # The members the cut keeps that look reachable (SWIM holds them alive and they have fewer
+            # than L alerts) are no majority: a side of a partition whose cut dropped the other side's
+            # members that stayed unstable too long. No quorum can answer, and a vote left standing would
+            # be decided the moment the partition heals, removing the healthy other side. It waits, as
+            # above.
+            self.counters["cut_withheld_unreachable"] = self.counters.get("cut_withheld_unreachable", 0) + 1
+            self._withheld = True
         elif changes:
             self._withheld = False
             c = self.consensus
@@ -575,6 +591,19 @@ class Node:
             self._eval_at(wake)
         else:
             self._withheld = False  # nothing stable left (the accusations were retracted)
+
+    def _keeps_reachable_majority(self, changes: list[Change]) -> bool:
+        v = self.view
+        assert v is not None
+        removed = {c.node for c in changes if c.kind == REMOVE}
+        reachable = 0
+        cut = self.cut
+        for m in v.members:
+            if m.node not in removed:
+                rec = self.swim.member(m.node)
+                if m.node == self.name or (rec is not None and rec.status == ALIVE and not cut.unstable(m.node)):
+                    reachable += 1
+        return reachable >= v.majority()
 
     def _send_vote_to_all(self, digest: bytes) -> None:
         """Our vote (with its proposal) to every member of a small view (see :meth:`_one_hop_to_all`), so
@@ -662,7 +691,7 @@ class Node:
             elif now - self._trouble_since >= acfg.fence_after:
                 self._fence("no quorum: cannot reach a majority of the view" if live < v.majority()
                             else "cut off: no subject answers" if cut_off
-                            else "the cut removes a majority of the view: not proposed" if self._withheld
+                            else "the cut leaves no reachable majority of the view: not proposed" if self._withheld
                             else "no decision within fence_after", now)
         else:
             self._trouble_since = None

@@ -519,6 +519,8 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "removed_all_expected": all(names[v] in removed_names for v in expect_removed),
         "removal_epochs": sorted({checker.removed_at[names[v]][0] for v in expect_removed
                                   if names[v] in checker.removed_at}),
+        "removal_epoch_of": {name: checker.removed_at[name][0] for name in sorted(checker.removed_at)},
+        "dont_care": sorted(names[i] for i in dont_care),  # may end in the view or out of it (a flapper, say)
         "healthy_removed": healthy_removed,
         "fenced": sorted(names[i] for i in checker.fenced),
         "joined": sorted(checker.joined),
