@@ -118,8 +118,10 @@ def test_one_restarted_alert_that_makes_no_change_does_not_fence_for_good(monkey
         m = cluster.nodes[3].machine
         v = m.view
         observer = m._overlay(v).observers(m.name)[0]
-        m._on_alert(Alert(v.epoch, v.config_id, observer, m.name, REMOVE, RESTARTED, False, m.addr, "", ""),
-                    cluster.now)
+        signer = next(n.machine for n in cluster.nodes if n.name == observer)  # the observer's own word
+        alert = signer.auth.sign(Alert(v.epoch, v.config_id, observer, m.name, REMOVE, RESTARTED, False, m.addr,
+                                       "", ""))
+        m._on_alert(alert, cluster.now)
         assert m.fenced == RESTART_FENCE
 
     r = _quiet_with(monkeypatch, 2.5, one_alert)

@@ -46,6 +46,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
+from gossiprec.core.auth import KeyBook
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config
@@ -121,6 +122,8 @@ class Membership:
         """The lowest incarnation each member answered one of our probes at (a process starts at its lowest
         and only refutes upwards: an answer below a member's current incarnation came from an older
         process of it; see :meth:`first_acked`)."""
+        self.auth: KeyBook | None = None
+        """Per-member signatures (set by the node; None: leaves are taken on the cluster key's word)."""
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._limit_n = -1
@@ -232,6 +235,8 @@ class Membership:
         self.left = True
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, LEFT, self.role), now)
         dead = Dead(self.name, self.incarnation, self.name)
+        if self.auth is not None:
+            self.auth.sign(dead)
         self._broadcast(self.name, dead)
         # told directly to up to 32 members (everyone in a small job): a leave is the fastest failure
         # signal there is, worth a few unicasts once
@@ -657,6 +662,10 @@ class Membership:
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
+        if leaving and self.auth is not None and not self.auth.check(msg.name, msg):
+            # a departure is the member's own word or nothing: one key holder must not make others leave
+            self._count("rx_leave_unsigned")
+            return
         table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
         self._suspicions.pop(msg.name, None)
         self._broadcast(msg.name, msg)
@@ -751,8 +760,12 @@ class Membership:
                 if self.member(name) is None:
                     continue
                 self._on_dead(Dead(name, inc, msg.src), now)
-            else:
+            elif self.auth is None:
                 self._on_dead(Dead(name, inc, name), now)
+            elif self.member(name) is not None:
+                # a leave relayed in a state table carries no signature: the sender's report of a failure,
+                # which observers check for themselves
+                self._on_dead(Dead(name, inc, msg.src), now)
             if pver > 0:
                 self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
 

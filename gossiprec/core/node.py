@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 
 from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
+from gossiprec.core.auth import CLAIM_EVERY, KeyBook
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
@@ -53,7 +54,8 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, Message,
+    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
+    Message,
     PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
 )
 from gossiprec.errors import ProtocolError
@@ -93,6 +95,7 @@ class Node:
         member_order: tuple[str, ...] | None = None,
         members_live: int | None = None,
         memo: MutableMapping[Any, Any] | None = None,
+        auth: KeyBook | None = None,
     ) -> None:
         self.config = config
         self.acfg = acfg = agreement or AgreementConfig()
@@ -125,6 +128,14 @@ class Node:
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
         self.counters: dict[str, int] = swim.counters
+        self.auth = auth
+        """This member's key and the keys bound to other members (None: nothing is signed or checked)."""
+        self._claim_at = now
+        if auth is not None:
+            auth.counters = self.counters
+            swim.auth = auth
+            if auth.claims:
+                self._claim(now)
         self.observer = Observer(self, swim, acfg)
         self.hangs = HangCheck(self, self.observer, swim, acfg)
         self.aggregates = Aggregates(self, swim, acfg)
@@ -282,6 +293,9 @@ class Node:
         self._healthy_since = None
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
+        if self.auth is not None and old is not None:
+            # a removed member's key goes with it: a new process of that name (a new key) can rejoin
+            self.auth.forget(set(old.nodes) - set(view.nodes))
         ov = self._overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
@@ -474,6 +488,8 @@ class Node:
             entry[0](self, msg, now)
 
     def _on_alert(self, msg: Alert, now: float) -> None:
+        if self.auth is not None and msg.observer != self.name and not self.auth.check(msg.observer, msg):
+            return  # not the observer's own word (counted by the key book)
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
@@ -627,9 +643,21 @@ class Node:
             self._one_hop_to_all(msg)
         self._bcast("done", msg)
 
+    def _claim(self, now: float) -> None:
+        """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
+        assert self.auth is not None
+        self._claim_at = now + CLAIM_EVERY
+        self.swim.broadcast("k|" + self.name, KeyClaim(self.name, self.auth.crypto.public_key), now)
+
+    def _on_key_claim(self, msg: KeyClaim, now: float) -> None:
+        if self.auth is not None and self.auth.bind(msg.node, msg.key):
+            self.swim.broadcast("k|" + msg.node, msg, now)  # news: spread it on
+
     def _watch(self, now: float) -> None:
         acfg = self.acfg
         self._at(now + acfg.watch_interval, timers.WATCH)
+        if self.auth is not None and self.auth.claims and now >= self._claim_at:
+            self._claim(now)
         v = self.view
         if v is None or self.name not in v or self.finished is not None:
             return
@@ -710,6 +738,7 @@ _ANY_VIEW: dict[type, Handler] = {
     JoinRequest: lambda n, m, now: n.catchup.on_join_request(m, now),
     Hello: lambda n, m, now: n.catchup.on_hello(m, now),
     JobDone: Node._on_job_done,
+    KeyClaim: Node._on_key_claim,
 }
 """Messages handled whatever view they name."""
 

@@ -25,7 +25,7 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -107,6 +107,7 @@ def _blob(max_bytes: int) -> Validator:
             raise DecodeError("bad_field", f"expected bytes of at most {max_bytes}")
         return v
 
+    check.inline = f"type({{v}}) is not bytes or len({{v}}) > {max_bytes}"  # type: ignore[attr-defined]
     return check
 
 
@@ -146,6 +147,9 @@ PHASE = _uint(len(PHASES) - 1)
 ROLE = _uint(len(ROLES) - 1)
 STEP = _sint(-1, 2**62)
 MILLIS = _uint(2**31 - 1)
+SIG = _blob(64)
+"""A member's signature (:mod:`gossiprec.core.auth`); empty where the cluster runs without them."""
+KEY = _blob(64)
 
 _REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
 _DECODERS: dict[int, Callable[[list[Any]], Any]] = {}
@@ -284,6 +288,11 @@ def _to_list(msg: Any) -> list[Any]:
     return _ROWS[type(msg)](msg)
 
 
+def row_of(msg: Message) -> list[Any]:
+    """``[TYPE, *fields]`` of a message (what is encoded, and what a signature covers)."""
+    return _ROWS[type(msg)](msg)
+
+
 # --- SWIM messages -------------------------------------------------------------------------------
 @message(1, U64, NAME, NAME, ADDR)
 @value_class
@@ -347,14 +356,15 @@ class Suspect(Message):
     src: str
 
 
-@message(7, NAME, U64, NAME)
+@message(7, NAME, U64, NAME, SIG)
 @value_class
 class Dead(Message):
-    """``src == name`` means a graceful leave."""
+    """``src == name`` means a graceful leave, which counts only when ``sig`` is the member's own."""
 
     name: str
     incarnation: int
     src: str
+    sig: bytes = b""
 
 
 @message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
@@ -485,10 +495,11 @@ ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "imp
 
 @message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(len(ALERT_REASONS) - 1), _bool, ADDR,
          _text(MAX_NAME, allow_empty=True),
-         _text(MAX_NAME, allow_empty=True))
+         _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class Alert(Message):
-    """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it."""
+    """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it;
+    ``sig``: the observer's signature."""
 
     epoch: int
     config: str
@@ -500,6 +511,7 @@ class Alert(Message):
     addr: str
     host: str
     rack: str
+    sig: bytes = b""
 
 
 @message(21, EPOCH, CFG, DIGEST, CHANGES)
@@ -678,6 +690,15 @@ class JobDone(Message):
     epoch: int
     step: int
     src: str
+
+
+@message(36, NAME, KEY)
+@value_class
+class KeyClaim(Message):
+    """``node`` signs with ``key`` (bound on first use, see :mod:`gossiprec.core.auth`)."""
+
+    node: str
+    key: bytes
 
 
 # --- bootstrap: view 0 agreed without a job spec (gossiprec.core.bootstrap) ---------------------------

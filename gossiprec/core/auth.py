@@ -1,0 +1,148 @@
+"""Per-member signatures: a member can speak only for itself.
+
+What it decides: whether a message that names its author (an alert's observer, a leave's member, a
+vote's voter, an acceptor, a catch-up view's sender) was signed by that author's own key, and which
+key each member name is bound to. The cluster key (the transport's seal) proves only "someone holds
+the key"; this layer is what stops one key holder from speaking in other members' names.
+
+Keys. Every agent makes a signing key pair at start (Ed25519, :mod:`gossiprec.security.signing`; the
+core only sees the :class:`Crypto` it is handed: sans-IO, no crypto library here). Its public key
+travels in a :class:`~gossiprec.core.wire.KeyClaim`, gossiped at start and again every
+``CLAIM_EVERY`` seconds. The :class:`KeyBook` binds a name to the first key claimed for it (pinned
+keys, e.g. from a job spec, are bound from the start and never replaced); a claim that names a bound
+member with another key is refused and counted. A member removed from the view has its binding
+dropped, so that a restarted process (a new key) can rejoin under its old name.
+
+What is signed. The signature covers the message's wire encoding without its ``sig`` field (the
+type id is part of it, so a signature of one kind of message never passes as another's); messages
+relayed by gossip (alerts, leaves, votes, accepts) carry their author's signature with them, so any
+member verifies any copy, however it came. Verification results are cached by signature: the same
+alert reaches a member many times over, and each distinct signed item is verified once.
+
+Trust on first use: a holder of the cluster key present *before* a member's first claim reaches a
+receiver (at job start, or while a removed member rejoins) can bind that name to its own key there.
+Pinned keys close that window. Without a :class:`KeyBook` (``Node(auth=None)``) nothing is signed or
+checked, as before this layer existed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+import msgpack
+
+from gossiprec.core.wire import Message, row_of
+
+CLAIM_EVERY = 5.0
+"""Seconds between re-broadcasts of a member's own key claim (late receivers and rejoins bind it)."""
+CACHE_MAX = 1 << 14
+"""Verified signatures remembered (cleared when full; a miss only costs one more verification)."""
+
+
+class Crypto(Protocol):
+    """One member's signing key and the signature scheme (injected by the pump)."""
+
+    public_key: bytes
+
+    def sign(self, data: bytes) -> bytes: ...
+
+    def verify(self, key: bytes, data: bytes, sig: bytes) -> bool: ...
+
+
+@dataclass(slots=True)
+class DigestCrypto:
+    """A cheap deterministic stand-in for the simulator and unit tests: the "public key" is a keyed
+    hash's key, so it proves nothing against anyone who learns it. It keeps every signing code path
+    exercised at a fraction of Ed25519's cost; real agents never use it."""
+
+    public_key: bytes
+
+    @classmethod
+    def for_name(cls, name: str) -> "DigestCrypto":
+        return cls(hashlib.blake2b(name.encode(), digest_size=16, person=b"gossiprec-sim").digest())
+
+    def sign(self, data: bytes) -> bytes:
+        return hashlib.blake2b(data, key=self.public_key, digest_size=16).digest()
+
+    def verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
+        return hmac.compare_digest(hashlib.blake2b(data, key=key, digest_size=16).digest(), sig)
+
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
+def signed_bytes(msg: Message) -> bytes:
+    """What a signature of ``msg`` covers: its wire row without the trailing ``sig`` field."""
+    return _pack(row_of(msg)[:-1])  # type: ignore[no-any-return]
+
+
+@dataclass(slots=True)
+class KeyBook:
+    """This member's key, and the keys it has bound to other members' names."""
+
+    me: str
+    crypto: Crypto
+    pinned: Mapping[str, bytes] = field(default_factory=dict)
+    """Keys fixed by the operator (or the simulator): bound from the start, never replaced; may be shared
+    by many key books (it is only read)."""
+    claims: bool = True
+    """Whether this member gossips its key (off where every key is pinned)."""
+    keys: dict[str, bytes] = field(default_factory=dict)
+    counters: dict[str, int] = field(default_factory=dict)
+    _verified: dict[bytes, tuple[str, bytes]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.keys[self.me] = self.crypto.public_key
+
+    def key_of(self, name: str) -> bytes | None:
+        key = self.pinned.get(name)
+        return key if key is not None else self.keys.get(name)
+
+    def _count(self, what: str) -> None:
+        self.counters[what] = self.counters.get(what, 0) + 1
+
+    # ------------------------------------------------------------------ bindings
+    def bind(self, name: str, key: bytes) -> bool:
+        """A claim that ``name`` signs with ``key``. Returns True when it is news (now bound)."""
+        have = self.key_of(name)
+        if have == key:
+            return False
+        if have is not None:
+            self._count("rx_key_conflict")
+            return False
+        self.keys[name] = key
+        return True
+
+    def forget(self, names: set[str] | frozenset[str]) -> None:
+        """Drop the bindings of members that left the view (never pinned ones, never our own)."""
+        for name in names:
+            if name != self.me:
+                self.keys.pop(name, None)
+
+    # ------------------------------------------------------------------ signing and checking
+    def sign(self, msg: Message) -> Message:
+        """``msg`` with its ``sig`` field set to our signature (call before the message is shared)."""
+        msg.sig = self.crypto.sign(signed_bytes(msg))  # type: ignore[attr-defined]
+        return msg
+
+    def check(self, author: str, msg: Message) -> bool:
+        """Whether ``msg`` carries a valid signature by ``author``'s bound key; a refusal is counted."""
+        sig: bytes = msg.sig  # type: ignore[attr-defined]
+        data = signed_bytes(msg)
+        hit = self._verified.get(sig)
+        if hit is not None and hit[0] == author and hit[1] == data:
+            return True
+        key = self.key_of(author)
+        if key is None:
+            self._count("rx_sig_unknown_author")
+            return False
+        if not sig or not self.crypto.verify(key, data, sig):
+            self._count("rx_sig_invalid")
+            return False
+        if len(self._verified) >= CACHE_MAX:
+            self._verified.clear()
+        self._verified[sig] = (author, data)
+        return True
