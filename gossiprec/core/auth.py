@@ -1,28 +1,31 @@
 """Per-member signatures: a member can speak only for itself.
 
-What it decides: whether a message that names its author (an alert's observer, a leave's member, a
-vote's voter, an acceptor, a catch-up view's sender) was signed by that author's own key, and which
-key each member name is bound to. The cluster key (the transport's seal) proves only "someone holds
-the key"; this layer is what stops one key holder from speaking in other members' names.
+What it decides: whether a message that names its author was signed by that author's own key, and
+which key each member name is bound to. The cluster key (the transport's seal) proves only "someone
+holds the key"; this layer stops one key holder from speaking in other members' names.
 
-Keys. Every agent makes a signing key pair at start (Ed25519, :mod:`gossiprec.security.signing`; the
-core only sees the :class:`Crypto` it is handed: sans-IO, no crypto library here). Its public key
-travels in a :class:`~gossiprec.core.wire.KeyClaim`, gossiped at start and again every
-``CLAIM_EVERY`` seconds. The :class:`KeyBook` binds a name to the first key claimed for it (pinned
-keys, e.g. from a job spec, are bound from the start and never replaced); a claim that names a bound
-member with another key is refused and counted. A member removed from the view has its binding
-dropped, so that a restarted process (a new key) can rejoin under its old name.
+Keys. Every agent makes an Ed25519 key pair at start (:mod:`gossiprec.security.signing`; the core
+only sees the :class:`Crypto` it is handed: sans-IO). Its public key travels in a
+:class:`~gossiprec.core.wire.KeyClaim`: gossiped at start, every ``CLAIM_SOON`` seconds while its view
+is young, then every ``CLAIM_EVERY``, and ahead of every push-pull and catch-up answer. The
+:class:`KeyBook` binds a name to the first key claimed for it (pinned keys are bound from the start
+and never replaced); a claim naming a bound member with another key is refused and counted. A member
+removed from the view loses its binding, so a restarted process (a new key) can rejoin.
 
-What is signed. The signature covers the message's wire encoding without its ``sig`` field (the
-type id is part of it, so a signature of one kind of message never passes as another's); messages
-relayed by gossip (alerts, leaves, votes, accepts) carry their author's signature with them, so any
-member verifies any copy, however it came. Verification results are cached by signature: the same
-alert reaches a member many times over, and each distinct signed item is verified once.
+What is signed, and checked against the named author: alerts (observer), graceful leaves (the
+member), fast votes (voter, one :class:`~gossiprec.core.wire.Vote` each; unsigned bitmaps are
+ignored), prepares and accepts (coordinator), promises and accepteds (acceptor), the job's end (the
+trainer), and catch-up views (sender, who must be a member of the view the receiver holds). A
+``Decided`` decides nothing alone: each member counts the signed quorum itself (see
+:mod:`gossiprec.core.consensus`). The signature covers the message's wire row without its ``sig``
+field (the type id included, so one kind never passes as another); relayed messages carry their
+author's signature, so every copy is checked however it came. Results are cached by signature: each
+distinct signed item is verified once, however many times gossip delivers it.
 
 Trust on first use: a holder of the cluster key present *before* a member's first claim reaches a
-receiver (at job start, or while a removed member rejoins) can bind that name to its own key there.
-Pinned keys close that window. Without a :class:`KeyBook` (``Node(auth=None)``) nothing is signed or
-checked, as before this layer existed.
+receiver (at job start, or while a removed member rejoins) can bind that name to its own key there;
+pinned keys close that window. Without a :class:`KeyBook` (``Node(auth=None)``) nothing is signed
+or checked.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from gossiprec.core.wire import Message, row_of
 
 CLAIM_EVERY = 5.0
 """Seconds between re-broadcasts of a member's own key claim (late receivers and rejoins bind it)."""
+CLAIM_SOON = 1.0
+"""Seconds between claims while a member's view is young (its first claims may have found nobody)."""
 CACHE_MAX = 1 << 14
 """Verified signatures remembered (cleared when full; a miss only costs one more verification)."""
 

@@ -60,7 +60,8 @@ from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.suspicion import Suspicion
 from gossiprec.core.wire import (
     ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
-    IndirectPing, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet,
+    IndirectPing, KeyClaim, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message,
+    encode_packet,
     encode_parts,
 )
 from gossiprec.errors import DecodeError, ProtocolError
@@ -227,7 +228,7 @@ class Membership:
         msg = self._pushpull(join=True, reply=False)
         for addr in seed_addrs:
             if addr != self.addr:
-                self._sends.append(Send(addr, encode_packet([msg]), reliable=True))
+                self._sends.append(Send(addr, encode_packet([*self._claim(), msg]), reliable=True))
 
     def leave(self, now: float) -> None:
         """Graceful leave: others record LEFT, not a failure. Keep ticking briefly to drain gossip."""
@@ -406,9 +407,10 @@ class Membership:
         self._send(rec.addr, [msg, *extra], piggyback=True, dest=name)
         return True
 
-    def send_addr(self, addr: str, msg: Message, reliable: bool = False) -> None:
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
+        """``msg`` to ``addr``; ``before``: messages handled ahead of it, in the same reliable packet."""
         if reliable:
-            self._sends.append(Send(addr, encode_packet([msg]), True))
+            self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
             self._send(addr, [msg], piggyback=True)
 
@@ -729,6 +731,12 @@ class Membership:
                 continue  # only news about this target itself was left
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
+    def _claim(self) -> tuple[Message, ...]:
+        """Our signing key's claim, ahead of our full state in every push-pull (anti-entropy for keys;
+        see :mod:`gossiprec.core.auth`)."""
+        auth = self.auth
+        return (KeyClaim(self.name, auth.crypto.public_key),) if auth is not None and auth.claims else ()
+
     def _pushpull(self, join: bool, reply: bool) -> PushPull:
         rows = []
         for m in self.members():
@@ -746,11 +754,12 @@ class Membership:
         if peers:
             rec = self.member(peers[0])
             if rec is not None:
-                self._sends.append(Send(rec.addr, encode_packet([self._pushpull(False, False)]), True))
+                self._sends.append(Send(rec.addr, encode_packet([*self._claim(), self._pushpull(False, False)]), True))
 
     def _on_pushpull(self, msg: PushPull, now: float) -> None:
         if not msg.reply:
-            self._sends.append(Send(msg.src_addr, encode_packet([self._pushpull(msg.join, True)]), True))
+            self._sends.append(Send(msg.src_addr, encode_packet([*self._claim(), self._pushpull(msg.join, True)]),
+                                    True))
         for name, addr, inc, status, role, pver, step, phase, step_ms in msg.members:
             if status <= SUSPECT:
                 self._on_alive(Alive(name, addr, inc, role), now)

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 
 from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
-from gossiprec.core.auth import CLAIM_EVERY, KeyBook
+from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, KeyBook
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
@@ -56,7 +56,7 @@ from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
     ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
     Message,
-    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
+    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Vote, Votes,
 )
 from gossiprec.errors import ProtocolError
 
@@ -240,7 +240,8 @@ class Node:
         """This member's trainer finished training at ``step``: tell every member the job is done."""
         self._now = now
         epoch = self.view.epoch if self.view is not None else 0
-        self._on_job_done(JobDone(epoch, step, self.name), now)
+        msg = JobDone(epoch, step, self.name)
+        self._on_job_done(self.auth.sign(msg) if self.auth is not None else msg, now)  # type: ignore[arg-type]
 
     def leave(self, now: float) -> None:
         self.swim.leave(now)
@@ -306,7 +307,7 @@ class Node:
         def allowed(changes: list[Change]) -> bool:
             return keeps_quorum(view, changes, me)
 
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed)
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
@@ -488,8 +489,8 @@ class Node:
             entry[0](self, msg, now)
 
     def _on_alert(self, msg: Alert, now: float) -> None:
-        if self.auth is not None and msg.observer != self.name and not self.auth.check(msg.observer, msg):
-            return  # not the observer's own word (counted by the key book)
+        if self.auth is not None and not self.auth.check(msg.observer, msg):
+            return  # not the observer's own word (counted by the key book; a forgery may name us)
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
@@ -505,7 +506,13 @@ class Node:
             self._eval_at(now + self.acfg.settle)
 
     def _on_votes(self, msg: Votes, now: float) -> None:
+        if self.auth is not None:
+            self.counters["rx_votes_unsigned"] = self.counters.get("rx_votes_unsigned", 0) + 1
         self.consensus.on_votes(msg)
+        self._after_consensus(now)
+
+    def _on_vote(self, msg: Vote, now: float) -> None:
+        self.consensus.on_vote(msg)
         self._after_consensus(now)
 
     def _on_proposal(self, msg: Proposal, now: float) -> None:
@@ -514,6 +521,9 @@ class Node:
 
     def _on_decided(self, msg: Decided, now: float) -> None:
         self.consensus.on_decided(msg)
+        if self.auth is not None and self.consensus.decided is None:
+            # no signed quorum behind it (yet): a hint only, nothing decided
+            self.counters["rx_decided_unproven"] = self.counters.get("rx_decided_unproven", 0) + 1
         self._after_consensus(now)
 
     def _on_accepted(self, msg: Accepted, now: float) -> None:
@@ -600,6 +610,9 @@ class Node:
         nbytes = (len(v) + 7) // 8
         changes = c.proposals[digest]
         proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
+        if c.my_vote_msg is not None:
+            self._one_hop_to_all(proposal, extra=(c.my_vote_msg,))
+            return
         votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
         self._one_hop_to_all(proposal, extra=(votes,))
 
@@ -636,6 +649,8 @@ class Node:
         if src is None or src.role != "trainer":
             self.counters["rx_job_done_not_a_trainer"] = self.counters.get("rx_job_done_not_a_trainer", 0) + 1
             return
+        if self.auth is not None and not self.auth.check(msg.src, msg):
+            return  # not that trainer's own word (ours too: a forgery may name us)
         self.finished = msg.step
         self.aggregates.held_until = None
         self._events.append(JobFinished(msg.epoch, msg.step, msg.src, now))
@@ -646,8 +661,16 @@ class Node:
     def _claim(self, now: float) -> None:
         """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
         assert self.auth is not None
-        self._claim_at = now + CLAIM_EVERY
+        # soon again after the start (the first claims went out before the other agents listened), then
+        # every CLAIM_EVERY
+        self._claim_at = now + (CLAIM_SOON if now - self._installed_at < CLAIM_EVERY else CLAIM_EVERY)
         self.swim.broadcast("k|" + self.name, KeyClaim(self.name, self.auth.crypto.public_key), now)
+
+    def key_claim(self) -> tuple[KeyClaim, ...]:
+        """Our key claim, to ride in front of a message signed with it (a receiver that restarted knows
+        no keys yet); nothing where keys are pinned or not used."""
+        auth = self.auth
+        return (KeyClaim(self.name, auth.crypto.public_key),) if auth is not None and auth.claims else ()
 
     def _on_key_claim(self, msg: KeyClaim, now: float) -> None:
         if self.auth is not None and self.auth.bind(msg.node, msg.key):
@@ -748,6 +771,7 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
     Votes: (Node._on_votes, False),
+    Vote: (Node._on_vote, False),
     Proposal: (Node._on_proposal, False),
     Prepare: (lambda n, m, now: n.consensus.on_prepare(m), False),
     Promise: (lambda n, m, now: n.consensus.on_promise(m), False),

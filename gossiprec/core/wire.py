@@ -543,17 +543,18 @@ class Decided(Message):
     changes: tuple[Any, ...]
 
 
-@message(24, EPOCH, CFG, _uint(2**31), NAME)
+@message(24, EPOCH, CFG, _uint(2**31), NAME, SIG)
 @value_class
 class Prepare(Message):
     epoch: int
     config: str
     round: int
     coordinator: str
+    sig: bytes = b""
 
 
 @message(25, EPOCH, CFG, _uint(2**31), NAME, NAME, _uint(2**31), _text(MAX_NAME, allow_empty=True),
-         _optional(DIGEST), _optional(CHANGES))
+         _optional(DIGEST), _optional(CHANGES), SIG)
 @value_class
 class Promise(Message):
     epoch: int
@@ -565,9 +566,10 @@ class Promise(Message):
     vcoordinator: str
     vdigest: bytes | None
     vchanges: tuple[Any, ...] | None
+    sig: bytes = b""
 
 
-@message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES)
+@message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES, SIG)
 @value_class
 class Accept(Message):
     epoch: int
@@ -576,17 +578,34 @@ class Accept(Message):
     coordinator: str
     digest: bytes
     changes: tuple[Any, ...]
+    sig: bytes = b""
 
 
-@message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME)
+@message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME, SIG)
 @value_class
 class Accepted(Message):
+    """An acceptor took ``digest`` at round (``round``, ``coordinator``). Signed, it is also gossiped:
+    every member counts a majority of them itself (see :mod:`gossiprec.core.consensus`)."""
+
     epoch: int
     config: str
     round: int
     coordinator: str
     digest: bytes
     acceptor: str
+    sig: bytes = b""
+
+
+@message(37, EPOCH, CFG, DIGEST, NAME, SIG)
+@value_class
+class Vote(Message):
+    """One member's signed fast-round vote (with signatures on, instead of the unsigned bitmaps)."""
+
+    epoch: int
+    config: str
+    digest: bytes
+    voter: str
+    sig: bytes = b""
 
 
 @message(28, EPOCH, _text(32, allow_empty=True), NAME, ADDR)
@@ -607,17 +626,21 @@ def _any_view(v: Any) -> Any:
     return v
 
 
-@message(29, _any_view)
+@message(29, _any_view, _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewState(Message):
+    """A whole view, from ``src`` (signed by it where the cluster signs)."""
+
     view: list[Any]
+    src: str = ""
+    sig: bytes = b""
 
 
 MAX_DELTA_STEPS = 16
 """Longest chain of view changes a :class:`ViewDelta` carries (a member further behind gets the full view)."""
 
 
-@message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS))
+@message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS), _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewDelta(Message):
     """Catch-up for a member that holds view (``epoch``, ``config``): the change sets that lead from it to
@@ -628,6 +651,8 @@ class ViewDelta(Message):
     epoch: int
     config: str
     steps: tuple[Any, ...]
+    src: str = ""
+    sig: bytes = b""
 
 
 @message(30, NAME, ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True), EPOCH)
@@ -681,7 +706,7 @@ class PlanDigest(Message):
     bitmap: bytes
 
 
-@message(34, EPOCH, STEP, NAME)
+@message(34, EPOCH, STEP, NAME, SIG)
 @value_class
 class JobDone(Message):
     """The job's trainers finished training at ``step`` (sent by ``src``, a trainer of view ``epoch``):
@@ -690,6 +715,7 @@ class JobDone(Message):
     epoch: int
     step: int
     src: str
+    sig: bytes = b""
 
 
 @message(36, NAME, KEY)
