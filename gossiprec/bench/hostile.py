@@ -32,7 +32,9 @@ the same run on the same machine. Three attacks, each by someone who never held 
 
 The output is one JSON document (``--json FILE`` also writes it to a file). The helpers below
 (:func:`tcp_garbage_round`, :class:`IdleConnections`, :func:`forged_datagrams`, ...) are what the
-tests of the same attacks use. This module drives processes; nothing in the agent imports it.
+tests of the same attacks use; :class:`KeyHolder` is the insider's: it holds the cluster key and
+forges messages in other members' names (``tests/test_forgery_live.py``). This module drives
+processes; nothing in the agent imports it.
 """
 
 from __future__ import annotations

