@@ -421,8 +421,8 @@ class Node:
         assert v is not None
         if len(v) > self.acfg.direct_votes_max:
             return
-        first, *rest = (*self.key_claim(), msg, *extra)  # our key first: the receiver checks what follows
-        more = tuple(rest)
+        msgs: tuple[Message, ...] = (*self.key_claim(), msg, *extra)  # our key first: it checks what follows
+        first, more = msgs[0], msgs[1:]
         for m in v.members:
             if m.node != self.name and m.node != skip:
                 self.swim.send_to(m.node, first, self._now, extra=more)
