@@ -6,8 +6,8 @@ holds the key"; this layer stops one key holder from speaking in other members' 
 
 Keys. Every agent makes an Ed25519 key pair at start (:mod:`gossiprec.security.signing`; the core
 only sees the :class:`Crypto` it is handed: sans-IO). Its public key travels in a
-:class:`~gossiprec.core.wire.KeyClaim`: gossiped at start, every ``CLAIM_SOON`` seconds while its view
-is young, then every ``CLAIM_EVERY``, and ahead of every push-pull, catch-up answer and message sent
+:class:`~gossiprec.core.wire.KeyClaim`: gossiped at start, every ``CLAIM_SOON`` seconds for
+``CLAIM_SOON_FOR``, then every ``CLAIM_EVERY``, and ahead of every push-pull, catch-up answer and message sent
 straight to every member (alerts, votes), so a first contact is never lost for want of a key. The
 :class:`KeyBook` binds a name to the first key claimed for it (pinned keys are bound from the start
 and never replaced); a claim naming a bound member with another key is refused and counted. A member
@@ -43,7 +43,9 @@ from gossiprec.core.wire import Message, row_of
 CLAIM_EVERY = 30.0
 """Seconds between re-broadcasts of a member's own key claim (late receivers and rejoins bind it)."""
 CLAIM_SOON = 1.0
-"""Seconds between claims while a member's view is young (its first claims may have found nobody)."""
+"""Seconds between claims just after a process started (its first claims may have found nobody) ..."""
+CLAIM_SOON_FOR = 5.0
+"""... for this long."""
 CACHE_MAX = 1 << 14
 """Verified signatures remembered (cleared when full; a miss only costs one more verification)."""
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 
 from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
-from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, KeyBook
+from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
@@ -131,6 +131,7 @@ class Node:
         self.auth = auth
         """This member's key and the keys bound to other members (None: nothing is signed or checked)."""
         self._claim_at = now
+        self._started_at = now
         if auth is not None:
             auth.counters = self.counters
             swim.auth = auth
@@ -663,9 +664,9 @@ class Node:
     def _claim(self, now: float) -> None:
         """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
         assert self.auth is not None
-        # soon again after the start (the first claims went out before the other agents listened), then
-        # every CLAIM_EVERY
-        self._claim_at = now + (CLAIM_SOON if now - self._installed_at < CLAIM_EVERY else CLAIM_EVERY)
+        # soon again after this process started (its first claims went out before the other agents
+        # listened), then every CLAIM_EVERY: an idle member's claims cost wake-ups
+        self._claim_at = now + (CLAIM_SOON if now - self._started_at < CLAIM_SOON_FOR else CLAIM_EVERY)
         self.swim.broadcast("k|" + self.name, KeyClaim(self.name, self.auth.crypto.public_key), now)
 
     def key_claim(self) -> tuple[KeyClaim, ...]:
