@@ -7,8 +7,9 @@ holds the key"; this layer stops one key holder from speaking in other members' 
 Keys. Every agent makes an Ed25519 key pair at start (:mod:`gossiprec.security.signing`; the core
 only sees the :class:`Crypto` it is handed: sans-IO). Its public key travels in a
 :class:`~gossiprec.core.wire.KeyClaim`: gossiped at start, every ``CLAIM_SOON`` seconds for
-``CLAIM_SOON_FOR``, then every ``CLAIM_EVERY``, and ahead of every push-pull, catch-up answer and message sent
-straight to every member (alerts, votes), so a first contact is never lost for want of a key. The
+``CLAIM_SOON_FOR``, then every ``CLAIM_EVERY``, and ahead of a join's push-pull, every catch-up answer
+and every message sent straight to every member (alerts, votes): a first contact is not lost for want
+of a key. The
 :class:`KeyBook` binds a name to the first key claimed for it (pinned keys are bound from the start
 and never replaced); a claim naming a bound member with another key is refused and counted. A member
 removed from the view loses its binding, so a restarted process (a new key) can rejoin.
@@ -38,7 +39,7 @@ from typing import Mapping, Protocol
 
 import msgpack
 
-from gossiprec.core.wire import Message, row_of
+from gossiprec.core.wire import KeyClaim, Message
 
 CLAIM_EVERY = 30.0
 """Seconds between re-broadcasts of a member's own key claim (late receivers and rejoins bind it)."""
@@ -84,7 +85,17 @@ _pack = msgpack.Packer(use_bin_type=True).pack
 
 def signed_bytes(msg: Message) -> bytes:
     """What a signature of ``msg`` covers: its wire row without the trailing ``sig`` field."""
-    return _pack(row_of(msg)[:-1])  # type: ignore[no-any-return]
+    return _pack([msg.TYPE, *[getattr(msg, f) for f in msg.FIELDS[:-1]]])  # type: ignore[no-any-return]
+
+
+def claims_of(book: "KeyBook | None") -> tuple[Message, ...]:
+    """Our key claim, to ride ahead of messages a receiver checks; nothing where keys are pinned or unused."""
+    return (KeyClaim(book.me, book.crypto.public_key),) if book is not None and book.claims else ()
+
+
+def sign_if(book: "KeyBook | None", msg: Message) -> Message:
+    """``msg`` signed by ``book``'s key, or as it is without a key book."""
+    return msg if book is None else book.sign(msg)
 
 
 @dataclass(slots=True)

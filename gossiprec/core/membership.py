@@ -46,7 +46,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from gossiprec.core.auth import KeyBook
+from gossiprec.core.auth import KeyBook, claims_of, sign_if
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config
@@ -60,8 +60,7 @@ from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.suspicion import Suspicion
 from gossiprec.core.wire import (
     ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
-    IndirectPing, KeyClaim, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message,
-    encode_packet,
+    IndirectPing, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet,
     encode_parts,
 )
 from gossiprec.errors import DecodeError, ProtocolError
@@ -123,8 +122,7 @@ class Membership:
         """The lowest incarnation each member answered one of our probes at (a process starts at its lowest
         and only refutes upwards: an answer below a member's current incarnation came from an older
         process of it; see :meth:`first_acked`)."""
-        self.auth: KeyBook | None = None
-        """Per-member signatures (set by the node; None: leaves are taken on the cluster key's word)."""
+        self.auth: KeyBook | None = None  # per-member signatures (set by the node): see _on_dead
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._limit_n = -1
@@ -228,16 +226,14 @@ class Membership:
         msg = self._pushpull(join=True, reply=False)
         for addr in seed_addrs:
             if addr != self.addr:
-                self._sends.append(Send(addr, encode_packet([*self._claim(), msg]), reliable=True))
+                self._sends.append(Send(addr, encode_packet([*claims_of(self.auth), msg]), reliable=True))
 
     def leave(self, now: float) -> None:
         """Graceful leave: others record LEFT, not a failure. Keep ticking briefly to drain gossip."""
         self._now = now
         self.left = True
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, LEFT, self.role), now)
-        dead = Dead(self.name, self.incarnation, self.name)
-        if self.auth is not None:
-            self.auth.sign(dead)
+        dead = sign_if(self.auth, Dead(self.name, self.incarnation, self.name))
         self._broadcast(self.name, dead)
         # told directly to up to 32 members (everyone in a small job): a leave is the fastest failure
         # signal there is, worth a few unicasts once
@@ -408,7 +404,6 @@ class Membership:
         return True
 
     def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
-        """``msg`` to ``addr``; ``before``: messages handled ahead of it, in the same reliable packet."""
         if reliable:
             self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
@@ -665,9 +660,7 @@ class Membership:
             return
         leaving = msg.src == msg.name
         if leaving and self.auth is not None and not self.auth.check(msg.name, msg):
-            # a departure is the member's own word or nothing: one key holder must not make others leave
-            self._count("rx_leave_unsigned")
-            return
+            return self._count("rx_leave_unsigned")  # a departure is the member's own signed word or nothing
         table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
         self._suspicions.pop(msg.name, None)
         self._broadcast(msg.name, msg)
@@ -731,12 +724,6 @@ class Membership:
                 continue  # only news about this target itself was left
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
-    def _claim(self) -> tuple[Message, ...]:
-        """Our signing key's claim, ahead of our full state in every push-pull (anti-entropy for keys;
-        see :mod:`gossiprec.core.auth`)."""
-        auth = self.auth
-        return (KeyClaim(self.name, auth.crypto.public_key),) if auth is not None and auth.claims else ()
-
     def _pushpull(self, join: bool, reply: bool) -> PushPull:
         rows = []
         for m in self.members():
@@ -754,12 +741,11 @@ class Membership:
         if peers:
             rec = self.member(peers[0])
             if rec is not None:
-                self._sends.append(Send(rec.addr, encode_packet([*self._claim(), self._pushpull(False, False)]), True))
+                self._sends.append(Send(rec.addr, encode_packet([self._pushpull(False, False)]), True))
 
     def _on_pushpull(self, msg: PushPull, now: float) -> None:
         if not msg.reply:
-            self._sends.append(Send(msg.src_addr, encode_packet([*self._claim(), self._pushpull(msg.join, True)]),
-                                    True))
+            self._sends.append(Send(msg.src_addr, encode_packet([self._pushpull(msg.join, True)]), True))
         for name, addr, inc, status, role, pver, step, phase, step_ms in msg.members:
             if status <= SUSPECT:
                 self._on_alive(Alive(name, addr, inc, role), now)
@@ -769,12 +755,8 @@ class Membership:
                 if self.member(name) is None:
                     continue
                 self._on_dead(Dead(name, inc, msg.src), now)
-            elif self.auth is None:
-                self._on_dead(Dead(name, inc, name), now)
-            elif self.member(name) is not None:
-                # a leave relayed in a state table carries no signature: the sender's report of a failure,
-                # which observers check for themselves
-                self._on_dead(Dead(name, inc, msg.src), now)
+            elif self.auth is None or self.member(name) is not None:  # signed, a leave is not a table's row:
+                self._on_dead(Dead(name, inc, name if self.auth is None else msg.src), now)  # a failure report
             if pver > 0:
                 self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 
 from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
-from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook
+from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
@@ -669,11 +669,9 @@ class Node:
         self._claim_at = now + (CLAIM_SOON if now - self._started_at < CLAIM_SOON_FOR else CLAIM_EVERY)
         self.swim.broadcast("k|" + self.name, KeyClaim(self.name, self.auth.crypto.public_key), now)
 
-    def key_claim(self) -> tuple[KeyClaim, ...]:
-        """Our key claim, to ride in front of a message signed with it (a receiver that restarted knows
-        no keys yet); nothing where keys are pinned or not used."""
-        auth = self.auth
-        return (KeyClaim(self.name, auth.crypto.public_key),) if auth is not None and auth.claims else ()
+    def key_claim(self) -> tuple[Message, ...]:
+        """Our key claim, ahead of a message signed with it (see :func:`~gossiprec.core.auth.claims_of`)."""
+        return claims_of(self.auth)
 
     def _on_key_claim(self, msg: KeyClaim, now: float) -> None:
         if self.auth is not None and self.auth.bind(msg.node, msg.key):

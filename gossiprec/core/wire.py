@@ -147,8 +147,7 @@ PHASE = _uint(len(PHASES) - 1)
 ROLE = _uint(len(ROLES) - 1)
 STEP = _sint(-1, 2**62)
 MILLIS = _uint(2**31 - 1)
-SIG = _blob(64)
-"""A member's signature (:mod:`gossiprec.core.auth`); empty where the cluster runs without them."""
+SIG = _blob(64)  # a member's signature (gossiprec.core.auth); empty where the cluster runs without them
 KEY = _blob(64)
 
 _REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
@@ -285,11 +284,6 @@ records need no conversion)."""
 
 
 def _to_list(msg: Any) -> list[Any]:
-    return _ROWS[type(msg)](msg)
-
-
-def row_of(msg: Message) -> list[Any]:
-    """``[TYPE, *fields]`` of a message (what is encoded, and what a signature covers)."""
     return _ROWS[type(msg)](msg)
 
 
@@ -498,8 +492,7 @@ ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "imp
          _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class Alert(Message):
-    """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it;
-    ``sig``: the observer's signature."""
+    """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it."""
 
     epoch: int
     config: str
@@ -584,9 +577,6 @@ class Accept(Message):
 @message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME, SIG)
 @value_class
 class Accepted(Message):
-    """An acceptor took ``digest`` at round (``round``, ``coordinator``). Signed, it is also gossiped:
-    every member counts a majority of them itself (see :mod:`gossiprec.core.consensus`)."""
-
     epoch: int
     config: str
     round: int
@@ -598,9 +588,7 @@ class Accepted(Message):
 
 @message(37, EPOCH, CFG, DIGEST, NAME, SIG)
 @value_class
-class Vote(Message):
-    """One member's signed fast-round vote (with signatures on, instead of the unsigned bitmaps)."""
-
+class Vote(Message):  # one member's signed fast-round vote (instead of bitmaps, where the cluster signs)
     epoch: int
     config: str
     digest: bytes
@@ -629,8 +617,6 @@ def _any_view(v: Any) -> Any:
 @message(29, _any_view, _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewState(Message):
-    """A whole view, from ``src`` (signed by it where the cluster signs)."""
-
     view: list[Any]
     src: str = ""
     sig: bytes = b""
