@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 
 from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
+from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
@@ -53,8 +54,9 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, Message,
-    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
+    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
+    Message,
+    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Vote, Votes,
 )
 from gossiprec.errors import ProtocolError
 
@@ -93,6 +95,7 @@ class Node:
         member_order: tuple[str, ...] | None = None,
         members_live: int | None = None,
         memo: MutableMapping[Any, Any] | None = None,
+        auth: KeyBook | None = None,
     ) -> None:
         self.config = config
         self.acfg = acfg = agreement or AgreementConfig()
@@ -125,6 +128,15 @@ class Node:
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
         self.counters: dict[str, int] = swim.counters
+        self.auth = auth
+        """This member's key and the keys bound to other members (None: nothing is signed or checked)."""
+        self._claim_at = now
+        self._started_at = now
+        if auth is not None:
+            auth.counters = self.counters
+            swim.auth = auth
+            if auth.claims:
+                self._claim(now)
         self.observer = Observer(self, swim, acfg)
         self.hangs = HangCheck(self, self.observer, swim, acfg)
         self.aggregates = Aggregates(self, swim, acfg)
@@ -229,7 +241,8 @@ class Node:
         """This member's trainer finished training at ``step``: tell every member the job is done."""
         self._now = now
         epoch = self.view.epoch if self.view is not None else 0
-        self._on_job_done(JobDone(epoch, step, self.name), now)
+        msg = JobDone(epoch, step, self.name)
+        self._on_job_done(self.auth.sign(msg) if self.auth is not None else msg, now)  # type: ignore[arg-type]
 
     def leave(self, now: float) -> None:
         self.swim.leave(now)
@@ -282,6 +295,9 @@ class Node:
         self._healthy_since = None
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
+        if self.auth is not None and old is not None:
+            # a removed member's key goes with it: a new process of that name (a new key) can rejoin
+            self.auth.forget(set(old.nodes) - set(view.nodes))
         ov = self._overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
@@ -298,7 +314,7 @@ class Node:
         def allowed(changes: list[Change]) -> bool:
             return keeps_quorum(view, changes, me)
 
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed)
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
@@ -412,9 +428,11 @@ class Node:
         assert v is not None
         if len(v) > self.acfg.direct_votes_max:
             return
+        msgs: tuple[Message, ...] = (*self.key_claim(), msg, *extra)  # our key first: it checks what follows
+        first, more = msgs[0], msgs[1:]
         for m in v.members:
             if m.node != self.name and m.node != skip:
-                self.swim.send_to(m.node, msg, self._now, extra=extra)
+                self.swim.send_to(m.node, first, self._now, extra=more)
 
     # ------------------------------------------------------------------ SWIM events -> observations
     def _drain_swim(self, now: float) -> None:
@@ -482,6 +500,8 @@ class Node:
             entry[0](self, msg, now)
 
     def _on_alert(self, msg: Alert, now: float) -> None:
+        if self.auth is not None and not self.auth.check(msg.observer, msg):
+            return  # not the observer's own word (counted by the key book; a forgery may name us)
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
@@ -497,7 +517,13 @@ class Node:
             self._eval_at(now + self.acfg.settle)
 
     def _on_votes(self, msg: Votes, now: float) -> None:
+        if self.auth is not None:
+            self.counters["rx_votes_unsigned"] = self.counters.get("rx_votes_unsigned", 0) + 1
         self.consensus.on_votes(msg)
+        self._after_consensus(now)
+
+    def _on_vote(self, msg: Vote, now: float) -> None:
+        self.consensus.on_vote(msg)
         self._after_consensus(now)
 
     def _on_proposal(self, msg: Proposal, now: float) -> None:
@@ -506,6 +532,9 @@ class Node:
 
     def _on_decided(self, msg: Decided, now: float) -> None:
         self.consensus.on_decided(msg)
+        if self.auth is not None and self.consensus.decided is None:
+            # no signed quorum behind it (yet): a hint only, nothing decided
+            self.counters["rx_decided_unproven"] = self.counters.get("rx_decided_unproven", 0) + 1
         self._after_consensus(now)
 
     def _on_accepted(self, msg: Accepted, now: float) -> None:
@@ -613,6 +642,9 @@ class Node:
         nbytes = (len(v) + 7) // 8
         changes = c.proposals[digest]
         proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
+        if c.my_vote_msg is not None:
+            self._one_hop_to_all(proposal, extra=(c.my_vote_msg,))
+            return
         votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
         self._one_hop_to_all(proposal, extra=(votes,))
 
@@ -649,6 +681,8 @@ class Node:
         if src is None or src.role != "trainer":
             self.counters["rx_job_done_not_a_trainer"] = self.counters.get("rx_job_done_not_a_trainer", 0) + 1
             return
+        if self.auth is not None and not self.auth.check(msg.src, msg):
+            return  # not that trainer's own word (ours too: a forgery may name us)
         self.finished = msg.step
         self.aggregates.held_until = None
         self._events.append(JobFinished(msg.epoch, msg.step, msg.src, now))
@@ -656,9 +690,27 @@ class Node:
             self._one_hop_to_all(msg)
         self._bcast("done", msg)
 
+    def _claim(self, now: float) -> None:
+        """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
+        assert self.auth is not None
+        # soon again after this process started (its first claims went out before the other agents
+        # listened), then every CLAIM_EVERY: an idle member's claims cost wake-ups
+        self._claim_at = now + (CLAIM_SOON if now - self._started_at < CLAIM_SOON_FOR else CLAIM_EVERY)
+        self.swim.broadcast("k|" + self.name, KeyClaim(self.name, self.auth.crypto.public_key), now)
+
+    def key_claim(self) -> tuple[Message, ...]:
+        """Our key claim, ahead of a message signed with it (see :func:`~gossiprec.core.auth.claims_of`)."""
+        return claims_of(self.auth)
+
+    def _on_key_claim(self, msg: KeyClaim, now: float) -> None:
+        if self.auth is not None and self.auth.bind(msg.node, msg.key):
+            self.swim.broadcast("k|" + msg.node, msg, now)  # news: spread it on
+
     def _watch(self, now: float) -> None:
         acfg = self.acfg
         self._at(now + acfg.watch_interval, timers.WATCH)
+        if self.auth is not None and self.auth.claims and now >= self._claim_at:
+            self._claim(now)
         v = self.view
         if v is None or self.name not in v or self.finished is not None:
             return
@@ -739,6 +791,7 @@ _ANY_VIEW: dict[type, Handler] = {
     JoinRequest: lambda n, m, now: n.catchup.on_join_request(m, now),
     Hello: lambda n, m, now: n.catchup.on_hello(m, now),
     JobDone: Node._on_job_done,
+    KeyClaim: Node._on_key_claim,
 }
 """Messages handled whatever view they name."""
 
@@ -748,6 +801,7 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
     Votes: (Node._on_votes, False),
+    Vote: (Node._on_vote, False),
     Proposal: (Node._on_proposal, False),
     Prepare: (lambda n, m, now: n.consensus.on_prepare(m), False),
     Promise: (lambda n, m, now: n.consensus.on_promise(m), False),
