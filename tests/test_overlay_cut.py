@@ -240,6 +240,40 @@ def test_unstable_subject_blocks_until_unstable_timeout() -> None:
     assert t_a < first
 
 
+def test_a_doubted_subject_holds_the_proposal_until_its_alerts_come_or_the_timeout() -> None:
+    # SWIM suspects b (it failed with a, but its observers' first accusations are still on their way):
+    # the proposal waits for b's alerts, so both land in one view change
+    ov = Overlay.build("cfg", names(40))
+    a, b = independent_pair(ov)
+    cd = CutDetector(ov, SETTLE, UNSTABLE, doubt_timeout=UNSTABLE)
+    cd.doubt(b, 4.9)
+    cd.doubt("not-a-member", 4.9)  # (ignored: no observers in this view)
+    t_a = alert_all(cd, a, 5.0)
+    changes, wake = cd.evaluate(t_a + SETTLE)
+    assert changes == [] and wake == pytest.approx(4.9 + UNSTABLE)
+    t_b = alert_all(cd, b, 5.6)
+    assert cd.evaluate(t_b + SETTLE)[0] == sorted([Change(a, REMOVE), Change(b, REMOVE)], key=lambda c: c.node)
+    # a doubt that no alert follows (a refuted rumour) stops holding the proposal after the timeout
+    cd2 = CutDetector(ov, SETTLE, UNSTABLE, doubt_timeout=UNSTABLE)
+    cd2.doubt(b, 4.9)
+    alert_all(cd2, a, 5.0)
+    assert cd2.evaluate(4.9 + UNSTABLE - 0.01)[0] == []
+    assert cd2.evaluate(4.9 + UNSTABLE)[0] == [Change(a, REMOVE)]
+
+
+def test_counts_follow_every_change_of_the_tallies() -> None:
+    # the counts are cached between changes of the tallies: a retraction after an evaluation is seen
+    ov = Overlay.build("cfg", names(40))
+    a = full_observers(ov)[0]
+    cd = detector(ov)
+    t = alert_all(cd, a, 1.0)
+    assert cd.evaluate(t + SETTLE)[0] == [Change(a, REMOVE)]
+    for o in ov.observers(a)[:5]:
+        assert cd.alert(o, a, REMOVE, True, t + 0.2)
+    assert cd.evaluate(t + 0.2 + SETTLE)[0] == []
+    assert cd.unstable(a) and not cd.unstable(ov.observers(a)[0])
+
+
 def test_unstable_subject_reaching_h_joins_the_proposal() -> None:
     ov = Overlay.build("cfg", names(40))
     a, b = independent_pair(ov)

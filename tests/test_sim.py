@@ -153,21 +153,27 @@ def test_calendar_queue_pops_in_time_then_push_order() -> None:
     assert cluster.pending() == 1 and cluster.now == 10.0  # the infinite one never runs
 
 
-def test_the_quorum_audit_counts_delivered_votes_itself(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A vote-merging bug in the core (here every bitmap is taken for the whole view's votes) makes
-    members decide on the first bitmap they get; the audit merges the bitmaps the network delivered and
-    finds no fast quorum behind that decision."""
+@pytest.mark.parametrize("signing", ["none", "digest"])
+def test_the_quorum_audit_counts_delivered_votes_itself(monkeypatch: pytest.MonkeyPatch, signing: str) -> None:
+    """A vote-merging bug in the core (here every bitmap, or with signed votes every single vote, is
+    taken for the whole view's votes) makes members decide on the first one they get; the audit merges
+    the votes the network delivered and finds no fast quorum behind that decision."""
     from gossiprec.core.consensus import Consensus
-    from gossiprec.core.wire import Votes
+    from gossiprec.core.wire import Vote, Votes
 
     merge = Consensus.on_votes
 
     def everyone_voted(self: Consensus, msg: Votes) -> None:
         merge(self, Votes(msg.epoch, msg.config, msg.digest, b"\xff" * len(msg.bitmap)))
 
+    def every_vote_counts_for_all(self: Consensus, msg: Vote) -> None:
+        self.votes[msg.digest] = (1 << len(self.view)) - 1
+        self._check_fast(msg.digest)
+
     monkeypatch.setattr(Consensus, "on_votes", everyone_voted)
+    monkeypatch.setattr(Consensus, "on_vote", every_vote_counts_for_all)
     with pytest.raises(InvariantViolation, match="on the fast path without a fast quorum"):
-        run_agreement(AgreeParams(scenario="crash", nodes=10, seed=1, duration=8))
+        run_agreement(AgreeParams(scenario="crash", nodes=10, seed=1, duration=8, signing=signing))
 
 
 def test_the_quorum_audit_counts_delivered_accepts_itself(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,6 +98,7 @@ FIELD_OK: dict[str, Callable[[Any], bool]] = {
     "step_ms": lambda v: _is_int(v, 0, 2**31 - 1), "stall_ms": lambda v: _is_int(v, 0, 2**31 - 1),
     "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
     "members": lambda v: type(v) is tuple and len(v) <= MAX_MEMBERS and all(_row(r) for r in v),
+    "sig": lambda v: type(v) is bytes and len(v) <= 64,
 }
 CORE_TYPES = (Ping, IndirectPing, Ack, Nack, Alive, Suspect, Dead, Progress, PushPull)
 
@@ -291,7 +292,8 @@ REFUSALS: list[tuple[str, bytes, str]] = [
     ("ack-without-stall-ms", packet([3, 1, "n", 1, 0, 0, 5]), "bad_message"),
     ("alive-role-2", packet([5, "n", "a", 1, len(ROLES)]), "bad_field"),
     ("suspect-inc-negative", packet([6, "n", -1, "s"]), "bad_field"),
-    ("dead-inc-str", packet([7, "n", "1", "s"]), "bad_field"),
+    ("dead-inc-str", packet([7, "n", "1", "s", b""]), "bad_field"),
+    ("dead-sig-long", packet([7, "n", 1, "s", b"x" * 65]), "bad_field"),
     ("progress-version-nil", packet([8, "n", 1, None, 0, 0, 0]), "bad_field"),
     ("pushpull-members-map", packet([9, "s", "", False, False, {"n1": 1}]), "bad_field"),
     ("pushpull-members-str", packet([9, "s", "", False, False, "n1"]), "bad_field"),
@@ -359,7 +361,7 @@ messages = st.one_of(
     st.builds(Nack, u64, names),
     st.builds(Alive, names, addrs, u64, st.integers(0, 1)),
     st.builds(Suspect, names, u64, names),
-    st.builds(Dead, names, u64, names),
+    st.builds(Dead, names, u64, names, st.binary(max_size=64)),
     st.builds(Progress, names, u64, u64, steps, phases, millis),
     st.builds(PushPull, names, addrs, st.booleans(), st.booleans(), st.lists(rows, max_size=4).map(tuple)),
 )
@@ -586,7 +588,7 @@ def test_cached_decode_returns_the_same_message_and_still_refuses_lookalikes() -
     assert refused(packet([6, "n5", [2], "n1"])) == "bad_field"  # unhashable: full validation
     alert = wire.Alert(3, "cfg", "n1", "n2", 0, 0, True, "", "", "")
     assert decode_packet(encode_packet([alert]), MTU) == [alert]
-    assert refused(packet([20, 3, "cfg", "n1", "n2", 0, 0, 1, "", "", ""])) == "bad_field"  # 1 is not True
+    assert refused(packet([20, 3, "cfg", "n1", "n2", 0, 0, 1, "", "", "", b""])) == "bad_field"  # 1 is not True
 
 
 def test_decode_cache_is_bounded() -> None:

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from gossiprec.agent.settings import AgentSettings
+from gossiprec.core.auth import KeyBook
+from gossiprec.security.signing import Ed25519Crypto
 from gossiprec.core.bootstrap import Booting, BootParams, Bootstrap, Candidate
 from gossiprec.core.config import Config
 from gossiprec.core.machine import Machine, MachineFactory
@@ -89,6 +91,7 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
         return boot_factory(settings)
     view0 = load_view0(settings.job) if settings.job else None
     agreement = settings.agreement_config()
+    crypto = Ed25519Crypto.generate()  # this process's signing key: it speaks only for itself
 
     def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
              rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
@@ -106,10 +109,10 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
         if view is not None:
             members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
             return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=view, role=role,
-                        host=host, rack=rack, members=members, agreement=agreement)
+                        host=host, rack=rack, members=members, agreement=agreement, auth=KeyBook(name, crypto))
         # not in view 0: joins the running job through its seeds; the view admits it as a spare
         return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
-                    seeds=seeds, agreement=agreement)
+                    seeds=seeds, agreement=agreement, auth=KeyBook(name, crypto))
 
     return make
 
@@ -123,6 +126,7 @@ def boot_factory(settings: AgentSettings) -> MachineFactory:
                         allow_shrink=settings.allow_shrink)
     agreement = settings.agreement_config()
     host = settings.host or socket.gethostname()
+    crypto = Ed25519Crypto.generate()
 
     def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
              rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
@@ -135,9 +139,9 @@ def boot_factory(settings: AgentSettings) -> MachineFactory:
                 assert m is not None
                 members = {v.node: MemberInfo(v.node, v.addr, 1) for v in view.members if v.node != name}
                 return Node(config, name, addr, incarnation=incarnation, rng=rng, now=at, view=view, role=m.role,
-                            host=m.host, members=members, agreement=agreement)
+                            host=m.host, members=members, agreement=agreement, auth=KeyBook(name, crypto))
             return Node(config, name, addr, incarnation=incarnation, rng=rng, now=at, view=None, role="spare",
-                        host=host, seeds=seeds, agreement=agreement)
+                        host=host, seeds=seeds, agreement=agreement, auth=KeyBook(name, crypto))
 
         return Booting(Bootstrap(params, me, now, rng), make_node, seeds, incarnation, config.max_stream)
 

@@ -32,7 +32,9 @@ the same run on the same machine. Three attacks, each by someone who never held 
 
 The output is one JSON document (``--json FILE`` also writes it to a file). The helpers below
 (:func:`tcp_garbage_round`, :class:`IdleConnections`, :func:`forged_datagrams`, ...) are what the
-tests of the same attacks use. This module drives processes; nothing in the agent imports it.
+tests of the same attacks use; :class:`KeyHolder` is the insider's: it holds the cluster key and
+forges messages in other members' names (``tests/test_forgery_live.py``). This module drives
+processes; nothing in the agent imports it.
 """
 
 from __future__ import annotations
@@ -293,6 +295,44 @@ def forged_datagrams(to: str, count: int, key: bytes = KEY, cluster: str = CLUST
         template[12:28] = rng.randbytes(16)
         out.append(bytes(template))
     return out
+
+
+class KeyHolder:
+    """A process that holds the cluster key but no member's signing key (a key copied from one host):
+    it seals whatever messages it likes, in any member's name, for any receiver. What the tests of
+    per-member signatures forge with; the messages are this build's wire types."""
+
+    def __init__(self, key: bytes = KEY, cluster: str = CLUSTER) -> None:
+        self.sealer = Sealer(Keyring([key]), cluster)
+
+    def datagram(self, msgs: Sequence[Any], to: str) -> bytes:
+        from gossiprec.core.wire import encode_packet
+        return self.sealer.seal(encode_packet(list(msgs)), to)
+
+    def frame(self, msgs: Sequence[Any]) -> bytes:
+        """One sealed stream frame (the reliable transport: views, large agreement payloads)."""
+        from gossiprec.core.wire import encode_packet
+        return self.sealer.new_stream().seal_frame(encode_packet(list(msgs)))
+
+    def send(self, msgs: Sequence[Any], addrs: Sequence[str]) -> None:
+        """``msgs`` in one datagram to each of ``addrs`` (host:port)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for addr in addrs:
+                host, _, port = addr.rpartition(":")
+                s.sendto(self.datagram(msgs, addr), (host, int(port)))
+
+    async def stream(self, msgs: Sequence[Any], addr: str) -> None:
+        """``msgs`` as one frame on a fresh TCP connection to ``addr``."""
+        host, _, port = addr.rpartition(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(self.frame(msgs))
+            await writer.drain()
+            await asyncio.sleep(0)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
 
 
 def garbage_datagrams(count: int, size: int = 100, seed: int = 2) -> list[bytes]:

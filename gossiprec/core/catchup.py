@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 class CatchUp:
     """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
 
-    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view", "outsider_window")
+    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view", "outsider_window", "_state")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -53,6 +53,8 @@ class CatchUp:
         """Member -> when we last pushed it the current view (reset with every view)."""
         self.outsider_window = (float("-inf"), 0)
         """(start, count) of the current catchup_interval's pushes to names outside the view."""
+        self._state: ViewState | None = None
+        """Our signed full view, made once per view."""
 
     def start_view(self) -> None:
         self.pushed_view = {}
@@ -119,10 +121,41 @@ class CatchUp:
         while key != (v.epoch, v.config_id):
             step = self.history.get(key)
             if step is None:
-                return ViewState(self.view_wire(v))
+                return self.view_state()
             steps.append(step)
             key = (key[0] + 1, step[0])
-        return ViewDelta(epoch, config, tuple(steps))
+        delta = ViewDelta(epoch, config, tuple(steps), self.node.name)
+        auth = self.node.auth
+        return delta if auth is None else auth.sign(delta)  # type: ignore[return-value]
+
+    def view_state(self) -> ViewState:
+        """Our view, whole, from us (signed where the cluster signs; made once per view)."""
+        v = self.node.view
+        assert v is not None
+        st = self._state
+        wire = self.view_wire(v)
+        if st is None or st.view is not wire:
+            st = ViewState(wire, self.node.name)
+            if self.node.auth is not None:
+                self.node.auth.sign(st)
+            self._state = st
+        return st
+
+    def send_news(self, addr: str, msg: ViewDelta | ViewState) -> None:
+        """View news on the stream, our key claim ahead of it (see :meth:`Node.key_claim`)."""
+        self.swim.send_addr(addr, msg, reliable=True, before=self.node.key_claim())
+
+    def trusted(self, msg: ViewDelta | ViewState, offered: View | None) -> bool:
+        """Whether view news may be installed: with signatures on, only from a member of the view we
+        hold (with none yet: of the view offered), in its own signed word."""
+        node = self.node
+        if node.auth is None:
+            return True
+        held = node.view if node.view is not None else offered
+        if held is None or msg.src not in held or not node.auth.check(msg.src, msg):
+            node.counters["rx_view_untrusted"] = node.counters.get("rx_view_untrusted", 0) + 1
+            return False
+        return True
 
     def push_view(self, member: str, epoch: int, config: str, now: float) -> None:
         """A member still alerting in an older epoch missed the decision: send it the current view (at
@@ -142,7 +175,7 @@ class CatchUp:
             return
         rec = self.swim.member(member)
         if rec is not None and rec.addr:
-            self.swim.send_addr(rec.addr, self.view_news(epoch, config), reliable=True)
+            self.send_news(rec.addr, self.view_news(epoch, config))
 
     def view_wire(self, v: View) -> list[Any]:
         """The wire form of a view, built once per view (shared through the memo)."""
@@ -157,7 +190,7 @@ class CatchUp:
         v = self.node.view
         if v is not None and (v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config)):
             # (a joiner sends an empty config: no history matches it, so it gets the full view)
-            self.swim.send_addr(msg.src_addr, self.view_news(msg.epoch, msg.config), reliable=True)
+            self.send_news(msg.src_addr, self.view_news(msg.epoch, msg.config))
 
     # ------------------------------------------------------------------ installing news
     def on_view_delta(self, msg: ViewDelta, now: float) -> None:
@@ -166,6 +199,8 @@ class CatchUp:
         counters = node.counters
         if v is None or msg.epoch != v.epoch or msg.config != v.config_id or not msg.steps:
             counters["rx_stale_view"] = counters.get("rx_stale_view", 0) + 1
+            return
+        if not self.trusted(msg, None):
             return
         views = [v]
         changes: list[Any] = []
@@ -208,7 +243,7 @@ class CatchUp:
         except ProtocolError:
             counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
             return
-        if node.view is None or view.epoch > node.view.epoch:
+        if (node.view is None or view.epoch > node.view.epoch) and self.trusted(msg, view):
             node._install(view, now, fast=False, decided_here=False, removed=(), joined=())
 
     # ------------------------------------------------------------------ joining
@@ -231,7 +266,7 @@ class CatchUp:
         if v is None or node.name not in v:
             return
         if msg.epoch != v.epoch or msg.node in v:
-            self.swim.send_addr(msg.addr, ViewState(self.view_wire(v)), reliable=True)  # a joiner: all of it
+            self.send_news(msg.addr, self.view_state())  # a joiner: all of it
             return
         node.observer.joining(msg, node._overlay(v), now)
 
@@ -271,14 +306,14 @@ class CatchUp:
             # back, so that it names the differing members and answers with its own view 0
             node.spec_mismatch(msg.node, msg.config, None, now)
             if self._may_push(msg.node, v, now):
-                self.swim.send_addr(msg.addr, ViewState(self.view_wire(v)), reliable=True)
+                self.send_news(msg.addr, self.view_state())
                 self.swim.send_addr(msg.addr, Hello(node.name, node.addr, node.start_incarnation, 0, v.config_id))
             return
         if v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config):
             # it holds an older view (restarted from the job spec, say): our news, straight back; each of
             # its few observers answers, at most once per catchup_interval
             if self._may_push(msg.node, v, now):
-                self.swim.send_addr(msg.addr, self.view_news(msg.epoch, msg.config), reliable=True)
+                self.send_news(msg.addr, self.view_news(msg.epoch, msg.config))
         elif msg.epoch > v.epoch:
             self.catch_up(now)
         if node.name in v and msg.node in v and node.name in node._overlay(v).observers(msg.node):

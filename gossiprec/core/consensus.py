@@ -34,6 +34,14 @@ stand behind abstains rather than pick another (a removed member leaves coordina
 members the value keeps form a majority, so one of them coordinates it), and a member that stands behind
 no proposal of the epoch starts no round.
 
+Signed ballots (with a :class:`~gossiprec.core.auth.KeyBook`): every vote, prepare, promise, accept and
+accepted carries its author's signature and counts only if it checks, so one holder of the cluster key
+is at most one faulty member. Fast votes then travel one by one (:class:`Vote`, relayed as signed; the
+unsigned bitmaps are ignored), and accepteds are gossiped as well as sent to their coordinator: every
+member counts a fast quorum of signed votes, or a majority of signed accepteds of one round, itself. A
+``Decided`` is only a hint that brings the change set (checked against its digest); it decides nothing
+without the signed quorum behind it. A member that missed those learns the next view by catch-up.
+
 Safety needs none of these filters: an acceptor's refusal is a lost message to Paxos, and the coordinator
 picks as Fast Paxos says whenever a value may have been chosen; the filters only keep some values from
 ever being decided.
@@ -44,8 +52,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gossiprec.core.auth import KeyBook
 from gossiprec.core.view import REMOVE, Change, View, changes_digest
-from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Votes
+from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Vote, Votes
 
 Rank = tuple[int, str]
 ChangeRow = tuple[str, int, str, str, str]
@@ -106,6 +115,17 @@ class Consensus:
     accepts: set[str] = field(default_factory=set)
     accept_value: tuple[bytes, list[Change]] | None = None
     decided: Decision | None = None
+    auth: KeyBook | None = None
+    """Signed ballots (see the module docstring); None: every ballot is taken on the cluster key's word."""
+    my_vote_msg: Vote | None = None
+    accepted_by: dict[tuple[int, str, bytes], set[str]] = field(default_factory=dict)
+    """Signed accepteds heard, by (round, coordinator, digest): who accepted (every member learns)."""
+
+    def _signed(self, author: str, msg: Message) -> bool:
+        return self.auth is None or self.auth.check(author, msg)
+
+    def _sign(self, msg: Message) -> Message:
+        return msg if self.auth is None else self.auth.sign(msg)
 
     # ------------------------------------------------------------------ fast round
     def propose(self, changes: list[Change]) -> None:
@@ -118,7 +138,13 @@ class Consensus:
                 return
             self.my_vote = digest
             self.accepted_digest = digest
-            self._merge_votes(digest, 1 << idx)
+            if self.auth is None:
+                self._merge_votes(digest, 1 << idx)
+                return
+            vote = Vote(self.view.epoch, self.view.config_id, digest, self.me)
+            self.my_vote_msg = vote
+            self.auth.sign(vote)
+            self.on_vote(vote)
 
     def _learn(self, digest: bytes, changes: list[Change]) -> None:
         if digest not in self.proposals:
@@ -131,9 +157,30 @@ class Consensus:
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
             return  # content does not match its digest: drop
         self._learn(msg.digest, changes)
+        self._check_learned(msg.digest)
+
+    def _check_learned(self, digest: bytes) -> None:
+        """A change set just became known: any quorum already counted for its digest decides now."""
+        self._check_fast(digest)
+        if self.accepted_by:
+            for key in [k for k in self.accepted_by if k[2] == digest]:
+                self._check_classic(key)
+
+    def on_vote(self, msg: Vote) -> None:
+        """One member's signed vote: its bit counts once the signature checks; relayed as it came."""
+        idx = self.view.index(msg.voter)
+        if idx is None:
+            return
+        old = self.votes.get(msg.digest, 0)
+        if self.decided is not None or old >> idx & 1 or not self._signed(msg.voter, msg):
+            return
+        self.votes[msg.digest] = old | 1 << idx
+        self.broadcast("v|" + msg.voter, msg)
         self._check_fast(msg.digest)
 
     def on_votes(self, msg: Votes) -> None:
+        if self.auth is not None:
+            return  # a bitmap is nobody's signed word: only signed votes count
         bits = int.from_bytes(msg.bitmap, "little")
         bits &= (1 << len(self.view)) - 1
         self._merge_votes(msg.digest, bits)
@@ -178,11 +225,11 @@ class Consensus:
         r, me = self.my_round
         v = self.view
         if self.accept_value is None:
-            msg: Message = Prepare(v.epoch, v.config_id, r, me)
+            msg: Message = self._sign(Prepare(v.epoch, v.config_id, r, me))
             waiting = set(self.promises)
         else:
             digest, changes = self.accept_value
-            msg = Accept(v.epoch, v.config_id, r, me, digest, change_rows(changes))
+            msg = self._sign(Accept(v.epoch, v.config_id, r, me, digest, change_rows(changes)))
             waiting = self.accepts
         for m in v.members:
             if m.node not in waiting:
@@ -190,6 +237,8 @@ class Consensus:
 
     def on_prepare(self, msg: Prepare) -> None:
         rank = (msg.round, msg.coordinator)
+        if self.auth is not None and (msg.coordinator not in self.view or not self.auth.check(msg.coordinator, msg)):
+            return  # a forged prepare at a huge round would otherwise outrank every real one
         self.highest_round = max(self.highest_round, msg.round)
         if rank < self.promised:
             return
@@ -199,13 +248,14 @@ class Consensus:
         if vchanges is None:
             vdigest = None
         v = self.view
-        self.send_to(msg.coordinator, Promise(v.epoch, v.config_id, msg.round, msg.coordinator, self.me,
-                                              self.accepted_rank[0], self.accepted_rank[1], vdigest, vchanges))
+        self.send_to(msg.coordinator, self._sign(Promise(v.epoch, v.config_id, msg.round, msg.coordinator, self.me,
+                                                         self.accepted_rank[0], self.accepted_rank[1], vdigest,
+                                                         vchanges)))
 
     def on_promise(self, msg: Promise) -> None:
         if self.my_round != (msg.round, msg.coordinator) or self.accept_value is not None:
             return
-        if msg.acceptor not in self.view:
+        if msg.acceptor not in self.view or not self._signed(msg.acceptor, msg):
             return
         self.promises[msg.acceptor] = msg
         if msg.vdigest is not None and msg.vchanges is not None:
@@ -260,6 +310,8 @@ class Consensus:
 
     def on_accept(self, msg: Accept) -> None:
         rank = (msg.round, msg.coordinator)
+        if self.auth is not None and (msg.coordinator not in self.view or not self.auth.check(msg.coordinator, msg)):
+            return
         self.highest_round = max(self.highest_round, msg.round)
         if rank < self.promised:
             return
@@ -273,10 +325,18 @@ class Consensus:
         self.accepted_digest = msg.digest
         self._learn(msg.digest, changes)
         v = self.view
-        self.send_to(msg.coordinator, Accepted(v.epoch, v.config_id, msg.round, msg.coordinator, msg.digest,
-                                               self.me))
+        accepted = Accepted(v.epoch, v.config_id, msg.round, msg.coordinator, msg.digest, self.me)
+        if self.auth is None:
+            self.send_to(msg.coordinator, accepted)
+            return
+        self.auth.sign(accepted)
+        self.send_to(msg.coordinator, accepted)
+        self.on_accepted(accepted)  # counted here too, and gossiped: every member learns
 
     def on_accepted(self, msg: Accepted) -> None:
+        if self.auth is not None:
+            self._learn_accepted(msg)
+            return
         if self.my_round != (msg.round, msg.coordinator) or self.accept_value is None:
             return
         if msg.digest != self.accept_value[0] or msg.acceptor not in self.view:
@@ -285,12 +345,35 @@ class Consensus:
         if len(self.accepts) >= self.view.majority():
             self._decide(msg.digest, self.accept_value[1], fast=False)
 
+    def _learn_accepted(self, msg: Accepted) -> None:
+        """A signed accepted (ours or anyone's): a majority of one round for one digest decides it."""
+        if msg.acceptor not in self.view:
+            return
+        key = (msg.round, msg.coordinator, msg.digest)
+        who = self.accepted_by.setdefault(key, set())
+        if msg.acceptor in who or not self._signed(msg.acceptor, msg):
+            return
+        who.add(msg.acceptor)
+        self.broadcast(f"A|{msg.acceptor}|{msg.round}|{msg.coordinator}", msg)
+        self._check_classic(key)
+
+    def _check_classic(self, key: tuple[int, str, bytes]) -> None:
+        digest = key[2]
+        if (self.decided is None and len(self.accepted_by.get(key, ())) >= self.view.majority()
+                and digest in self.proposals):
+            self._decide(digest, self.proposals[digest], fast=False)
+
     # ------------------------------------------------------------------ decision
     def on_decided(self, msg: Decided) -> None:
         if self.decided is not None:
             return
         changes = changes_from_rows(msg.changes)
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
+            return
+        if self.auth is not None:
+            # a hint: it brings the change set, but only the signed quorum behind it decides
+            self._learn(msg.digest, changes)
+            self._check_learned(msg.digest)
             return
         self._decide(msg.digest, changes, fast=False, heard=True)
 

@@ -14,6 +14,11 @@ Implicit alerts: while some subjects are stable or unstable, an observer of a su
 that set counts as alerting it (it cannot speak for itself: the failed rack observes its own members),
 once the subject has real alerts close to L from observers outside that set.
 
+Doubt: while a member that SWIM suspected during this view (it may have failed with the others; its
+observers' first accusations are still on their way) has too few alerts to be unstable, no proposal is
+made, for at most ``doubt_timeout`` since this member heard of it (the probes of a failed rack's members
+start over a probe round, and the alerts of a node on a lossy link come later still).
+
 Discounted witnesses: alerts raised by an observer that is itself stable for removal do not count
 against other subjects (an isolated node accuses everyone; its own observers all accuse it).
 """
@@ -46,6 +51,14 @@ class CutDetector:
     _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
     last_change: float = float("-inf")
     last_departure: float = float("-inf")
+    doubt_timeout: float = 0.0
+    _doubt: dict[str, float] = field(default_factory=dict)
+    """Members of the view that SWIM suspected (or held dead) during it -> since when this member knows."""
+    _version: int = 0
+    """Bumped by every change of the tallies (what the counts below are a pure function of)."""
+    _counted: tuple[int, dict[tuple[str, int], int]] | None = None
+    """(version, counts with implicit alerts): evaluate runs again at every settle and unstable timer while
+    the tallies stay as they were, and counting is the costly part (a partition's tallies are large)."""
     _marks: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     """(subject, kind) -> its (H, L): a pure function of the overlay, computed once per view (evaluate
     reads it for every tally, and a partition or a hang storm evaluates often)."""
@@ -59,6 +72,7 @@ class CutDetector:
             if tally is None or observer not in tally.observers:
                 return False
             tally.observers.discard(observer)
+            self._version += 1
         else:
             if kind == REMOVE and observer not in self.overlay.observers(subject):
                 return False  # only a subject's own observers speak for it
@@ -70,6 +84,7 @@ class CutDetector:
                 return False
             stable = not tally.departed and len(tally.observers) >= self._thresholds(subject, kind)[0]
             tally.observers.add(observer)
+            self._version += 1
             if stable:
                 # one more voice about a stable subject changes no proposal: it is counted (and spread
                 # on) but does not hold the settle window open
@@ -90,12 +105,25 @@ class CutDetector:
         if tally.departed:
             return False
         tally.departed = True
+        self._version += 1
         self.last_departure = now
         return True
+
+    def doubt(self, subject: str, now: float) -> None:
+        """SWIM suspects ``subject`` (or holds it dead): its observers' alerts may be on their way. Kept
+        through a refutation: a node on a lossy link refutes every suspicion, yet its observers' alerts
+        come (each first accusation waits ``alert_after`` from its observer's own first failed probe)."""
+        if subject not in self._doubt and self.overlay.observers(subject):
+            self._doubt[subject] = now
 
     def count(self, subject: str, kind: int = REMOVE) -> int:
         tally = self._tallies.get((subject, kind))
         return len(tally.observers) if tally else 0
+
+    def unstable(self, subject: str) -> bool:
+        """Whether ``subject`` has at least L alerts for its removal (stable or unstable)."""
+        tally = self._tallies.get((subject, REMOVE))
+        return tally is not None and len(tally.observers) >= self._thresholds(subject, REMOVE)[1]
 
     def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
         key = (subject, kind)
@@ -106,10 +134,8 @@ class CutDetector:
             marks = self._marks[key] = watermarks(d)
         return marks
 
-    def evaluate(self, now: float) -> tuple[list[Change], float | None]:
-        """(proposal, next time worth re-evaluating). The proposal is empty while not ready."""
-        if not self._tallies:
-            return [], None
+    def _count_all(self) -> dict[tuple[str, int], int]:
+        """Each tally's count: its real alerts (less discounted witnesses) plus its implicit ones."""
         # Witnesses on their way out do not testify: alerts from an observer that is itself stable for
         # removal are not counted against others (a node that hears nobody accuses everyone, and is
         # itself accused by all its observers; only it should go).
@@ -128,28 +154,43 @@ class CutDetector:
         # cannot alert about its subjects, so it counts as alerting for subjects that already have
         # real alerts close to L (a partition or a failed rack watches itself).
         removes = [key for key in self._tallies if key[1] == REMOVE]
+        marks = {key: self._thresholds(*key) for key in removes}
+        # the tallies that may gain implicit alerts (enough real ones): their fixed parts, computed once
+        cands = []
+        for key in removes:
+            need = max(1, marks[key][1] - 1)
+            if real[key] >= need:
+                cands.append((key, need, self._tallies[key].observers, self.overlay.observers(key[0])))
+        troubled = {key[0] for key in removes if counts[key] >= marks[key][1]}
         for _ in range(8):
-            troubled = {s for (s, kind) in removes if counts[(s, kind)] >= self._thresholds(s, kind)[1]}
-            if not troubled:
+            if not troubled or not cands:
                 break
             changed = False
-            for key in removes:
-                s = key[0]
-                h, low = self._thresholds(*key)
-                if real[key] < max(1, low - 1):
-                    continue
-                t = self._tallies[key]
-                if sum(1 for o in t.observers if o not in troubled and o not in stable_out) < max(1, low - 1):
+            for key, need, alerted, observers in cands:
+                if sum(1 for o in alerted if o not in troubled and o not in stable_out) < need:
                     # only alerts from observers not themselves on their way out seed implicit ones: a node
                     # on a lossy link accuses its subjects, and with a failed rack among their observers
                     # its word alone would otherwise take a healthy one out with it
                     continue
-                c = real[key] + sum(1 for o in self.overlay.observers(s) if o in troubled and o not in t.observers)
+                c = real[key] + sum(1 for o in observers if o in troubled and o not in alerted)
                 if c != counts[key]:
                     counts[key] = c
                     changed = True
             if not changed:
                 break
+            troubled = {key[0] for key in removes if counts[key] >= marks[key][1]}
+        return counts
+
+    def evaluate(self, now: float) -> tuple[list[Change], float | None]:
+        """(proposal, next time worth re-evaluating). The proposal is empty while not ready."""
+        if not self._tallies:
+            return [], None
+        counted = self._counted
+        if counted is not None and counted[0] == self._version:
+            counts = counted[1]
+        else:
+            counts = self._count_all()
+            self._counted = (self._version, counts)
         stable: list[tuple[str, int]] = []
         blocking = False
         wake: float | None = None
@@ -170,6 +211,22 @@ class CutDetector:
                 t.unstable_since = None
         if not stable:
             return [], wake
+        if self._doubt:
+            # a member SWIM suspects, with too few alerts to be unstable yet, is likely one more failure of
+            # the same event whose observers' alerts are still on their way (their first accusation waits
+            # alert_after from their own first failed probe, and probes of a rack's members start over a
+            # probe round or more): wait a bounded time so it lands in the same view change
+            stable_set = {s for s, kind in stable if kind == REMOVE}
+            for s, since in self._doubt.items():
+                if s in stable_set:
+                    continue
+                key = (s, REMOVE)
+                if key in counts and counts[key] >= self._thresholds(s, REMOVE)[1]:
+                    continue  # unstable: the rule above governs it
+                until = since + self.doubt_timeout
+                if now < until:
+                    blocking = True
+                    wake = until if wake is None else min(wake, until)
         if all(t.departed or not t.observers for t in self._tallies.values()):
             # nothing but announced departures (their observers' alerts add no news): short window
             settled_at = self.last_departure + self.settle_departed

@@ -46,6 +46,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
+from gossiprec.core.auth import KeyBook, claims_of, sign_if
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config
@@ -121,6 +122,7 @@ class Membership:
         """The lowest incarnation each member answered one of our probes at (a process starts at its lowest
         and only refutes upwards: an answer below a member's current incarnation came from an older
         process of it; see :meth:`first_acked`)."""
+        self.auth: KeyBook | None = None  # per-member signatures (set by the node): see _on_dead
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._limit_n = -1
@@ -224,14 +226,14 @@ class Membership:
         msg = self._pushpull(join=True, reply=False)
         for addr in seed_addrs:
             if addr != self.addr:
-                self._sends.append(Send(addr, encode_packet([msg]), reliable=True))
+                self._sends.append(Send(addr, encode_packet([*claims_of(self.auth), msg]), reliable=True))
 
     def leave(self, now: float) -> None:
         """Graceful leave: others record LEFT, not a failure. Keep ticking briefly to drain gossip."""
         self._now = now
         self.left = True
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, LEFT, self.role), now)
-        dead = Dead(self.name, self.incarnation, self.name)
+        dead = sign_if(self.auth, Dead(self.name, self.incarnation, self.name))
         self._broadcast(self.name, dead)
         # told directly to up to 32 members (everyone in a small job): a leave is the fastest failure
         # signal there is, worth a few unicasts once
@@ -401,9 +403,9 @@ class Membership:
         self._send(rec.addr, [msg, *extra], piggyback=True, dest=name)
         return True
 
-    def send_addr(self, addr: str, msg: Message, reliable: bool = False) -> None:
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
         if reliable:
-            self._sends.append(Send(addr, encode_packet([msg]), True))
+            self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
             self._send(addr, [msg], piggyback=True)
 
@@ -657,6 +659,8 @@ class Membership:
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
+        if leaving and self.auth is not None and not self.auth.check(msg.name, msg):
+            return self._count("rx_leave_unsigned")  # a departure is the member's own signed word or nothing
         table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
         self._suspicions.pop(msg.name, None)
         self._broadcast(msg.name, msg)
@@ -751,8 +755,8 @@ class Membership:
                 if self.member(name) is None:
                     continue
                 self._on_dead(Dead(name, inc, msg.src), now)
-            else:
-                self._on_dead(Dead(name, inc, name), now)
+            elif self.auth is None or self.member(name) is not None:  # signed, a leave is not a table's row:
+                self._on_dead(Dead(name, inc, name if self.auth is None else msg.src), now)  # a failure report
             if pver > 0:
                 self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
 

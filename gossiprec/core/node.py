@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, MutableMapping
 
 from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
+from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
@@ -53,8 +54,9 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, Message,
-    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Votes,
+    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
+    Message,
+    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Vote, Votes,
 )
 from gossiprec.errors import ProtocolError
 
@@ -93,6 +95,7 @@ class Node:
         member_order: tuple[str, ...] | None = None,
         members_live: int | None = None,
         memo: MutableMapping[Any, Any] | None = None,
+        auth: KeyBook | None = None,
     ) -> None:
         self.config = config
         self.acfg = acfg = agreement or AgreementConfig()
@@ -125,6 +128,15 @@ class Node:
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
         self.counters: dict[str, int] = swim.counters
+        self.auth = auth
+        """This member's key and the keys bound to other members (None: nothing is signed or checked)."""
+        self._claim_at = now
+        self._started_at = now
+        if auth is not None:
+            auth.counters = self.counters
+            swim.auth = auth
+            if auth.claims:
+                self._claim(now)
         self.observer = Observer(self, swim, acfg)
         self.hangs = HangCheck(self, self.observer, swim, acfg)
         self.aggregates = Aggregates(self, swim, acfg)
@@ -229,7 +241,8 @@ class Node:
         """This member's trainer finished training at ``step``: tell every member the job is done."""
         self._now = now
         epoch = self.view.epoch if self.view is not None else 0
-        self._on_job_done(JobDone(epoch, step, self.name), now)
+        msg = JobDone(epoch, step, self.name)
+        self._on_job_done(self.auth.sign(msg) if self.auth is not None else msg, now)  # type: ignore[arg-type]
 
     def leave(self, now: float) -> None:
         self.swim.leave(now)
@@ -282,17 +295,26 @@ class Node:
         self._healthy_since = None
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
+        if self.auth is not None and old is not None:
+            # a removed member's key goes with it: a new process of that name (a new key) can rejoin
+            self.auth.forget(set(old.nodes) - set(view.nodes))
         ov = self._overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
-        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed)
+        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed,
+                               doubt_timeout=self.acfg.unstable_timeout)
+        if self.name in view:
+            for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
+                rec = self.swim.member(node)
+                if rec is not None and rec.status != ALIVE and node != self.name:
+                    self.cut.doubt(node, now)
         me = self.name
 
         def allowed(changes: list[Change]) -> bool:
             return keeps_quorum(view, changes, me)
 
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed)
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
@@ -406,9 +428,11 @@ class Node:
         assert v is not None
         if len(v) > self.acfg.direct_votes_max:
             return
+        msgs: tuple[Message, ...] = (*self.key_claim(), msg, *extra)  # our key first: it checks what follows
+        first, more = msgs[0], msgs[1:]
         for m in v.members:
             if m.node != self.name and m.node != skip:
-                self.swim.send_to(m.node, msg, self._now, extra=extra)
+                self.swim.send_to(m.node, first, self._now, extra=more)
 
     # ------------------------------------------------------------------ SWIM events -> observations
     def _drain_swim(self, now: float) -> None:
@@ -422,6 +446,8 @@ class Node:
                 # also when the news came by gossip: SWIM stops probing members it holds dead, so an
                 # observer that has not alerted yet must keep checking for itself
                 obs.maybe_focus(ev.name)  # type: ignore[union-attr]
+                if self.view is not None:  # (in this view; a refutation does not undo it, see CutDetector)
+                    self.cut.doubt(ev.name, now)  # type: ignore[union-attr]
             elif t is MemberLeft:
                 self._departed.add(ev.name)  # type: ignore[union-attr]
                 self._observe_departure(ev.name, now)  # type: ignore[union-attr]
@@ -474,6 +500,8 @@ class Node:
             entry[0](self, msg, now)
 
     def _on_alert(self, msg: Alert, now: float) -> None:
+        if self.auth is not None and not self.auth.check(msg.observer, msg):
+            return  # not the observer's own word (counted by the key book; a forgery may name us)
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
@@ -489,7 +517,13 @@ class Node:
             self._eval_at(now + self.acfg.settle)
 
     def _on_votes(self, msg: Votes, now: float) -> None:
+        if self.auth is not None:
+            self.counters["rx_votes_unsigned"] = self.counters.get("rx_votes_unsigned", 0) + 1
         self.consensus.on_votes(msg)
+        self._after_consensus(now)
+
+    def _on_vote(self, msg: Vote, now: float) -> None:
+        self.consensus.on_vote(msg)
         self._after_consensus(now)
 
     def _on_proposal(self, msg: Proposal, now: float) -> None:
@@ -498,6 +532,9 @@ class Node:
 
     def _on_decided(self, msg: Decided, now: float) -> None:
         self.consensus.on_decided(msg)
+        if self.auth is not None and self.consensus.decided is None:
+            # no signed quorum behind it (yet): a hint only, nothing decided
+            self.counters["rx_decided_unproven"] = self.counters.get("rx_decided_unproven", 0) + 1
         self._after_consensus(now)
 
     def _on_accepted(self, msg: Accepted, now: float) -> None:
@@ -563,6 +600,14 @@ class Node:
             # and, if nothing does, the watchdog fences (see :func:`keeps_quorum`).
             self.counters["cut_withheld_majority"] = self.counters.get("cut_withheld_majority", 0) + 1
             self._withheld = True
+        elif changes and not self._keeps_reachable_majority(changes):
+            # The members the cut keeps that look reachable (SWIM holds them alive and they have fewer
+            # than L alerts) are no majority: a side of a partition whose cut dropped the other side's
+            # members that stayed unstable too long. No quorum can answer, and a vote left standing would
+            # be decided the moment the partition heals, removing the healthy other side. It waits, as
+            # above.
+            self.counters["cut_withheld_unreachable"] = self.counters.get("cut_withheld_unreachable", 0) + 1
+            self._withheld = True
         elif changes:
             self._withheld = False
             c = self.consensus
@@ -576,6 +621,19 @@ class Node:
         else:
             self._withheld = False  # nothing stable left (the accusations were retracted)
 
+    def _keeps_reachable_majority(self, changes: list[Change]) -> bool:
+        v = self.view
+        assert v is not None
+        removed = {c.node for c in changes if c.kind == REMOVE}
+        reachable = 0
+        cut = self.cut
+        for m in v.members:
+            if m.node not in removed:
+                rec = self.swim.member(m.node)
+                if m.node == self.name or (rec is not None and rec.status == ALIVE and not cut.unstable(m.node)):
+                    reachable += 1
+        return reachable >= v.majority()
+
     def _send_vote_to_all(self, digest: bytes) -> None:
         """Our vote (with its proposal) to every member of a small view (see :meth:`_one_hop_to_all`), so
         the fast round takes one hop. Merged bitmaps stay on gossip."""
@@ -584,6 +642,9 @@ class Node:
         nbytes = (len(v) + 7) // 8
         changes = c.proposals[digest]
         proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
+        if c.my_vote_msg is not None:
+            self._one_hop_to_all(proposal, extra=(c.my_vote_msg,))
+            return
         votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
         self._one_hop_to_all(proposal, extra=(votes,))
 
@@ -620,6 +681,8 @@ class Node:
         if src is None or src.role != "trainer":
             self.counters["rx_job_done_not_a_trainer"] = self.counters.get("rx_job_done_not_a_trainer", 0) + 1
             return
+        if self.auth is not None and not self.auth.check(msg.src, msg):
+            return  # not that trainer's own word (ours too: a forgery may name us)
         self.finished = msg.step
         self.aggregates.held_until = None
         self._events.append(JobFinished(msg.epoch, msg.step, msg.src, now))
@@ -627,9 +690,27 @@ class Node:
             self._one_hop_to_all(msg)
         self._bcast("done", msg)
 
+    def _claim(self, now: float) -> None:
+        """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
+        assert self.auth is not None
+        # soon again after this process started (its first claims went out before the other agents
+        # listened), then every CLAIM_EVERY: an idle member's claims cost wake-ups
+        self._claim_at = now + (CLAIM_SOON if now - self._started_at < CLAIM_SOON_FOR else CLAIM_EVERY)
+        self.swim.broadcast("k|" + self.name, KeyClaim(self.name, self.auth.crypto.public_key), now)
+
+    def key_claim(self) -> tuple[Message, ...]:
+        """Our key claim, ahead of a message signed with it (see :func:`~gossiprec.core.auth.claims_of`)."""
+        return claims_of(self.auth)
+
+    def _on_key_claim(self, msg: KeyClaim, now: float) -> None:
+        if self.auth is not None and self.auth.bind(msg.node, msg.key):
+            self.swim.broadcast("k|" + msg.node, msg, now)  # news: spread it on
+
     def _watch(self, now: float) -> None:
         acfg = self.acfg
         self._at(now + acfg.watch_interval, timers.WATCH)
+        if self.auth is not None and self.auth.claims and now >= self._claim_at:
+            self._claim(now)
         v = self.view
         if v is None or self.name not in v or self.finished is not None:
             return
@@ -662,7 +743,7 @@ class Node:
             elif now - self._trouble_since >= acfg.fence_after:
                 self._fence("no quorum: cannot reach a majority of the view" if live < v.majority()
                             else "cut off: no subject answers" if cut_off
-                            else "the cut removes a majority of the view: not proposed" if self._withheld
+                            else "the cut leaves no reachable majority of the view: not proposed" if self._withheld
                             else "no decision within fence_after", now)
         else:
             self._trouble_since = None
@@ -710,6 +791,7 @@ _ANY_VIEW: dict[type, Handler] = {
     JoinRequest: lambda n, m, now: n.catchup.on_join_request(m, now),
     Hello: lambda n, m, now: n.catchup.on_hello(m, now),
     JobDone: Node._on_job_done,
+    KeyClaim: Node._on_key_claim,
 }
 """Messages handled whatever view they name."""
 
@@ -719,6 +801,7 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
     Votes: (Node._on_votes, False),
+    Vote: (Node._on_vote, False),
     Proposal: (Node._on_proposal, False),
     Prepare: (lambda n, m, now: n.consensus.on_prepare(m), False),
     Promise: (lambda n, m, now: n.consensus.on_promise(m), False),

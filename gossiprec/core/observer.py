@@ -232,6 +232,8 @@ class Observer:
         v = node.view
         assert v is not None
         msg = Alert(v.epoch, v.config_id, node.name, subject, kind, reason, retract, addr, host, rack)
+        if node.auth is not None:
+            node.auth.sign(msg)
         if not retract:
             node._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
         # the other observers check the subject at once and every member counts the H-th alert at about

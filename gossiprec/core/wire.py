@@ -25,7 +25,7 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -107,6 +107,7 @@ def _blob(max_bytes: int) -> Validator:
             raise DecodeError("bad_field", f"expected bytes of at most {max_bytes}")
         return v
 
+    check.inline = f"type({{v}}) is not bytes or len({{v}}) > {max_bytes}"  # type: ignore[attr-defined]
     return check
 
 
@@ -146,6 +147,8 @@ PHASE = _uint(len(PHASES) - 1)
 ROLE = _uint(len(ROLES) - 1)
 STEP = _sint(-1, 2**62)
 MILLIS = _uint(2**31 - 1)
+SIG = _blob(64)  # a member's signature (gossiprec.core.auth); empty where the cluster runs without them
+KEY = _blob(64)
 
 _REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
 _DECODERS: dict[int, Callable[[list[Any]], Any]] = {}
@@ -347,14 +350,15 @@ class Suspect(Message):
     src: str
 
 
-@message(7, NAME, U64, NAME)
+@message(7, NAME, U64, NAME, SIG)
 @value_class
 class Dead(Message):
-    """``src == name`` means a graceful leave."""
+    """``src == name`` means a graceful leave, which counts only when ``sig`` is the member's own."""
 
     name: str
     incarnation: int
     src: str
+    sig: bytes = b""
 
 
 @message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
@@ -485,7 +489,7 @@ ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "imp
 
 @message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(len(ALERT_REASONS) - 1), _bool, ADDR,
          _text(MAX_NAME, allow_empty=True),
-         _text(MAX_NAME, allow_empty=True))
+         _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class Alert(Message):
     """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it."""
@@ -500,6 +504,7 @@ class Alert(Message):
     addr: str
     host: str
     rack: str
+    sig: bytes = b""
 
 
 @message(21, EPOCH, CFG, DIGEST, CHANGES)
@@ -531,17 +536,18 @@ class Decided(Message):
     changes: tuple[Any, ...]
 
 
-@message(24, EPOCH, CFG, _uint(2**31), NAME)
+@message(24, EPOCH, CFG, _uint(2**31), NAME, SIG)
 @value_class
 class Prepare(Message):
     epoch: int
     config: str
     round: int
     coordinator: str
+    sig: bytes = b""
 
 
 @message(25, EPOCH, CFG, _uint(2**31), NAME, NAME, _uint(2**31), _text(MAX_NAME, allow_empty=True),
-         _optional(DIGEST), _optional(CHANGES))
+         _optional(DIGEST), _optional(CHANGES), SIG)
 @value_class
 class Promise(Message):
     epoch: int
@@ -553,9 +559,10 @@ class Promise(Message):
     vcoordinator: str
     vdigest: bytes | None
     vchanges: tuple[Any, ...] | None
+    sig: bytes = b""
 
 
-@message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES)
+@message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES, SIG)
 @value_class
 class Accept(Message):
     epoch: int
@@ -564,9 +571,10 @@ class Accept(Message):
     coordinator: str
     digest: bytes
     changes: tuple[Any, ...]
+    sig: bytes = b""
 
 
-@message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME)
+@message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME, SIG)
 @value_class
 class Accepted(Message):
     epoch: int
@@ -575,6 +583,17 @@ class Accepted(Message):
     coordinator: str
     digest: bytes
     acceptor: str
+    sig: bytes = b""
+
+
+@message(37, EPOCH, CFG, DIGEST, NAME, SIG)
+@value_class
+class Vote(Message):  # one member's signed fast-round vote (instead of bitmaps, where the cluster signs)
+    epoch: int
+    config: str
+    digest: bytes
+    voter: str
+    sig: bytes = b""
 
 
 @message(28, EPOCH, _text(32, allow_empty=True), NAME, ADDR)
@@ -595,17 +614,19 @@ def _any_view(v: Any) -> Any:
     return v
 
 
-@message(29, _any_view)
+@message(29, _any_view, _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewState(Message):
     view: list[Any]
+    src: str = ""
+    sig: bytes = b""
 
 
 MAX_DELTA_STEPS = 16
 """Longest chain of view changes a :class:`ViewDelta` carries (a member further behind gets the full view)."""
 
 
-@message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS))
+@message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS), _text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewDelta(Message):
     """Catch-up for a member that holds view (``epoch``, ``config``): the change sets that lead from it to
@@ -616,6 +637,8 @@ class ViewDelta(Message):
     epoch: int
     config: str
     steps: tuple[Any, ...]
+    src: str = ""
+    sig: bytes = b""
 
 
 @message(30, NAME, ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True), EPOCH)
@@ -669,7 +692,7 @@ class PlanDigest(Message):
     bitmap: bytes
 
 
-@message(34, EPOCH, STEP, NAME)
+@message(34, EPOCH, STEP, NAME, SIG)
 @value_class
 class JobDone(Message):
     """The job's trainers finished training at ``step`` (sent by ``src``, a trainer of view ``epoch``):
@@ -678,6 +701,16 @@ class JobDone(Message):
     epoch: int
     step: int
     src: str
+    sig: bytes = b""
+
+
+@message(36, NAME, KEY)
+@value_class
+class KeyClaim(Message):
+    """``node`` signs with ``key`` (bound on first use, see :mod:`gossiprec.core.auth`)."""
+
+    node: str
+    key: bytes
 
 
 # --- bootstrap: view 0 agreed without a job spec (gossiprec.core.bootstrap) ---------------------------

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from gossiprec.core.auth import Crypto, DigestCrypto, KeyBook
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.events import Fenced, PlanReady, Unfenced, ViewInstalled
 from gossiprec.core.node import Node
@@ -67,6 +68,9 @@ class AgreeParams:
     train: bool = True
     """Simulate lockstep training progress (needed for hang/straggler; off in the size sweep, where the
     committed step is fixed and only detection, agreement and the plan are measured)."""
+    signing: str = "digest"
+    """Per-member signatures (:func:`sim_keys`): "digest" (cheap, deterministic, insecure), "ed25519"
+    (the agents' own scheme), or "none"."""
 
     def validate(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -75,10 +79,30 @@ class AgreeParams:
             raise ConfigError("agreement scenarios need at least 3 nodes")
         if not 0 <= self.spares < self.nodes:
             raise ConfigError("--spares must be within 0..nodes-1")
+        if self.signing not in SIGNING:
+            raise ConfigError(f"signing must be one of {', '.join(SIGNING)}, got {self.signing!r}")
 
     def replay_command(self) -> str:
         return (f"python -m gossiprec sim --scenario {self.scenario} --nodes {self.nodes} "
                 f"--spares {self.spares} --seed {self.seed} --duration {self.duration} --loss {self.loss}")
+
+
+SIGNING = ("digest", "ed25519", "none")
+
+
+def sim_keys(names: list[str], signing: str) -> Callable[[str], KeyBook | None]:
+    """Each simulated member's key book. Every key is pinned (as a job spec may pin them), so no key
+    claims are gossiped; "digest" signs with a keyed hash (the same code paths at a fraction of the
+    cost, no security), "ed25519" with the agents' real scheme."""
+    if signing == "none":
+        return lambda name: None
+    if signing == "ed25519":
+        from gossiprec.security.signing import Ed25519Crypto
+        cryptos: dict[str, Crypto] = {name: Ed25519Crypto.generate() for name in names}
+    else:
+        cryptos = {name: DigestCrypto.for_name(name) for name in names}
+    pinned = {name: c.public_key for name, c in cryptos.items()}
+    return lambda name: KeyBook(name, cryptos[name], pinned=pinned, claims=False)
 
 
 class AgreementChecker:
@@ -175,6 +199,7 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
         return view0.member(name) or ViewMember(name, name, "spare", None, f"h{idx}", f"r{idx % racks}")
 
     index = {name: i for i, name in enumerate(names)}
+    keys = sim_keys(names, params.signing)
 
     def identity(name: str) -> tuple[str, str, str]:
         m = member_of(index[name])
@@ -188,11 +213,12 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster, list[str], dict[str,
         if (incarnation == 1 or idx in from_spec) and idx not in late:
             node = Node(config, name, name, incarnation=incarnation, rng=rng, now=now, view=view0, agreement=acfg,
                         host=m.host, rack=m.rack, role=m.role, members=base, member_order=order,
-                        members_live=n, memo=memo)
+                        members_live=n, memo=memo, auth=keys(name))
         else:
             seeds = tuple(names[(idx + k) % n] for k in (1, 2, 3))
             node = Node(config, name, name, incarnation=incarnation, rng=rng, now=now, view=None,
-                        agreement=acfg, host=m.host, rack=m.rack, role="spare", seeds=seeds, memo=memo)
+                        agreement=acfg, host=m.host, rack=m.rack, role="spare", seeds=seeds, memo=memo,
+                        auth=keys(name))
         node.set_state(0, None, 1 << 20)
         return node
 
@@ -519,6 +545,8 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "removed_all_expected": all(names[v] in removed_names for v in expect_removed),
         "removal_epochs": sorted({checker.removed_at[names[v]][0] for v in expect_removed
                                   if names[v] in checker.removed_at}),
+        "removal_epoch_of": {name: checker.removed_at[name][0] for name in sorted(checker.removed_at)},
+        "dont_care": sorted(names[i] for i in dont_care),  # may end in the view or out of it (a flapper, say)
         "healthy_removed": healthy_removed,
         "fenced": sorted(names[i] for i in checker.fenced),
         "joined": sorted(checker.joined),

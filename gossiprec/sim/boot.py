@@ -24,6 +24,7 @@ from gossiprec.core.records import MemberInfo
 from gossiprec.core.view import View
 from gossiprec.core.wire import BootAccept, BootAccepted, decode_packet
 from gossiprec.errors import ConfigError, DecodeError
+from gossiprec.sim.agree import sim_keys
 from gossiprec.sim.cluster import SimCluster
 from gossiprec.sim.network import NetworkModel
 
@@ -61,6 +62,7 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
     boot = BootParams(params.expected, params.spares, seeds)
     config, agreement = Config.profile("sim"), AgreementConfig.profile("sim")
     memo: dict[Any, Any] = {}
+    keys = sim_keys(names, "digest")
 
     def make(idx: int, now: float, incarnation: int, rng: random.Random) -> Booting:
         name = names[idx]
@@ -72,10 +74,12 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
                 m = view.member(name)
                 assert m is not None
                 node = Node(config, name, name, incarnation=incarnation, rng=rng, now=at, view=view, role=m.role,
-                            host=m.host, members=members, agreement=agreement, memo=memo)
+                            host=m.host, members=members, agreement=agreement, memo=memo,
+                            auth=keys(name))
             else:
                 node = Node(config, name, name, incarnation=incarnation, rng=rng, now=at, view=None, role="spare",
-                            host=me.host, seeds=tuple(s for s in seeds if s != name), agreement=agreement, memo=memo)
+                            host=me.host, seeds=tuple(s for s in seeds if s != name), agreement=agreement, memo=memo,
+                            auth=keys(name))
             node.set_state(0, None, 1 << 20)
             return node
 

@@ -30,7 +30,7 @@ import msgpack
 from gossiprec.core.events import ViewInstalled
 from gossiprec.core.machine import Machine
 from gossiprec.core.view import JOIN, REMOVE, Change, View, changes_digest
-from gossiprec.core.wire import Accepted, Message, Votes
+from gossiprec.core.wire import Accepted, Message, Vote, Votes
 from gossiprec.sim.cluster import SimCluster
 
 
@@ -43,12 +43,15 @@ def _opening(cls: type[Message]) -> bytes:
 
 _VOTES = _opening(Votes)
 _ACCEPTED = _opening(Accepted)
-_VOTES_TYPE, _ACCEPTED_TYPE = Votes.TYPE, Accepted.TYPE
+_VOTE = _opening(Vote)
+_VOTES_TYPE, _ACCEPTED_TYPE, _VOTE_TYPE = Votes.TYPE, Accepted.TYPE, Vote.TYPE
 _VOTES_ROW = len(Votes.FIELDS) + 1
 _ACCEPTED_ROW = len(Accepted.FIELDS) + 1
+_VOTE_ROW = len(Vote.FIELDS) + 1
 # the rows are read by position:
 assert Votes.FIELDS == ("epoch", "config", "digest", "bitmap")
-assert Accepted.FIELDS == ("epoch", "config", "round", "coordinator", "digest", "acceptor")
+assert Accepted.FIELDS == ("epoch", "config", "round", "coordinator", "digest", "acceptor", "sig")
+assert Vote.FIELDS == ("epoch", "config", "digest", "voter", "sig")
 
 
 def fast_quorum(n: int) -> int:
@@ -70,7 +73,10 @@ class _Heard:
     votes: dict[int, dict[tuple[str, bytes], int]] = field(default_factory=dict)
     """epoch -> (config, digest) -> OR of the vote bitmaps delivered."""
     accepts: dict[int, dict[tuple[str, bytes, int], set[str]]] = field(default_factory=dict)
-    """epoch -> (config, digest, round) -> acceptors whose Accepted reached this machine as coordinator."""
+    """epoch -> (config, digest, round) -> acceptors whose Accepted reached this machine (as coordinator,
+    or gossiped where ballots are signed)."""
+    voters: dict[int, dict[tuple[str, bytes], set[str]]] = field(default_factory=dict)
+    """epoch -> (config, digest) -> members whose signed Vote reached this machine."""
 
 
 class QuorumAudit:
@@ -98,7 +104,7 @@ class QuorumAudit:
 
     def delivered(self, now: float, idx: int, payload: bytes, reliable: bool) -> None:
         # a type id as an int first: a byte search with no buffer to take (the pair only where it occurs)
-        if not ((_VOTES_TYPE in payload and _VOTES in payload)
+        if not ((_VOTES_TYPE in payload and _VOTES in payload) or (_VOTE_TYPE in payload and _VOTE in payload)
                 or (_ACCEPTED_TYPE in payload and _ACCEPTED in payload)):
             return
         try:  # [version, [[type, *fields], ...]]: the simulated nodes' own traffic, read as the wire has it
@@ -115,8 +121,12 @@ class QuorumAudit:
                 rec = rec or self._record(idx)
                 per = rec.votes.setdefault(epoch, {})
                 per[(config, digest)] = per.get((config, digest), 0) | int.from_bytes(bitmap, "little")
-            elif item[0] == _ACCEPTED_TYPE and len(item) == _ACCEPTED_ROW and item[4] == me:
-                _, epoch, config, rnd, _, digest, acceptor = item
+            elif item[0] == _VOTE_TYPE and len(item) == _VOTE_ROW:
+                _, epoch, config, digest, voter, _ = item
+                rec = rec or self._record(idx)
+                rec.voters.setdefault(epoch, {}).setdefault((config, digest), set()).add(voter)
+            elif item[0] == _ACCEPTED_TYPE and len(item) == _ACCEPTED_ROW and (item[4] == me or item[7]):
+                _, epoch, config, rnd, _, digest, acceptor, _ = item
                 rec = rec or self._record(idx)
                 rec.accepts.setdefault(epoch, {}).setdefault((config, digest, rnd), set()).add(acceptor)
 
@@ -159,6 +169,10 @@ class QuorumAudit:
             bits = rec.votes.get(prev.epoch, {}).get((prev.config_id, digest), 0) & ((1 << len(prev)) - 1)
             if pos is not None:
                 bits |= 1 << pos
+            for voter in rec.voters.get(prev.epoch, {}).get((prev.config_id, digest), ()):
+                i = prev.index(voter)
+                if i is not None:
+                    bits |= 1 << i
             if bits.bit_count() < fast_quorum(len(prev)):
                 return (f"{me} decided epoch {ev.epoch} on the fast path without a fast quorum: "
                         f"{bits.bit_count()} votes delivered (its own included) < {fast_quorum(len(prev))}"), nv
