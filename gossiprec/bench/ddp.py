@@ -40,21 +40,11 @@ import sys
 import time
 from typing import Any
 
+from gossiprec.bench.commit import _StubControl
 from gossiprec.errors import ConfigError
 
 LOOPS = ("plain", "ddp", "flat", "buckets", "buckets-nocommit")
 HOST = "127.0.0.1"
-
-
-class _StubControl:
-    path = ""
-    node = "bench"
-
-    def report(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def set_state(self, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 def _model(mb: float, layers: int, seed: int = 0) -> Any:
