@@ -155,16 +155,23 @@ def keyring_file(directory: str, name: str, key: bytes) -> str:
 
 
 @contextlib.asynccontextmanager
-async def keyed_cluster(workdir: str, *, relay_first: bool = False,
-                        keyring_check_s: float = 3600) -> AsyncIterator[tuple[list[Agent], Relay | None]]:
+async def keyed_cluster(workdir: str, *, relay_first: bool = False, keyring_check_s: float = 3600,
+                        pinned: bool = False) -> AsyncIterator[tuple[list[Agent], Relay | None]]:
     """N keyed agents (lan profile) from one job spec; each has its own keyring file holding KEY_A.
-    Yields once every agent holds view 0 and has heard from every other member."""
+    ``pinned``: each also has a persistent signing key (``n<i>.sign``) whose public key the job spec
+    pins. Yields once every agent holds view 0 and has heard from every other member."""
     ports = free_ports(N + 1)
     relay_port, ports = ports[0], ports[1:]
     addrs = [f"127.0.0.1:{p}" for p in ports]
     if relay_first:
         addrs[0] = f"127.0.0.1:{relay_port}"
     job = write_job(Path(workdir) / "job.toml", addrs)
+    signing: list[str | None] = [f"{workdir}/n{i}.sign" if pinned else None for i in range(N)]
+    if pinned:
+        from gossiprec.security.signing import load_signing_key
+        pins = [f'n{i} = "{load_signing_key(p)[0].public_key.hex()}"' for i, p in enumerate(signing) if p]
+        with open(job, "a") as f:
+            f.write("\n[public_keys]\n" + "\n".join(pins) + "\n")
     agents: list[Agent] = []
     async with contextlib.AsyncExitStack() as stack:
         relay = None
@@ -174,7 +181,7 @@ async def keyed_cluster(workdir: str, *, relay_first: bool = False,
             for i in range(N):
                 s = AgentSettings(name=f"n{i}", bind_host="127.0.0.1", port=ports[i], advertise=addrs[i],
                                   keyring=keyring_file(workdir, f"n{i}", KEY_A), job=job,
-                                  control_socket=f"{workdir}/n{i}.sock")
+                                  control_socket=f"{workdir}/n{i}.sock", signing_key=signing[i])
                 a = Agent(s, keyring_check_s=keyring_check_s)
                 await a.start()
                 agents.append(a)

@@ -15,12 +15,24 @@ A TOML file, read once at the edge (the core never reads files)::
     host = "host-a"         # optional; placement for choosing a nearby spare
     rack = "rack-1"         # optional
 
+    [public_keys]           # optional: pinned signing keys (`gossiprec keys public`)
+    node-a = "3b6a27bc..."  # 64 hex digits; that agent runs with --signing-key holding it
+
 Every agent of the job reads the same file, so all derive the same view 0 without any coordinator;
 :func:`node_factory` builds the machine an agent runs from it.
+
+Pinned keys sit in the job spec because it is the one file every agent already reads and the operator
+already distributes (a separate file would be one more to keep in step): a pinned member's key is
+bound from the start and never taken from a claim, so no holder of the cluster key can bind its own
+key to that name, even before the member's first message (trust on first use otherwise). A pinned
+member gossips no key claim; members the table does not name (joiners) still claim theirs. The table
+may name only members of view 0, and a pinned agent refuses to start without ``--signing-key`` or
+with a key that does not match its pin.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import socket
 import tomllib
@@ -29,7 +41,7 @@ from typing import Any
 
 from gossiprec.agent.settings import AgentSettings
 from gossiprec.core.auth import KeyBook
-from gossiprec.security.signing import Ed25519Crypto
+from gossiprec.security.signing import Ed25519Crypto, load_signing_key, parse_public_key
 from gossiprec.core.bootstrap import Booting, BootParams, Bootstrap, Candidate
 from gossiprec.core.config import Config
 from gossiprec.core.machine import Machine, MachineFactory
@@ -37,7 +49,9 @@ from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
-from gossiprec.errors import ConfigError
+from gossiprec.errors import ConfigError, SecurityError
+
+log = logging.getLogger(__name__)
 
 
 def view0_from_dict(doc: dict[str, Any], where: str = "job spec") -> View:
@@ -71,14 +85,66 @@ def view0_from_dict(doc: dict[str, Any], where: str = "job spec") -> View:
     return View.initial(members, topology)
 
 
-def load_view0(path: str) -> View:
+def pins_from_dict(doc: dict[str, Any], view: View, where: str = "job spec") -> dict[str, bytes]:
+    """The ``[public_keys]`` table: member name -> pinned Ed25519 public key (only members of view 0)."""
+    table = doc.get("public_keys", {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: public_keys must be a table of member = \"hex key\"")
+    pins: dict[str, bytes] = {}
+    for name, text in table.items():
+        if view.member(name) is None:
+            raise ConfigError(f"{where}: public_keys names {name!r}, which is not a member of the job; "
+                              "add it under [[members]] or drop its key")
+        try:
+            pins[name] = parse_public_key(text, f"{where}: public_keys.{name}")
+        except SecurityError as exc:
+            raise ConfigError(str(exc)) from None
+    return pins
+
+
+def _read_spec(path: str) -> dict[str, Any]:
     try:
-        doc = tomllib.loads(Path(path).read_text())
+        return tomllib.loads(Path(path).read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read job spec {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"job spec {path} is not valid TOML: {exc}") from None
-    return view0_from_dict(doc, path)
+
+
+def load_view0(path: str) -> View:
+    return view0_from_dict(_read_spec(path), path)
+
+
+def load_job(path: str) -> tuple[View, dict[str, bytes]]:
+    """View 0 and the pinned public keys of the job spec at ``path``."""
+    doc = _read_spec(path)
+    view = view0_from_dict(doc, path)
+    return view, pins_from_dict(doc, view, path)
+
+
+def signing_crypto(settings: AgentSettings) -> Ed25519Crypto:
+    """The key this agent signs with: its ``--signing-key`` file (made when absent), else a fresh one."""
+    if settings.signing_key is None:
+        return Ed25519Crypto.generate()  # this process's own key: it speaks only for itself
+    crypto, created = load_signing_key(settings.signing_key)
+    if created:
+        log.warning("created a new signing key at %s (mode 0600); its public key is %s: pin it in the job "
+                    "spec's [public_keys] table", settings.signing_key, crypto.public_key.hex())
+    return crypto
+
+
+def key_book(name: str, crypto: Ed25519Crypto, pins: dict[str, bytes], settings: AgentSettings) -> KeyBook:
+    """``name``'s key book: ``pins`` bound from the start; a pinned member makes no claims, and must sign
+    with the key its pin names."""
+    pin = pins.get(name)
+    if pin is not None and settings.signing_key is None:
+        raise ConfigError(f"job spec {settings.job} pins a public key for {name}; start this agent with "
+                          "--signing-key PATH, the file holding that key")
+    if pin is not None and pin != crypto.public_key:
+        raise ConfigError(f"job spec {settings.job} pins {name} to key {pin.hex()}, but the signing key "
+                          f"{settings.signing_key} is {crypto.public_key.hex()}: pass the right --signing-key, "
+                          "or pin this key (`gossiprec keys public --signing-key PATH --name NODE`)")
+    return KeyBook(name, crypto, pinned=pins, claims=pin is None)
 
 
 def node_factory(settings: AgentSettings) -> MachineFactory:
@@ -89,9 +155,11 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
     """
     if settings.nnodes is not None:
         return boot_factory(settings)
-    view0 = load_view0(settings.job) if settings.job else None
+    view0, pins = load_job(settings.job) if settings.job else (None, {})
     agreement = settings.agreement_config()
-    crypto = Ed25519Crypto.generate()  # this process's signing key: it speaks only for itself
+    crypto = signing_crypto(settings)
+    if settings.name is not None:
+        key_book(settings.name, crypto, pins, settings)  # a wrong or missing key: refused before binding
 
     def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
              rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
@@ -109,10 +177,11 @@ def node_factory(settings: AgentSettings) -> MachineFactory:
         if view is not None:
             members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
             return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=view, role=role,
-                        host=host, rack=rack, members=members, agreement=agreement, auth=KeyBook(name, crypto))
+                        host=host, rack=rack, members=members, agreement=agreement,
+                        auth=key_book(name, crypto, pins, settings))
         # not in view 0: joins the running job through its seeds; the view admits it as a spare
         return Node(config, name, addr, incarnation=incarnation, rng=rng, now=now, view=None, role=role,
-                    seeds=seeds, agreement=agreement, auth=KeyBook(name, crypto))
+                    seeds=seeds, agreement=agreement, auth=key_book(name, crypto, pins, settings))
 
     return make
 
@@ -126,7 +195,7 @@ def boot_factory(settings: AgentSettings) -> MachineFactory:
                         allow_shrink=settings.allow_shrink)
     agreement = settings.agreement_config()
     host = settings.host or socket.gethostname()
-    crypto = Ed25519Crypto.generate()
+    crypto = signing_crypto(settings)  # no job spec, so nothing pinned: keys are bound on first use
 
     def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
              rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:

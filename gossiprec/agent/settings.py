@@ -76,6 +76,7 @@ ENV: dict[str, str] = {
     "profile": "GOSSIPREC_PROFILE",
     "cluster": "GOSSIPREC_CLUSTER",
     "keyring": "GOSSIPREC_KEYRING",
+    "signing_key": "GOSSIPREC_SIGNING_KEY",
     "insecure": "GOSSIPREC_INSECURE",
     "control_socket": "GOSSIPREC_CONTROL",
     "log_format": "GOSSIPREC_LOG_FORMAT",
@@ -123,6 +124,9 @@ class AgentSettings:
     keyring: str | None = None
     """Keyring file (see ``gossiprec keys``). Required unless ``insecure``; :func:`load_settings` falls
     back to :func:`default_keyring_path` when that file exists."""
+    signing_key: str | None = None
+    """This agent's persistent Ed25519 key file (gossiprec.security.signing; created, mode 0600, when
+    absent). Needed when the job spec pins this member's public key. None: a fresh key each start."""
     insecure: bool = False
     """Send and accept unauthenticated, unencrypted packets (trusted networks and tests only)."""
     control_socket: str | None = None
@@ -423,7 +427,7 @@ def _as_opt_int(v: Any, where: str) -> int | None:
 _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "name": _as_opt_str, "bind_host": _as_str, "port": _as_int, "advertise": _as_opt_str,
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
-    "keyring": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
+    "keyring": _as_opt_str, "signing_key": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
     "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
     "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
@@ -615,6 +619,9 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", choices=AGENT_PROFILES, default=None, help="protocol timings (default lan)")
     g.add_argument("--cluster", default=None, help="cluster name (default gossiprec)")
     g.add_argument("--keyring", metavar="PATH", default=None, help="keyring file (see `gossiprec keys`)")
+    g.add_argument("--signing-key", dest="signing_key", metavar="PATH", default=None,
+                   help="persistent signing key file (created when absent; needed where the job spec pins "
+                        "public keys; print the key to pin with `gossiprec keys public`)")
     g.add_argument("--job", metavar="FILE", default=None,
                    help="job spec TOML: members of view 0, ranks, topology (env GOSSIPREC_JOB)")
     g.add_argument("--insecure", action=argparse.BooleanOptionalAction, default=None,

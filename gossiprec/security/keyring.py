@@ -536,7 +536,7 @@ def _wrap(handler: Handler) -> Callable[[argparse.Namespace], int]:
 
 
 def add_cli(subparsers: Any, default_path: str | None = None) -> argparse.ArgumentParser:
-    """Add ``keys {generate,install,use,remove,list}`` to an argparse sub-parsers object.
+    """Add ``keys {generate,install,use,remove,list,public}`` to an argparse sub-parsers object.
 
     Each action sets ``func``: ``args.func(args) -> int`` (exit code; errors print to stderr and
     return 1). ``--keyring PATH`` is accepted before or after the action; ``default_path`` is used
@@ -575,6 +575,8 @@ def add_cli(subparsers: Any, default_path: str | None = None) -> argparse.Argume
         ).add_argument("key", metavar="KEY")
     add("list", _cmd_list, "show installed key ids and which one is primary"
         ).add_argument("--json", action="store_true", help="machine-readable output")
+    from gossiprec.security.signing import add_public_cli  # imports cryptography: only with the CLI
+    add_public_cli(add)
 
     if default_path is not None:
         keys.set_defaults(keyring_outer=default_path)
