@@ -27,7 +27,7 @@ from gossiprec.errors import DecodeError, GossiprecError
 
 MTU = 1400
 BIG = 64 * 1024 * 1024
-ROW = ("n1", "10.0.0.1:7946", 3, 1, 0, 2, 17, 1, 250)
+ROW = ("n1", "10.0.0.1:7946", 3, 1, 0, 2, 17, 1, 250, bytes(64))
 
 SAMPLES: list[Message] = [
     Ping(1, "n2", "n1", "10.0.0.1:7946"),
@@ -40,7 +40,7 @@ SAMPLES: list[Message] = [
     Dead("n6", 9, "n6"),
     Progress("n7", 1, 12, 1000, 2, 431),
     Ack(9, "n2", 4, 17, 1, 30, 1234),
-    PushPull("n1", "10.0.0.1:7946", True, False, (ROW, ("n2", "", 1, 3, 1, 0, -1, 0, 0))),
+    PushPull("n1", "10.0.0.1:7946", True, False, (ROW, ("n2", "", 1, 3, 1, 0, -1, 0, 0, b""))),
     PushPull("n1", "a", False, True, ()),
 ]
 
@@ -83,10 +83,10 @@ def _u64(v: Any) -> bool:
 
 
 def _row(v: Any) -> bool:
-    return (type(v) is tuple and len(v) == 9 and _name(v[0]) and _addr(v[1]) and _u64(v[2])
+    return (type(v) is tuple and len(v) == 10 and _name(v[0]) and _addr(v[1]) and _u64(v[2])
             and _is_int(v[3], 0, len(STATUS_NAMES) - 1) and _is_int(v[4], 0, len(ROLES) - 1)
             and _u64(v[5]) and _is_int(v[6], -1, 2**62) and _is_int(v[7], 0, len(PHASES) - 1)
-            and _is_int(v[8], 0, 2**31 - 1))
+            and _is_int(v[8], 0, 2**31 - 1) and type(v[9]) is bytes and len(v[9]) <= 64)
 
 
 FIELD_OK: dict[str, Callable[[Any], bool]] = {
@@ -290,8 +290,8 @@ REFUSALS: list[tuple[str, bytes, str]] = [
     ("ack-stall-ms-2^31", packet([3, 1, "n", 1, 0, 0, 5, 2**31]), "bad_field"),
     ("ack-stall-ms-negative", packet([3, 1, "n", 1, 0, 0, 5, -1]), "bad_field"),
     ("ack-without-stall-ms", packet([3, 1, "n", 1, 0, 0, 5]), "bad_message"),
-    ("alive-role-2", packet([5, "n", "a", 1, len(ROLES)]), "bad_field"),
-    ("suspect-inc-negative", packet([6, "n", -1, "s"]), "bad_field"),
+    ("alive-role-2", packet([5, "n", "a", 1, len(ROLES), b""]), "bad_field"),
+    ("suspect-inc-negative", packet([6, "n", -1, "s", b""]), "bad_field"),
     ("dead-inc-str", packet([7, "n", "1", "s", b""]), "bad_field"),
     ("dead-sig-long", packet([7, "n", 1, "s", b"x" * 65]), "bad_field"),
     ("progress-version-nil", packet([8, "n", 1, None, 0, 0, 0]), "bad_field"),
@@ -353,14 +353,15 @@ u64 = st.integers(0, MAX_U64) | st.sampled_from([0, 1, MAX_U64])
 steps = st.integers(-1, 2**62)
 phases = st.integers(0, len(PHASES) - 1)
 millis = st.integers(0, 2**31 - 1)
-rows = st.tuples(names, addrs, u64, st.integers(0, 3), st.integers(0, 1), u64, steps, phases, millis)
+sigs = st.binary(max_size=64)
+rows = st.tuples(names, addrs, u64, st.integers(0, 3), st.integers(0, 1), u64, steps, phases, millis, sigs)
 messages = st.one_of(
     st.builds(Ping, u64, names, names, addrs),
     st.builds(IndirectPing, u64, names, addrs, names, addrs, st.booleans()),
     st.builds(Ack, u64, names, u64, steps, phases, millis),
     st.builds(Nack, u64, names),
-    st.builds(Alive, names, addrs, u64, st.integers(0, 1)),
-    st.builds(Suspect, names, u64, names),
+    st.builds(Alive, names, addrs, u64, st.integers(0, 1), sigs),
+    st.builds(Suspect, names, u64, names, sigs),
     st.builds(Dead, names, u64, names, st.binary(max_size=64)),
     st.builds(Progress, names, u64, u64, steps, phases, millis),
     st.builds(PushPull, names, addrs, st.booleans(), st.booleans(), st.lists(rows, max_size=4).map(tuple)),
@@ -583,9 +584,9 @@ def test_cached_decode_returns_the_same_message_and_still_refuses_lookalikes() -
     assert first == again == msg
     assert again is first  # served from the cache
     # equal as tuples (2 == 2.0 == True) but of the wrong type: refused exactly as without a cache
-    assert refused(packet([6, "n5", 2.0, "n1"])) == "bad_field"
-    assert refused(packet([6, "n5", True, "n1"])) == "bad_field"
-    assert refused(packet([6, "n5", [2], "n1"])) == "bad_field"  # unhashable: full validation
+    assert refused(packet([6, "n5", 2.0, "n1", b""])) == "bad_field"
+    assert refused(packet([6, "n5", True, "n1", b""])) == "bad_field"
+    assert refused(packet([6, "n5", [2], "n1", b""])) == "bad_field"  # unhashable: full validation
     alert = wire.Alert(3, "cfg", "n1", "n2", 0, 0, True, "", "", "")
     assert decode_packet(encode_packet([alert]), MTU) == [alert]
     assert refused(packet([20, 3, "cfg", "n1", "n2", 0, 0, 1, "", "", "", b""])) == "bad_field"  # 1 is not True

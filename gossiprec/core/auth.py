@@ -14,7 +14,11 @@ of a key. The
 and never replaced); a claim naming a bound member with another key is refused and counted. A member
 removed from the view loses its binding, so a restarted process (a new key) can rejoin.
 
-What is signed, and checked against the named author: alerts (observer), graceful leaves (the
+What is signed, and checked against the named author: SWIM's Alive (the member: only it raises its
+incarnation or moves its address; push-pull rows carry that signature, see
+:mod:`~gossiprec.core.antientropy`), Suspect and an observer's Dead (the accuser, and never about an
+incarnation above the one the receiver knows: one rumour must not raise a member's incarnation, at
+worst to the last one there is, after which it could never refute), alerts (observer), graceful leaves (the
 member), fast votes (voter, one :class:`~gossiprec.core.wire.Vote` each; unsigned bitmaps are
 ignored), prepares and accepts (coordinator), promises and accepteds (acceptor), the job's end (the
 trainer), and catch-up views (sender, who must be a member of the view the receiver holds). A
@@ -35,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, TypeVar
 
 import msgpack
 
@@ -93,9 +97,14 @@ def claims_of(book: "KeyBook | None") -> tuple[Message, ...]:
     return (KeyClaim(book.me, book.crypto.public_key),) if book is not None and book.claims else ()
 
 
-def sign_if(book: "KeyBook | None", msg: Message) -> Message:
-    """``msg`` signed by ``book``'s key, or as it is without a key book."""
-    return msg if book is None else book.sign(msg)
+M = TypeVar("M", bound=Message)
+
+
+def sign_if(book: "KeyBook | None", msg: M) -> M:
+    """``msg`` signed by ``book``'s key (in place), or as it is without a key book."""
+    if book is not None:
+        book.sign(msg)
+    return msg
 
 
 @dataclass(slots=True)
@@ -144,7 +153,9 @@ class KeyBook:
     # ------------------------------------------------------------------ signing and checking
     def sign(self, msg: Message) -> Message:
         """``msg`` with its ``sig`` field set to our signature (call before the message is shared)."""
-        msg.sig = self.crypto.sign(signed_bytes(msg))  # type: ignore[attr-defined]
+        data = signed_bytes(msg)
+        msg.sig = sig = self.crypto.sign(data)  # type: ignore[attr-defined]
+        self._remember(sig, self.me, data)  # our own words come back by gossip, and are checked locally
         return msg
 
     def check(self, author: str, msg: Message) -> bool:
@@ -161,7 +172,21 @@ class KeyBook:
         if not sig or not self.crypto.verify(key, data, sig):
             self._count("rx_sig_invalid")
             return False
+        self._remember(sig, author, data)
+        return True
+
+    def accusation(self, msg: Message, accuser: str, incarnation: int, known: int) -> bool:
+        """Whether a SWIM accusation (a Suspect, an observer's Dead) counts: ``accuser``'s own signed word,
+        about the incarnation ``known`` here or an older one. A refusal is counted."""
+        if incarnation > known:
+            self._count("rx_accusation_ahead")  # a rumour never raises an incarnation
+            return False
+        if not self.check(accuser, msg):
+            self._count("rx_accusation_unsigned")
+            return False
+        return True
+
+    def _remember(self, sig: bytes, author: str, data: bytes) -> None:
         if len(self._verified) >= CACHE_MAX:
             self._verified.clear()
         self._verified[sig] = (author, data)
-        return True

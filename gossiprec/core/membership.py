@@ -32,11 +32,16 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
    full state (anti-entropy), whose period grows with N so that the load per node stays flat.
 6. Progress: acks carry the acker's training step, phase and step time; pings and acks also carry a few
    progress records of other members, round robin, and push-pull carries them all.
+7. Signatures (with the node's :class:`~gossiprec.core.auth.KeyBook`): Alive, Suspect and an observer's Dead
+   are their author's signed word (:mod:`~gossiprec.core.auth` says why). Pings, acks and nacks are not: an
+   ack or nack counts only as the answer to a probe of ours (its sequence number), and only here; Progress
+   records are not signed yet (a forged one can mislead the hang rule, not membership).
 
 Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
-base), the probe schedule and probe records (:mod:`~gossiprec.core.probing`), one suspicion's timer
-(:mod:`~gossiprec.core.suspicion`), other members' progress (:mod:`~gossiprec.core.progress`) and the
-broadcast queue (:mod:`~gossiprec.core.broadcast`); this class is the protocol between them.
+base), the probe schedule and records (:mod:`~gossiprec.core.probing`), one suspicion's timer
+(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), the broadcast
+queue (:mod:`~gossiprec.core.broadcast`) and push-pull (:mod:`~gossiprec.core.antientropy`); this class
+is the protocol between them.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from gossiprec.core.auth import KeyBook, claims_of, sign_if
+from gossiprec.core import antientropy
+from gossiprec.core.auth import KeyBook, sign_if
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config
@@ -103,8 +109,7 @@ class Membership:
         self._table = table = MemberTable(MemberInfo(name, addr, incarnation, ALIVE, self.role), members,
                                           member_order, members_live)
         self.member = table.member
-        # progress
-        self._book = ProgressBook()
+        self._book = ProgressBook()  # others' progress
         self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
         self._my_since = now
         """When our own (step, phase) became current (its age goes out on our acks, ``stall_ms``)."""
@@ -119,10 +124,10 @@ class Membership:
         self._cancelled: set[int] = set()
         self._direct: deque[tuple[float, int]] = deque()
         self._first_acked: dict[str, int] = {}
-        """The lowest incarnation each member answered one of our probes at (a process starts at its lowest
-        and only refutes upwards: an answer below a member's current incarnation came from an older
-        process of it; see :meth:`first_acked`)."""
-        self.auth: KeyBook | None = None  # per-member signatures (set by the node): see _on_dead
+        """The lowest incarnation each member answered one of our probes at (a process only refutes upwards:
+        an answer below a member's current incarnation came from an older process of it)."""
+        self._auth: KeyBook | None = None  # see the auth property
+        self._alives: dict[str, Alive] = {}  # each member's own signed Alive, latest (push-pull rows carry it)
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
         self._limit_n = -1
@@ -139,8 +144,23 @@ class Membership:
         sched.token = self._at(sched.next_at, _PROBE, None)
         known = table.base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
-            self._broadcast(name, Alive(name, addr, incarnation, self.role))
+            self._broadcast(name, self._own_alive())
         self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
+
+    @property
+    def auth(self) -> KeyBook | None:
+        """Per-member signatures (set by the node; None: nothing signed or checked)."""
+        return self._auth
+
+    @auth.setter
+    def auth(self, book: KeyBook | None) -> None:
+        self._auth = book
+        if isinstance(self._queue.pending(self.name), Alive):  # queued before we had a key: signed now
+            self._broadcast(self.name, self._own_alive())
+
+    def _own_alive(self) -> Alive:
+        alive = self._alives[self.name] = Alive(self.name, self.addr, self.incarnation, self.role)
+        return sign_if(self._auth, alive)
 
     # ------------------------------------------------------------------ table access
     member: Callable[[str], MemberInfo | None]
@@ -223,10 +243,7 @@ class Membership:
     def join(self, seed_addrs: Iterable[str], now: float) -> None:
         """Ask seeds for their full state (push-pull with ``join=True``)."""
         self._now = now
-        msg = self._pushpull(join=True, reply=False)
-        for addr in seed_addrs:
-            if addr != self.addr:
-                self._sends.append(Send(addr, encode_packet([*claims_of(self.auth), msg]), reliable=True))
+        antientropy.join(self, seed_addrs)
 
     def leave(self, now: float) -> None:
         """Graceful leave: others record LEFT, not a failure. Keep ticking briefly to drain gossip."""
@@ -341,7 +358,8 @@ class Membership:
             elif kind == _GOSSIP:
                 self._gossip(now)
             elif kind == _PUSHPULL:
-                self._pushpull_round(now)
+                self._at(now + self.config.pushpull_period(self.n_live), _PUSHPULL, None)
+                antientropy.pushpull_round(self)
             elif kind == _SUSPICION:
                 self._suspicion_timer(arg, now, late)  # type: ignore[arg-type]
             elif kind == _RELAY_NACK:
@@ -418,12 +436,12 @@ class Membership:
         self._probes[seq] = Probe(target, rec.addr, now, verify, rec.incarnation)
         msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
         if rec.status == SUSPECT:  # buddy system: tell the suspect at once
-            msgs.append(Suspect(target, rec.incarnation, self.name))
+            msgs.append(sign_if(self._auth, Suspect(target, rec.incarnation, self.name)))
         elif rec.status == DEAD:
             # only probed when the agreement layer watches it closely (a subject that may come back): if it
             # answers, it learns it was declared dead and refutes; a healed partition's members, declared
             # dead longer than gossip_to_dead ago, would otherwise never hear it
-            msgs.append(Dead(target, rec.incarnation, self.name))
+            msgs.append(sign_if(self._auth, Dead(target, rec.incarnation, self.name)))
         self._send(rec.addr, msgs, piggyback=True, dest=target)
         if verify:
             self._send_indirect(seq, now)
@@ -490,7 +508,7 @@ class Membership:
         if self.awareness.score >= self.config.accuse_health_limit:
             self._count("accusations_withheld")
             return
-        self._on_suspect(Suspect(probe.target, rec.incarnation, self.name), now)
+        self._on_suspect(sign_if(self._auth, Suspect(probe.target, rec.incarnation, self.name)), now)
 
     def _on_ping(self, msg: Ping, now: float) -> None:
         if msg.target != self.name:
@@ -529,8 +547,8 @@ class Membership:
                              msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
-            # The ack proves a newer incarnation: as good as its Alive.
-            self._on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now)
+            # The ack proves a newer incarnation: as good as its Alive (here; others need the signed one).
+            self._on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now, proven=True)
         elif probe.verify:
             self._rearm_suspicion(probe.target, now)
 
@@ -552,9 +570,13 @@ class Membership:
             self._send(relay.requester_addr, [Nack(relay.orig_seq, self.name)], piggyback=False)
 
     # ------------------------------------------------------------------ dissemination of state
-    def _on_alive(self, msg: Alive, now: float) -> None:
+    def _on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
+        """``proven``: made from the member's own answer to our probe: taken unsigned, not relayed signed."""
+        auth = None if proven else self._auth
         if msg.name == self.name:
             if msg.incarnation > self.incarnation and not self.left:
+                if auth is not None and not auth.check(msg.name, msg):
+                    return self._count("rx_alive_unsigned")  # another's word for our incarnation: nothing
                 self._refute(msg.incarnation, "alive-conflict", now)
             return
         if self._heard is not None:
@@ -567,10 +589,15 @@ class Membership:
             cur = None
         if cur is not None and msg.incarnation <= cur.incarnation:
             return
+        if auth is not None:
+            if not auth.check(msg.name, msg):
+                return self._count("rx_alive_unsigned")
+            self._alives[msg.name] = msg
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
         self._table.set(rec, now)
         self._suspicions.pop(msg.name, None)
-        self._broadcast(msg.name, msg)
+        if auth is not None or self._auth is None:
+            self._broadcast(msg.name, msg)
         if cur is None or cur.status >= DEAD:
             self._events.append(MemberJoined(msg.name, msg.addr, msg.incarnation, ROLES[msg.role], now))
         elif cur.status == SUSPECT:
@@ -578,8 +605,8 @@ class Membership:
 
     def _on_suspect(self, msg: Suspect, now: float) -> None:
         if msg.name == self.name:
-            if not self.left and msg.incarnation >= self.incarnation:  # older rumours: already refuted
-                self._refute(msg.incarnation, msg.src, now)
+            if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg, self.incarnation):
+                self._refute(msg.incarnation, msg.src, now)  # (older rumours: already refuted)
             return
         if self._heard is not None and msg.src != self.name:
             # another member, which judges only members it heard from (or after its own grace), found it
@@ -594,12 +621,14 @@ class Membership:
             return  # unknown, or dead/left (the forgotten marker GONE is DEAD), or older news
         susp = self._suspicions.get(msg.name)
         if cur.status == SUSPECT and susp is not None and msg.incarnation == cur.incarnation:
-            if msg.src in susp.accusers or len(susp.accusers) > susp.k:
+            if msg.src in susp.accusers or len(susp.accusers) > susp.k or self._refused(msg, cur.incarnation):
                 return
             susp.accusers.add(msg.src)
             self._broadcast(msg.name, msg)
             if not susp.verifying:
                 self._arm(msg.name, susp)
+            return
+        if self._refused(msg, cur.incarnation):
             return
         susp = Suspicion.begin(self.config, table.n_live, msg.incarnation, now, msg.src)
         self._suspicions[msg.name] = susp
@@ -643,11 +672,15 @@ class Membership:
         self._arm(name, susp)
 
     def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
-        self._on_dead(Dead(name, incarnation, self.name), now)
+        self._on_dead(sign_if(self._auth, Dead(name, incarnation, self.name)), now)
+
+    def _refused(self, msg: Suspect | Dead, known: int) -> bool:
+        auth = self._auth  # signed: the accuser's own word (see KeyBook.accusation)
+        return auth is not None and not auth.accusation(msg, msg.src, msg.incarnation, known)
 
     def _on_dead(self, msg: Dead, now: float) -> None:
         if msg.name == self.name:
-            if not self.left and msg.incarnation >= self.incarnation:
+            if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg, self.incarnation):
                 self._refute(msg.incarnation, msg.src, now)
             return
         if self._heard is not None and msg.src != self.name:
@@ -659,8 +692,10 @@ class Membership:
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
-        if leaving and self.auth is not None and not self.auth.check(msg.name, msg):
+        if leaving and self._auth is not None and not self._auth.check(msg.name, msg):
             return self._count("rx_leave_unsigned")  # a departure is the member's own signed word or nothing
+        if not leaving and self._refused(msg, cur.incarnation):
+            return
         table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
         self._suspicions.pop(msg.name, None)
         self._broadcast(msg.name, msg)
@@ -674,6 +709,7 @@ class Membership:
         name, inc = arg
         if self._table.forget(name, inc):
             self._book.forget(name)
+            self._alives.pop(name, None)
             self._first_acked.pop(name, None)
 
     def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
@@ -684,7 +720,7 @@ class Membership:
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
         p = self._my_progress
         self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms)
-        alive = Alive(self.name, self.addr, self.incarnation, self.role)
+        alive = self._own_alive()
         self._broadcast(self.name, alive)
         self.awareness.apply(+1)
         self._events.append(SelfRefuted(self.incarnation, accuser, now))
@@ -724,42 +760,6 @@ class Membership:
                 continue  # only news about this target itself was left
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
-    def _pushpull(self, join: bool, reply: bool) -> PushPull:
-        rows = []
-        for m in self.members():
-            p = self._my_progress if m.name == self.name else self._book.records.get(m.name)
-            if p is None:
-                rows.append((m.name, m.addr, m.incarnation, m.status, m.role, 0, -1, 0, 0))
-            else:
-                rows.append((m.name, m.addr, m.incarnation, m.status, m.role, p.version, p.step, p.phase,
-                             p.step_ms))
-        return PushPull(self.name, self.addr, join, reply, tuple(rows))
-
-    def _pushpull_round(self, now: float) -> None:
-        self._at(now + self.config.pushpull_period(self.n_live), _PUSHPULL, None)
-        peers = self._table.random_live(self.rng, 1, self.name, None)
-        if peers:
-            rec = self.member(peers[0])
-            if rec is not None:
-                self._sends.append(Send(rec.addr, encode_packet([self._pushpull(False, False)]), True))
-
-    def _on_pushpull(self, msg: PushPull, now: float) -> None:
-        if not msg.reply:
-            self._sends.append(Send(msg.src_addr, encode_packet([self._pushpull(msg.join, True)]), True))
-        for name, addr, inc, status, role, pver, step, phase, step_ms in msg.members:
-            if status <= SUSPECT:
-                self._on_alive(Alive(name, addr, inc, role), now)
-                if status == SUSPECT:
-                    self._on_suspect(Suspect(name, inc, msg.src), now)
-            elif status == DEAD:
-                if self.member(name) is None:
-                    continue
-                self._on_dead(Dead(name, inc, msg.src), now)
-            elif self.auth is None or self.member(name) is not None:  # signed, a leave is not a table's row:
-                self._on_dead(Dead(name, inc, name if self.auth is None else msg.src), now)  # a failure report
-            if pver > 0:
-                self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
-
     # ------------------------------------------------------------------ sending
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
@@ -795,6 +795,6 @@ class Membership:
 _HANDLERS: dict[type, Callable[[Membership, Any, float], None]] = {
     Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership._on_alive,
     Suspect: Membership._on_suspect, Dead: Membership._on_dead, Progress: Membership._on_progress,
-    IndirectPing: Membership._on_indirect, Nack: Membership._on_nack, PushPull: Membership._on_pushpull,
+    IndirectPing: Membership._on_indirect, Nack: Membership._on_nack, PushPull: antientropy.on_pushpull,
 }
 """SWIM's message handlers (:meth:`Membership.handle`), by message type."""

@@ -5,10 +5,8 @@ A datagram is a *compound packet*: ``[PROTOCOL_VERSION, [msg, msg, ...]]`` where
 core built; decoding treats every byte as hostile: it checks the size before parsing, refuses unknown
 versions and types, and validates each field's type and range (strings by UTF-8 length, integers by
 range, lists by length). Anything wrong raises :class:`~gossiprec.errors.DecodeError` with a short
-``reason`` that the caller counts; nothing else escapes :func:`decode_packet`.
-
-Larger messages (push-pull state, agreement payloads) travel on the reliable stream with the same
-encoding and a larger size limit.
+``reason`` that the caller counts; nothing else escapes :func:`decode_packet`. Larger messages (push-pull
+state, agreement payloads) travel on the reliable stream with the same encoding and a larger size limit.
 
 Message types are registered with :func:`message`; later modules (agreement, views) add their own
 types from the same registry, so one decoder serves all of them.
@@ -333,21 +331,23 @@ class Nack(Message):
     src: str
 
 
-@message(5, NAME, ADDR, U64, ROLE)
+@message(5, NAME, ADDR, U64, ROLE, SIG)
 @value_class
 class Alive(Message):
     name: str
     addr: str
     incarnation: int
     role: int
+    sig: bytes = b""  # by ``name`` itself (the only member that raises its incarnation)
 
 
-@message(6, NAME, U64, NAME)
+@message(6, NAME, U64, NAME, SIG)
 @value_class
 class Suspect(Message):
     name: str
     incarnation: int
     src: str
+    sig: bytes = b""  # by the accuser ``src``
 
 
 @message(7, NAME, U64, NAME, SIG)
@@ -374,14 +374,14 @@ class Progress(Message):
     step_ms: int
 
 
-MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS)
+MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, SIG)
 
 
 @message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
 @value_class
 class PushPull(Message):
-    """Anti-entropy: full state. ``members`` rows are
-    (name, addr, incarnation, status, role, progress_version, step, phase, step_ms)."""
+    """Anti-entropy: full state. ``members`` rows are (name, addr, incarnation, status, role,
+    progress_version, step, phase, step_ms, the member's own signature of its Alive at that incarnation)."""
 
     src: str
     src_addr: str

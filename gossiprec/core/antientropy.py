@@ -1,0 +1,77 @@
+"""Anti-entropy: SWIM's exchange of whole member tables (push-pull), and what a received row is worth.
+
+What it decides: what a push-pull carries (every member's address, incarnation, status, role and
+latest progress) and what a received one changes in a :class:`~gossiprec.core.membership.Membership`'s
+table. A push-pull goes to one random live member every ``Config.pushpull_period(n)`` (it grows with N,
+so that the load per member stays flat), on the reliable stream; one that is not a reply is answered
+with our own; a joiner sends one to its seeds (``join=True``), our key claim ahead of it.
+
+With per-member signatures a row is only a relayed copy of its member's own word: it carries the
+signature of that member's Alive at the row's incarnation (each member keeps the latest signed Alive of
+every other), and is taken like that Alive, so it can never move a member to another address or raise
+its incarnation in another's name. The row's suspicion, death or departure is the sender's table, which
+nobody signed, and changes nothing: those travel as signed Suspect and Dead messages. Without
+signatures a row is taken as an Alive, a Suspect by the sender, a Dead by the sender or the member's
+own leave, by its status.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable
+
+from gossiprec.core.auth import claims_of
+from gossiprec.core.records import Send
+from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, Progress, PushPull, Suspect, encode_packet
+
+if TYPE_CHECKING:
+    from gossiprec.core.membership import Membership
+
+
+def pushpull(m: Membership, join: bool, reply: bool) -> PushPull:
+    rows = []
+    alives = m._alives
+    for r in m.members():
+        p = m._my_progress if r.name == m.name else m._book.records.get(r.name)
+        a = alives.get(r.name)
+        sig = a.sig if a is not None and a.incarnation == r.incarnation else b""
+        if p is None:
+            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, sig))
+        else:
+            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, p.version, p.step, p.phase,
+                         p.step_ms, sig))
+    return PushPull(m.name, m.addr, join, reply, tuple(rows))
+
+
+def join(m: Membership, seed_addrs: Iterable[str]) -> None:
+    msg = pushpull(m, join=True, reply=False)
+    for addr in seed_addrs:
+        if addr != m.addr:
+            m._sends.append(Send(addr, encode_packet([*claims_of(m.auth), msg]), reliable=True))
+
+
+def pushpull_round(m: Membership) -> None:
+    peers = m._table.random_live(m.rng, 1, m.name, None)
+    if peers:
+        rec = m.member(peers[0])
+        if rec is not None:
+            m._sends.append(Send(rec.addr, encode_packet([pushpull(m, False, False)]), True))
+
+
+def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
+    if not msg.reply:
+        m._sends.append(Send(msg.src_addr, encode_packet([pushpull(m, msg.join, True)]), True))
+    signed = m.auth is not None
+    for name, addr, inc, status, role, pver, step, phase, step_ms, sig in msg.members:
+        if status <= SUSPECT:
+            m._on_alive(Alive(name, addr, inc, role, sig), now)
+            if status == SUSPECT and not signed:
+                m._on_suspect(Suspect(name, inc, msg.src), now)
+        elif signed:
+            pass  # a table's row is nobody's signed word for a suspicion, a death or a leave
+        elif status == DEAD:
+            if m.member(name) is not None:
+                m._on_dead(Dead(name, inc, msg.src), now)
+        else:
+            m._on_dead(Dead(name, inc, name), now)
+        if pver > 0:
+            m._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
