@@ -8,7 +8,8 @@ with our own; a joiner sends one to its seeds (``join=True``), our key claim ahe
 
 With per-member signatures a row is only a relayed copy of its member's own word: it carries the
 signature of that member's Alive at the row's incarnation (each member keeps the latest signed Alive of
-every other), and is taken like that Alive, so it can never move a member to another address or raise
+every other, also one that told it nothing new: a joiner learns the members from such rows), and is
+taken like that Alive, so it can never move a member to another address or raise
 its incarnation in another's name. The row's suspicion, death or departure is the sender's table, which
 nobody signed, and changes nothing: those travel as signed Suspect and Dead messages. Without
 signatures a row is taken as an Alive, a Suspect by the sender, a Dead by the sender or the member's
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from gossiprec.core.auth import claims_of
-from gossiprec.core.records import Send
+from gossiprec.core.records import MemberInfo, Send
 from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, Progress, PushPull, Suspect, encode_packet
 
 if TYPE_CHECKING:
@@ -55,6 +56,16 @@ def pushpull_round(m: Membership) -> None:
         rec = m.member(peers[0])
         if rec is not None:
             m._sends.append(Send(rec.addr, encode_packet([pushpull(m, False, False)]), True))
+
+
+def keep_signed(m: Membership, alive: Alive, rec: MemberInfo) -> None:
+    """Keep the signature of an Alive that told ``m`` nothing new (``rec`` is its record, at the same
+    incarnation) where ``m`` holds that incarnation unsigned: from view 0, or an ack to its own probe.
+    Its push-pull rows then carry it, and a joiner learns the member from them."""
+    a = m._alives.get(alive.name)
+    if (a is None or not a.sig or a.incarnation < alive.incarnation) and alive.addr == rec.addr \
+            and alive.role == rec.role and m.auth is not None and m.auth.check(alive.name, alive):
+        m._alives[alive.name] = alive
 
 
 def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:

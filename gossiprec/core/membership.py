@@ -155,8 +155,9 @@ class Membership:
     @auth.setter
     def auth(self, book: KeyBook | None) -> None:
         self._auth = book
+        alive = self._own_alive()  # our push-pull rows carry it
         if isinstance(self._queue.pending(self.name), Alive):  # queued before we had a key: signed now
-            self._broadcast(self.name, self._own_alive())
+            self._broadcast(self.name, alive)
 
     def _own_alive(self) -> Alive:
         alive = self._alives[self.name] = Alive(self.name, self.addr, self.incarnation, self.role)
@@ -177,9 +178,8 @@ class Membership:
         return self._table.records()
 
     def has_heard(self, name: str) -> bool:
-        """Whether this node judges ``name``'s silence: true once it heard from that member (or another
-        member judged it), and for everyone once the startup grace is over. A view-0 member that dies before
-        anyone heard from it is judged only when the grace ends (``Config.startup_grace``)."""
+        """Whether this node judges ``name``'s silence: once it heard from that member (or another judged it),
+        and for everyone once the startup grace (``Config.startup_grace``) is over."""
         heard = self._heard
         return heard is None or name == self.name or name in heard or self._now >= self._grace_until
 
@@ -393,8 +393,8 @@ class Membership:
         """Members probed every round in addition to the round robin (``names``: subjects that may have
         failed), and members probed one per round in turn (``turns``: e.g. to refresh their progress).
         A first member in focus brings the next round forward to ``probe_interval`` after the last one
-        (rounds are ``probe_batch`` intervals apart only while nothing is in focus). ``now``: the time
-        of the caller's input (default: this machine's latest input)."""
+        (rounds are ``probe_batch`` intervals apart only while nothing is in focus). ``now``: the time of
+        the caller's input (default: this machine's latest)."""
         if now is not None and now > self._now:
             self._now = now
         sched = self._schedule
@@ -571,8 +571,7 @@ class Membership:
 
     # ------------------------------------------------------------------ dissemination of state
     def _on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
-        """``proven``: made from the member's own answer to our probe: taken unsigned, not relayed signed."""
-        auth = None if proven else self._auth
+        auth = None if proven else self._auth  # proven: from an ack to our probe (taken unsigned, not relayed)
         if msg.name == self.name:
             if msg.incarnation > self.incarnation and not self.left:
                 if auth is not None and not auth.check(msg.name, msg):
@@ -588,11 +587,12 @@ class Membership:
         elif cur is GONE:
             cur = None
         if cur is not None and msg.incarnation <= cur.incarnation:
+            if auth is not None and msg.sig and msg.incarnation == cur.incarnation:
+                antientropy.keep_signed(self, msg, cur)  # one we hold unsigned (view 0's, an ack's): to relay
             return
-        if auth is not None:
-            if not auth.check(msg.name, msg):
-                return self._count("rx_alive_unsigned")
-            self._alives[msg.name] = msg
+        if auth is not None and not auth.check(msg.name, msg):
+            return self._count("rx_alive_unsigned")
+        self._alives[msg.name] = msg
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
         self._table.set(rec, now)
         self._suspicions.pop(msg.name, None)
