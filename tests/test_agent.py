@@ -21,7 +21,8 @@ import pytest
 
 from gossiprec.core.machine import Machine
 from gossiprec.core.events import MemberFailed, MemberJoined, MemberLeft
-from gossiprec.core.wire import Alive, encode_packet
+from gossiprec.core.auth import KeyBook
+from gossiprec.core.wire import Alive, KeyClaim, encode_packet
 from gossiprec.errors import ConfigError
 from gossiprec.agent.hub import AgentLeaving
 from gossiprec.agent.jobspec import node_factory
@@ -29,6 +30,7 @@ from gossiprec.agent.pump import Agent
 from gossiprec.agent.timers import AlignedTimer, PlainTimer, loop_timer
 from gossiprec.security.crypto import Sealer
 from gossiprec.security.keyring import Keyring
+from gossiprec.security.signing import Ed25519Crypto
 from gossiprec.agent.settings import (
     DEFAULT_PORT, AgentSettings, add_agent_arguments, load_settings, settings_from_args, split_host_port,
 )
@@ -176,7 +178,9 @@ async def test_secure_cluster_counts_and_ignores_bad_datagrams(sockdir: str) -> 
         host, port = split_host_port(target.addr, 0)
         rejects = target.transport.rejects
         before = dict(rejects)
-        forged = encode_packet([Alive("evil", "127.0.0.1:9", 5, 0)])
+        evil = KeyBook("evil", Ed25519Crypto.generate())  # a newcomer: its key claim, then its own signed Alive
+        forged = encode_packet([KeyClaim("evil", evil.crypto.public_key),
+                                evil.sign(Alive("evil", "127.0.0.1:9", 5, 0))])
         right = Sealer(Keyring([KEY_A]), "gossiprec")
         wrong = Sealer(Keyring([KEY_B]), "gossiprec")
         plain = Sealer(None, "gossiprec", insecure=True)
