@@ -73,7 +73,7 @@ async def test_forged_accusations_suspect_nobody(workdir: str) -> None:
         assert _inc(victim) == inc and {r[2] for r in _records(agents, victim.name)} == {ALIVE}
 
 
-async def test_an_accusation_above_a_members_incarnation_raises_nothing(workdir: str) -> None:
+async def test_a_forged_accusation_at_the_last_incarnation_raises_nothing(workdir: str) -> None:
     async with keyed_cluster(workdir) as (agents, _):
         view, subs = await _setup(agents)
         victim, accuser = agents[0], agents[2]
@@ -81,10 +81,10 @@ async def test_an_accusation_above_a_members_incarnation_raises_nothing(workdir:
         # refuted, it would leave the victim at the last incarnation there is: never able to refute again
         forged = [Suspect(victim.name, MAX_INCARNATION - 1, accuser.name),
                   Dead(victim.name, MAX_INCARNATION - 1, accuser.name)]
-        before = [_count(a, "rx_accusation_ahead") for a in agents]
+        before = [_count(a, "rx_accusation_unsigned") for a in agents]
         KeyHolder(KEY_A).send(forged, _addrs(agents, accuser.name))
         await _refused_by_all([a for a in agents if a is not accuser],
-                              [b for a, b in zip(agents, before) if a is not accuser], "rx_accusation_ahead")
+                              [b for a, b in zip(agents, before) if a is not accuser], "rx_accusation_unsigned")
         await _unchanged(agents, subs, view)
         assert _inc(victim) == inc
 

@@ -4,16 +4,19 @@ What it decides: what a push-pull carries (every member's address, incarnation, 
 latest progress) and what a received one changes in a :class:`~gossiprec.core.membership.Membership`'s
 table. A push-pull goes to one random live member every ``Config.pushpull_period(n)`` (it grows with N,
 so that the load per member stays flat), on the reliable stream; one that is not a reply is answered
-with our own; a joiner sends one to its seeds (``join=True``), our key claim ahead of it.
+with our own; a joiner sends one to its seeds (``join=True``), our key claim ahead of it, and the seed's
+answer carries the key claims the seed has bound ahead of its rows.
 
 With per-member signatures a row is only a relayed copy of its member's own word: it carries the
 signature of that member's Alive at the row's incarnation (each member keeps the latest signed Alive of
-every other, also one that told it nothing new: a joiner learns the members from such rows), and is
-taken like that Alive, so it can never move a member to another address or raise
-its incarnation in another's name. The row's suspicion, death or departure is the sender's table, which
-nobody signed, and changes nothing: those travel as signed Suspect and Dead messages. Without
-signatures a row is taken as an Alive, a Suspect by the sender, a Dead by the sender or the member's
-own leave, by its status.
+every other, also one that told it nothing new: a joiner learns the members from such rows), and is taken
+like that Alive, so it can never move a member to another address or raise its incarnation in another's
+name. A row about a member the receiver does not know, without a signature it can check (the sender never
+got one, or the member's key is not bound here yet), makes the member known at incarnation 0: probed, and
+outranked by any word of its own. The row's suspicion, death or departure is the sender's table, which
+nobody signed, and changes nothing: those travel as signed Suspect and Dead messages. Without signatures
+a row is taken as an Alive, a Suspect by the sender, a Dead by the sender or the member's own leave, by
+its status.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from gossiprec.core.auth import claims_of
 from gossiprec.core.records import MemberInfo, Send
-from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, Progress, PushPull, Suspect, encode_packet
+from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, KeyClaim, Progress, PushPull, Suspect, encode_packet
 
 if TYPE_CHECKING:
     from gossiprec.core.membership import Membership
@@ -70,11 +73,21 @@ def keep_signed(m: Membership, alive: Alive, rec: MemberInfo) -> None:
 
 def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
     if not msg.reply:
-        m._sends.append(Send(msg.src_addr, encode_packet([pushpull(m, msg.join, True)]), True))
-    signed = m.auth is not None
+        auth = m.auth  # a joiner gets the keys we bound ahead of the rows, so that it can check them at once
+        keys = () if auth is None or not msg.join else tuple(
+            KeyClaim(n, k) for n, k in auth.keys.items() if m.member(n) is not None)
+        m._sends.append(Send(msg.src_addr, encode_packet([*keys, pushpull(m, msg.join, True)]), True))
+    auth = m.auth
+    signed = auth is not None
     for name, addr, inc, status, role, pver, step, phase, step_ms, sig in msg.members:
         if status <= SUSPECT:
-            m._on_alive(Alive(name, addr, inc, role, sig), now)
+            alive = Alive(name, addr, inc, role, sig)
+            if auth is not None and m.member(name) is None and not (sig and auth.check(name, alive)):
+                # unknown here, and not provably its word (no signature kept, or its key not yet bound):
+                # known at incarnation 0, which any word of its own outranks
+                m._on_alive(Alive(name, addr, 0, role), now, proven=True)
+            else:
+                m._on_alive(alive, now)
             if status == SUSPECT and not signed:
                 m._on_suspect(Suspect(name, inc, msg.src), now)
         elif signed:

@@ -16,17 +16,15 @@ removed from the view loses its binding, so a restarted process (a new key) can 
 
 What is signed, and checked against the named author: SWIM's Alive (the member: only it raises its
 incarnation or moves its address; push-pull rows carry that signature, see
-:mod:`~gossiprec.core.antientropy`), Suspect and an observer's Dead (the accuser, and never about an
-incarnation above the one the receiver knows: one rumour must not raise a member's incarnation, at
-worst to the last one there is, after which it could never refute), alerts (observer), graceful leaves (the
-member), fast votes (voter, one :class:`~gossiprec.core.wire.Vote` each; unsigned bitmaps are
-ignored), prepares and accepts (coordinator), promises and accepteds (acceptor), the job's end (the
-trainer), and catch-up views (sender, who must be a member of the view the receiver holds). A
+:mod:`~gossiprec.core.antientropy`), Suspect and an observer's Dead (the accuser), alerts (observer),
+graceful leaves (the member), fast votes (voter, one :class:`~gossiprec.core.wire.Vote` each; unsigned
+bitmaps are ignored), prepares and accepts (coordinator), promises and accepteds (acceptor), the job's
+end (the trainer), and catch-up views (sender, who must be a member of the view the receiver holds). A
 ``Decided`` decides nothing alone: each member counts the signed quorum itself (see
-:mod:`gossiprec.core.consensus`). The signature covers the message's wire row without its ``sig``
-field (the type id included, so one kind never passes as another); relayed messages carry their
-author's signature, so every copy is checked however it came. Results are cached by signature: each
-distinct signed item is verified once, however many times gossip delivers it.
+:mod:`gossiprec.core.consensus`). The signature covers the message's wire row without its ``sig`` field
+(the type id included, so one kind never passes as another); relayed messages carry their author's
+signature, so every copy is checked however it came. Results are cached by signature: each distinct
+signed item is verified once, however many times gossip delivers it.
 
 Trust on first use: a holder of the cluster key present *before* a member's first claim reaches a
 receiver (at job start, or while a removed member rejoins) can bind that name to its own key there;
@@ -175,12 +173,9 @@ class KeyBook:
         self._remember(sig, author, data)
         return True
 
-    def accusation(self, msg: Message, accuser: str, incarnation: int, known: int) -> bool:
-        """Whether a SWIM accusation (a Suspect, an observer's Dead) counts: ``accuser``'s own signed word,
-        about the incarnation ``known`` here or an older one. A refusal is counted."""
-        if incarnation > known:
-            self._count("rx_accusation_ahead")  # a rumour never raises an incarnation
-            return False
+    def accusation(self, msg: Message, accuser: str) -> bool:
+        """Whether a SWIM accusation (a Suspect, an observer's Dead) counts: ``accuser``'s own signed word.
+        A refusal is counted."""
         if not self.check(accuser, msg):
             self._count("rx_accusation_unsigned")
             return False

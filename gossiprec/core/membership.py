@@ -605,7 +605,7 @@ class Membership:
 
     def _on_suspect(self, msg: Suspect, now: float) -> None:
         if msg.name == self.name:
-            if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg, self.incarnation):
+            if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg):
                 self._refute(msg.incarnation, msg.src, now)  # (older rumours: already refuted)
             return
         if self._heard is not None and msg.src != self.name:
@@ -621,14 +621,14 @@ class Membership:
             return  # unknown, or dead/left (the forgotten marker GONE is DEAD), or older news
         susp = self._suspicions.get(msg.name)
         if cur.status == SUSPECT and susp is not None and msg.incarnation == cur.incarnation:
-            if msg.src in susp.accusers or len(susp.accusers) > susp.k or self._refused(msg, cur.incarnation):
+            if msg.src in susp.accusers or len(susp.accusers) > susp.k or self._refused(msg):
                 return
             susp.accusers.add(msg.src)
             self._broadcast(msg.name, msg)
             if not susp.verifying:
                 self._arm(msg.name, susp)
             return
-        if self._refused(msg, cur.incarnation):
+        if self._refused(msg):
             return
         susp = Suspicion.begin(self.config, table.n_live, msg.incarnation, now, msg.src)
         self._suspicions[msg.name] = susp
@@ -674,13 +674,13 @@ class Membership:
     def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
         self._on_dead(sign_if(self._auth, Dead(name, incarnation, self.name)), now)
 
-    def _refused(self, msg: Suspect | Dead, known: int) -> bool:
+    def _refused(self, msg: Suspect | Dead) -> bool:
         auth = self._auth  # signed: the accuser's own word (see KeyBook.accusation)
-        return auth is not None and not auth.accusation(msg, msg.src, msg.incarnation, known)
+        return auth is not None and not auth.accusation(msg, msg.src)
 
     def _on_dead(self, msg: Dead, now: float) -> None:
         if msg.name == self.name:
-            if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg, self.incarnation):
+            if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg):
                 self._refute(msg.incarnation, msg.src, now)
             return
         if self._heard is not None and msg.src != self.name:
@@ -694,7 +694,7 @@ class Membership:
         leaving = msg.src == msg.name
         if leaving and self._auth is not None and not self._auth.check(msg.name, msg):
             return self._count("rx_leave_unsigned")  # a departure is the member's own signed word or nothing
-        if not leaving and self._refused(msg, cur.incarnation):
+        if not leaving and self._refused(msg):
             return
         table.set(MemberInfo(cur.name, cur.addr, msg.incarnation, LEFT if leaving else DEAD, cur.role), now)
         self._suspicions.pop(msg.name, None)
