@@ -23,7 +23,7 @@ from gossiprec.bench.hostile import KeyHolder
 from gossiprec.cli import main as cli_main
 from gossiprec.core.auth import KeyBook
 from gossiprec.core.view import REMOVE
-from gossiprec.core.wire import UNREACHABLE, Alert, Dead, KeyClaim
+from gossiprec.core.wire import UNREACHABLE, Alert, Dead, Hello, KeyClaim
 from gossiprec.errors import ConfigError, SecurityError
 from gossiprec.security.signing import Ed25519Crypto, SigningKeyError, load_signing_key
 from tests.test_forgery_live import _addrs, _count, _refused_by_all, _unchanged
@@ -168,4 +168,25 @@ async def test_a_key_holder_cannot_claim_a_pinned_members_name_nor_evict_it(work
         for a in agents:
             book = a.machine.auth  # type: ignore[union-attr]
             assert all(book.key_of(b.name) == b.machine.auth.crypto.public_key for b in agents)  # type: ignore[union-attr]
+        await _unchanged(agents, subs, view)
+
+
+async def test_a_forged_restart_of_a_pinned_member_evicts_nothing(workdir: str) -> None:
+    async with keyed_cluster(workdir, pinned=True) as (agents, _):
+        view = _view(agents[0])
+        assert view is not None
+        epoch, config, _ = view
+        victim = agents[3]
+        node = agents[0].machine
+        observers = set(node._overlay(node.view).observers(victim.name))  # type: ignore[union-attr]
+        watchers = [a for a in agents if a.name in observers]
+        assert watchers
+        subs = [a.subscribe() for a in agents]
+        # "a new process of the victim started": its observers would alert it as restarted, and evict it
+        later = victim.machine.incarnation + 10**6  # type: ignore[union-attr]
+        before = [_count(a, "rx_hello_unsigned") for a in watchers]
+        KeyHolder(KEY_A).send([Hello(victim.name, victim.addr, later, epoch, config),
+                               Hello(victim.name, victim.addr, later + 1, epoch, config, bytes(64))],
+                              _addrs(agents, victim.name))
+        await _refused_by_all(watchers, [b + 1 for b in before], "rx_hello_unsigned")
         await _unchanged(agents, subs, view)

@@ -25,6 +25,7 @@ import hashlib
 from typing import TYPE_CHECKING, Any
 
 from gossiprec.core import timers
+from gossiprec.core.auth import sign_if
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.consensus import ChangeRow, changes_from_rows
 from gossiprec.core.membership import Membership
@@ -287,7 +288,7 @@ class CatchUp:
             # every Hello was lost); a job's first start, all on view 0, asks nobody at once
             self.catch_up(now)
         ov = node._overlay(v)
-        msg = Hello(node.name, node.addr, node.start_incarnation, v.epoch, v.config_id)
+        msg = sign_if(node.auth, Hello(node.name, node.addr, node.start_incarnation, v.epoch, v.config_id))
         for name in dict.fromkeys(ov.observers(node.name) + ov.joiner_observers(node.name)):
             m = v.member(name)
             if m is not None and name != node.name:
@@ -307,7 +308,8 @@ class CatchUp:
             node.spec_mismatch(msg.node, msg.config, None, now)
             if self._may_push(msg.node, v, now):
                 self.send_news(msg.addr, self.view_state())
-                self.swim.send_addr(msg.addr, Hello(node.name, node.addr, node.start_incarnation, 0, v.config_id))
+                self.swim.send_addr(msg.addr, sign_if(node.auth, Hello(node.name, node.addr, node.start_incarnation,
+                                                                       0, v.config_id)))
             return
         if v.epoch > msg.epoch or (v.epoch == msg.epoch and v.config_id != msg.config):
             # it holds an older view (restarted from the job spec, say): our news, straight back; each of
@@ -318,7 +320,10 @@ class CatchUp:
             self.catch_up(now)
         if node.name in v and msg.node in v and node.name in node._overlay(v).observers(msg.node):
             first = self.swim.first_acked(msg.node)
-            if first is not None and first < msg.incarnation:
+            auth = node.auth  # a pinned member's restart is its own signed word (another's Hello evicts it)
+            if auth is not None and msg.node in auth.pinned and not auth.check(msg.node, msg):
+                node.counters["rx_hello_unsigned"] = node.counters.get("rx_hello_unsigned", 0) + 1
+            elif first is not None and first < msg.incarnation:
                 # we had answers from an older process of it (the Hello names the incarnation its process
                 # started at, not the current one, which rises with every refutation): that process (and
                 # its trainer's state) is gone, and its place in the view with it; the new one joins as a spare

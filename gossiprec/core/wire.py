@@ -651,20 +651,20 @@ class JoinRequest(Message):
     epoch: int
 
 
-@message(35, NAME, ADDR, U64, EPOCH, _text(32, allow_empty=True))
+@message(35, NAME, ADDR, U64, EPOCH, _text(32, allow_empty=True), SIG)
 @value_class
 class Hello(Message):
     """A new process of ``node`` (started at ``incarnation``; refutations since do not count) holds view
-    (``epoch``, ``config``), which lists it: to its observers, for a while after it starts. An observer
-    that had answers from an older process of it alerts (``restarted``): the old process's place in the
-    view is not the new one's. A member holding a later view sends its news back (a process restarted
-    from the job spec holds view 0)."""
+    (``epoch``, ``config``), which lists it: to its observers, for a while after it starts. An observer that
+    had answers from an older process of it alerts (``restarted``): the old process's place is not the new
+    one's. A member holding a later view sends its news back (a restart from the job spec holds view 0)."""
 
     node: str
     addr: str
     incarnation: int
     epoch: int
     config: str
+    sig: bytes = b""  # by ``node``: required where its key is pinned (else its new key is not yet bound)
 
 
 @message(31, EPOCH, CFG, STEP, _optional(STEP), _uint(2**62), BITMAP)
