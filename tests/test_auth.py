@@ -92,3 +92,12 @@ def test_ed25519_refuses_malformed_keys_and_signatures() -> None:
     assert not c.verify(c.public_key[:31], b"data", sig)
     assert not c.verify(c.public_key, b"data", sig[:63])
     assert not c.verify(Ed25519Crypto.generate().public_key, b"data", sig)
+
+
+def test_a_swim_rumour_by_a_member_not_yet_bound_is_vouched_for_and_counted() -> None:
+    a, b = DigestCrypto.for_name("n1"), KeyBook("n2", DigestCrypto.for_name("n2"))
+    msg = KeyBook("n1", a).sign(JobDone(1, 5, "n1"))
+    assert b.vouched("n1", msg) and b.counters["rx_sig_unbound"] == 1  # its claim has not come yet
+    b.bind("n1", a.public_key)
+    assert b.vouched("n1", msg)
+    assert not b.vouched("n1", JobDone(1, 5, "n1")) and b.counters["rx_sig_invalid"] == 1  # bound: its own word

@@ -173,10 +173,20 @@ class KeyBook:
         self._remember(sig, author, data)
         return True
 
+    def vouched(self, author: str, msg: Message) -> bool:
+        """For SWIM's rumours: :meth:`check`, except that a rumour by a member whose key is not bound here
+        yet (its claims have not arrived) is taken, and counted: trust on first use leaves that name open to
+        any key holder anyway, while refusing it would hold a live member suspect (its refutation refused)
+        or keep a failure from spreading until the next claim comes."""
+        if self.key_of(author) is None:
+            self._count("rx_sig_unbound")
+            return True
+        return self.check(author, msg)
+
     def accusation(self, msg: Message, accuser: str) -> bool:
-        """Whether a SWIM accusation (a Suspect, an observer's Dead) counts: ``accuser``'s own signed word.
-        A refusal is counted."""
-        if not self.check(accuser, msg):
+        """Whether a SWIM accusation (a Suspect, an observer's Dead) counts: ``accuser``'s own signed word
+        (:meth:`vouched`). A refusal is counted."""
+        if not self.vouched(accuser, msg):
             self._count("rx_accusation_unsigned")
             return False
         return True

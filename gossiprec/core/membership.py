@@ -590,7 +590,7 @@ class Membership:
             if auth is not None and msg.sig and msg.incarnation == cur.incarnation:
                 antientropy.keep_signed(self, msg, cur)  # one we hold unsigned (view 0's, an ack's): to relay
             return
-        if auth is not None and not auth.check(msg.name, msg):
+        if auth is not None and not auth.vouched(msg.name, msg):
             return self._count("rx_alive_unsigned")
         self._alives[msg.name] = msg
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
