@@ -244,7 +244,8 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
                                   "prefixes must never be reused")
             if self._epochs is None:
                 self._epochs = EpochGroups(store, timeout=self._timeout, poll_interval=self._poll_interval,
-                                           host=self._host, keys=self._keys)
+                                           host=self._host, keys=self._keys,
+                                           seal_context=f"{KEY_PREFIX}{self.key}/")
             epochs = self._epochs
             if self._current is not None:
                 self._current.epoch_group.abort(f"superseded by epoch {epoch}")
