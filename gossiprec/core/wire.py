@@ -25,7 +25,7 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -147,6 +147,8 @@ PHASE = _uint(len(PHASES) - 1)
 ROLE = _uint(len(ROLES) - 1)
 STEP = _sint(-1, 2**62)
 MILLIS = _uint(2**31 - 1)
+MAX_COLL = 2**32 - 1
+COLL = _uint(MAX_COLL)  # collectives a trainer entered in its current step (see Progress.coll)
 SIG = _blob(64)  # a member's signature (gossiprec.core.auth); empty where the cluster runs without them
 KEY = _blob(64)
 
@@ -308,7 +310,7 @@ class IndirectPing(Message):
     nack: bool
 
 
-@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS)
+@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS, COLL)
 @value_class
 class Ack(Message):
     """Answer to a ping; carries the acker's incarnation and training progress."""
@@ -324,6 +326,8 @@ class Ack(Message):
     the trainer's own last report, not by when it happened to hear of it. Only acks carry it (an observer
     probes a rank it is about to judge); gossiped Progress records stay byte-identical as they spread, so
     receivers decode them from a cache."""
+    coll: int = 0
+    """As :attr:`Progress.coll`."""
 
 
 @message(4, U64, NAME)
@@ -361,7 +365,7 @@ class Dead(Message):
     sig: bytes = b""
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, COLL)
 @value_class
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner."""
@@ -372,16 +376,20 @@ class Progress(Message):
     step: int
     phase: int
     step_ms: int
+    coll: int = 0
+    """Collectives its trainer entered (issued) in step ``step`` so far, on every group: ranks that run
+    the same program issue the same collectives in the same order, so within a step a smaller count is
+    a rank further behind (the one the others wait for, in a hang)."""
 
 
-MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS)
+MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, COLL)
 
 
 @message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
 @value_class
 class PushPull(Message):
     """Anti-entropy: full state. ``members`` rows are
-    (name, addr, incarnation, status, role, progress_version, step, phase, step_ms)."""
+    (name, addr, incarnation, status, role, progress_version, step, phase, step_ms, coll)."""
 
     src: str
     src_addr: str
