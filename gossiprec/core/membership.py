@@ -530,8 +530,8 @@ class Membership:
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
         if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
-            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now, True,
-                             msg.stall_ms)
+            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now,
+                             True, msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive.

@@ -218,9 +218,10 @@ class Node:
     # ------------------------------------------------------------------ trainer side
     def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
         """The trainer's progress (``coll``: the collectives it entered in ``step`` so far, on all its
-        groups: see :attr:`~gossiprec.core.wire.Progress.coll`); a report that jumps further ahead of the previous one than synchronous
-        training can go in the time between them (see ``AgreementConfig.step_floor_ms``) raises
-        :class:`~gossiprec.errors.ProtocolError` and nothing is kept."""
+        groups: see :attr:`~gossiprec.core.wire.Progress.coll`); a report that jumps further ahead of the
+        previous one than synchronous training can go in the time between them (see
+        ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError` and nothing is
+        kept."""
         prev, prev_phase, prev_ms = self._my_progress
         if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
             # (out of recovering a rank may land at any step: the state it received)

@@ -1,8 +1,8 @@
 """Other members' training progress, as this node last heard it (acks, gossip, push-pull).
 
 What it decides: the (step, phase, collectives entered, step time) on record for each member, how fresh
-it is (``seen_at``) and since when that position (step, phase, collectives) is current (``since``: the start of a stall, for the hang check), and
-which records ride on the next outgoing packet (round robin).
+it is (``seen_at``) and since when that position (step, phase, collectives) is current (``since``: the
+start of a stall, for the hang check), and which records ride on the next outgoing packet (round robin).
 
 Sources: an ack's progress is the owner's own word, with the age of its position (``stall_ms``), and
 always replaces ours; gossiped records (a version per owner update) replace ours only when newer. Both
