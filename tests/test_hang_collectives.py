@@ -135,3 +135,46 @@ def test_the_collective_count_dates_the_stall() -> None:
     book.heard(Progress("n5", 1, 0, 5, COMPUTE, 100, 1), 0.9, True, 300)
     assert book.get("n5").since == pytest.approx(0.6)  # an ack's age dates it earlier, never later
     assert [p.coll for p in book.take_turns(1)] == [1]  # gossiped on with its count
+
+
+def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_completes() -> None:
+    """What a trainer writes to its page: every collective entered moves the count (reset per step); a
+    slow one reports ``waiting`` until it completes, then the phase it was in (a rank that stalls later
+    in the step, outside any collective, must not read as waiting)."""
+    import shutil
+    import tempfile
+
+    from gossiprec.local.progress import ProgressPage, page_path_for
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    d = tempfile.mkdtemp(prefix="grp", dir="/tmp")
+    try:
+        path = page_path_for(f"{d}/a.sock")
+        with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as page:
+            rt = object.__new__(ResilientTrainer)  # (only the reporting half of a trainer)
+            rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
+            rt.step = 4
+
+            def seen() -> tuple[int, int, str]:
+                rec = agent_side.read()
+                assert rec is not None
+                return rec.step, rec.coll, PHASES[rec.phase]
+
+            rt._entered()  # before any report: counted, nothing written
+            rt._report(5, "compute")
+            assert seen() == (5, 0, "compute")  # a new step: the count starts again
+            rt._entered()
+            rt._entered()
+            assert seen() == (5, 2, "compute")
+            rt._on_slow()
+            assert seen() == (5, 2, "waiting")
+            rt._on_resume()
+            assert seen() == (5, 2, "compute")
+            rt._on_resume()  # (not waiting: nothing changes)
+            assert seen() == (5, 2, "compute")
+            rt._report(5, "optimizer")
+            assert seen() == (5, 2, "optimizer")  # the same step keeps its count
+            rt._report(6, "compute")
+            assert seen() == (6, 0, "compute")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
