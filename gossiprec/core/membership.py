@@ -59,7 +59,7 @@ from gossiprec.core.progress import ProgressBook
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.suspicion import Suspicion
 from gossiprec.core.wire import (
-    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_COLL, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
+    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
     IndirectPing, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet,
     encode_parts,
 )
@@ -251,8 +251,8 @@ class Membership:
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
         if not isinstance(step_ms, int) or step_ms < 0:
             raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
-        if not isinstance(coll, int) or not 0 <= coll <= MAX_COLL:
-            raise ProtocolError(f"coll must be an integer 0..{MAX_COLL}, got {coll!r}")
+        if not isinstance(coll, int) or not 0 <= coll <= 2**32 - 1:  # (a u32 on the wire)
+            raise ProtocolError(f"coll must be an integer 0..2**32-1, got {coll!r}")
         step_ms = min(step_ms, MAX_MS)
         p = self._my_progress
         if (step, phase, coll) != (p.step, p.phase, p.coll):

@@ -147,8 +147,6 @@ PHASE = _uint(len(PHASES) - 1)
 ROLE = _uint(len(ROLES) - 1)
 STEP = _sint(-1, 2**62)
 MILLIS = _uint(2**31 - 1)
-MAX_COLL = 2**32 - 1
-COLL = _uint(MAX_COLL)  # collectives a trainer entered in its current step (see Progress.coll)
 SIG = _blob(64)  # a member's signature (gossiprec.core.auth); empty where the cluster runs without them
 KEY = _blob(64)
 
@@ -262,8 +260,7 @@ _T = TypeVar("_T")
 
 @dataclass_transform(eq_default=True)
 def value_class(cls: type[_T]) -> type[_T]:
-    """Decorator of the records built per packet (every wire message, ``Send``): a slotted
-    dataclass, equal and hashed by value, not ``frozen`` (see :class:`Message` for why)."""
+    """Per-packet records (every wire message, ``Send``): slotted, equal and hashed by value, not frozen."""
     return dataclass(slots=True, unsafe_hash=True)(cls)
 
 
@@ -281,8 +278,7 @@ class Message:
 
 
 _ROWS: dict[type, Callable[[Any], list[Any]]] = {}
-"""Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes tuples as arrays, so nested
-records need no conversion)."""
+"""Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes nested tuples as arrays)."""
 
 
 def _to_list(msg: Any) -> list[Any]:
@@ -310,7 +306,7 @@ class IndirectPing(Message):
     nack: bool
 
 
-@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS, COLL)
+@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS, U32)
 @value_class
 class Ack(Message):
     """Answer to a ping; carries the acker's incarnation and training progress."""
@@ -322,12 +318,10 @@ class Ack(Message):
     phase: int
     step_ms: int
     stall_ms: int = 0
-    """Milliseconds its (step, phase) had been current when this was sent: an observer dates a stall by
-    the trainer's own last report, not by when it happened to hear of it. Only acks carry it (an observer
-    probes a rank it is about to judge); gossiped Progress records stay byte-identical as they spread, so
-    receivers decode them from a cache."""
-    coll: int = 0
-    """As :attr:`Progress.coll`."""
+    """Milliseconds its position (step, coll, phase) had been current when sent: observers date a stall by
+    the trainer's own report. Only acks carry it (an observer probes a rank it is about to judge), so
+    gossiped Progress records stay byte-identical as they spread and decode from a cache."""
+    coll: int = 0  # as Progress.coll
 
 
 @message(4, U64, NAME)
@@ -365,10 +359,11 @@ class Dead(Message):
     sig: bytes = b""
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, COLL)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32)
 @value_class
 class Progress(Message):
-    """A member's training progress; ``version`` grows with every update by its owner."""
+    """A member's training progress; ``version`` grows with every update by its owner. ``coll``: the
+    collectives its trainer entered in ``step``, on every group (the hang check compares them)."""
 
     name: str
     incarnation: int
@@ -377,12 +372,9 @@ class Progress(Message):
     phase: int
     step_ms: int
     coll: int = 0
-    """Collectives its trainer entered (issued) in step ``step`` so far, on every group: ranks that run
-    the same program issue the same collectives in the same order, so within a step a smaller count is
-    a rank further behind (the one the others wait for, in a hang)."""
 
 
-MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, COLL)
+MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32)
 
 
 @message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
