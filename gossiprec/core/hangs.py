@@ -108,7 +108,7 @@ class HangCheck:
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node._my_progress
-                coll = node._my_coll
+                coll = self.swim._my_progress.coll
                 # (never judged: only the frontier, and when it was reached, count)
                 since = max(self.swim.progress_since, node._installed_at)
                 seen_at, began = now, self.swim.progress_since

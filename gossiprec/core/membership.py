@@ -243,17 +243,14 @@ class Membership:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
 
     def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
-        """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (it rides on acks and
-        gossip; acks also carry its age)."""
+        """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
         if not (isinstance(step, int) and -1 <= step <= 2**62):
             raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
         if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
-        if not isinstance(step_ms, int) or step_ms < 0:
-            raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
-        if not isinstance(coll, int) or not 0 <= coll <= 2**32 - 1:  # (a u32 on the wire)
-            raise ProtocolError(f"coll must be an integer 0..2**32-1, got {coll!r}")
-        step_ms = min(step_ms, MAX_MS)
+        if not isinstance(step_ms, int) or step_ms < 0 or not isinstance(coll, int) or coll < 0:
+            raise ProtocolError(f"step_ms must be a non-negative integer, and coll too; got {step_ms!r}, {coll!r}")
+        step_ms, coll = min(step_ms, MAX_MS), min(coll, 2**32 - 1)  # (coll: a u32 on the wire)
         p = self._my_progress
         if (step, phase, coll) != (p.step, p.phase, p.coll):
             self._my_since = now
@@ -501,9 +498,8 @@ class Membership:
             return
         if self._heard is not None:
             self._heard.add(msg.src)
-        p = self._my_progress
-        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age_ms(now - self._my_since),
-                  p.coll)
+        p, age = self._my_progress, age_ms(now - self._my_since)
+        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
@@ -513,8 +509,7 @@ class Membership:
         if relay is not None:
             if not relay.done:
                 relay.done = True
-                fwd = Ack(relay.orig_seq, msg.src, msg.incarnation, msg.step, msg.phase, msg.step_ms, msg.stall_ms,
-                          msg.coll)
+                fwd = Ack(relay.orig_seq, *(getattr(msg, f) for f in Ack.FIELDS[1:]))  # the answer as it came
                 self._send(relay.requester_addr, [fwd], piggyback=False)
             return
         probe = self._probes.get(msg.seq)

@@ -122,8 +122,6 @@ class Node:
         """What the trainer could serve (committed step, in-flight step, bytes): see :meth:`set_state`."""
         self._my_progress: tuple[int, int, int] = (-1, 0, 0)
         """The trainer's (step, phase, step time in ms): see :meth:`set_progress`."""
-        self._my_coll = 0
-        """The collectives the trainer entered in its current step (see :meth:`set_progress`)."""
         self._trouble_since: float | None = None
         """Since when this member waits for a change it cannot get decided (see the watchdog)."""
         self._early: list[Message] = []
@@ -217,11 +215,9 @@ class Node:
 
     # ------------------------------------------------------------------ trainer side
     def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
-        """The trainer's progress (``coll``: the collectives it entered in ``step`` so far, on all its
-        groups: see :attr:`~gossiprec.core.wire.Progress.coll`); a report that jumps further ahead of the
-        previous one than synchronous training can go in the time between them (see
-        ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError` and nothing is
-        kept."""
+        """The trainer's progress (``coll``: collectives entered in ``step``); a report that jumps further
+        ahead of the previous one than synchronous training can go in the time between them (see
+        ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError`, nothing kept."""
         prev, prev_phase, prev_ms = self._my_progress
         if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
             # (out of recovering a rank may land at any step: the state it received)
@@ -232,7 +228,6 @@ class Node:
                                     "training can do: report each step as it begins (a step counter gone wrong?)")
         self.swim.set_progress(step, phase, step_ms, now, coll)  # validates: raises before anything is kept
         self._my_progress = (step, phase, step_ms)
-        self._my_coll = coll
         if self.aggregates.held_until is not None:
             self._at(self._now, timers.REPORT)  # on the next tick: a state written with this progress lands first
 
