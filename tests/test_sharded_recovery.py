@@ -155,6 +155,36 @@ def test_sharded_job_spares_take_lost_shards_bit_identical(layout: str, tmp_path
         assert "all_gather" in by_rank_cause["forward"][2], res
 
 
+HANGS = {
+    # n2 hangs in forward, before its row-parallel all-reduce: its TP peer n3 waits inside it, the other
+    # replica in the gradient all-reduce
+    "forward": [Fault("n2", "hang", 4, "forward")],
+    # n1 hangs in backward after waiting in that step's TP all-reduce for n0 (slowed just before it): it
+    # had reported "waiting" earlier in the step
+    "after-a-wait": [Fault("n0", "slow", 4, "forward"), Fault("n1", "hang", 4, "backprop")],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(HANGS))
+def test_a_rank_hung_inside_a_step_is_the_one_evicted(case: str, tmp_path: Path, ref_dir: Path) -> None:
+    """A hang that the rank's own agent cannot see (the trainer sleeps: it runs and its agent answers),
+    found from the collective each rank has reached: exactly the hung rank is evicted, the spare takes it,
+    and the job ends bit-identical with nothing committed lost."""
+    from gossiprec.harness.sharded import run_sharded
+
+    res = run_sharded("tp", STEPS, HANGS[case], spares=1, workdir=str(tmp_path / "job"), timeout=300.0)
+    hang = next(f for f in res["faults"] if f["kind"] == "hang")
+    _check({**res, "faults": [hang]}, _reference("tp", ref_dir))
+    where = f"(logs in {res['workdir']})"
+    rank = int(hang["node"][1:])
+    # exactly the hung rank was replaced: the other three kept their nodes and ranks
+    assert [r for r, role in hang["roles"].items() if role == "receiver"] == [rank], (hang, where)
+    assert res["assignment"] == {r: "n4" if r == rank else f"n{r}" for r in range(4)}, (res, where)
+    if case == "forward":
+        assert "allreduce" in hang["causes"][3], (hang, where)  # its TP peer waited inside the TP all-reduce
+
+
 FULL_MATRIX = [(layout, kind, phase) for layout in ("tp", "hsdp")
                for kind, phase in (("kill", "forward"), ("kill", "backprop"), ("kill", "optimizer"),
                                    ("kill", "committed"), ("stop", "forward"))]

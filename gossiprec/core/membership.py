@@ -242,19 +242,19 @@ class Membership:
             if rec is not None:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
 
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
-        """Our trainer's progress at ``now`` (it rides on acks and gossip; acks also carry its age)."""
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
+        """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
         if not (isinstance(step, int) and -1 <= step <= 2**62):
             raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
         if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
-        if not isinstance(step_ms, int) or step_ms < 0:
-            raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
-        step_ms = min(step_ms, MAX_MS)
+        if not isinstance(step_ms, int) or step_ms < 0 or not isinstance(coll, int) or coll < 0:
+            raise ProtocolError(f"step_ms must be a non-negative integer, and coll too; got {step_ms!r}, {coll!r}")
+        step_ms, coll = min(step_ms, MAX_MS), min(coll, 2**32 - 1)  # (coll: a u32 on the wire)
         p = self._my_progress
-        if (step, phase) != (p.step, p.phase):
+        if (step, phase, coll) != (p.step, p.phase, p.coll):
             self._my_since = now
-        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms)
+        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms, coll)
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
@@ -498,8 +498,8 @@ class Membership:
             return
         if self._heard is not None:
             self._heard.add(msg.src)
-        p = self._my_progress
-        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age_ms(now - self._my_since))
+        p, age = self._my_progress, age_ms(now - self._my_since)
+        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
@@ -509,7 +509,7 @@ class Membership:
         if relay is not None:
             if not relay.done:
                 relay.done = True
-                fwd = Ack(relay.orig_seq, msg.src, msg.incarnation, msg.step, msg.phase, msg.step_ms, msg.stall_ms)
+                fwd = Ack(relay.orig_seq, *(getattr(msg, f) for f in Ack.FIELDS[1:]))  # the answer as it came
                 self._send(relay.requester_addr, [fwd], piggyback=False)
             return
         probe = self._probes.get(msg.seq)
@@ -525,8 +525,8 @@ class Membership:
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
         if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
-            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now, True,
-                             msg.stall_ms)
+            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now,
+                             True, msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive.
@@ -683,7 +683,7 @@ class Membership:
         self.incarnation = max(self.incarnation, accused_inc) + 1
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
         p = self._my_progress
-        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms)
+        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
         alive = Alive(self.name, self.addr, self.incarnation, self.role)
         self._broadcast(self.name, alive)
         self.awareness.apply(+1)
@@ -729,10 +729,10 @@ class Membership:
         for m in self.members():
             p = self._my_progress if m.name == self.name else self._book.records.get(m.name)
             if p is None:
-                rows.append((m.name, m.addr, m.incarnation, m.status, m.role, 0, -1, 0, 0))
+                rows.append((m.name, m.addr, m.incarnation, m.status, m.role, 0, -1, 0, 0, 0))
             else:
                 rows.append((m.name, m.addr, m.incarnation, m.status, m.role, p.version, p.step, p.phase,
-                             p.step_ms))
+                             p.step_ms, p.coll))
         return PushPull(self.name, self.addr, join, reply, tuple(rows))
 
     def _pushpull_round(self, now: float) -> None:
@@ -746,7 +746,7 @@ class Membership:
     def _on_pushpull(self, msg: PushPull, now: float) -> None:
         if not msg.reply:
             self._sends.append(Send(msg.src_addr, encode_packet([self._pushpull(msg.join, True)]), True))
-        for name, addr, inc, status, role, pver, step, phase, step_ms in msg.members:
+        for name, addr, inc, status, role, pver, step, phase, step_ms, coll in msg.members:
             if status <= SUSPECT:
                 self._on_alive(Alive(name, addr, inc, role), now)
                 if status == SUSPECT:
@@ -758,7 +758,7 @@ class Membership:
             elif self.auth is None or self.member(name) is not None:  # signed, a leave is not a table's row:
                 self._on_dead(Dead(name, inc, name if self.auth is None else msg.src), now)  # a failure report
             if pver > 0:
-                self._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
+                self._on_progress(Progress(name, inc, pver, step, phase, step_ms, coll), now)
 
     # ------------------------------------------------------------------ sending
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
