@@ -153,7 +153,7 @@ def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_comp
         with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as page:
             rt = object.__new__(ResilientTrainer)  # (only the reporting half of a trainer)
             rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
-            rt.step = 4
+            rt.step, rt.sharded = 4, None
 
             def seen() -> tuple[int, int, str]:
                 rec = agent_side.read()
@@ -174,6 +174,45 @@ def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_comp
             assert seen() == (5, 2, "compute")
             rt._report(5, "optimizer")
             assert seen() == (5, 2, "optimizer")  # the same step keeps its count
+            rt._report(6, "compute")
+            assert seen() == (6, 0, "compute")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_sharded_rank_reads_as_communicating_from_its_first_collective_on() -> None:
+    """In a sharded step the library never sees the optimizer step, and any collective may be the step's
+    last: from the first one on, the rank reports ``communicate``, a phase in which its agent holds the
+    state report of a view installed meanwhile until the rank commits or recovers (else a survivor that
+    commits the step just after reporting it in flight is rolled back a step)."""
+    import shutil
+    import tempfile
+
+    from gossiprec.core.aggregate import FINISHING
+    from gossiprec.local.progress import ProgressPage, page_path_for
+    from gossiprec.trainer.loop import ResilientTrainer
+
+    d = tempfile.mkdtemp(prefix="grp", dir="/tmp")
+    try:
+        path = page_path_for(f"{d}/a.sock")
+        with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as page:
+            rt = object.__new__(ResilientTrainer)  # (only the reporting half of a trainer)
+            rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
+            rt.step, rt.sharded = 4, object()
+
+            def seen() -> tuple[int, int, str]:
+                rec = agent_side.read()
+                assert rec is not None
+                return rec.step, rec.coll, PHASES[rec.phase]
+
+            rt._report(5, "compute")
+            assert seen() == (5, 0, "compute") and PHASES.index("compute") not in FINISHING
+            rt._entered()
+            assert seen() == (5, 1, "communicate") and PHASES.index("communicate") in FINISHING
+            rt._entered()
+            rt._on_slow()
+            rt._on_resume()  # a slow collective's end goes back to communicating, not to compute
+            assert seen() == (5, 2, "communicate")
             rt._report(6, "compute")
             assert seen() == (6, 0, "compute")
     finally:

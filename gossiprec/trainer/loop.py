@@ -736,8 +736,15 @@ class ResilientTrainer:
         """A collective is entered (on any group): the position the agents compare moves on. Only the
         page carries the count (the control socket's ``report`` has none: no message per collective)."""
         self._coll += 1
-        page = self._page
         step, phase = self._at
+        if self.sharded is not None and phase == "compute" and step >= 0:
+            # In a sharded step any collective may be the step's last, after which this rank commits
+            # without another word: from the first one on it reads as communicating, so that its
+            # agent holds the state report of a view installed meanwhile until the commit (or the
+            # recovery), instead of reporting a step this rank is about to commit as in flight.
+            self._report(step, "communicate")
+            return
+        page = self._page
         if page is not None and step >= 0:
             page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
 
