@@ -24,8 +24,8 @@ from gossiprec.core.wire import PHASES, Ack, Ping, Progress, decode_packet, enco
 
 CFG = Config.profile("lan")
 NAMES = [f"n{i}" for i in range(6)]
-COMPUTE, COMMUNICATE, WAITING, CHECKPOINT = (PHASES.index(p) for p in ("compute", "communicate", "waiting",
-                                                                        "checkpoint"))
+COMPUTE, COMMUNICATE, WAITING, CHECKPOINT, RECOVERING = (PHASES.index(p) for p in (
+    "compute", "communicate", "waiting", "checkpoint", "recovering"))
 STALL_AT = 0.1
 """When the positions below become current (before it, every rank is at step 5, collective 0, compute)."""
 Position = tuple[int, int, int]  # (step, coll, phase)
@@ -118,6 +118,24 @@ def test_two_ranks_stalled_at_different_collectives_only_the_lower_is_judged() -
     the other is judged only if it is still stalled once that one is gone (not here)."""
     layout = {**tp_hang(WAITING), "n4": (5, 2, COMPUTE), "n5": (5, 1, COMPUTE)}
     assert {s for _, s in hung_alerts(layout, 4.0)} == {"n5"}
+
+
+def test_a_rank_that_stays_in_its_step_while_the_others_recover_is_judged() -> None:
+    """A view change aborts every collective, so the others recover; a rank stuck outside any collective
+    never notices, and the new epoch's groups wait for it. It is behind the recovering ranks from when
+    they began to recover (here at the stall), and alone, after twice the threshold (the view must reach
+    its agent first)."""
+    layout = {**{n: (5, 0, RECOVERING) for n in NAMES}, "n5": (5, 2, COMPUTE)}
+    alerts = hung_alerts(layout, 4.0)
+    assert alerts and 2.1 - 1e-6 <= alerts[0][0] <= 2.1 + 0.5, alerts
+    assert {s for _, s in alerts} == {"n5"}, alerts
+
+
+def test_ranks_that_all_recover_or_wait_in_the_new_groups_are_no_ones_hang() -> None:
+    """Every rank recovering (building the new groups, fetching state), or some waiting inside a slow
+    collective while the rest recover: nobody is judged."""
+    assert hung_alerts({n: (5, 0, RECOVERING) for n in NAMES}, 4.0) == []
+    assert hung_alerts({**{n: (5, 0, RECOVERING) for n in NAMES}, "n5": (5, 2, WAITING)}, 4.0) == []
 
 
 def test_the_collective_count_dates_the_stall() -> None:

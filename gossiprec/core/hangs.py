@@ -27,7 +27,9 @@ began. Only a subject that answered one of our
 probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
-counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts. While a
+counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
+rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
+its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
 change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
 every other by more than synchronous training allows (one step, plus what the time between the reports
 permits: see ``AgreementConfig.step_floor_ms``) is the anomaly, not the ranks waiting for it: it is left
@@ -59,6 +61,8 @@ WAITING = PHASES.index("waiting")
 
 Position = tuple[int, int, int]
 """(step, collectives entered in that step, phase): the order in which a rank gets through a step."""
+AHEAD: Position = (1 << 63, 0, 0)
+"""Where recovering ranks stand: past every position of the step they left."""
 
 
 class HangCheck:
@@ -101,6 +105,8 @@ class HangCheck:
             return
         frontier: Position = (-1, 0, 0)
         times = []
+        recovering: list[float] = []
+        """When each recovering rank of the sample began recovering (never before this view's install)."""
         table: dict[str, tuple[int, int, int, float]] = {}
         """name -> (step, collectives, phase, since): its position and since when it is current"""
         seen: dict[str, tuple[float, float]] = {}
@@ -121,8 +127,13 @@ class HangCheck:
                 step, phase, ms, coll = p.step, p.phase, p.step_ms, p.coll
                 since = max(p.since, node._installed_at)
                 seen_at, began = p.seen_at, p.since
-            if step < 0 or phase == RECOVERING:
-                continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
+            if step < 0:
+                continue
+            if phase == RECOVERING:
+                # a recovering rank waits for its state (the recovery's own timeouts judge it), and it has
+                # left the step it was in: see ``moved_on`` below
+                recovering.append(since)
+                continue
             table[name] = (step, coll, phase, since)
             seen[name] = (seen_at, began)
             if ms > 0:
@@ -141,6 +152,12 @@ class HangCheck:
             if bogus in obs.subject_set and bogus not in obs.alerted:
                 obs.alerted[bogus] = IMPLAUSIBLE
                 obs.alert(bogus, REMOVE, IMPLAUSIBLE, now)
+        moved_on = min(recovering, default=None)
+        if moved_on is not None:
+            # Ranks recovering from this view's change have left their step; a rank still in it did not
+            # notice the change (stuck outside any collective: an abort reaches only a waiting one), and
+            # the new groups wait for it. It is behind them, from when they began to recover.
+            frontier = AHEAD
         passed: Callable[[Position], float] | None = None
         lowest: Position | None = None
         due = float("inf")
@@ -157,10 +174,12 @@ class HangCheck:
                     obs.alert(s, REMOVE, HUNG, now, retract=True)
                 continue
             if passed is None:
-                passed = _passed_since(table)  # (built once, only when someone is behind)
+                passed = _passed_since(table, moved_on)  # (built once, only when someone is behind)
                 lowest = _lowest(table, frontier)
             since = max(since, passed(pos))  # behind only since someone got past it
             limit = since + (max(threshold, acfg.checkpoint_timeout) if phase == CHECKPOINT else threshold)
+            if moved_on is not None:
+                limit += threshold  # the new view must reach its agent before the rank can notice it
             within = acfg.answered_within
             if now >= limit - within and now - obs.answered.get(s, -math.inf) > within:
                 # Judge only a subject that answered us just now (hung: alive but stuck; a crashed one is
@@ -179,7 +198,7 @@ class HangCheck:
                 obs.alert(s, REMOVE, HUNG, now)
             elif not stalled:
                 due = min(due, limit)
-                if frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
+                if moved_on is None and frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
                     alerted[f"straggler:{s}"] = HUNG
                     node._events.append(Straggler(s, frontier[0] - step, now))
         # a subject behind the frontier is judged the moment its threshold passes, not at the next
@@ -209,11 +228,14 @@ def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, 
     return top if lead > 2 + 2 * dt / step_s else None
 
 
-def _passed_since(table: dict[str, tuple[int, int, int, float]]) -> Callable[[Position], float]:
+def _passed_since(table: dict[str, tuple[int, int, int, float]],
+                  moved_on: float | None = None) -> Callable[[Position], float]:
     """For the sample's rows (step, collectives, phase, since), a function of a position: the earliest
     ``since`` among the rows ahead of it (a member ahead got past it no later than its current position
-    began)."""
+    began). ``moved_on``: when the first recovering rank began to recover (ahead of every position)."""
     rows = sorted(((step, coll, phase), since) for step, coll, phase, since in table.values())
+    if moved_on is not None:
+        rows.append((AHEAD, moved_on))
     # suffix minima: best[i] = min since over rows[i:]
     best = [0.0] * len(rows)
     low = math.inf
