@@ -31,7 +31,7 @@ import pytest
 from gossiprec.local.client import AsyncControlClient
 from gossiprec.local.protocol import ControlError
 from gossiprec.security.keyring import Keyring
-from tests.support.netns import NetnsCluster, NetnsHost, netns_unavailable, reap_stale
+from tests.support.netns import NetnsCluster, NetnsHost
 
 pytestmark = pytest.mark.netns
 
@@ -41,14 +41,6 @@ NAMES = [f"n{i}" for i in range(N)]
 SPARE = 4
 """n4 is the hot spare of view 0; n0-n3 are trainers with ranks 0-3."""
 START_TIMEOUT = 30.0
-
-
-@pytest.fixture(scope="module")
-def netns_ok() -> None:
-    reason = netns_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    reap_stale()
 
 
 def _job_spec(hosts: tuple[NetnsHost, ...]) -> str:

@@ -17,9 +17,6 @@ directory; every wait is for such an event, bounded by a generous timeout. Skipp
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -30,7 +27,7 @@ from gossiprec.harness.faults import Fault
 from gossiprec.harness.job import HOST_PORT, LocalJob, read_int
 from gossiprec.harness.scenario import STORE_HOST, Action, run_scenario
 from gossiprec.harness.timeline import timeline
-from tests.support.netns import NetnsCluster, netns_unavailable, reap_stale
+from tests.support.netns import NetnsCluster, kill_netns_pids
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -38,14 +35,6 @@ RANKS, SPARES = 3, 2
 HIDDEN = 32
 RUN_TIMEOUT = 240.0
 """Bound on a whole job (start-up of ten Python processes on a busy machine dominates)."""
-
-
-@pytest.fixture(scope="module")
-def netns_ok() -> None:
-    reason = netns_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    reap_stale()
 
 
 class NetnsHosts:
@@ -65,13 +54,7 @@ class NetnsHosts:
         self.net.drop_to(index)  # it hears nobody
 
     def kill_all(self, index: int) -> None:
-        ns = self.net.hosts[index].netns
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, check=True).stdout
-        for pid in pids.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_netns_pids(self.net.hosts[index].netns)
 
 
 @pytest.fixture

@@ -60,6 +60,27 @@ def test_round_trip_and_since(tmpdir_: str) -> None:
             agent_side.report(1, 0, 0)
 
 
+def test_the_collective_count_is_part_of_the_position(tmpdir_: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each collective the trainer enters moves its position (and its `since`); a write without a count
+    is collective 0."""
+    import gossiprec.local.progress as progress_module
+
+    clock = iter([10.0, 11.0, 12.0])
+    monkeypatch.setattr(progress_module.time, "monotonic", lambda: next(clock))
+    path = page_path_for(f"{tmpdir_}/a.sock")
+    with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as trainer:
+        compute = PHASES.index("compute")
+        trainer.report(7, compute, 120)
+        r0 = agent_side.read()
+        assert r0 is not None and (r0.coll, r0.since) == (0, 10.0)
+        trainer.report(7, compute, 120, 3)
+        r1 = agent_side.read()
+        assert r1 is not None and (r1.step, r1.phase, r1.coll, r1.since) == (7, compute, 3, 11.0)
+        trainer.report(7, compute, 125, 3)  # the same position: `since` stays
+        r2 = agent_side.read()
+        assert r2 is not None and (r2.coll, r2.since, r2.step_ms) == (3, 11.0, 125)
+
+
 def test_torn_or_busy_records_are_refused(tmpdir_: str) -> None:
     path = page_path_for(f"{tmpdir_}/a.sock")
     with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as trainer:

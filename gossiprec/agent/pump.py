@@ -123,6 +123,8 @@ class Agent:
         self.counters: dict[str, int] = {}
         self.hub = EventHub()
         self._progress = (-1, 0, 0)
+        self._coll = 0
+        """The collectives the trainer entered in its current step, as its page last said."""
         self.trainer_state: dict[str, Any] | None = None
         self._page: ProgressPage | None = None
         """The trainer's progress page (see :mod:`gossiprec.local.progress`), read by :meth:`_sync_page`."""
@@ -549,8 +551,9 @@ class Agent:
         m = self.machine
         if m is None:
             return
-        m.set_progress(step, phase, step_ms, self.clock())
+        m.set_progress(step, phase, step_ms, self.clock())  # (the control socket carries no collective count)
         self._progress = (step, phase, step_ms)
+        self._coll = 0
 
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
                           transfer_port: int | None) -> None:
@@ -595,11 +598,12 @@ class Agent:
                     raise ProtocolError(problem)
                 if self.trainer_state != dict(zip(_STATE_KEYS, state)):
                     self.control_set_state(*state)
-            if (rec.step, rec.phase, rec.step_ms) != self._progress:
+            if (rec.step, rec.phase, rec.step_ms) != self._progress or rec.coll != self._coll:
                 now = self.clock()
                 since = now - (time.monotonic() - rec.since)  # the page's stamps are CLOCK_MONOTONIC
-                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(since, now))
+                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(since, now), rec.coll)
                 self._progress = (rec.step, rec.phase, rec.step_ms)
+                self._coll = rec.coll
         except ProtocolError as exc:
             self._count("progress_page_invalid")
             self._throttle.warn("page", f"the trainer's progress page holds invalid values, ignored: {exc}")

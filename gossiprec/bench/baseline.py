@@ -371,8 +371,8 @@ def run_torchrun_job(spec: BaselineSpec, name: str, tmp: Path, *, checkpoint: bo
                     say(f"{name}: {spec.ranks} ranks training after {res.startup_s} s")
                 if kill and res.t_kill is None and done >= spec.kill_at:
                     pid = read_int(tmp / f"r{victim}-a0.pid")
+                    res.t_kill = time.monotonic()  # before the signal, as the recovery bench stamps it
                     os.kill(pid, signal.SIGKILL)
-                    res.t_kill = time.monotonic()
                     say(f"{name}: SIGKILL worker of rank {victim} (pid {pid}) after step {spec.kill_at}")
                 if time.monotonic() > deadline:
                     raise BaselineBenchError(f"{name}: the job did not finish within {spec.timeout:.0f} s; "

@@ -283,8 +283,10 @@ def run_trial(spec: RecoverySpec, index: int, tmp: Path, say: Callable[[str], No
                 raise RecoveryBenchError(f"trial {index}: the job did not reach step {spec.kill_at}; "
                                          f"see the logs in {tmp}")
             time.sleep(0.005)
-        pid = job.signal(names[victim], signal.SIGKILL)
+        # stamped before the signal: the exit bell makes the victim's agent leave within microseconds,
+        # often before a loaded orchestrator would run again after os.kill
         t_kill = time.monotonic()
+        pid = job.signal(names[victim], signal.SIGKILL)
         res.loadavg_1m = round(os.getloadavg()[0], 2)
         say(f"trial {index}: SIGKILL trainer of {names[victim]} (rank {victim}, pid {pid})")
         for i, p in enumerate(procs):
@@ -308,7 +310,7 @@ def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float) ->
     res.rto_s = tl["rto_s"]
     res.phases_s = dict(tl["phases_s"])
     for phase, value in tl["phases_s"].items():
-        if value is not None and value < 0:  # e.g. a suspicion of a starved member during start-up
+        if value is not None and value < 0:  # an older failure event (the kill is stamped before it is sent)
             res.phases_s[phase] = None
             res.notes.append(f"{phase} was {value} s: a failure event before the kill masks the real one")
     res.lost_steps = tl["lost_steps"]

@@ -39,10 +39,10 @@ def pushpull(m: Membership, join: bool, reply: bool) -> PushPull:
         a = alives.get(r.name)
         sig = a.sig if a is not None and a.incarnation == r.incarnation else b""
         if p is None:
-            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, sig))
+            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, 0, sig))
         else:
             rows.append((r.name, r.addr, r.incarnation, r.status, r.role, p.version, p.step, p.phase,
-                         p.step_ms, sig))
+                         p.step_ms, p.coll, sig))
     return PushPull(m.name, m.addr, join, reply, tuple(rows))
 
 
@@ -79,7 +79,7 @@ def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
         m._sends.append(Send(msg.src_addr, encode_packet([*keys, pushpull(m, msg.join, True)]), True))
     auth = m.auth
     signed = auth is not None
-    for name, addr, inc, status, role, pver, step, phase, step_ms, sig in msg.members:
+    for name, addr, inc, status, role, pver, step, phase, step_ms, coll, sig in msg.members:
         if status <= SUSPECT:
             alive = Alive(name, addr, inc, role, sig)
             if auth is not None and m.member(name) is None and not (sig and auth.check(name, alive)):
@@ -98,4 +98,4 @@ def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
         else:
             m._on_dead(Dead(name, inc, name), now)
         if pver > 0:
-            m._on_progress(Progress(name, inc, pver, step, phase, step_ms), now)
+            m._on_progress(Progress(name, inc, pver, step, phase, step_ms, coll), now)

@@ -1,25 +1,35 @@
 """The hang check: which of this member's subjects is hung (alive but stuck) or straggling.
 
 What it decides: a hang alert (or its retraction) about a subject, a :class:`Straggler` event, and when
-to check again. Inputs: the training progress (step, phase, step time, and since when that (step,
-phase) is current) of a sample of members, as SWIM last heard it, and when each subject last answered
+to check again. Inputs: the training progress (step, collectives entered, phase, step time, and since
+when that position is current) of a sample of members, as SWIM last heard it, and when each subject last answered
 one of our probes.
 
-Rule: the *frontier* is the most advanced (step, phase) in the sample (this member, its subjects and its
-observers: K random members each way, trainers only; in a hang every healthy rank waits at the frontier,
-so the sample shows it at O(K) per check instead of O(N)). A subject behind the frontier whose (step,
-phase) has not changed for ``max(hang_floor, hang_mult * median step time)`` (``checkpoint_timeout`` at
-least while it saves a checkpoint) *while others were ahead of it* is hung. The stall is dated from when
-that (step, phase) began (its owner's acks carry its age), but not before the earliest moment a member
-of the sample is known to have been past it (when its own current (step, phase) began), and never
-before this view's install. So a stall every rank shares (a slow collective, a file system, a long GC)
-is no one's hang: when the job resumes, this member sees its own progress at once and others' only at
-their next answer, and without the second bound every rank it had not heard from yet would look stalled
-since the stall began. Only a subject that answered one of our
+Rule: a rank's *position* is (step, collectives entered in that step, phase): ranks that run the same
+program issue the same collectives in the same order, so within a step the count says which collective
+each rank has reached. The *frontier* is the most advanced position in the sample (this member, its
+subjects and its observers: K random members each way, trainers only; in a hang every healthy rank waits
+at or near the frontier, so the sample shows it at O(K) per check instead of O(N)). A subject behind the
+frontier whose position has not changed for ``max(hang_floor, hang_mult * median step time)``
+(``checkpoint_timeout`` at least while it saves a checkpoint) *while others were ahead of it* is hung,
+with two exceptions that keep the ranks waiting for it out: a rank that reports ``waiting`` (inside a
+collective that waits on its peers) waits for someone else, and a rank with another one behind it (a
+smaller position, not waiting) is not the one the others wait for. So in a tensor-parallel hang (one
+rank stalled before collective k, its peer inside k, the other replica in the gradient all-reduce) only
+the first is judged: by the counts where the sample holds it, and where it does not because the
+others report ``waiting``. The stall is dated from when that position
+began (its owner's acks carry its age), but not before the earliest moment a member of the sample is
+known to have been past it (when its own current position began), and never before this view's
+install. So a stall every rank shares (a slow collective, a file system, a long GC) is no one's hang:
+when the job resumes, this member sees its own progress at once and others' only at their next answer,
+and without the second bound every rank it had not heard from yet would look stalled since the stall
+began. Only a subject that answered one of our
 probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
-counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts. While a
+counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
+rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
+its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
 change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
 every other by more than synchronous training allows (one step, plus what the time between the reports
 permits: see ``AgreementConfig.step_floor_ms``) is the anomaly, not the ranks waiting for it: it is left
@@ -47,6 +57,12 @@ if TYPE_CHECKING:
 
 RECOVERING = PHASES.index("recovering")
 CHECKPOINT = PHASES.index("checkpoint")
+WAITING = PHASES.index("waiting")
+
+Position = tuple[int, int, int]
+"""(step, collectives entered in that step, phase): the order in which a rank gets through a step."""
+AHEAD: Position = (1 << 63, 0, 0)
+"""Where recovering ranks stand: past every position of the step they left."""
 
 
 class HangCheck:
@@ -87,14 +103,18 @@ class HangCheck:
             # A change is under way: every rank waits for the new view, so stalls say nothing about hangs
             # (and an alert now would only start a second change behind the first).
             return
-        frontier = (-1, 0)
+        frontier: Position = (-1, 0, 0)
         times = []
-        table: dict[str, tuple[int, int, float]] = {}
+        recovering: list[float] = []
+        """When each recovering rank of the sample began recovering (never before this view's install)."""
+        table: dict[str, tuple[int, int, int, float]] = {}
+        """name -> (step, collectives, phase, since): its position and since when it is current"""
         seen: dict[str, tuple[float, float]] = {}
-        """name -> (when its record was heard, when its (step, phase) began): for the plausibility check"""
+        """name -> (when its record was heard, when its position began): for the plausibility check"""
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node._my_progress
+                coll = self.swim._my_progress.coll
                 # (never judged: only the frontier, and when it was reached, count)
                 since = max(self.swim.progress_since, node._installed_at)
                 seen_at, began = now, self.swim.progress_since
@@ -102,18 +122,23 @@ class HangCheck:
                 p = self.swim.progress(name)
                 if p is None or now - p.seen_at > acfg.progress_stale:
                     continue  # stale (maybe crashed): neither frontier nor judged
-                # the stall clock starts when this (step, phase) began (its age came on the wire), not at
-                # this check; and never before this view was installed
-                step, phase, ms = p.step, p.phase, p.step_ms
+                # the stall clock starts when this position began (its age came on the wire), not at this
+                # check; and never before this view was installed
+                step, phase, ms, coll = p.step, p.phase, p.step_ms, p.coll
                 since = max(p.since, node._installed_at)
                 seen_at, began = p.seen_at, p.since
-            if step < 0 or phase == RECOVERING:
-                continue  # a recovering rank waits for its state: the recovery's own timeouts judge it
-            table[name] = (step, phase, since)
+            if step < 0:
+                continue
+            if phase == RECOVERING:
+                # a recovering rank waits for its state (the recovery's own timeouts judge it), and it has
+                # left the step it was in: see ``moved_on`` below
+                recovering.append(since)
+                continue
+            table[name] = (step, coll, phase, since)
             seen[name] = (seen_at, began)
             if ms > 0:
                 times.append(ms)
-            frontier = max(frontier, (step, phase))
+            frontier = max(frontier, (step, coll, phase))
         if frontier[0] < 0 or not times:
             return
         median_s = statistics.median(times) / 1000.0
@@ -123,27 +148,38 @@ class HangCheck:
             # a rank ahead of every other by more than synchronous training allows (a counter gone wrong)
             # is the anomaly, not the ranks that wait for it: out of the frontier, and alerted if ours
             del table[bogus]
-            frontier = max((step, phase) for step, phase, _ in table.values())
+            frontier = max((step, coll, phase) for step, coll, phase, _ in table.values())
             if bogus in obs.subject_set and bogus not in obs.alerted:
                 obs.alerted[bogus] = IMPLAUSIBLE
                 obs.alert(bogus, REMOVE, IMPLAUSIBLE, now)
-        passed: Callable[[int, int], float] | None = None
+        moved_on = min(recovering, default=None)
+        if moved_on is not None:
+            # Ranks recovering from this view's change have left their step; a rank still in it did not
+            # notice the change (stuck outside any collective: an abort reaches only a waiting one), and
+            # the new groups wait for it. It is behind them, from when they began to recover.
+            frontier = AHEAD
+        passed: Callable[[Position], float] | None = None
+        lowest: Position | None = None
         due = float("inf")
         alerted = obs.alerted
         for s in obs.subjects:
             row = table.get(s)
             if row is None or alerted.get(s) == IMPLAUSIBLE:
                 continue
-            step, phase, since = row
-            if (step, phase) >= frontier:
+            step, coll, phase, since = row
+            pos = (step, coll, phase)
+            if pos >= frontier:
                 if alerted.get(s) == HUNG:
                     del alerted[s]
                     obs.alert(s, REMOVE, HUNG, now, retract=True)
                 continue
             if passed is None:
-                passed = _passed_since(table)  # (built once, only when someone is behind)
-            since = max(since, passed(step, phase))  # behind only since someone got past it
+                passed = _passed_since(table, moved_on)  # (built once, only when someone is behind)
+                lowest = _lowest(table, frontier)
+            since = max(since, passed(pos))  # behind only since someone got past it
             limit = since + (max(threshold, acfg.checkpoint_timeout) if phase == CHECKPOINT else threshold)
+            if moved_on is not None:
+                limit += threshold  # the new view must reach its agent before the rank can notice it
             within = acfg.answered_within
             if now >= limit - within and now - obs.answered.get(s, -math.inf) > within:
                 # Judge only a subject that answered us just now (hung: alive but stuck; a crashed one is
@@ -153,12 +189,16 @@ class HangCheck:
                 if now >= limit:
                     continue
             stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``
+            if stalled and (phase == WAITING or (lowest is not None and lowest < pos)):
+                # Inside a collective that waits on its peers, or with another rank behind it outside
+                # any collective: not the rank the others wait for (that one is judged on its own).
+                continue
             if stalled and s not in alerted:
                 alerted[s] = HUNG
                 obs.alert(s, REMOVE, HUNG, now)
             elif not stalled:
                 due = min(due, limit)
-                if frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
+                if moved_on is None and frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
                     alerted[f"straggler:{s}"] = HUNG
                     node._events.append(Straggler(s, frontier[0] - step, now))
         # a subject behind the frontier is judged the moment its threshold passes, not at the next
@@ -168,7 +208,7 @@ class HangCheck:
             node._at(due, timers.HANG)
 
 
-def _implausible(table: dict[str, tuple[int, int, float]], seen: dict[str, tuple[float, float]],
+def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, tuple[float, float]],
                  step_s: float) -> str | None:
     """The one rank whose step is ahead of every other's by more than synchronous training allows: the
     next one's, plus what it may have advanced from when its step began to when the leader's report was
@@ -188,10 +228,14 @@ def _implausible(table: dict[str, tuple[int, int, float]], seen: dict[str, tuple
     return top if lead > 2 + 2 * dt / step_s else None
 
 
-def _passed_since(table: dict[str, tuple[int, int, float]]) -> Callable[[int, int], float]:
-    """For the sample's rows (step, phase, since), a function of a position: the earliest ``since``
-    among the rows ahead of it (a member ahead got past it no later than its current position began)."""
-    rows = sorted(((step, phase), since) for step, phase, since in table.values())
+def _passed_since(table: dict[str, tuple[int, int, int, float]],
+                  moved_on: float | None = None) -> Callable[[Position], float]:
+    """For the sample's rows (step, collectives, phase, since), a function of a position: the earliest
+    ``since`` among the rows ahead of it (a member ahead got past it no later than its current position
+    began). ``moved_on``: when the first recovering rank began to recover (ahead of every position)."""
+    rows = sorted(((step, coll, phase), since) for step, coll, phase, since in table.values())
+    if moved_on is not None:
+        rows.append((AHEAD, moved_on))
     # suffix minima: best[i] = min since over rows[i:]
     best = [0.0] * len(rows)
     low = math.inf
@@ -200,8 +244,16 @@ def _passed_since(table: dict[str, tuple[int, int, float]]) -> Callable[[int, in
         best[i] = low
     positions = [pos for pos, _ in rows]
 
-    def passed(step: int, phase: int) -> float:
-        i = bisect.bisect_right(positions, (step, phase))
+    def passed(pos: Position) -> float:
+        i = bisect.bisect_right(positions, pos)
         return best[i] if i < len(best) else math.inf
 
     return passed
+
+
+def _lowest(table: dict[str, tuple[int, int, int, float]], frontier: Position) -> Position:
+    """The smallest position among the sample's rows behind the frontier that are not waiting inside a
+    collective: only a rank there can be the one the others wait for (one further ahead waits for it,
+    or for a collective that it has not entered yet)."""
+    return min(((step, coll, phase) for step, coll, phase, _ in table.values()
+                if phase != WAITING and (step, coll, phase) < frontier), default=frontier)

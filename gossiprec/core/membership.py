@@ -259,19 +259,19 @@ class Membership:
             if rec is not None:
                 self._send(rec.addr, [dead], piggyback=True, dest=target)
 
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
-        """Our trainer's progress at ``now`` (it rides on acks and gossip; acks also carry its age)."""
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
+        """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
         if not (isinstance(step, int) and -1 <= step <= 2**62):
             raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
         if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
-        if not isinstance(step_ms, int) or step_ms < 0:
-            raise ProtocolError(f"step_ms must be a non-negative integer, got {step_ms!r}")
-        step_ms = min(step_ms, MAX_MS)
+        if not isinstance(step_ms, int) or step_ms < 0 or not isinstance(coll, int) or coll < 0:
+            raise ProtocolError(f"step_ms must be a non-negative integer, and coll too; got {step_ms!r}, {coll!r}")
+        step_ms, coll = min(step_ms, MAX_MS), min(coll, 2**32 - 1)  # (coll: a u32 on the wire)
         p = self._my_progress
-        if (step, phase) != (p.step, p.phase):
+        if (step, phase, coll) != (p.step, p.phase, p.coll):
             self._my_since = now
-        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms)
+        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms, coll)
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
@@ -516,8 +516,8 @@ class Membership:
             return
         if self._heard is not None:
             self._heard.add(msg.src)
-        p = self._my_progress
-        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age_ms(now - self._my_since))
+        p, age = self._my_progress, age_ms(now - self._my_since)
+        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def _on_ack(self, msg: Ack, now: float) -> None:
@@ -527,7 +527,7 @@ class Membership:
         if relay is not None:
             if not relay.done:
                 relay.done = True
-                fwd = Ack(relay.orig_seq, msg.src, msg.incarnation, msg.step, msg.phase, msg.step_ms, msg.stall_ms)
+                fwd = Ack(relay.orig_seq, *(getattr(msg, f) for f in Ack.FIELDS[1:]))  # the answer as it came
                 self._send(relay.requester_addr, [fwd], piggyback=False)
             return
         probe = self._probes.get(msg.seq)
@@ -543,8 +543,8 @@ class Membership:
         self.awareness.apply(-1)
         self._events.append(ProbeResult(probe.target, True, now))
         if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
-            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms), now, True,
-                             msg.stall_ms)
+            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now,
+                             True, msg.stall_ms)
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive (here; others need the signed one).
@@ -719,7 +719,7 @@ class Membership:
         self.incarnation = max(self.incarnation, accused_inc) + 1
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
         p = self._my_progress
-        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms)
+        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
         alive = self._own_alive()
         self._broadcast(self.name, alive)
         self.awareness.apply(+1)

@@ -214,10 +214,10 @@ class Node:
         heapq.heappush(self._timers, (when, self._tok, kind, epoch))
 
     # ------------------------------------------------------------------ trainer side
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float) -> None:
-        """The trainer's progress; a report that jumps further ahead of the previous one than synchronous
-        training can go in the time between them (see ``AgreementConfig.step_floor_ms``) raises
-        :class:`~gossiprec.errors.ProtocolError` and nothing is kept."""
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
+        """The trainer's progress (``coll``: collectives entered in ``step``); a report that jumps further
+        ahead of the previous one than synchronous training can go in the time between them (see
+        ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError`, nothing kept."""
         prev, prev_phase, prev_ms = self._my_progress
         if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
             # (out of recovering a rank may land at any step: the state it received)
@@ -226,7 +226,7 @@ class Node:
             if step - prev > 2 + 2 * elapsed / per_step:
                 raise ProtocolError(f"step jumped from {prev} to {step} in {elapsed:.3f} s, more than synchronous "
                                     "training can do: report each step as it begins (a step counter gone wrong?)")
-        self.swim.set_progress(step, phase, step_ms, now)  # validates: raises before anything is kept
+        self.swim.set_progress(step, phase, step_ms, now, coll)  # validates: raises before anything is kept
         self._my_progress = (step, phase, step_ms)
         if self.aggregates.held_until is not None:
             self._at(self._now, timers.REPORT)  # on the next tick: a state written with this progress lands first

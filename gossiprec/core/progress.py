@@ -1,12 +1,12 @@
 """Other members' training progress, as this node last heard it (acks, gossip, push-pull).
 
-What it decides: the (step, phase, step time) on record for each member, how fresh it is (``seen_at``)
-and since when that (step, phase) is current (``since``: the start of a stall, for the hang check), and
-which records ride on the next outgoing packet (round robin).
+What it decides: the (step, phase, collectives entered, step time) on record for each member, how fresh
+it is (``seen_at``) and since when that position (step, phase, collectives) is current (``since``: the
+start of a stall, for the hang check), and which records ride on the next outgoing packet (round robin).
 
-Sources: an ack's progress is the owner's own word, with the age of its (step, phase) (``stall_ms``), and
+Sources: an ack's progress is the owner's own word, with the age of its position (``stall_ms``), and
 always replaces ours; gossiped records (a version per owner update) replace ours only when newer. Both
-date a stall late, never early, so the earliest estimate is kept while the (step, phase) stays the same.
+date a stall late, never early, so the earliest estimate is kept while the position stays the same.
 """
 
 from __future__ import annotations
@@ -40,17 +40,17 @@ class ProgressBook:
         elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
             return
         version = msg.version if not direct else (cur.version if cur is not None else 0)
-        # the stall clock starts when the owner's (step, phase) began: an ack's age dates it; gossip only
+        # the stall clock starts when the owner's position began: an ack's age dates it; gossip only
         # says it was current by now (both err late, never early, so the earliest estimate is the best)
         since = now - stall_ms / 1000.0
-        if cur is not None and cur.step == msg.step and cur.phase == msg.phase:
-            since = min(since, cur.since)  # the same (step, phase) again: the stall clock keeps running
+        if cur is not None and cur.step == msg.step and cur.phase == msg.phase and cur.coll == msg.coll:
+            since = min(since, cur.since)  # the same position again: the stall clock keeps running
             if direct:
                 self.records[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
-                                                      msg.step_ms, now, since)
+                                                      msg.step_ms, now, since, cur.coll)
                 return
         self.records[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now,
-                                              since)
+                                              since, msg.coll)
 
     def take_turns(self, want: int) -> list[Progress]:
         """The next ``want`` records of the round robin, as messages (versionless ones are skipped)."""
@@ -67,5 +67,6 @@ class ProgressBook:
             self._cursor += 1
             want -= 1
             if info.version > 0:
-                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms))
+                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms,
+                                    info.coll))
         return out

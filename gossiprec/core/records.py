@@ -43,7 +43,9 @@ class ProgressInfo:
     seen_at: float
     """When anything about this member's progress was last heard (freshness)."""
     since: float
-    """When this (step, phase) was first heard: the start of a stall, as far as this member can tell."""
+    """When this (step, phase, coll) was first heard: the start of a stall, as far as this member can tell."""
+    coll: int = 0
+    """Collectives its trainer had entered in ``step`` (see :attr:`gossiprec.core.wire.Progress.coll`)."""
 
 
 @value_class

@@ -23,7 +23,7 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -258,8 +258,7 @@ _T = TypeVar("_T")
 
 @dataclass_transform(eq_default=True)
 def value_class(cls: type[_T]) -> type[_T]:
-    """Decorator of the records built per packet (every wire message, ``Send``): a slotted
-    dataclass, equal and hashed by value, not ``frozen`` (see :class:`Message` for why)."""
+    """Per-packet records (every wire message, ``Send``): slotted, equal and hashed by value, not frozen."""
     return dataclass(slots=True, unsafe_hash=True)(cls)
 
 
@@ -277,8 +276,7 @@ class Message:
 
 
 _ROWS: dict[type, Callable[[Any], list[Any]]] = {}
-"""Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes tuples as arrays, so nested
-records need no conversion)."""
+"""Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes nested tuples as arrays)."""
 
 
 def _to_list(msg: Any) -> list[Any]:
@@ -306,7 +304,7 @@ class IndirectPing(Message):
     nack: bool
 
 
-@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS)
+@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS, U32)
 @value_class
 class Ack(Message):
     """Answer to a ping; carries the acker's incarnation and training progress."""
@@ -318,10 +316,10 @@ class Ack(Message):
     phase: int
     step_ms: int
     stall_ms: int = 0
-    """Milliseconds its (step, phase) had been current when this was sent: an observer dates a stall by
-    the trainer's own last report, not by when it happened to hear of it. Only acks carry it (an observer
-    probes a rank it is about to judge); gossiped Progress records stay byte-identical as they spread, so
-    receivers decode them from a cache."""
+    """Milliseconds its position (step, coll, phase) had been current when sent: observers date a stall by
+    the trainer's own report. Only acks carry it (an observer probes a rank it is about to judge), so
+    gossiped Progress records stay byte-identical as they spread and decode from a cache."""
+    coll: int = 0  # as Progress.coll
 
 
 @message(4, U64, NAME)
@@ -361,10 +359,11 @@ class Dead(Message):
     sig: bytes = b""
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32)
 @value_class
 class Progress(Message):
-    """A member's training progress; ``version`` grows with every update by its owner."""
+    """A member's training progress; ``version`` grows with every update by its owner. ``coll``: the
+    collectives its trainer entered in ``step``, on every group (the hang check compares them)."""
 
     name: str
     incarnation: int
@@ -372,16 +371,17 @@ class Progress(Message):
     step: int
     phase: int
     step_ms: int
+    coll: int = 0
 
 
-MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, SIG)
+MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, SIG)
 
 
 @message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
 @value_class
 class PushPull(Message):
-    """Anti-entropy: full state. ``members`` rows are (name, addr, incarnation, status, role,
-    progress_version, step, phase, step_ms, the member's own signature of its Alive at that incarnation)."""
+    """Anti-entropy: full state. ``members`` rows are (name, addr, incarnation, status, role, progress_version,
+    step, phase, step_ms, coll, the member's own signature of its Alive at that incarnation)."""
 
     src: str
     src_addr: str

@@ -1,7 +1,9 @@
 """Faults for a local job's trainers: what kind, at which phase of which step, and the hook that fires them.
 
-A :class:`Fault` is one of ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``slow`` (a stall of
-:data:`SLOW_S`), ``hold`` (a stall until the trainer's agent has the plan of a newer view) or ``pause``
+A :class:`Fault` is one of ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``hang`` (the trainer
+sleeps at its phase until it is killed: a hang its own agent cannot see, since the process runs and
+answers), ``slow`` (a stall of :data:`SLOW_S`), ``hold`` (a stall until the trainer's agent has the
+plan of a newer view) or ``pause``
 (the whole node, agent and trainer, SIGSTOPped until the others have recovered without it, then
 SIGCONTed, the trainer first: the node is cut off, then heals, as a minority would) or ``reprovision``
 (the whole node SIGKILLed, then started again with the same job spec once the others have recovered
@@ -31,7 +33,7 @@ from typing import Callable, Sequence
 
 from gossiprec.errors import ConfigError
 
-FAULT_KINDS = ("kill", "stop", "slow", "hold", "pause", "reprovision", "crash")
+FAULT_KINDS = ("kill", "stop", "hang", "slow", "hold", "pause", "reprovision", "crash")
 OUTSIDE_ONLY = ("pause", "reprovision", "crash")
 """Kinds sent to a whole node from outside (no phase)."""
 SLOW_S = 0.3
@@ -46,8 +48,9 @@ seals the state and sends the header first; a receiver slowed by ``slow_fetch`` 
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """A fault for node ``node``'s trainer: ``kind`` kill (SIGKILL), stop (SIGSTOP, a hang), slow (it
-    stalls :data:`SLOW_S` seconds) or hold (it stalls until its agent has the plan of a newer view).
+    """A fault for node ``node``'s trainer: ``kind`` kill (SIGKILL), stop (SIGSTOP, a hang), hang (it
+    sleeps until killed), slow (it stalls :data:`SLOW_S` seconds) or hold (it stalls until its agent has
+    the plan of a newer view).
 
     ``phase`` None: the orchestrator sends the signal once the node has committed ``step`` (kill,
     stop). Otherwise the trainer acts itself at that phase of step ``step`` (see the module docstring;
@@ -128,5 +131,8 @@ class FaultInjector:
             return
         self.record.write_text(json.dumps({"kind": fault.kind, "phase": fault.phase, "step": step,
                                            "t": time.monotonic()}))
+        if fault.kind == "hang":  # alive and answering, stuck here: its launcher kills it once it is removed
+            while True:
+                time.sleep(3600)
         self.send(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGSTOP)
 

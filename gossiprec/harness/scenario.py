@@ -150,26 +150,27 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     say(f"the store of the current epoch is hosted by {host}")
             if i < len(sent) and sent[i].node != STORE_HOST and read_int(tmp / f"{sent[i].node}.step") >= sent[i].step:
                 f = sent[i]
+                # each fault is dated before it is made: what it causes can follow within microseconds
                 if f.kind == "crash":
-                    job.crash(f.node)
                     fault_at[i] = time.monotonic()
+                    job.crash(f.node)
                     say(f"crash of {f.node}'s host at step {read_int(tmp / f'{f.node}.step')}")
                 elif f.kind == "reprovision":  # the whole node dies; started again once the others recovered
                     paused[f.node] = _records_count(tmp, names, but=f.node)
+                    fault_at[i] = time.monotonic()
                     job.signal(f.node, signal.SIGKILL)  # in its own session: the launcher's death spares it
                     procs[f.node].kill()
                     procs[f.node].wait()
-                    fault_at[i] = time.monotonic()
                     say(f"SIGKILL agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
                 elif f.kind == "pause":  # the whole node (agent and trainer), until the others recovered
                     paused[f.node] = _records_count(tmp, names, but=f.node)
+                    fault_at[i] = time.monotonic()
                     procs[f.node].send_signal(signal.SIGSTOP)
                     job.signal(f.node, signal.SIGSTOP)
-                    fault_at[i] = time.monotonic()
                     say(f"SIGSTOP agent and trainer of {f.node} at step {read_int(tmp / f'{f.node}.step')}")
                 else:
-                    pid = job.signal(f.node, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
                     fault_at[i] = time.monotonic()
+                    pid = job.signal(f.node, signal.SIGKILL if f.kind == "kill" else signal.SIGSTOP)
                     say(f"{'SIGKILL' if f.kind == 'kill' else 'SIGSTOP'} trainer of {f.node} at step "
                         f"{read_int(tmp / f'{f.node}.step')} (pid {pid})")
             if lockstep and i < len(fault_at):

@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-A trainer changes phase three or four times per step (compute, communicate, optimizer, committed). A
+A trainer changes phase three or four times per step (compute, communicate, optimizer, committed), and
+counts every collective it enters (the position the hang check compares). A
 control-socket message for each change would wake the agent, which on a machine whose cores all
 compute preempts a trainer (the agent runs at a higher priority, so that a busy job cannot starve its
 failure detector). So the trainer writes each change into a small file both processes map, and the
@@ -11,17 +12,18 @@ carry the progress. A write is no system call; the agent never wakes for it.
 
 The agent creates the page beside its control socket (``<socket>.progress``, mode 0600, in the same
 private directory) and names it in its ``status`` reply (``progress_page``); a trainer that cannot
-open it falls back to the control socket's ``report`` and ``state`` messages. There is one writer (the
-trainer) and one reader (the agent).
+open it falls back to the control socket's ``report`` and ``state`` messages. There is one writing process (the
+trainer; its threads take turns through a lock) and one reader (the agent).
 
 Layout (little-endian)::
 
     0   4s  magic  b"GRPP"
     4   u32 version (1)
     8   u64 seq    seqlock: odd while a write is under way, +2 per record written, 0: never written
-    16  record:  step i64, phase u32, step_ms u32, since f64 (CLOCK_MONOTONIC when (step, phase)
+    16  record:  step i64, phase u32, step_ms u32, since f64 (CLOCK_MONOTONIC when (step, phase, coll)
                  last changed), committed_step i64 (-1: no state yet), inflight_step i64 (-1: none),
-                 state_bytes u64, transfer_port i32 (-1: none), crc32 of the record's other bytes u32
+                 state_bytes u64, transfer_port i32 (-1: none), coll u32 (collectives entered in step),
+                 crc32 of the record's other bytes u32
 
     1024  the exit bell: a process-shared robust pthread mutex (64 bytes; see :mod:`gossiprec.local.bell`)
     1088  u32 bell_ready (1: the agent set the bell up), u32 bell_pid (the trainer holding it; 0: none)
@@ -41,6 +43,7 @@ import mmap
 import os
 import stat
 import struct
+import threading
 import time
 import zlib
 from dataclasses import dataclass
@@ -50,10 +53,10 @@ from gossiprec.errors import ConfigError
 from gossiprec.local import bell
 
 MAGIC = b"GRPP"
-VERSION = 2
+VERSION = 3
 _HEAD = struct.Struct("<4sI")
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qIIdqqQi")
+_BODY = struct.Struct("<qIIdqqQiI")
 _CRC = struct.Struct("<I")
 SEQ_AT = _HEAD.size
 RECORD_AT = SEQ_AT + _SEQ.size
@@ -78,6 +81,7 @@ class ProgressRecord:
     inflight_step: int
     state_bytes: int
     transfer_port: int
+    coll: int = 0
 
     @property
     def has_state(self) -> bool:
@@ -100,7 +104,8 @@ class ProgressPage:
         self._armed = False
         self._seq = 0
         # the writer's current values: every write stores the whole record
-        self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1]
+        self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1, 0]
+        self._lock = threading.Lock()  # a report from a thread waiting in a collective meets the main one's
 
     @classmethod
     def create(cls, path: str, with_bell: bool = True) -> ProgressPage:
@@ -163,23 +168,26 @@ class ProgressPage:
         _BELL_INFO.pack_into(self._mm, BELL_INFO_AT, ready, os.getpid())
         return True
 
-    def report(self, step: int, phase: int, step_ms: int) -> None:
-        """Progress: step ``step`` in phase ``phase`` (index into ``PHASES``), last step time ``step_ms``."""
-        f = self._fields
-        if (step, phase) != (f[0], f[1]):
-            f[3] = time.monotonic()
-        f[0], f[1], f[2] = step, phase, step_ms
-        self._write()
+    def report(self, step: int, phase: int, step_ms: int, coll: int = 0) -> None:
+        """Progress: step ``step`` in phase ``phase`` (index into ``PHASES``), ``coll`` collectives
+        entered in it so far, last step time ``step_ms``."""
+        with self._lock:
+            f = self._fields
+            if (step, phase, coll) != (f[0], f[1], f[8]):
+                f[3] = time.monotonic()
+            f[0], f[1], f[2], f[8] = step, phase, step_ms, coll
+            self._write()
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
                   transfer_port: int | None) -> None:
         """What this rank could donate (as the control socket's ``state`` message)."""
-        f = self._fields
-        f[4] = committed_step
-        f[5] = -1 if inflight_step is None else inflight_step
-        f[6] = state_bytes
-        f[7] = -1 if transfer_port is None else transfer_port
-        self._write()
+        with self._lock:
+            f = self._fields
+            f[4] = committed_step
+            f[5] = -1 if inflight_step is None else inflight_step
+            f[6] = state_bytes
+            f[7] = -1 if transfer_port is None else transfer_port
+            self._write()
 
     def _write(self) -> None:
         if not self._writer:

@@ -327,12 +327,13 @@ class EpochGroups:
     ``poll_interval`` (seconds) is how often a waiting collective looks at its abort event. ``device``
     is the CUDA device for NCCL. ``host``: the address gloo's connections bind to (default: what the
     host name resolves to). ``keys``: seal every store value with the cluster's keys (see
-    :mod:`gossiprec.trainer.keys`).
+    :mod:`gossiprec.trainer.keys`); ``seal_context``: the store prefix the caller added below the epoch's
+    (the seal covers it too).
     """
 
     def __init__(self, store: dist.Store | None, *, backend: str = "gloo", timeout: float = 30.0,
                  poll_interval: float = 0.005, device: torch.device | int | None = None,
-                 host: str | None = None, keys: TransferKeys | None = None) -> None:
+                 host: str | None = None, keys: TransferKeys | None = None, seal_context: str = "") -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if not 0 < poll_interval <= 1.0 or timeout <= 0:
@@ -342,6 +343,7 @@ class EpochGroups:
         self.store = store
         self.host = host
         self.keys = keys
+        self.seal_context = seal_context
         self._sealed: dict[int, Any] = {}
         """The sealed wrapper of each store (by id): the Python objects must outlive every group built on
         them (the C++ side calls back into them)."""
@@ -481,7 +483,7 @@ class EpochGroups:
         if sealed is None:
             from gossiprec.trainer.keys import sealed_store
 
-            sealed = self._sealed[id(store)] = sealed_store(store, self.keys)
+            sealed = self._sealed[id(store)] = sealed_store(store, self.keys, self.seal_context)
             self._stores_seen.append(store)  # keeps the id from being reused by another store
         return sealed
 

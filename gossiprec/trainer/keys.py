@@ -281,8 +281,10 @@ def open_value(keys: TransferKeys, name: str, sealed: bytes) -> bytes:
     return bytes(value)
 
 
-def sealed_store(inner: Any, keys: TransferKeys) -> Any:
-    """A :class:`SealedStore` over the torch store ``inner`` (imports torch)."""
+def sealed_store(inner: Any, keys: TransferKeys, context: str = "") -> Any:
+    """A :class:`SealedStore` over the torch store ``inner`` (imports torch). ``context`` is prepended to
+    every name the tags cover: the prefix that layers above ``inner`` add (a managed group's), so that a
+    value copied from one group's names to another's fails authentication."""
     import torch.distributed as dist
 
     class SealedStore(dist.Store):  # type: ignore[misc]
@@ -295,10 +297,10 @@ def sealed_store(inner: Any, keys: TransferKeys) -> Any:
             self.inner = inner
 
         def set(self, key: str, value: bytes) -> None:
-            self.inner.set(key, seal_value(keys, key, bytes(value)))
+            self.inner.set(key, seal_value(keys, context + key, bytes(value)))
 
         def get(self, key: str) -> bytes:
-            return open_value(keys, key, bytes(self.inner.get(key)))
+            return open_value(keys, context + key, bytes(self.inner.get(key)))
 
         def wait(self, keys_: list[str], timeout: timedelta | None = None) -> None:
             if timeout is None:

@@ -34,10 +34,12 @@ collective that fails by itself raises too), and the trainer recovers in place
 from a receiving thread): for tracing and fault injection, not for long work.
 
 **Hangs.** A stopped or stuck trainer stays in its collective; the survivors leave theirs when the
-agents agree on a view without it: they find the hung rank by its (step, phase) stalled behind the
-others'. A rank frozen inside the all-reduce reported ``communicate`` like the peers waiting for it,
-so a rank whose collective is still pending ``wait_report_after`` seconds in reports ``waiting``
-(when the wire protocol's PHASES has it), which leaves the frozen rank behind. The hung process must
+agents agree on a view without it: they find the hung rank by its position (step, collectives entered
+in the step, phase) stalled behind the others'. Every collective entered, on any group, counts (the
+page carries the count), so a rank stuck before collective k is behind its peers inside k. A rank
+whose collective is still pending ``wait_report_after`` seconds in reports ``waiting`` until it
+completes (the agents never take a waiting rank for the hung one), which also leaves a rank frozen
+inside the all-reduce behind the peers waiting for it. The hung process must
 be killed by its launcher once its node is out of the view (``gossiprec run`` does); if it wakes first,
 its trainer drops its state and waits as a spare, as a fenced one does (:mod:`gossiprec.trainer.recovery`).
 
@@ -177,7 +179,8 @@ class ResilientTrainer:
                                   "groups one commit apart, and the step before the last commit is then the "
                                   "newest one every shard can serve")
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
-                                        slow_after=config.wait_report_after, on_slow=self._on_slow)
+                                        slow_after=config.wait_report_after, on_slow=self._on_slow,
+                                        on_resume=self._on_resume, on_issue=self._entered)
         else:
             _check_objects(objects, config)
         if config.backend == "nccl":
@@ -212,6 +215,13 @@ class ResilientTrainer:
         """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
         self._step_t0 = time.monotonic()
         self._step_ms = 0
+        self._at: tuple[int, str] = (-1, "idle")
+        """The (step, phase) last reported."""
+        self._resume_phase = "idle"
+        """The phase last reported other than ``waiting`` (what a slow collective's end reports again)."""
+        self._coll = 0
+        """Collectives entered in the reported step, on every group: this rank's position in the step,
+        which the agents compare across ranks to find the one the others wait for."""
         self._last_commit_at: float | None = None
         self._page: ProgressPage | None = None
         """The agent's progress page (:mod:`gossiprec.local.progress`): reports and state go there, without
@@ -379,6 +389,7 @@ class ResilientTrainer:
         if self._follower.trouble(self.epoch):
             self._recover("view change")
         self._step_t0 = time.monotonic()
+        self._coll = 0  # (a step redone after a recovery starts its count again)
         self._report(self.step + 1, "compute")
         self._snaps.copier.release()  # the last commit's small copies, on the thread, while this step computes
         self._hook(self.step + 1, "compute")
@@ -588,6 +599,7 @@ class ResilientTrainer:
             return False
         assert self.groups is not None and self.groups.current is not None
         try:
+            self._entered()
             pending = self.groups.current.allreduce(tensor, op, async_op=True)
             assert pending is not None
             self._snaps.copier.run_held()  # copies the thread has not begun, while the collective is on the wire
@@ -596,6 +608,7 @@ class ResilientTrainer:
                 self._hook(step, "communicate")  # the collective is in flight
             on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
             pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
+            self._on_resume()
             return True
         except CollectiveAborted as exc:
             self._recover(f"{exc.reason}: {exc}")
@@ -606,6 +619,7 @@ class ResilientTrainer:
         if self._follower.trouble(self.epoch):
             return None
         assert self.groups is not None and self.groups.current is not None
+        self._entered()
         return self.groups.current.allreduce(tensor, op, async_op=True)
 
     def _bucket_issued(self) -> None:
@@ -625,6 +639,7 @@ class ResilientTrainer:
                 self._snaps.copier.run_held()  # copies the thread has not begun, while the buckets are on the wire
             on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
             pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
+            self._on_resume()
 
         try:
             if self._buckets.finish(plist, wait):
@@ -710,6 +725,29 @@ class ResilientTrainer:
         if WAITING in PHASES:
             self._report(self.step + 1, WAITING)
 
+    def _on_resume(self) -> None:
+        """A collective that was slow completed: this rank is no longer waiting on its peers (a rank that
+        stalls later in the step, outside any collective, must not still read as waiting)."""
+        step, phase = self._at
+        if phase == WAITING:
+            self._report(step, self._resume_phase)
+
+    def _entered(self) -> None:
+        """A collective is entered (on any group): the position the agents compare moves on. Only the
+        page carries the count (the control socket's ``report`` has none: no message per collective)."""
+        self._coll += 1
+        step, phase = self._at
+        if self.sharded is not None and phase == "compute" and step >= 0:
+            # In a sharded step any collective may be the step's last, after which this rank commits
+            # without another word: from the first one on it reads as communicating, so that its
+            # agent holds the state report of a view installed meanwhile until the commit (or the
+            # recovery), instead of reporting a step this rank is about to commit as in flight.
+            self._report(step, "communicate")
+            return
+        page = self._page
+        if page is not None and step >= 0:
+            page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
+
     # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
     def prepare_rank(self, rank: int) -> None:
         """A sharded job: build the mesh and the objects for ``rank`` (once; a spare when it takes a rank)."""
@@ -741,9 +779,17 @@ class ResilientTrainer:
             self.on_phase(step, phase)
 
     def _report(self, step: int, phase: str) -> None:
+        if step != self._at[0]:
+            self._coll = 0  # the count is per step
+        self._at = (step, phase)
+        if phase != WAITING:
+            self._resume_phase = phase
+        self._write_progress(step, phase)
+
+    def _write_progress(self, step: int, phase: str) -> None:
         page = self._page
         if page is not None:
-            page.report(step, _PHASE_INDEX[phase], self._step_ms)
+            page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
             return
         try:
             self.control.report(step, phase, self._step_ms, wait=False)

@@ -86,12 +86,20 @@ class ManagedWork(dist.Work):  # type: ignore[misc]
         eg = self._epoch_group
         limit = eg.timeout if timeout is None or timeout.total_seconds() <= 0 else timeout.total_seconds()
         world = self._group.world
+        slowed = False
+
+        def slow() -> None:
+            nonlocal slowed
+            slowed = True
+            assert world is not None
+            world._slow()
+
         try:
             wait_interruptible(self._inner, eg.abort_event, epoch=eg.epoch, op=self._op,
                                poll_interval=eg.poll_interval, deadline=time.monotonic() + limit,
                                reason_of_abort=lambda: eg.abort_reason,
                                slow_after=world.slow_after if world is not None else None,
-                               on_slow=world._slow if world is not None else None)
+                               on_slow=slow if world is not None else None)
         except CollectiveAborted as exc:
             self._error = exc
             eg.abort(f"{self._op} on {self._group.describe()} raised: {exc}")
@@ -99,6 +107,8 @@ class ManagedWork(dist.Work):  # type: ignore[misc]
             raise
         self._done = True
         self._keep = ()
+        if slowed and world is not None and world.on_resume is not None:
+            world.on_resume()  # out of the collective: no longer "waiting"
         return True
 
     def is_completed(self) -> bool:
@@ -244,7 +254,8 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
                                   "prefixes must never be reused")
             if self._epochs is None:
                 self._epochs = EpochGroups(store, timeout=self._timeout, poll_interval=self._poll_interval,
-                                           host=self._host, keys=self._keys)
+                                           host=self._host, keys=self._keys,
+                                           seal_context=f"{KEY_PREFIX}{self.key}/")
             epochs = self._epochs
             if self._current is not None:
                 self._current.epoch_group.abort(f"superseded by epoch {epoch}")
@@ -278,6 +289,9 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def _issue(self, op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ManagedWork:
         eg, wrapper = self._live(op)
+        world = self.world
+        if world is not None and world.on_issue is not None:
+            world.on_issue()  # entered: the rank's position (the hang check's) is one collective further
         try:
             inner = getattr(wrapper, op)(*args, **kwargs)
         except RuntimeError as exc:
@@ -312,7 +326,9 @@ class ManagedWorld:
 
     :meth:`configure` gives all of them the epoch's backends; :meth:`abort` (any thread) interrupts
     every collective in flight. ``slow_after`` / ``on_slow``: a wait still pending that many seconds
-    in calls ``on_slow(group)`` once, from the waiting thread (the trainer can report "waiting").
+    in calls ``on_slow()`` once, from the waiting thread (the trainer can report "waiting"), and
+    :attr:`on_resume` when that wait completes. :attr:`on_issue` is called as each collective is
+    entered, on any group (the trainer counts them: its position in the step).
     ``host`` and ``keys``: as for :class:`~gossiprec.trainer.groups.EpochGroups` (the address gloo binds
     to, the agent's; the cluster's keys every store value is sealed with), for every group.
     """
@@ -328,6 +344,8 @@ class ManagedWorld:
         self.poll_interval = poll_interval
         self.slow_after = slow_after
         self.on_slow = on_slow
+        self.on_resume: Callable[[], None] | None = None
+        self.on_issue: Callable[[], None] | None = None
         self.groups: list[ManagedGroup] = []
         self.epoch: int | None = None
         self.waiting = threading.Event()  # set when a wait went slow; cleared by configure

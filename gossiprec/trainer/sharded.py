@@ -128,13 +128,17 @@ class ShardedWorld:
     """This process's managed world, mesh and objects (see the module docstring). Made by the trainer."""
 
     def __init__(self, spec: MeshSpec, build: Callable[[Any], Mapping[str, Stateful]], *, timeout: float,
-                 poll_interval: float, slow_after: float | None, on_slow: Callable[[], None] | None) -> None:
+                 poll_interval: float, slow_after: float | None, on_slow: Callable[[], None] | None,
+                 on_resume: Callable[[], None] | None = None, on_issue: Callable[[], None] | None = None) -> None:
         self.spec = spec
         self.build_objects = build
         self.timeout = timeout
         self.poll_interval = poll_interval
         self.slow_after = slow_after
         self.on_slow = on_slow
+        self.on_resume = on_resume
+        self.on_issue = on_issue
+        """Called as a collective is entered, and when a slow one completes (see ManagedWorld)."""
         self.world: ManagedWorld | None = None
         self.mesh: Any = None
         self.rank = -1
@@ -167,6 +171,7 @@ class ShardedWorld:
         self.world = init_managed_world(rank, self.spec.world_size, timeout=self.timeout,
                                         poll_interval=self.poll_interval, slow_after=self.slow_after,
                                         on_slow=self.on_slow)
+        self.world.on_resume, self.world.on_issue = self.on_resume, self.on_issue
         self.rank = rank
         self.mesh = init_device_mesh(self.spec.device, self.spec.shape, mesh_dim_names=self.spec.names)
         objects = self.build_objects(self.mesh)

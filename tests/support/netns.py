@@ -57,6 +57,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Iterable, Sequence
 
+import pytest
+
 from gossiprec.errors import GossiprecError
 
 NAME_ROOT = "grns"
@@ -131,13 +133,23 @@ def list_netns() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _kill_netns_pids(ns: str) -> None:
+def kill_netns_pids(ns: str) -> None:
+    """SIGKILL every process in network namespace ``ns`` (a host that dies whole)."""
     cp = _run(["ip", "netns", "pids", ns], check=False)
     for tok in cp.stdout.split():
         try:
             os.kill(int(tok), signal.SIGKILL)
         except (ValueError, ProcessLookupError, PermissionError):
             pass
+
+
+@pytest.fixture(scope="module")
+def netns_ok() -> None:
+    """Skips the module's tests unless this machine can build namespaces; reaps those of killed runs."""
+    reason = netns_unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    reap_stale()
 
 
 def reap_stale() -> list[str]:
@@ -150,7 +162,7 @@ def reap_stale() -> list[str]:
         m = _STALE.match(ns)
         if m is None or Path(f"/proc/{m.group(1)}").exists():
             continue
-        _kill_netns_pids(ns)
+        kill_netns_pids(ns)
         if _run(["ip", "netns", "del", ns], check=False).returncode == 0:
             gone.append(ns)
     return gone
@@ -237,7 +249,7 @@ class NetnsCluster:
             if p.poll() is None:
                 p.kill()
         for ns in self._created:
-            _kill_netns_pids(ns)
+            kill_netns_pids(ns)
         for p in self._procs:
             try:
                 p.wait(timeout=10)
