@@ -79,7 +79,7 @@ async def test_forged_alerts_in_every_observers_name_evict_nobody(workdir: str) 
         forger = KeyHolder(KEY_A)
         names = ("rx_sig_invalid", "rx_sig_unknown_author")
         before = [_count(a, *names) for a in agents]
-        alerts = [Alert(epoch, config, a.name, victim.name, REMOVE, UNREACHABLE, False, "", "", "", sig)
+        alerts = [Alert(epoch, config, a.name, victim.name, REMOVE, UNREACHABLE, False, "", "", "", sig=sig)
                   for a in agents if a is not victim for sig in (b"", bytes(64))]
         forger.send(alerts, _addrs(agents))
         await _refused_by_all(agents, before, *names)

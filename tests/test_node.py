@@ -284,6 +284,29 @@ def test_alert_from_a_non_observer_does_not_count() -> None:
     assert node.cut.count(subject) == 1
 
 
+def test_a_late_copy_of_a_retracted_alert_does_not_count_again() -> None:
+    """Alerts are numbered per observer: a copy that arrives after its observer's retraction (a late
+    datagram, a relay's echo) is stale, and a new alert after the retraction counts again."""
+    node = make_node()
+    v = node.view
+    assert v is not None
+    subject = "n3"
+    observer = Overlay.build(v.config_id, v.nodes, 10).observers(subject)[0]
+
+    def alert(seq: int, retract: bool, t: float) -> None:
+        node.receive(encode_packet([Alert(v.epoch, v.config_id, observer, subject, REMOVE, UNREACHABLE, retract,
+                                          "", "", "", seq)]), t)
+
+    alert(5, False, 0.1)
+    assert node.cut.count(subject) == 1
+    alert(6, True, 0.2)
+    assert node.cut.count(subject) == 0
+    alert(5, False, 0.3)  # the first alert again, late
+    assert node.cut.count(subject) == 0 and node.counters["rx_alert_stale"] == 1
+    alert(7, False, 0.4)  # its observer alerts again
+    assert node.cut.count(subject) == 1
+
+
 def _subject_and_gossiper(node: Node) -> tuple[str, str]:
     v = node.view
     assert v is not None

@@ -52,6 +52,16 @@ def test_flapping_partitions_never_remove_a_majority_and_everyone_is_back_after_
         _settled(r, within=8.0)
 
 
+def test_a_crash_while_the_survivors_are_starved_is_still_decided() -> None:
+    # three members: one crashes while the two others are starved for a moment (every packet 0.5-1.5 s
+    # late), so they accuse each other and retract. Late copies of those alerts, arriving after the
+    # retractions, kept a healthy member in the cut, so it removed a majority and was withheld until
+    # both fenced for good (seeds 13 and 14 did, before alerts were numbered)
+    for r in _runs("blip", seeds=range(1, 21), nodes=3, spares=1, duration=20.0):
+        assert r["removed"] == r["expected_removed"], f"seed {r['seed']}: removed {r['removed']}"
+        _settled(r, within=10.0)
+
+
 def test_a_job_wide_stall_is_no_ones_hang() -> None:
     # the whole job waits 1.3-5 s in one collective, then resumes: nobody removed, no view change
     for r in _runs("stall", nodes=16, duration=14.0):

@@ -604,7 +604,7 @@ def test_cached_decode_returns_the_same_message_and_still_refuses_lookalikes() -
     assert refused(packet([6, "n5", [2], "n1", b""])) == "bad_field"  # unhashable: full validation
     alert = wire.Alert(3, "cfg", "n1", "n2", 0, 0, True, "", "", "")
     assert decode_packet(encode_packet([alert]), MTU) == [alert]
-    assert refused(packet([20, 3, "cfg", "n1", "n2", 0, 0, 1, "", "", "", b""])) == "bad_field"  # 1 is not True
+    assert refused(packet([20, 3, "cfg", "n1", "n2", 0, 0, 1, "", "", "", 0, b""])) == "bad_field"  # 1 is not True
 
 
 def test_decode_cache_is_bounded() -> None:

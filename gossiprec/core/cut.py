@@ -59,9 +59,20 @@ class CutDetector:
     _counted: tuple[int, dict[tuple[str, int], int]] | None = None
     """(version, counts with implicit alerts): evaluate runs again at every settle and unstable timer while
     the tallies stay as they were, and counting is the costly part (a partition's tallies are large)."""
+    _seqs: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    """(observer, subject, kind) -> the number of the newest alert or retraction counted (see :meth:`fresh`)."""
     _marks: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     """(subject, kind) -> its (H, L): a pure function of the overlay, computed once per view (evaluate
     reads it for every tally, and a partition or a hang storm evaluates often)."""
+
+    def fresh(self, observer: str, subject: str, kind: int, seq: int) -> bool:
+        """Whether an alert (or retraction) numbered ``seq`` is newer than every one of ``observer``'s
+        about (``subject``, ``kind``) counted so far; it is then the one that counts."""
+        key = (observer, subject, kind)
+        if seq <= self._seqs.get(key, -1):
+            return False
+        self._seqs[key] = seq
+        return True
 
     def alert(self, observer: str, subject: str, kind: int, retract: bool, now: float,
               addr: str = "", host: str = "", rack: str = "") -> bool:

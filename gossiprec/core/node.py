@@ -502,6 +502,11 @@ class Node:
     def _on_alert(self, msg: Alert, now: float) -> None:
         if self.auth is not None and not self.auth.check(msg.observer, msg):
             return  # not the observer's own word (counted by the key book; a forgery may name us)
+        if not self.cut.fresh(msg.observer, msg.subject, msg.kind, msg.seq):
+            # an older copy (late, or a relay's echo of what a retraction has since withdrawn): counting it
+            # would bring back an alert its observer retracted, and keep a healthy member in the cut
+            self.counters["rx_alert_stale"] = self.counters.get("rx_alert_stale", 0) + 1
+            return
         if msg.kind == REMOVE and not msg.retract and msg.observer != self.name:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
@@ -722,6 +727,8 @@ class Node:
             self._last_realert = now
             for key, msg in obs.my_alerts.items():
                 self._bcast(key, msg)
+        if self._withheld and self.consensus.decided is None:
+            self._evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
         agg = self.aggregates
         if now >= agg.next_reagg and now - self._installed_at <= acfg.reaggregate_for:
             agg.reaggregate(v, now)

@@ -45,7 +45,7 @@ class Observer:
     """The observer part of one :class:`~gossiprec.core.node.Node` (its state lives for one view)."""
 
     __slots__ = ("node", "swim", "acfg", "subjects", "subject_set", "streak", "refresh", "ready", "alerted",
-                 "answered", "ok_since", "my_alerts", "knocking")
+                 "answered", "ok_since", "my_alerts", "knocking", "alert_seq")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -71,6 +71,8 @@ class Observer:
         """Answers in a row from a subject we alerted as unreachable."""
         self.my_alerts: dict[str, Alert] = {}
         """Our own alerts of this view, by broadcast key (re-sent by the watchdog until the view changes)."""
+        self.alert_seq = 0
+        """The number of our last alert or retraction in this view (see :class:`~gossiprec.core.wire.Alert`)."""
         self.knocking: dict[str, JoinRequest] = {}
         """Joiners that asked us (one of their joiner observers) to be admitted, waiting for an answer to
         our probe before we alert."""
@@ -83,6 +85,7 @@ class Observer:
         self.ready = set()
         self.my_alerts = {}
         self.ok_since = {}
+        self.alert_seq = 0
         self.alerted = {}
         self.knocking = {}
         me = self.node.name
@@ -231,7 +234,11 @@ class Observer:
         node = self.node
         v = node.view
         assert v is not None
-        msg = Alert(v.epoch, v.config_id, node.name, subject, kind, reason, retract, addr, host, rack)
+        # numbered in the view, and never below the clock in ms, so a restarted process's alerts are not
+        # taken for stale copies of its predecessor's
+        self.alert_seq = max(self.alert_seq + 1, int(now * 1000))
+        msg = Alert(v.epoch, v.config_id, node.name, subject, kind, reason, retract, addr, host, rack,
+                    self.alert_seq)
         if node.auth is not None:
             node.auth.sign(msg)
         if not retract:

@@ -7,9 +7,8 @@ versions and types, and validates each field's type and range (strings by UTF-8 
 range, lists by length). Anything wrong raises :class:`~gossiprec.errors.DecodeError` with a short
 ``reason`` that the caller counts; nothing else escapes :func:`decode_packet`. Larger messages (push-pull
 state, agreement payloads) travel on the reliable stream with the same encoding and a larger size limit.
-
-Message types are registered with :func:`message`; later modules (agreement, views) add their own
-types from the same registry, so one decoder serves all of them.
+Message types are registered with :func:`message` (later modules add their own types to the same
+registry, so one decoder serves all of them).
 """
 
 from __future__ import annotations
@@ -489,10 +488,11 @@ ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "imp
 
 @message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(len(ALERT_REASONS) - 1), _bool, ADDR,
          _text(MAX_NAME, allow_empty=True),
-         _text(MAX_NAME, allow_empty=True), SIG)
+         _text(MAX_NAME, allow_empty=True), U64, SIG)
 @value_class
 class Alert(Message):
-    """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it."""
+    """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it; ``seq``
+    orders the observer's alerts in the view (an older copy, late or echoed, is no news)."""
 
     epoch: int
     config: str
@@ -504,6 +504,7 @@ class Alert(Message):
     addr: str
     host: str
     rack: str
+    seq: int = 0
     sig: bytes = b""
 
 

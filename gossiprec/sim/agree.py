@@ -45,7 +45,7 @@ from gossiprec.sim.network import NetworkModel
 from gossiprec.sim.quorum import QuorumAudit
 
 SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join",
-             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet")
+             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet", "blip")
 COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
                                                                            "recovering"))
 ABORT_DELAY = 0.002
@@ -288,6 +288,17 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         victims = [rng.randrange(n)]
         v = victims[0]
         cluster.at(t_fault, lambda: [cluster.network.block(o, v) for o in range(n) if o != v])
+    elif sc == "blip":
+        # a node crashes, and as it does two others are starved for 0.2-1.5 s (a loaded host): everything
+        # they send or get is 0.5-1.5 s late, so they suspect each other for a while and the cut without
+        # the crashed node first looks as if it kept no reachable majority; it must be proposed once they
+        # hear each other again, not withheld until they fence for good
+        victims = [rng.randrange(n)]
+        starved = rng.sample([i for i in range(n) if i != victims[0]], 2)
+        back = t_fault + rng.uniform(0.2, 1.5)
+        cluster.at(t_fault, lambda: [cluster.crash(victims[0]),
+                                     *(cluster.network.set_node_delay(i, 0.5, 1.5) for i in starved)])
+        cluster.at(back, lambda: [cluster.network.set_node_delay(i, 0.0, 0.0) for i in starved])
     elif sc == "flap":
         victims = [rng.randrange(n)]
         cluster.at(t_fault, lambda: cluster.network.set_node_loss(victims[0], 0.8, 0.8))
@@ -414,7 +425,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         if cluster.now < stall_until:
             return True
         for v in victims if sc in ("crash", "rack", "hang", "donor", "oneway", "flap", "restart", "respawn", "mass",
-                                   "rackflap") else []:
+                                   "rackflap", "blip") else []:
             # blocked while some live trainer still has v as a trainer in its view
             for i in trainers:
                 node = cluster.nodes[i]
