@@ -655,10 +655,9 @@ class JoinRequest(Message):
 @message(35, NAME, ADDR, U64, EPOCH, _text(32, allow_empty=True), SIG)
 @value_class
 class Hello(Message):
-    """A new process of ``node`` (started at ``incarnation``; refutations since do not count) holds view
-    (``epoch``, ``config``), which lists it: to its observers, for a while after it starts. An observer that
-    had answers from an older process of it alerts (``restarted``): the old process's place is not the new
-    one's. A member holding a later view sends its news back (a restart from the job spec holds view 0)."""
+    """A new process of ``node`` (started at ``incarnation``) holds view (``epoch``, ``config``), which lists
+    it: to its observers, for a while after it starts. An observer that had answers from an older process
+    alerts (``restarted``); a member holding a later view sends its news back."""
 
     node: str
     addr: str
