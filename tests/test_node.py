@@ -21,6 +21,7 @@ import pytest
 
 from gossiprec.core.config import Config
 from gossiprec.core.events import AlertRaised
+from gossiprec.core.fencing import maybe_unfence
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.overlay import Overlay
@@ -763,11 +764,11 @@ def test_a_fenced_member_unfences_only_after_asking_for_news_in_its_healthy_wind
     node._fence("no decision within fence_after", 0.0)
     node.catchup.catch_up(0.0)
     node.take_sends()
-    node._maybe_unfence(v, 0.1)  # rate-limited: nothing asked
-    node._maybe_unfence(v, 0.1 + node.acfg.unfence_after + 0.05)
+    maybe_unfence(node, v, 0.1)  # rate-limited: nothing asked
+    maybe_unfence(node, v, 0.1 + node.acfg.unfence_after + 0.05)
     assert node.fenced, "unfenced without having asked for news"
     assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] != []
-    node._maybe_unfence(v, 0.2 + 2 * node.acfg.unfence_after)
+    maybe_unfence(node, v, 0.2 + 2 * node.acfg.unfence_after)
     assert not node.fenced
 
 

@@ -24,10 +24,8 @@ Flow of one failure:
 This module is the composition: the machine interface, installing a view, deciding, fencing, the
 watchdog, and the dispatch of each agreement message type to its handler.
 
-Fencing: a member removed from the view, or one that has waited ``fence_after`` for a change it cannot
-get decided (no quorum on its side), or that sees fewer than a majority of the view alive (or none of
-its subjects) for that long, emits :class:`Fenced`: its trainer must stop sending collectives and state.
-It then tries to rejoin through the majority's members.
+Fencing (:mod:`~gossiprec.core.fencing`): a member that cannot be part of a decision emits
+:class:`Fenced`: its trainer must stop sending collectives and state.
 """
 
 from __future__ import annotations
@@ -35,12 +33,13 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterable, MutableMapping
 
-from gossiprec.core import timers
+from gossiprec.core import fencing, timers
+from gossiprec.core.fencing import RESTART_FENCE
 from gossiprec.core.aggregate import Aggregates
 from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.consensus import FAST, Consensus, change_rows, keeps_quorum, removes_majority
+from gossiprec.core.consensus import Consensus, change_rows, keeps_quorum, removes_majority
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan
 from gossiprec.core.events import (
@@ -54,7 +53,7 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    ALIVE, LEFT, RESTARTED, UNREACHABLE, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
+    ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
     Message,
     PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Vote, Votes,
 )
@@ -63,7 +62,6 @@ from gossiprec.errors import ProtocolError
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
 SPEC_FENCE = "job spec mismatch"
-RESTART_FENCE = "restarted: the view still holds this node's previous process, which is being removed"
 WATCH_EARLY = 0.1
 """The watchdog (fencing, hang checks; every ``AgreementConfig.watch_interval``) runs up to this much early
 in a tick that happens anyway (the probe timer's), so it seldom needs a wake-up of its own."""
@@ -732,61 +730,8 @@ class Node:
         agg = self.aggregates
         if now >= agg.next_reagg and now - self._installed_at <= acfg.reaggregate_for:
             agg.reaggregate(v, now)
-        # suspects count as unreachable here: a side of a partition suspects the other within seconds
-        live = self.swim.n_live - self.swim.n_suspect
-        # a vote is out (ours or a peer's) but nothing is decided: a cut was ready somewhere, yet no quorum
-        # answers (the minority side of a partition; its members do not all see a cut of their own)
-        cons = self.consensus
-        pending = cons.decided is None and (cons.my_vote is not None or bool(cons.votes) or bool(cons.proposals)
-                                            or cons.promised != FAST or self._withheld)
-        # every subject we watch is unreachable from here: most likely we are the one cut off (a node
-        # that hears nobody; Lifeguard keeps such a node from suspecting, so SWIM's count stays high)
-        subjects = obs.subjects
-        cut_off = len(subjects) >= 2 and all(obs.alerted.get(x) == UNREACHABLE for x in subjects)
-        if live < v.majority() or pending or cut_off:
-            self._healthy_since = None
-            if self._trouble_since is None:
-                self._trouble_since = now
-            elif now - self._trouble_since >= acfg.fence_after:
-                self._fence("no quorum: cannot reach a majority of the view" if live < v.majority()
-                            else "cut off: no subject answers" if cut_off
-                            else "the cut leaves no reachable majority of the view: not proposed" if self._withheld
-                            else "no decision within fence_after", now)
-        else:
-            self._trouble_since = None
-            # A restart's observers alert at once (each gets its Hello), so their change is proposed within
-            # a settle window, and pending keeps the fence until the old place is removed. Alerts that
-            # never make a change (one observer's stale record, say) are not a restart: once they have
-            # had unstable_timeout to become one, the fence ends as any other does.
-            if self.fenced and not self.spec_conflict and (
-                    self.fenced != RESTART_FENCE or now - self._fenced_at >= acfg.unstable_timeout):
-                self._maybe_unfence(v, now)
+        fencing.watch(self, v, now)
         self.hangs.run(now)
-
-    def _maybe_unfence(self, v: View, now: float) -> None:
-        """Fenced, still in the view, nothing pending and a live majority by SWIM's count: once the view's
-        own members that SWIM holds alive (not suspect) are a majority for ``unfence_after``, unfence.
-        Only a new view unfenced before, and after a final heal a member could stay fenced in an intact
-        view for good. It first asks two members for newer news: a view that removed it is installed
-        (and fences it for that reason) long before it would unfence here."""
-        alive = 0
-        for m in v.members:
-            rec = self.swim.member(m.node)
-            if rec is not None and rec.status == ALIVE:
-                alive += 1
-        if alive < v.majority():
-            self._healthy_since = None
-            return
-        if self._healthy_since is None:
-            # the window opens with the question actually sent (catch-ups are rate-limited: one skipped
-            # would let the member unfence without having asked); else the next watchdog round asks
-            self.catchup.catch_up(now)
-            if self.catchup.last_catchup == now:
-                self._healthy_since = now
-        elif now - self._healthy_since >= self.acfg.unfence_after:
-            self._healthy_since = None
-            self.fenced = ""
-            self._events.append(Unfenced(v.epoch, now))
 
 
 Handler = Callable[[Node, Any, float], None]
