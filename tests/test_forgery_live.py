@@ -9,7 +9,8 @@ checks that no view changed and nobody was evicted, suspected or fenced.
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 from gossiprec.bench.hostile import KeyHolder
 from gossiprec.core.consensus import FAST
@@ -45,6 +46,26 @@ def _addrs(agents: list[Agent], but: str = "") -> list[str]:
     return [a.addr for a in agents if a.name != but]
 
 
+def _held(a: Agent) -> View:
+    v = a.machine.view  # type: ignore[union-attr]
+    assert v is not None
+    return v
+
+
+@asynccontextmanager
+async def _cluster(workdir: str) -> AsyncIterator[tuple[list[Agent], Any, list[Any], View]]:
+    """The four keyed agents once each holds every member's key: (agents, their view as `_view` reads
+    it, a subscription to each, the view itself)."""
+    async with keyed_cluster(workdir) as (agents, _):
+        await _keys_known(agents)
+        yield agents, _view(agents[0]), [a.subscribe() for a in agents], _held(agents[0])
+
+
+def _removal(v: View, victim: str) -> tuple[bytes, tuple[tuple[str, int, str, str, str], ...]]:
+    """The digest and change rows of a view change that removes ``victim`` from ``v``."""
+    return changes_digest(v.epoch, v.config_id, [Change(victim, REMOVE)]), ((victim, REMOVE, "", "", ""),)
+
+
 async def _unchanged(agents: list[Agent], subs: list[Any], view: Any) -> None:
     await traffic_flows(agents, 3 * N)
     assert bad_events(subs) == []
@@ -52,11 +73,8 @@ async def _unchanged(agents: list[Agent], subs: list[Any], view: Any) -> None:
 
 
 async def test_a_forged_leave_in_another_members_name_evicts_nobody(workdir: str) -> None:
-    async with keyed_cluster(workdir) as (agents, _):
-        await _keys_known(agents)
+    async with _cluster(workdir) as (agents, view, subs, _):
         victim = agents[2]
-        view = _view(agents[0])
-        subs = [a.subscribe() for a in agents]
         forger = KeyHolder(KEY_A)
         others = [a for a in agents if a is not victim]
         before = [_count(a, "rx_leave_unsigned") for a in others]
@@ -69,13 +87,9 @@ async def test_a_forged_leave_in_another_members_name_evicts_nobody(workdir: str
 
 
 async def test_forged_alerts_in_every_observers_name_evict_nobody(workdir: str) -> None:
-    async with keyed_cluster(workdir) as (agents, _):
-        await _keys_known(agents)
+    async with _cluster(workdir) as (agents, view, subs, v):
         victim = agents[1]
-        view = _view(agents[0])
-        assert view is not None
-        epoch, config, _ = view
-        subs = [a.subscribe() for a in agents]
+        epoch, config = v.epoch, v.config_id
         forger = KeyHolder(KEY_A)
         names = ("rx_sig_invalid", "rx_sig_unknown_author")
         before = [_count(a, *names) for a in agents]
@@ -86,22 +100,10 @@ async def test_forged_alerts_in_every_observers_name_evict_nobody(workdir: str) 
         await _unchanged(agents, subs, view)
 
 
-def _held(a: Agent) -> View:
-    v = a.machine.view  # type: ignore[union-attr]
-    assert v is not None
-    return v
-
-
 async def test_a_forged_decision_removing_a_healthy_member_decides_nothing(workdir: str) -> None:
-    async with keyed_cluster(workdir) as (agents, _):
-        await _keys_known(agents)
-        view = _view(agents[0])
-        subs = [a.subscribe() for a in agents]
-        v = _held(agents[0])
+    async with _cluster(workdir) as (agents, view, subs, v):
         victim = agents[3].name
-        changes = [Change(victim, REMOVE)]
-        digest = changes_digest(v.epoch, v.config_id, changes)
-        rows = ((victim, REMOVE, "", "", ""),)
+        digest, rows = _removal(v, victim)
         before = [_count(a, "rx_decided_unproven") for a in agents]
         KeyHolder(KEY_A).send([Decided(v.epoch, v.config_id, digest, rows)], _addrs(agents, victim))
         await _refused_by_all([a for a in agents if a.name != victim],
@@ -110,15 +112,9 @@ async def test_a_forged_decision_removing_a_healthy_member_decides_nothing(workd
 
 
 async def test_forged_votes_of_every_member_reach_no_quorum(workdir: str) -> None:
-    async with keyed_cluster(workdir) as (agents, _):
-        await _keys_known(agents)
-        view = _view(agents[0])
-        subs = [a.subscribe() for a in agents]
-        v = _held(agents[0])
+    async with _cluster(workdir) as (agents, view, subs, v):
         victim = agents[2].name
-        changes = [Change(victim, REMOVE)]
-        digest = changes_digest(v.epoch, v.config_id, changes)
-        rows = ((victim, REMOVE, "", "", ""),)
+        digest, rows = _removal(v, victim)
         full = bytes([(1 << len(v)) - 1])
         forged = [Proposal(v.epoch, v.config_id, digest, rows), Votes(v.epoch, v.config_id, digest, full)]
         forged += [Vote(v.epoch, v.config_id, digest, a.name, bytes(64)) for a in agents if a.name != victim]
@@ -133,14 +129,9 @@ async def test_forged_votes_of_every_member_reach_no_quorum(workdir: str) -> Non
 
 
 async def test_forged_classic_rounds_neither_block_nor_decide(workdir: str) -> None:
-    async with keyed_cluster(workdir) as (agents, _):
-        await _keys_known(agents)
-        view = _view(agents[0])
-        subs = [a.subscribe() for a in agents]
-        v = _held(agents[0])
+    async with _cluster(workdir) as (agents, view, subs, v):
         coord, victim = agents[0].name, agents[3].name
-        rows = ((victim, REMOVE, "", "", ""),)
-        digest = changes_digest(v.epoch, v.config_id, [Change(victim, REMOVE)])
+        digest, rows = _removal(v, victim)
         top = 2**31
         forged = [Prepare(v.epoch, v.config_id, top, coord, bytes(64)),    # outrank every real round
                   Accept(v.epoch, v.config_id, top, coord, digest, rows, bytes(64))]
@@ -156,11 +147,7 @@ async def test_forged_classic_rounds_neither_block_nor_decide(workdir: str) -> N
 
 
 async def test_forged_views_are_not_installed(workdir: str) -> None:
-    async with keyed_cluster(workdir) as (agents, _):
-        await _keys_known(agents)
-        view = _view(agents[0])
-        subs = [a.subscribe() for a in agents]
-        v = _held(agents[0])
+    async with _cluster(workdir) as (agents, view, subs, v):
         victim = agents[2].name
         far = v.to_wire()
         far[0] = 2**62  # the wire's last epoch: the next real view could never be encoded
