@@ -11,6 +11,8 @@ collective 1, and the other replica (n0..n3) in the gradient all-reduce (collect
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -155,10 +157,9 @@ def test_the_collective_count_dates_the_stall() -> None:
     assert [p.coll for p in book.take_turns(1)] == [1]  # gossiped on with its count
 
 
-def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_completes() -> None:
-    """What a trainer writes to its page: every collective entered moves the count (reset per step); a
-    slow one reports ``waiting`` until it completes, then the phase it was in (a rank that stalls later
-    in the step, outside any collective, must not read as waiting)."""
+@contextmanager
+def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[int, int, str]]]]:
+    """The reporting half of a trainer on a real progress page, and what its agent reads from it."""
     import shutil
     import tempfile
 
@@ -169,33 +170,41 @@ def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_comp
     try:
         path = page_path_for(f"{d}/a.sock")
         with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as page:
-            rt = object.__new__(ResilientTrainer)  # (only the reporting half of a trainer)
+            rt = object.__new__(ResilientTrainer)
             rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
-            rt.step, rt.sharded = 4, None
+            rt.step, rt.sharded = 4, (object() if sharded else None)
 
             def seen() -> tuple[int, int, str]:
                 rec = agent_side.read()
                 assert rec is not None
                 return rec.step, rec.coll, PHASES[rec.phase]
 
-            rt._entered()  # before any report: counted, nothing written
-            rt._report(5, "compute")
-            assert seen() == (5, 0, "compute")  # a new step: the count starts again
-            rt._entered()
-            rt._entered()
-            assert seen() == (5, 2, "compute")
-            rt._on_slow()
-            assert seen() == (5, 2, "waiting")
-            rt._on_resume()
-            assert seen() == (5, 2, "compute")
-            rt._on_resume()  # (not waiting: nothing changes)
-            assert seen() == (5, 2, "compute")
-            rt._report(5, "optimizer")
-            assert seen() == (5, 2, "optimizer")  # the same step keeps its count
-            rt._report(6, "compute")
-            assert seen() == (6, 0, "compute")
+            yield rt, seen
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_completes() -> None:
+    """What a trainer writes to its page: every collective entered moves the count (reset per step); a
+    slow one reports ``waiting`` until it completes, then the phase it was in (a rank that stalls later
+    in the step, outside any collective, must not read as waiting)."""
+    with _reporting_trainer(sharded=False) as (rt, seen):
+        rt._entered()  # before any report: counted, nothing written
+        rt._report(5, "compute")
+        assert seen() == (5, 0, "compute")  # a new step: the count starts again
+        rt._entered()
+        rt._entered()
+        assert seen() == (5, 2, "compute")
+        rt._on_slow()
+        assert seen() == (5, 2, "waiting")
+        rt._on_resume()
+        assert seen() == (5, 2, "compute")
+        rt._on_resume()  # (not waiting: nothing changes)
+        assert seen() == (5, 2, "compute")
+        rt._report(5, "optimizer")
+        assert seen() == (5, 2, "optimizer")  # the same step keeps its count
+        rt._report(6, "compute")
+        assert seen() == (6, 0, "compute")
 
 
 def test_a_sharded_rank_reads_as_communicating_from_its_first_collective_on() -> None:
@@ -203,35 +212,16 @@ def test_a_sharded_rank_reads_as_communicating_from_its_first_collective_on() ->
     last: from the first one on, the rank reports ``communicate``, a phase in which its agent holds the
     state report of a view installed meanwhile until the rank commits or recovers (else a survivor that
     commits the step just after reporting it in flight is rolled back a step)."""
-    import shutil
-    import tempfile
-
     from gossiprec.core.aggregate import FINISHING
-    from gossiprec.local.progress import ProgressPage, page_path_for
-    from gossiprec.trainer.loop import ResilientTrainer
 
-    d = tempfile.mkdtemp(prefix="grp", dir="/tmp")
-    try:
-        path = page_path_for(f"{d}/a.sock")
-        with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as page:
-            rt = object.__new__(ResilientTrainer)  # (only the reporting half of a trainer)
-            rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
-            rt.step, rt.sharded = 4, object()
-
-            def seen() -> tuple[int, int, str]:
-                rec = agent_side.read()
-                assert rec is not None
-                return rec.step, rec.coll, PHASES[rec.phase]
-
-            rt._report(5, "compute")
-            assert seen() == (5, 0, "compute") and PHASES.index("compute") not in FINISHING
-            rt._entered()
-            assert seen() == (5, 1, "communicate") and PHASES.index("communicate") in FINISHING
-            rt._entered()
-            rt._on_slow()
-            rt._on_resume()  # a slow collective's end goes back to communicating, not to compute
-            assert seen() == (5, 2, "communicate")
-            rt._report(6, "compute")
-            assert seen() == (6, 0, "compute")
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+    with _reporting_trainer(sharded=True) as (rt, seen):
+        rt._report(5, "compute")
+        assert seen() == (5, 0, "compute") and PHASES.index("compute") not in FINISHING
+        rt._entered()
+        assert seen() == (5, 1, "communicate") and PHASES.index("communicate") in FINISHING
+        rt._entered()
+        rt._on_slow()
+        rt._on_resume()  # a slow collective's end goes back to communicating, not to compute
+        assert seen() == (5, 2, "communicate")
+        rt._report(6, "compute")
+        assert seen() == (6, 0, "compute")
