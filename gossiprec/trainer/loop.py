@@ -336,6 +336,8 @@ class ResilientTrainer:
             if self.sharded is None:  # a sharded spare builds its objects when a plan gives it a rank
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
+                if self.role == "trainer" and me.rank is not None:  # a view changed before its start:
+                    self._commit_snapshot(0)  # a plan may resume at step 0, its initial state
             else:
                 self.sharded.warm()
             self._report(0, "idle")
