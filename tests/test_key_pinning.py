@@ -25,7 +25,7 @@ from gossiprec.core.auth import KeyBook
 from gossiprec.core.view import REMOVE
 from gossiprec.core.wire import UNREACHABLE, Alert, Dead, Hello, KeyClaim
 from gossiprec.errors import ConfigError, SecurityError
-from gossiprec.security.signing import Ed25519Crypto, SigningKeyError, load_signing_key
+from gossiprec.security.signing import MAX_KEY_FILE, Ed25519Crypto, SigningKeyError, load_signing_key
 from tests.test_forgery_live import _addrs, _count, _refused_by_all, _unchanged
 from tests.test_security_live import KEY_A, _view, keyed_cluster, write_job, workdir
 
@@ -63,6 +63,13 @@ def test_a_symlink_or_a_foreign_file_is_refused(tmp_path: Path) -> None:
     os.chmod(junk, 0o600)
     with pytest.raises(SigningKeyError, match=f"{junk} is not an unencrypted PEM"):
         load_signing_key(junk)
+    huge = tmp_path / "huge.sign"
+    huge.write_bytes(b"x" * (MAX_KEY_FILE + 1))
+    os.chmod(huge, 0o600)
+    with pytest.raises(SigningKeyError, match=f"{huge} is {MAX_KEY_FILE + 1} bytes.*right file"):
+        load_signing_key(huge)
+    with pytest.raises(SigningKeyError, match="not a regular file"):
+        load_signing_key(tmp_path)
 
 
 def test_keys_public_prints_the_line_to_pin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

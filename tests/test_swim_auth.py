@@ -94,6 +94,17 @@ def test_a_signed_accusation_above_the_incarnation_a_receiver_knows_is_taken() -
     assert c.member("b").status == SUSPECT and c.member("b").incarnation == 7  # type: ignore[union-attr]
 
 
+def _join(pump: Pump) -> Membership:
+    """A signing joiner "j" (incarnation 2) joins through "a" at t = 1."""
+    j = Membership(CFG, "j", addr("j"), incarnation=2, rng=random.Random(99), now=1.0)
+    j.auth = book("j")
+    j.auth.counters = j.counters
+    pump.add(j)
+    j.join([addr("a")], 1.0)
+    pump.flush("j")
+    return j
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_joiner_learns_every_member_from_signed_rows(seed: int) -> None:
     # members at incarnation 2 over a view-0 table at 1: each announces its signed Alive at start,
@@ -105,12 +116,7 @@ def test_a_joiner_learns_every_member_from_signed_rows(seed: int) -> None:
                             members=base))
     signed(pump)
     pump.run_until(1.0)
-    j = Membership(CFG, "j", addr("j"), incarnation=2, rng=random.Random(99), now=1.0)
-    j.auth = book("j")
-    j.auth.counters = j.counters
-    pump.add(j)
-    j.join([addr("a")], 1.0)
-    pump.flush("j")
+    _join(pump)
     pump.run_until(3.0)  # well before anyone's periodic push-pull: the seed's one reply taught j
     assert sorted(e.name for e in pump.member_events("j") if isinstance(e, MemberJoined)) == NAMES5
     for name, m in pump.machines.items():
@@ -124,12 +130,7 @@ def test_a_joiner_learns_members_whose_signature_its_seed_never_got(seed: int) -
     # signatures; the joiner knows those members at incarnation 0, probes them, and their acks lift them
     pump = signed(Pump.cluster(NAMES5, seed=seed))
     pump.run_until(1.0)
-    j = Membership(CFG, "j", addr("j"), incarnation=2, rng=random.Random(99), now=1.0)
-    j.auth = book("j")
-    j.auth.counters = j.counters
-    pump.add(j)
-    j.join([addr("a")], 1.0)
-    pump.flush("j")
+    j = _join(pump)
     pump.run_until(8.0)
     for name, m in pump.machines.items():
         assert m.live_members() == sorted(NAMES), name

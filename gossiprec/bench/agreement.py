@@ -31,8 +31,10 @@ SCENARIOS: dict[str, dict[str, float]] = {
     "delay": {"duration": 20.0},
     "partition": {"duration": 16.0},
     "hang": {"duration": 12.0},
+    "blip": {"duration": 20.0, "nodes": 3, "spares": 1},
 }
-"""Scenario -> its durations (virtual seconds); the same as tests/test_sim_agreement.py uses."""
+"""Scenario -> its parameters (virtual seconds), the same as tests/test_sim_agreement.py uses; a scenario
+about a small job (two starved members of three) pins its size, whatever ``--nodes`` says."""
 
 KEYS = ("invariant_violations", "violations", "majority_removed_runs", "missed_removals", "missed_seeds",
         "healthy_removed_runs", "healthy_removed_seeds", "ended_fenced_runs", "ended_fenced_seeds",
@@ -44,9 +46,9 @@ KEYS = ("invariant_violations", "violations", "majority_removed_runs", "missed_r
 def run(nodes: int, seeds: int, scenarios: list[str], workers: int, progress: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"nodes": nodes, "seeds": seeds, "scenarios": {}}
     for sc in scenarios:
-        params = AgreeParams(scenario=sc, nodes=nodes, **SCENARIOS[sc])  # type: ignore[arg-type]
+        params = AgreeParams(scenario=sc, **{"nodes": nodes, **SCENARIOS[sc]})  # type: ignore[arg-type]
         s = run_seeds(params, seeds, workers=workers, progress=progress)
-        out["scenarios"][sc] = {k: s[k] for k in KEYS}
+        out["scenarios"][sc] = {"nodes": params.nodes, **{k: s[k] for k in KEYS}}
     quiet = out["scenarios"].get("quiet")
     if quiet and quiet["events_per_cpu_s"]:
         # how much slower each scenario simulates than the quiet run (1.0: as fast)

@@ -109,6 +109,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     if args.bucket_mb > 0:
         rt.overlap_gradients(model.parameters(), exact=True, bucket_mb=args.bucket_mb)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
+    while args.start_gate and not Path(args.start_gate).exists():
+        time.sleep(0.01)  # the orchestrator changes the view first
     t_start = time.monotonic()
     progress = out.with_suffix(".step")
     commits: list[float] = []
@@ -189,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--await-view", dest="await_view", default="",
                    help="STEP:N: after committing STEP, wait until the agent's view holds N members (a node "
                         "cut off has rejoined)")
+    p.add_argument("--start-gate", dest="start_gate", default="",
+                   help="PATH: wait until PATH exists before start() (its agent's view may change meanwhile)")
     p.add_argument("--gate", action="append", default=[],
                    help="STEP:PATH: after committing STEP, wait until PATH exists (repeatable)")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")

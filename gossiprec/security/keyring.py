@@ -309,7 +309,7 @@ class Keyring:
         """Write the keyring atomically with mode 0600 (temp file, fsync, rename, fsync dir)."""
         p = self._path(path)
         data = (json.dumps(self.to_json(), indent=2) + "\n").encode("utf-8")
-        _atomic_write_private(p, data)
+        atomic_write_private(p, data)
         self.path = p
         self._fingerprint = _fingerprint(os.stat(p))
 
@@ -325,35 +325,49 @@ def _fingerprint(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _read_private_json(path: Path) -> tuple[object, tuple[int, int, int, int]]:
+def read_private_file(path: Path, what: str, limit: int, error: type[SecurityError], leaked: str,
+                      ) -> tuple[bytes, os.stat_result]:
+    """The bytes of a secret file (a keyring, a signing key) and the stat of the very file read.
+    Refused with ``error``: a symlink, anything but a regular file, a mode that lets group or others in
+    (``leaked``: what to do then), more than ``limit`` bytes. FileNotFoundError passes through."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise KeyringError(f"keyring file {path} does not exist; create it with "
-                           "`gossiprec keys install $(gossiprec keys generate)`") from exc
+    except FileNotFoundError:
+        raise
     except OSError as exc:
-        raise KeyringError(f"cannot open keyring file {path}: {exc.strerror} (a symlink is refused; "
-                           "point at the file itself)") from exc
+        raise error(f"cannot open {what} {path}: {exc.strerror} (a symlink is refused; point at the file "
+                    "itself)") from exc
     try:
         st = os.fstat(fd)  # check the file we opened, not whatever the path names a moment later
         if not stat.S_ISREG(st.st_mode):
-            raise KeyringError(f"keyring {path} is not a regular file")
+            raise error(f"{what} {path} is not a regular file")
         if os.name == "posix" and st.st_mode & 0o077:
-            raise KeyringError(
-                f"keyring file {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can "
-                f"access it, so its keys must be treated as leaked; fix with `chmod 600 {path}` (and "
-                "rotate the keys if others may have read them)"
-            )
-        if st.st_size > MAX_FILE_BYTES:
-            raise KeyringError(f"keyring file {path} is {st.st_size} bytes; a keyring is at most "
-                               f"{MAX_FILE_BYTES}; is this the right file?")
+            raise error(f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can access "
+                        f"it, so {leaked}")
+        if st.st_size > limit:
+            raise error(f"{what} {path} is {st.st_size} bytes, more than a {what} can be ({limit}); is this "
+                        "the right file?")
         with os.fdopen(fd, "rb", closefd=True) as f:
             fd = -1
-            raw = f.read(MAX_FILE_BYTES + 1)
+            raw = f.read(limit + 1)
     finally:
         if fd >= 0:
             os.close(fd)
+    if len(raw) > limit:  # it grew since the fstat
+        raise error(f"{what} {path} is more than {limit} bytes; is this the right file?")
+    return raw, st
+
+
+def _read_private_json(path: Path) -> tuple[object, tuple[int, int, int, int]]:
+    try:
+        raw, st = read_private_file(
+            path, "keyring file", MAX_FILE_BYTES, KeyringError,
+            f"its keys must be treated as leaked; fix with `chmod 600 {path}` (and rotate the keys if others "
+            "may have read them)")
+    except FileNotFoundError as exc:
+        raise KeyringError(f"keyring file {path} does not exist; create it with "
+                           "`gossiprec keys install $(gossiprec keys generate)`") from exc
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -362,7 +376,7 @@ def _read_private_json(path: Path) -> tuple[object, tuple[int, int, int, int]]:
     return doc, _fingerprint(st)
 
 
-def _atomic_write_private(path: Path, data: bytes) -> None:
+def atomic_write_private(path: Path, data: bytes) -> None:
     directory = path.parent
     if not directory.exists():
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)

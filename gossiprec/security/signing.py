@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
@@ -28,7 +27,7 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from gossiprec.errors import SecurityError
-from gossiprec.security.keyring import _atomic_write_private
+from gossiprec.security.keyring import atomic_write_private, read_private_file
 
 MAX_VERIFIERS = 4096
 """Public-key objects kept (cleared when full)."""
@@ -101,9 +100,11 @@ def load_signing_key(path: str | os.PathLike[str], *, create: bool = True) -> tu
     """The agent's persistent key at ``path`` and whether it was created just now (absent and
     ``create``). Refused: a symlink, a file group or others may access, anything but an Ed25519 PEM."""
     p = Path(path)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(p, flags)
+        raw, _ = read_private_file(
+            p, "signing key", MAX_KEY_FILE, SigningKeyError,
+            f"it must be treated as leaked; make a new one (remove {p}, start the agent again, and pin the new "
+            f"public key in the job spec), or if no one else can have read it, `chmod 600 {p}`")
     except FileNotFoundError:
         if not create:
             raise SigningKeyError(f"signing key {p} does not exist; create it with "
@@ -111,27 +112,11 @@ def load_signing_key(path: str | os.PathLike[str], *, create: bool = True) -> tu
         crypto = Ed25519Crypto.generate()
         pem = crypto.private.private_bytes(Encoding.PEM, PrivateFormat.PKCS8, NoEncryption())
         try:
-            _atomic_write_private(p, pem)
+            atomic_write_private(p, pem)
         except SecurityError as exc:
             raise SigningKeyError(f"cannot create signing key {p}: {exc}") from None
         return crypto, True
-    except OSError as exc:
-        raise SigningKeyError(f"cannot open signing key {p}: {exc.strerror} (a symlink is refused; point "
-                              "at the file itself)") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())  # the file we opened, not whatever the path names a moment later
-        if not stat.S_ISREG(st.st_mode):
-            raise SigningKeyError(f"signing key {p} is not a regular file")
-        if os.name == "posix" and st.st_mode & 0o077:
-            raise SigningKeyError(
-                f"signing key {p} has mode {stat.S_IMODE(st.st_mode):04o}: group or others can access it, "
-                f"so it must be treated as leaked; make a new one (remove {p}, start the agent again, and "
-                "pin the new public key in the job spec), or if no one else can have read it, "
-                f"`chmod 600 {p}`")
-        raw = f.read(MAX_KEY_FILE + 1)
     try:
-        if len(raw) > MAX_KEY_FILE:
-            raise ValueError("too large")
         key = load_pem_private_key(raw, password=None)
     except (ValueError, TypeError) as exc:
         raise SigningKeyError(f"signing key {p} is not an unencrypted PEM private key ({exc}); is this the "

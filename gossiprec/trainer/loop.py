@@ -333,11 +333,14 @@ class ResilientTrainer:
             self.epoch = view.epoch - 1
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
-            if self.sharded is None:  # a sharded spare builds its objects when a plan gives it a rank
+            if self.sharded is None and self.role == "trainer" and me.rank is not None:
+                # a rank of a view that changed before its start: a plan may resume at step 0, its own
+                # initial state, committed as in view 0 (a spare's optimizer state, made in advance by a
+                # step at lr 0, would count that step in Adam's bias correction)
+                self._commit_snapshot(0)
+            elif self.sharded is None:  # a sharded spare builds its objects when a plan gives it a rank
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
-                if self.role == "trainer" and me.rank is not None:  # a view changed before its start:
-                    self._commit_snapshot(0)  # a plan may resume at step 0, its initial state
             else:
                 self.sharded.warm()
             self._report(0, "idle")

@@ -481,7 +481,11 @@ class Recovery:
         t = self._t
         self._peers.refresh()
         donors = [self._peers.donor_of(x.donor_node) for x in mine]
-        stripes = [(x.offset, x.offset + x.length) for x in mine]
+        stripes: list[tuple[int, int]] | None = [(x.offset, x.offset + x.length) for x in mine]
+        if not any(x.length for x in mine):
+            # the plan knew no size: its reports were made before the donors' trainers started (a view
+            # changed during start-up), so take the whole state, whatever its size, from one donor
+            donors, stripes = donors[:1], None
         target_objects = ReceiveTarget(t.objects)
         kwargs: dict[str, Any] = {"step": target, "epoch": epoch, "timeout": t.config.fetch_timeout,
                                   "stall_timeout": t.config.stall_timeout}
