@@ -93,8 +93,8 @@ async def test_forged_push_pull_rows_move_and_kill_nobody(workdir: str) -> None:
     async with keyed_cluster(workdir) as (agents, _):
         view, subs = await _setup(agents)
         moved, killed, src = agents[1], agents[2], agents[3]
-        rows = ((moved.name, "127.0.0.1:9", _inc(moved) + 1000, ALIVE, 0, 0, -1, 0, 0, 0, b""),
-                (killed.name, killed.addr, _inc(killed), DEAD, 0, 0, -1, 0, 0, 0, b""))
+        rows = ((moved.name, "127.0.0.1:9", _inc(moved) + 1000, ALIVE, 0, 0, -1, 0, 0, 0, b"", b""),
+                (killed.name, killed.addr, _inc(killed), DEAD, 0, 0, -1, 0, 0, 0, b"", b""))
         before_moved, before_killed = _records(agents, moved.name), _records(agents, killed.name)
         msg = PushPull(src.name, src.addr, False, True, rows)
         before = [_count(a, "rx_alive_unsigned") for a in agents]
