@@ -2,9 +2,11 @@
 
 SWIM's own messages name their author too: an Alive speaks for its member (its address and
 incarnation), a Suspect or an observer's Dead for the accuser, a push-pull row for the member it
-describes. Each test forges one kind (see :mod:`gossiprec.core.membership` for which are signed and
-why), waits until every agent counted it refused (an event), lets the agents exchange more traffic,
-and checks that no member was suspected, failed or moved, and that no incarnation was raised.
+describes, a Progress record for the member whose training progress it reports (what the hang check
+judges; on the virtual clock: ``tests/test_progress_auth.py``). Each test forges one kind (see
+:mod:`gossiprec.core.membership` for which are signed and why), waits until every agent counted it
+refused (an event), lets the agents exchange more traffic, and checks that no member was suspected,
+failed or moved, and that no incarnation was raised (nor, for progress, the forged record kept).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from gossiprec.agent.pump import Agent
 from gossiprec.bench.hostile import KeyHolder
-from gossiprec.core.wire import ALIVE, DEAD, MAX_INCARNATION, Alive, Dead, PushPull, Suspect
+from gossiprec.core.wire import ALIVE, DEAD, MAX_INCARNATION, PHASES, Alive, Dead, Progress, PushPull, Suspect
 from tests.test_forgery_live import _addrs, _count, _keys_known, _refused_by_all, _unchanged
 from tests.test_security_live import KEY_A, _view, keyed_cluster, workdir
 
@@ -93,8 +95,8 @@ async def test_forged_push_pull_rows_move_and_kill_nobody(workdir: str) -> None:
     async with keyed_cluster(workdir) as (agents, _):
         view, subs = await _setup(agents)
         moved, killed, src = agents[1], agents[2], agents[3]
-        rows = ((moved.name, "127.0.0.1:9", _inc(moved) + 1000, ALIVE, 0, 0, -1, 0, 0, 0, b""),
-                (killed.name, killed.addr, _inc(killed), DEAD, 0, 0, -1, 0, 0, 0, b""))
+        rows = ((moved.name, "127.0.0.1:9", _inc(moved) + 1000, ALIVE, 0, 0, -1, 0, 0, 0, b"", b""),
+                (killed.name, killed.addr, _inc(killed), DEAD, 0, 0, -1, 0, 0, 0, b"", b""))
         before_moved, before_killed = _records(agents, moved.name), _records(agents, killed.name)
         msg = PushPull(src.name, src.addr, False, True, rows)
         before = [_count(a, "rx_alive_unsigned") for a in agents]
@@ -105,3 +107,22 @@ async def test_forged_push_pull_rows_move_and_kill_nobody(workdir: str) -> None:
         await _refused_by_all(targets, [b for a, b in zip(agents, before) if a is not moved], "rx_alive_unsigned")
         await _unchanged(agents, subs, view)
         assert _records(agents, moved.name) == before_moved and _records(agents, killed.name) == before_killed
+
+
+async def test_forged_progress_in_a_healthy_members_name_is_refused_everywhere(workdir: str) -> None:
+    async with keyed_cluster(workdir) as (agents, _):
+        view, subs = await _setup(agents)
+        victim = agents[1]
+        # "victim is frozen at step 3", at a version that would shut out its own reports for good: taken,
+        # the hang check would judge a healthy rank by it (unsigned, and with a signature not its own)
+        frozen = 10**9
+        forged = [Progress(victim.name, _inc(victim), frozen, 3, PHASES.index("compute"), 100),
+                  Progress(victim.name, _inc(victim), frozen + 1, 3, PHASES.index("compute"), 100, 0, bytes(64))]
+        targets = [a for a in agents if a is not victim]
+        before = [_count(a, "rx_progress_unsigned") for a in targets]
+        KeyHolder(KEY_A).send(forged, _addrs(agents, victim.name))
+        await _refused_by_all(targets, before, "rx_progress_unsigned")
+        await _unchanged(agents, subs, view)
+        for a in targets:
+            p = a.machine.swim.progress(victim.name)  # type: ignore[union-attr]
+            assert p is None or p.version < frozen, (a.name, p)

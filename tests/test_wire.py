@@ -27,7 +27,7 @@ from gossiprec.errors import DecodeError, GossiprecError
 
 MTU = 1400
 BIG = 64 * 1024 * 1024
-ROW = ("n1", "10.0.0.1:7946", 3, 1, 0, 2, 17, 1, 250, 3, bytes(64))
+ROW = ("n1", "10.0.0.1:7946", 3, 1, 0, 2, 17, 1, 250, 3, bytes(64), bytes(64))
 
 SAMPLES: list[Message] = [
     Ping(1, "n2", "n1", "10.0.0.1:7946"),
@@ -40,9 +40,10 @@ SAMPLES: list[Message] = [
     Dead("n6", 9, "n6"),
     Progress("n7", 1, 12, 1000, 2, 431),
     Progress("n7", 1, 13, 1000, 2, 431, 2**32 - 1),
+    Progress("n7", 1, 14, 1000, 2, 431, 3, bytes(64)),
     Ack(9, "n2", 4, 17, 1, 30, 1234),
     Ack(10, "n2", 4, 17, 1, 30, 1234, 57),
-    PushPull("n1", "10.0.0.1:7946", True, False, (ROW, ("n2", "", 1, 3, 1, 0, -1, 0, 0, 0, b""))),
+    PushPull("n1", "10.0.0.1:7946", True, False, (ROW, ("n2", "", 1, 3, 1, 0, -1, 0, 0, 0, b"", b""))),
     PushPull("n1", "a", False, True, ()),
 ]
 
@@ -85,11 +86,11 @@ def _u64(v: Any) -> bool:
 
 
 def _row(v: Any) -> bool:
-    return (type(v) is tuple and len(v) == 11 and _name(v[0]) and _addr(v[1]) and _u64(v[2])
+    return (type(v) is tuple and len(v) == 12 and _name(v[0]) and _addr(v[1]) and _u64(v[2])
             and _is_int(v[3], 0, len(STATUS_NAMES) - 1) and _is_int(v[4], 0, len(ROLES) - 1)
             and _u64(v[5]) and _is_int(v[6], -1, 2**62) and _is_int(v[7], 0, len(PHASES) - 1)
-            and _is_int(v[8], 0, 2**31 - 1) and _is_int(v[9], 0, 2**32 - 1) and type(v[10]) is bytes
-            and len(v[10]) <= 64)
+            and _is_int(v[8], 0, 2**31 - 1) and _is_int(v[9], 0, 2**32 - 1)
+            and all(type(sig) is bytes and len(sig) <= 64 for sig in v[10:]))  # Alive's, Progress's
 
 
 FIELD_OK: dict[str, Callable[[Any], bool]] = {
@@ -302,15 +303,21 @@ REFUSALS: list[tuple[str, bytes, str]] = [
     ("suspect-inc-negative", packet([6, "n", -1, "s", b""]), "bad_field"),
     ("dead-inc-str", packet([7, "n", "1", "s", b""]), "bad_field"),
     ("dead-sig-long", packet([7, "n", 1, "s", b"x" * 65]), "bad_field"),
-    ("progress-version-nil", packet([8, "n", 1, None, 0, 0, 0, 0]), "bad_field"),
+    ("progress-version-nil", packet([8, "n", 1, None, 0, 0, 0, 0, b""]), "bad_field"),
     ("progress-without-coll", packet([8, "n", 1, 1, 0, 0, 0]), "bad_message"),
-    ("progress-coll-2^32", packet([8, "n", 1, 1, 0, 0, 0, 2**32]), "bad_field"),
-    ("progress-coll-nil", packet([8, "n", 1, 1, 0, 0, 0, None]), "bad_field"),
+    ("progress-without-sig", packet([8, "n", 1, 1, 0, 0, 0, 0]), "bad_message"),
+    ("progress-coll-2^32", packet([8, "n", 1, 1, 0, 0, 0, 2**32, b""]), "bad_field"),
+    ("progress-coll-nil", packet([8, "n", 1, 1, 0, 0, 0, None, b""]), "bad_field"),
+    ("progress-sig-long", packet([8, "n", 1, 1, 0, 0, 0, 0, b"x" * 65]), "bad_field"),
+    ("progress-sig-str", packet([8, "n", 1, 1, 0, 0, 0, 0, "sig"]), "bad_field"),
     ("pushpull-members-map", packet([9, "s", "", False, False, {"n1": 1}]), "bad_field"),
     ("pushpull-members-str", packet([9, "s", "", False, False, "n1"]), "bad_field"),
     ("pushpull-row-short", packet([9, "s", "", False, False, [list(ROW[:9])]]), "bad_field"),
     ("pushpull-row-coll-negative", packet([9, "s", "", False, False, [[*ROW[:9], -1]]]), "bad_field"),
     ("pushpull-row-long", packet([9, "s", "", False, False, [[*ROW, 0]]]), "bad_field"),
+    ("pushpull-row-without-progress-sig", packet([9, "s", "", False, False, [list(ROW[:-1])]]), "bad_field"),
+    ("pushpull-row-progress-sig-long", packet([9, "s", "", False, False, [[*ROW[:-1], b"x" * 65]]]),
+     "bad_field"),
     ("pushpull-row-str", packet([9, "s", "", False, False, ["row"]]), "bad_field"),
     ("pushpull-row-status-4", packet([9, "s", "", False, False, [[*ROW[:3], 4, *ROW[4:]]]]), "bad_field"),
     ("pushpull-row-nested-name", packet([9, "s", "", False, False, [[[["n1"]], *ROW[1:]]]]), "bad_field"),
@@ -369,7 +376,7 @@ millis = st.integers(0, 2**31 - 1)
 sigs = st.binary(max_size=64)
 colls = st.integers(0, 2**32 - 1)
 rows = st.tuples(names, addrs, u64, st.integers(0, 3), st.integers(0, 1), u64, steps, phases, millis, colls,
-                 sigs)
+                 sigs, sigs)
 messages = st.one_of(
     st.builds(Ping, u64, names, names, addrs),
     st.builds(IndirectPing, u64, names, addrs, names, addrs, st.booleans()),
@@ -378,7 +385,7 @@ messages = st.one_of(
     st.builds(Alive, names, addrs, u64, st.integers(0, 1), sigs),
     st.builds(Suspect, names, u64, names, sigs),
     st.builds(Dead, names, u64, names, st.binary(max_size=64)),
-    st.builds(Progress, names, u64, u64, steps, phases, millis, colls),
+    st.builds(Progress, names, u64, u64, steps, phases, millis, colls, sigs),
     st.builds(PushPull, names, addrs, st.booleans(), st.booleans(), st.lists(rows, max_size=4).map(tuple)),
 )
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -11,12 +11,15 @@ With per-member signatures a row is only a relayed copy of its member's own word
 signature of that member's Alive at the row's incarnation (each member keeps the latest signed Alive of
 every other, also one that told it nothing new: a joiner learns the members from such rows), and is taken
 like that Alive, so it can never move a member to another address or raise its incarnation in another's
-name. A row about a member the receiver does not know, without a signature it can check (the sender never
-got one, or the member's key is not bound here yet), makes the member known at incarnation 0: probed, and
-outranked by any word of its own. The row's suspicion, death or departure is the sender's table, which
-nobody signed, and changes nothing: those travel as signed Suspect and Dead messages. Without signatures
-a row is taken as an Alive, a Suspect by the sender, a Dead by the sender or the member's own leave, by
-its status.
+name. Its progress (version, step, phase, step time, collectives) is the member's own signed
+:class:`~gossiprec.core.wire.Progress` at the row's incarnation, signature and all (a member's progress at
+an older incarnation is left out), checked like a gossiped one: a forged row cannot freeze a member's
+progress or put it ahead. A row about a member the receiver does not know, without a signature it can
+check (the sender never got one, or the member's key is not bound here yet), makes the member known at
+incarnation 0: probed, and outranked by any word of its own. The row's suspicion, death or departure is
+the sender's table, which nobody signed, and changes nothing: those travel as signed Suspect and Dead
+messages. Without signatures a row is taken as an Alive, a Suspect by the sender, a Dead by the sender
+or the member's own leave, by its status.
 """
 
 from __future__ import annotations
@@ -33,16 +36,20 @@ if TYPE_CHECKING:
 
 def pushpull(m: Membership, join: bool, reply: bool) -> PushPull:
     rows = []
-    alives = m._alives
+    alives, said = m._alives, m._book.said
     for r in m.members():
-        p = m._my_progress if r.name == m.name else m._book.records.get(r.name)
+        if r.name == m.name:
+            p: Progress | None = m._own_progress() if m._my_progress.version > 0 else None
+        else:
+            p = said.get(r.name)
         a = alives.get(r.name)
         sig = a.sig if a is not None and a.incarnation == r.incarnation else b""
-        if p is None:
-            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, 0, sig))
+        if p is None or p.incarnation != r.incarnation:
+            # (a row's progress is at the row's incarnation: an older one, signed at its own, is left out)
+            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, 0, sig, b""))
         else:
             rows.append((r.name, r.addr, r.incarnation, r.status, r.role, p.version, p.step, p.phase,
-                         p.step_ms, p.coll, sig))
+                         p.step_ms, p.coll, sig, p.sig))
     return PushPull(m.name, m.addr, join, reply, tuple(rows))
 
 
@@ -79,7 +86,7 @@ def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
         m._sends.append(Send(msg.src_addr, encode_packet([*keys, pushpull(m, msg.join, True)]), True))
     auth = m.auth
     signed = auth is not None
-    for name, addr, inc, status, role, pver, step, phase, step_ms, coll, sig in msg.members:
+    for name, addr, inc, status, role, pver, step, phase, step_ms, coll, sig, psig in msg.members:
         if status <= SUSPECT:
             alive = Alive(name, addr, inc, role, sig)
             if auth is not None and m.member(name) is None and not (sig and auth.check(name, alive)):
@@ -98,4 +105,4 @@ def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
         else:
             m._on_dead(Dead(name, inc, name), now)
         if pver > 0:
-            m._on_progress(Progress(name, inc, pver, step, phase, step_ms, coll), now)
+            m._on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, psig), now)  # checked as gossip

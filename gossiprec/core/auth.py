@@ -16,7 +16,9 @@ removed from the view loses its binding, so a restarted process (a new key) can 
 
 What is signed, and checked against the named author: SWIM's Alive (the member: only it raises its
 incarnation or moves its address; push-pull rows carry that signature, see
-:mod:`~gossiprec.core.antientropy`), Suspect and an observer's Dead (the accuser), alerts (observer),
+:mod:`~gossiprec.core.antientropy`), its Progress (the member: only it reports its training progress,
+which the hang check judges; push-pull rows carry that signature too, see
+:mod:`~gossiprec.core.progress`), Suspect and an observer's Dead (the accuser), alerts (observer),
 graceful leaves (the member), fast votes (voter, one :class:`~gossiprec.core.wire.Vote` each; unsigned
 bitmaps are ignored), prepares and accepts (coordinator), promises and accepteds (acceptor), the job's
 end (the trainer), and catch-up views (sender, who must be a member of the view the receiver holds). A
@@ -174,10 +176,11 @@ class KeyBook:
         return True
 
     def vouched(self, author: str, msg: Message) -> bool:
-        """For SWIM's rumours: :meth:`check`, except that a rumour by a member whose key is not bound here
-        yet (its claims have not arrived) is taken, and counted: trust on first use leaves that name open to
-        any key holder anyway, while refusing it would hold a live member suspect (its refutation refused)
-        or keep a failure from spreading until the next claim comes."""
+        """For SWIM's rumours and progress records: :meth:`check`, except that a rumour by a member whose
+        key is not bound here yet (its claims have not arrived) is taken, and counted: trust on first use
+        leaves that name open to any key holder anyway, while refusing it would hold a live member suspect
+        (its refutation refused), keep a failure from spreading, or leave the hang check blind, until the
+        next claim comes."""
         if self.key_of(author) is None:
             self._count("rx_sig_unbound")
             return True

@@ -34,8 +34,9 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
    progress records of other members, round robin, and push-pull carries them all.
 7. Signatures (with the node's :class:`~gossiprec.core.auth.KeyBook`): Alive, Suspect and an observer's Dead
    are their author's signed word (:mod:`~gossiprec.core.auth` says why). Pings, acks and nacks are not: an
-   ack or nack counts only as the answer to a probe of ours (its sequence number), and only here; Progress
-   records are not signed yet (a forged one can mislead the hang rule, not membership).
+   ack or nack counts only as the answer to a probe of ours (its sequence number), and only here. A
+   gossiped Progress record (and a push-pull row's progress) is its owner's signed word too, checked
+   when it is news (:mod:`~gossiprec.core.progress`): a forged one would mislead the hang rule.
 
 Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
 base), the probe schedule and records (:mod:`~gossiprec.core.probing`), one suspicion's timer
@@ -155,6 +156,9 @@ class Membership:
     @auth.setter
     def auth(self, book: KeyBook | None) -> None:
         self._auth = book
+        self._book.vouch = None if book is None else self._vouch_progress
+        p = self._my_progress  # signed by this key when it is next sent (see _own_progress)
+        self._my_progress = Progress(p.name, p.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
         alive = self._own_alive()  # our push-pull rows carry it
         if isinstance(self._queue.pending(self.name), Alive):  # queued before we had a key: signed now
             self._broadcast(self.name, alive)
@@ -162,6 +166,26 @@ class Membership:
     def _own_alive(self) -> Alive:
         alive = self._alives[self.name] = Alive(self.name, self.addr, self.incarnation, self.role)
         return sign_if(self._auth, alive)
+
+    def _own_progress(self) -> Progress:
+        """Our progress as it goes out, signed: once per version, when it is first sent (the trainer may
+        report far more often than we send; until then the record is ours alone, so signing it in place
+        is safe)."""
+        p = self._my_progress
+        if not p.sig and self._auth is not None:
+            self._auth.sign(p)
+        return p
+
+    def _vouch_progress(self, msg: Progress) -> bool:
+        """Whether a gossiped progress record (news to us) is its owner's own word, as an Alive is
+        (:meth:`KeyBook.vouched`: a member whose key is not bound yet is taken, and counted). A refusal
+        is counted: forged progress could otherwise freeze a healthy rank, or put it ahead of the others,
+        and have the hang check accuse it."""
+        auth = self._auth
+        if auth is None or auth.vouched(msg.name, msg):
+            return True
+        self._count("rx_progress_unsigned")
+        return False
 
     # ------------------------------------------------------------------ table access
     member: Callable[[str], MemberInfo | None]
@@ -767,7 +791,7 @@ class Membership:
             book, mine = self._book, self._my_progress
             if book.names or mine.version:  # ours, then others' in turn
                 if mine.version > 0:
-                    parts.append(encode_message(mine))
+                    parts.append(encode_message(self._own_progress()))
                 parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
             if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)

@@ -7,9 +7,16 @@ start of a stall, for the hang check), and which records ride on the next outgoi
 Sources: an ack's progress is the owner's own word, with the age of its position (``stall_ms``), and
 always replaces ours; gossiped records (a version per owner update) replace ours only when newer. Both
 date a stall late, never early, so the earliest estimate is kept while the position stays the same.
+
+With per-member signatures a gossiped record (relayed, or a push-pull row) counts only as its owner's
+signed word (:attr:`ProgressBook.vouch`, checked only for news: an older or repeated copy changes nothing
+and costs no verification), and what we relay is that word as it came (:attr:`ProgressBook.said`, its
+signature with it), never a record rebuilt from an ack.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from gossiprec.core.records import ProgressInfo
 from gossiprec.core.wire import Progress
@@ -18,12 +25,17 @@ from gossiprec.core.wire import Progress
 class ProgressBook:
     """The progress records of one membership machine (its own progress is the machine's)."""
 
-    __slots__ = ("records", "names", "_cursor")
+    __slots__ = ("records", "said", "names", "vouch", "_cursor")
 
     def __init__(self) -> None:
         self.records: dict[str, ProgressInfo] = {}
+        self.said: dict[str, Progress] = {}
+        """Each member's latest gossiped :class:`Progress` that we took, as it came (what we relay)."""
         self.names: list[str] = []
         """Members with a record, in the order first heard (the piggyback round robin's order)."""
+        self.vouch: Callable[[Progress], bool] | None = None
+        """Whether a gossiped record that is news is its owner's signed word (counts a refusal); None:
+        nothing is checked (no key book)."""
         self._cursor = 0
 
     def get(self, name: str) -> ProgressInfo | None:
@@ -31,14 +43,20 @@ class ProgressBook:
 
     def forget(self, name: str) -> None:
         self.records.pop(name, None)  # (its name leaves the round robin when its turn comes)
+        self.said.pop(name, None)
 
     def heard(self, msg: Progress, now: float, direct: bool, stall_ms: int) -> None:
         """``msg`` arrived: from its owner's ack (``direct``, with the age ``stall_ms``) or by gossip."""
         cur = self.records.get(msg.name)
+        if not direct:
+            if cur is not None and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
+                return  # no news (a relayed copy of what we hold, or older): nothing to check
+            vouch = self.vouch
+            if vouch is not None and not vouch(msg):
+                return  # not its owner's word: changes nothing (counted by ``vouch``)
+            self.said[msg.name] = msg
         if cur is None:
             self.names.append(msg.name)
-        elif not direct and (msg.incarnation, msg.version) <= (cur.incarnation, cur.version):
-            return
         version = msg.version if not direct else (cur.version if cur is not None else 0)
         # the stall clock starts when the owner's position began: an ack's age dates it; gossip only
         # says it was current by now (both err late, never early, so the earliest estimate is the best)
@@ -53,20 +71,20 @@ class ProgressBook:
                                               since, msg.coll)
 
     def take_turns(self, want: int) -> list[Progress]:
-        """The next ``want`` records of the round robin, as messages (versionless ones are skipped)."""
+        """The next ``want`` records of the round robin, as their owners' messages (the latest gossiped one
+        of each, signature and all; a member heard of only by acks is skipped)."""
         out: list[Progress] = []
-        names = self.names
+        names, said = self.names, self.said
         while names and want > 0:
             if self._cursor >= len(names):
                 self._cursor = 0
             name = names[self._cursor]
-            info = self.records.get(name)
-            if info is None:
+            if name not in self.records:
                 names.pop(self._cursor)
                 continue
             self._cursor += 1
             want -= 1
-            if info.version > 0:
-                out.append(Progress(name, info.incarnation, info.version, info.step, info.phase, info.step_ms,
-                                    info.coll))
+            msg = said.get(name)
+            if msg is not None and msg.version > 0:
+                out.append(msg)
         return out

@@ -22,7 +22,8 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+"""Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -358,7 +359,7 @@ class Dead(Message):
     sig: bytes = b""
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32, SIG)
 @value_class
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner. ``coll``: the
@@ -371,16 +372,18 @@ class Progress(Message):
     phase: int
     step_ms: int
     coll: int = 0
+    sig: bytes = b""  # by ``name`` itself (relayed copies carry it: only the owner speaks for its progress)
 
 
-MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, SIG)
+MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, SIG, SIG)
 
 
 @message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
 @value_class
 class PushPull(Message):
     """Anti-entropy: full state. ``members`` rows are (name, addr, incarnation, status, role, progress_version,
-    step, phase, step_ms, coll, the member's own signature of its Alive at that incarnation)."""
+    step, phase, step_ms, coll, the member's own signature of its Alive at that incarnation, the member's
+    own signature of its :class:`Progress` at that incarnation and version)."""
 
     src: str
     src_addr: str
