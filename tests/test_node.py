@@ -80,10 +80,10 @@ GARBAGE = [
     b"\xff",
     b"\x00" * 64,
     bytes(range(256)),
-    b"\x92\x05\x91\x92\x63\x01",  # [5, [[99, 1]]]: unknown message type (protocol 5)
+    b"\x92\x06\x91\x92\x63\x01",  # [6, [[99, 1]]]: unknown message type (protocol 6)
     b"\x92\x07\x91\x91\x01",  # unknown protocol version
     b"\xdd\xff\xff\xff\xff",  # array header claiming 4 billion items, no items
-    b"\x92\x05\x91\x9c\x14" + b"\xc0" * 11,  # an Alert with every field nil
+    b"\x92\x06\x91\x9c\x14" + b"\xc0" * 11,  # an Alert with every field nil
 ]
 
 

@@ -15,6 +15,16 @@ The report hold: a view installed while the trainer may still commit the step it
 in flight, or in the optimizer step) holds our report until the trainer committed that step or stopped,
 at most ``report_hold`` (a report made at once would roll every survivor back a step).
 
+Signed reports (with a :class:`~gossiprec.core.auth.KeyBook`): a bitmap is nobody's signed word, so a
+holder of the cluster key could report in any member's name (every rank at a step nobody holds, a
+healthy donor holding nothing) and make every member compute a plan that cannot be carried out. So
+each member's report then travels as its own :class:`~gossiprec.core.wire.StateClaim`, signed by it,
+relayed and re-sent as it came (as a fast vote does, see :mod:`~gossiprec.core.consensus`); it counts
+once its author's bound key checks it (``rx_state_claim_refused`` otherwise), and unsigned
+:class:`Report` bitmaps are ignored (``rx_report_unsigned``). A member's first valid claim for the view
+stands (a second, different one is ``rx_state_claim_conflict``). The claims then fill the same
+per-value bitmaps as before, locally, so the plan is computed exactly as without signatures.
+
 Anti-entropy: gossip drops a merged aggregate after a bounded number of sends, so for
 ``reaggregate_for`` after the install, at doubling intervals from ``reaggregate_first`` (at most
 ``reaggregate_gap_max``), a member that lacks the plan, or sees members that have not confirmed its
@@ -26,12 +36,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gossiprec.core import timers
+from gossiprec.core.auth import sign_if
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.election import StateReport
 from gossiprec.core.events import PlanMismatch, PlanReady
 from gossiprec.core.membership import Membership
 from gossiprec.core.view import View
-from gossiprec.core.wire import PHASES, PlanDigest, Report
+from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, StateClaim, encode_message
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -47,7 +58,7 @@ class Aggregates:
     """The reports and plan digests of one :class:`~gossiprec.core.node.Node`'s current view."""
 
     __slots__ = ("node", "swim", "acfg", "reports", "have", "need", "holders", "plan_hex", "next_reagg",
-                 "reagg_gap", "digests", "held_until")
+                 "reagg_gap", "digests", "held_until", "claims")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -67,10 +78,13 @@ class Aggregates:
         """Plan digest -> bitmap of the members that computed it."""
         self.held_until: float | None = None
         """This member's state report for the current view waits until then (see ``report_hold``)."""
+        self.claims: dict[str, StateClaim] = {}
+        """With a key book: each member's own signed report for the view, as it came (what is relayed)."""
 
     def start_view(self, now: float) -> None:
         self.held_until = None  # a report held for the last view is moot
         self.reports = {}
+        self.claims = {}
         self.have = 0
         self.need = None
         self.next_reagg = now + self.acfg.reaggregate_first
@@ -116,6 +130,11 @@ class Aggregates:
         idx = v.index(node.name)
         assert idx is not None
         committed, inflight, size = node._state
+        if node.auth is not None:  # our own signed word, straight to every member of a small view (below)
+            claim = sign_if(node.auth, StateClaim(v.epoch, v.config_id, node.name, committed, inflight, size))
+            node._one_hop_to_all(claim)
+            self.on_state_claim(claim, now)
+            return
         # our own report straight to every member of a small view (once per view): the plan waits for the
         # last report, and one held for the trainer would otherwise wait for the next gossip round
         bits = (1 << idx).to_bytes((len(v) + 7) // 8, "little")
@@ -123,13 +142,20 @@ class Aggregates:
         self.merge_report(node._state, 1 << idx, now)
 
     # ------------------------------------------------------------------ everyone's reports
-    def merge_report(self, values: StateValues, bits: int, now: float) -> None:
+    def _add(self, values: StateValues, bits: int) -> int:
+        """Count ``bits`` as reporting ``values``; returns the merged bitmap, 0 when nothing is new."""
         old = self.reports.get(values, 0)
         new = old | bits
         if new == old:
-            return
+            return 0
         self.reports[values] = new
         self.have |= new
+        return new
+
+    def merge_report(self, values: StateValues, bits: int, now: float) -> None:
+        new = self._add(values, bits)
+        if not new:
+            return
         v = self.node.view
         assert v is not None
         committed, inflight, size = values
@@ -139,10 +165,40 @@ class Aggregates:
         self.maybe_plan(now)
 
     def on_report(self, msg: Report, now: float) -> None:
+        if self.node.auth is not None:
+            counters = self.node.counters  # a bitmap is nobody's signed word: only signed claims count
+            counters["rx_report_unsigned"] = counters.get("rx_report_unsigned", 0) + 1
+            return
         bits = int.from_bytes(msg.bitmap, "little") & ((1 << len(self.node.view or ())) - 1)
         if msg.inflight_step is not None and msg.inflight_step <= msg.committed_step:
             return
         self.merge_report((msg.committed_step, msg.inflight_step, msg.state_bytes), bits, now)
+
+    def on_state_claim(self, msg: StateClaim, now: float) -> None:
+        """One member's own report: its bit counts once its signature checks; relayed as it came."""
+        node = self.node
+        v = node.view
+        idx = v.index(msg.node) if v is not None else None
+        if idx is None or (msg.inflight_step is not None and msg.inflight_step <= msg.committed_step):
+            return
+        have = self.claims.get(msg.node)
+        if have == msg:
+            return  # a copy of what counts already (verified once)
+        auth = node.auth
+        # ``check``, not ``vouched``: a claim is made after the view is installed, by one of its members,
+        # whose key is bound by then (pinned, or claimed ahead of its messages); taking an unbound author's
+        # word would let a forger's claim arrive first and stand for the view. A claim refused for want of
+        # a key only waits: anti-entropy sends the author's claim again, and its key claim comes too.
+        if auth is not None and not auth.check(msg.node, msg):
+            node.counters["rx_state_claim_refused"] = node.counters.get("rx_state_claim_refused", 0) + 1
+            return
+        if have is not None:  # its author said two things: the first stands here
+            node.counters["rx_state_claim_conflict"] = node.counters.get("rx_state_claim_conflict", 0) + 1
+            return
+        self.claims[msg.node] = msg
+        node._bcast("s|" + msg.node, msg)
+        if self._add((msg.committed_step, msg.inflight_step, msg.state_bytes), 1 << idx):
+            self.maybe_plan(now)
 
     def maybe_plan(self, now: float) -> None:
         node = self.node
@@ -219,7 +275,11 @@ class Aggregates:
         self.reagg_gap = min(self.acfg.reaggregate_gap_max, self.reagg_gap * 2)
         self.next_reagg = now + self.reagg_gap
         nbytes = (len(v) + 7) // 8
-        if v.basis is not None:
+        signed = node.auth is not None
+        if v.basis is not None and signed:
+            for name, claim in self.claims.items():
+                self.swim.broadcast("s|" + name, claim, now)
+        elif v.basis is not None:
             for (committed, inflight, size), bits in self.reports.items():
                 self.swim.broadcast(f"r|{committed}|{inflight}|{size}", Report(
                     v.epoch, v.config_id, committed, inflight, size, bits.to_bytes(nbytes, "little")), now)
@@ -234,7 +294,31 @@ class Aggregates:
             confirmed = self.digests.get(bytes.fromhex(self.plan_hex), 0)
             for s in node.observer.subjects:
                 idx = v.index(s)
-                if idx is not None and not confirmed >> idx & 1:
+                if idx is not None and not confirmed >> idx & 1 and signed:
+                    self._send_claims(s)
+                elif idx is not None and not confirmed >> idx & 1:
                     for (committed, inflight, size), bits in self.reports.items():
                         node._send_to(s, Report(v.epoch, v.config_id, committed, inflight, size,
                                                 bits.to_bytes(nbytes, "little")))
+
+    def _send_claims(self, to: str) -> None:
+        """Every signed claim we hold, to member ``to``, as few packets as fit the MTU."""
+        budget = self.swim.config.mtu // 2  # room left for piggybacked news
+        batch: list[Message] = []
+        size = 0
+        for claim in self.claims.values():
+            n = len(encode_message(claim))
+            if batch and size + n > budget:
+                self._send_batch(to, batch)
+                batch, size = [], 0
+            batch.append(claim)
+            size += n
+        if batch:
+            self._send_batch(to, batch)
+
+    def _send_batch(self, to: str, batch: list[Message]) -> None:
+        if self.node.spec_conflict:
+            return  # (as Node._send_to: nothing of this view goes out)
+        if not self.swim.send_to(to, batch[0], self.node._now, extra=tuple(batch[1:])):
+            for claim in batch:
+                self.node._send_to(to, claim)

@@ -55,7 +55,7 @@ from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
     ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
     Message,
-    PlanDigest, Prepare, Promise, Proposal, Report, ViewDelta, ViewRequest, ViewState, Vote, Votes,
+    PlanDigest, Prepare, Promise, Proposal, Report, StateClaim, ViewDelta, ViewRequest, ViewState, Vote, Votes,
 )
 from gossiprec.errors import ProtocolError
 
@@ -750,6 +750,7 @@ _ANY_VIEW: dict[type, Handler] = {
 _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     Alert: (Node._on_alert, True),
     Report: (lambda n, m, now: n.aggregates.on_report(m, now), True),
+    StateClaim: (lambda n, m, now: n.aggregates.on_state_claim(m, now), True),
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
     Votes: (Node._on_votes, False),

@@ -22,8 +22,9 @@ import msgpack
 
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 5
-"""Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows)."""
+PROTOCOL_VERSION = 6
+"""Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
+signs state reports (:class:`StateClaim`, one per member, where a key book is set)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -682,6 +683,21 @@ class Report(Message):
     inflight_step: int | None
     state_bytes: int
     bitmap: bytes
+
+
+@message(38, EPOCH, CFG, NAME, STEP, _optional(STEP), _uint(2**62), SIG)
+@value_class
+class StateClaim(Message):
+    """``node``'s own state report for the plan of ``epoch``, signed by it: with a key book, what a
+    :class:`Report` bitmap carries for one member, one message each (as :class:`Vote` for :class:`Votes`)."""
+
+    epoch: int
+    config: str
+    node: str
+    committed_step: int
+    inflight_step: int | None
+    state_bytes: int
+    sig: bytes = b""
 
 
 @message(32, EPOCH, CFG, DIGEST, BITMAP)
