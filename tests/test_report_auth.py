@@ -1,0 +1,234 @@
+"""State reports are their member's signed word: a holder of the cluster key cannot report for another.
+
+The plan of a view (:mod:`gossiprec.core.election`) is a pure function of the view and the holders'
+state reports, so a forged report (every rank at a step nobody holds, a healthy donor holding nothing)
+would make every member compute a plan that cannot be carried out. With a key book each member's report
+is its own signed :class:`~gossiprec.core.wire.StateClaim` (:mod:`gossiprec.core.aggregate`). Shown
+here with signing nodes (pinned keys, the simulator's keyed-digest stand-in) on one virtual clock, on a
+view of trainers n0, n1, n2 and spare n3 where n1 leaves (holders n0 and n2):
+
+- honest signed claims give every member the same plan, the one unsigned bitmaps give; no ``Report``
+  bitmap is sent; each member verifies each claim once however many copies reach it;
+- so they do when gossip dropped every claim at first: re-aggregation (anti-entropy) sends them again;
+- a forged report in healthy n2's name, as an unsigned bitmap or as a claim signed with n0's key, sent
+  to every member before n2's own, is refused and counted (``rx_report_unsigned``,
+  ``rx_state_claim_refused``), is not relayed, and every member computes the honest plan;
+- the cost, at 32 members (one leaves, 30 holders): each member verifies each other holder's claim once,
+  29 or 30 verifications per member per recovery on top of the votes and alerts (``-s`` prints the
+  total; counts, not times, are asserted).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgpack
+import pytest
+
+from gossiprec.core import wire
+from gossiprec.core.auth import DigestCrypto, KeyBook
+from gossiprec.core.config import AgreementConfig
+from gossiprec.core.node import Node
+from gossiprec.core.records import MemberInfo
+from gossiprec.core.topology import JobTopology
+from gossiprec.core.view import View, ViewMember
+from gossiprec.core.wire import PHASES, Message, Report, decode_packet, encode_packet
+from tests.test_node import CFG, MiniNet
+
+NAMES = ["n0", "n1", "n2", "n3"]
+FAR = 10**9
+"""A forger's step: one nobody holds."""
+
+
+@dataclass
+class Counting:
+    """The keyed-digest stand-in, remembering what it verified."""
+
+    inner: DigestCrypto
+    verified: list[bytes] = field(default_factory=list)
+
+    @property
+    def public_key(self) -> bytes:
+        return self.inner.public_key
+
+    def sign(self, data: bytes) -> bytes:
+        return self.inner.sign(data)
+
+    def verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
+        self.verified.append(data)
+        return self.inner.verify(key, data, sig)
+
+
+def book(name: str, pins: dict[str, bytes]) -> KeyBook:
+    return KeyBook(name, Counting(DigestCrypto.for_name(name)), pinned=pins, claims=False)
+
+
+class SignedNet(MiniNet):
+    """:class:`~tests.test_node.MiniNet` of signing nodes (``signed``); ``drop`` takes (time, message)
+    and says whether the network loses it."""
+
+    def __init__(self, names: list[str], spares: int = 1, signed: bool = True,
+                 drop: Callable[[float, Message], bool] | None = None, **acfg: Any) -> None:
+        super().__init__(names, spares, **acfg)
+        members = [ViewMember(n, n, "trainer" if i < len(names) - spares else "spare",
+                              i if i < len(names) - spares else None) for i, n in enumerate(names)]
+        v = View.initial(members, JobTopology.ddp(len(names) - spares))
+        base = {n: MemberInfo(n, n, 1) for n in v.nodes}
+        pins = {n: DigestCrypto.for_name(n).public_key for n in names}
+        self.nodes = {n: Node(CFG, n, n, incarnation=1, rng=random.Random(i), now=0.0, view=v, members=base,
+                              member_order=v.nodes, agreement=AgreementConfig(**acfg),
+                              auth=book(n, pins) if signed else None)
+                      for i, n in enumerate(names)}
+        self.drop = drop
+        self.dropped: list[tuple[float, str, Message]] = []
+
+    def _deliver(self) -> None:
+        moved = True
+        while moved:
+            moved = False
+            for name, node in self.nodes.items():
+                for s in node.take_sends():
+                    moved = True
+                    if name in self.down or s.addr in self.down:
+                        continue
+                    msgs = decode_packet(s.payload, CFG.max_stream)
+                    kept = []
+                    for m in msgs:
+                        if self.drop is not None and self.drop(self.now, m):
+                            self.dropped.append((self.now, name, m))
+                        else:
+                            kept.append(m)
+                            self.sent.append((self.now, name, m))
+                    if kept:
+                        self.nodes[s.addr].receive(encode_packet(kept), self.now, s.reliable)
+                self.events += [(self.now, name, e) for e in node.take_events()]
+
+    def deliver_to_all(self, msg: Message) -> None:
+        for node in self.nodes.values():
+            node.receive(encode_packet([msg]), self.now)
+        self._deliver()
+
+
+def _recovery(net: SignedNet, forge: Callable[[SignedNet], None] | None = None) -> dict[str, str]:
+    """n0, n1, n2 in the optimizer step of step 5 (committed 4); n1 leaves, so the survivors hold their
+    reports for view 1; ``forge`` runs then; n0 and n2 commit step 5 and report. Returns every member's
+    plan digest."""
+    net.run(1.0)
+    for name in ("n0", "n1", "n2"):
+        net.nodes[name].set_state(4, None, 1000)
+        net.nodes[name].set_progress(5, PHASES.index("optimizer"), 100, net.now)
+    net.nodes["n1"].leave(net.now)
+    net.run(1.5)
+    assert all(net.nodes[n].view.epoch == 1 for n in ("n0", "n2", "n3"))  # type: ignore[union-attr]
+    assert not net.plans()
+    if forge is not None:
+        forge(net)
+    for n in ("n0", "n2"):
+        net.nodes[n].set_state(5, None, 1000)
+    net.nodes["n2"].set_progress(5, PHASES.index("recovering"), 100, net.now)
+    t = net.now
+    while len(net.plans()) < 3 and t < 2.5:  # (before a later view: n0's trainer never moves on)
+        t = round(t + 0.05, 6)
+        net.run(t)
+    return {n: p.digest() for n, p in net.plans().items()}
+
+
+def _honest_plan() -> str:
+    (digest,) = set(_recovery(SignedNet(NAMES, signed=False)).values())
+    return digest
+
+
+def _claims_verified(node: Node) -> list[bytes]:
+    assert node.auth is not None
+    return [d for d in node.auth.crypto.verified  # type: ignore[attr-defined]
+            if msgpack.unpackb(d)[0] == wire.StateClaim.TYPE]
+
+
+def test_honest_signed_claims_give_every_member_the_plan_unsigned_bitmaps_give() -> None:
+    net = SignedNet(NAMES)
+    plans = _recovery(net)
+    assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
+    assert net.plans()["n0"].target_step == 5
+    assert not [m for _, _, m in net.sent if isinstance(m, Report)]  # no bitmap: each member's own word
+    claims = {m.node for _, _, m in net.sent if isinstance(m, wire.StateClaim)}
+    assert claims == {"n0", "n2"}
+    for name in ("n0", "n2", "n3"):
+        node = net.nodes[name]
+        seen = _claims_verified(node)
+        assert len(seen) == len(set(seen)) == (1 if name != "n3" else 2)  # once each; its own not at all
+        assert not any(node.counters.get(k) for k in ("rx_state_claim_refused", "rx_report_unsigned",
+                                                       "rx_state_claim_conflict"))
+
+
+def test_claims_that_gossip_dropped_arrive_by_re_aggregation_and_give_the_same_plan() -> None:
+    lost = (1.5, 1.7)  # every claim sent in this window is lost: the one-hop sends and gossip's few sends
+
+    def drop(t: float, m: Message) -> bool:
+        return isinstance(m, wire.StateClaim) and lost[0] <= t < lost[1]
+
+    net = SignedNet(NAMES, drop=drop)
+    plans = _recovery(net)
+    assert {m.node for t, _, m in net.dropped if t < lost[1]} == {"n0", "n2"}
+    assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
+    delivered = [t for t, _, m in net.sent if isinstance(m, wire.StateClaim)]
+    assert delivered and min(delivered) >= lost[1]  # every claim that arrived was sent again, later
+    ready = [t for t, _, e in net.events if type(e).__name__ == "PlanReady"]
+    assert min(ready) >= lost[1]  # no plan from what the window let through (nothing)
+
+
+def _forged_bitmap(net: SignedNet) -> None:
+    v = net.nodes["n0"].view
+    assert v is not None
+    everyone = ((1 << len(v)) - 1).to_bytes((len(v) + 7) // 8, "little")
+    net.deliver_to_all(Report(v.epoch, v.config_id, FAR, None, 1000, everyone))  # "all of us hold step 10^9"
+    net.deliver_to_all(Report(v.epoch, v.config_id, 0, None, 0, everyone))  # "and none of us holds a byte"
+
+
+def _forged_claim(net: SignedNet) -> None:
+    v = net.nodes["n0"].view
+    assert v is not None
+    pins = {n: DigestCrypto.for_name(n).public_key for n in NAMES}
+    for values in ((FAR, None, 1000), (0, None, 0)):  # n2 holds step 10^9; n2 holds nothing
+        net.deliver_to_all(book("n0", pins).sign(wire.StateClaim(v.epoch, v.config_id, "n2", *values)))
+
+
+@pytest.mark.parametrize("forgery", ["unsigned-bitmap", "another-key"])
+def test_a_forged_report_in_a_healthy_members_name_is_refused_and_the_plan_is_the_honest_one(
+        forgery: str) -> None:
+    net = SignedNet(NAMES)
+    counter = "rx_report_unsigned" if forgery == "unsigned-bitmap" else "rx_state_claim_refused"
+    plans = _recovery(net, _forged_bitmap if forgery == "unsigned-bitmap" else _forged_claim)
+    assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
+    assert net.plans()["n3"].target_step == 5
+    for name in ("n0", "n2", "n3"):
+        assert net.nodes[name].counters.get(counter) == 2, name
+        assert not net.nodes[name].counters.get("rx_state_claim_conflict")
+    relayed = [m for _, _, m in net.sent if isinstance(m, (Report, wire.StateClaim))]
+    assert all(m.committed_step == 5 for m in relayed)  # the forgeries went no further
+
+
+def test_at_32_members_each_member_verifies_each_holders_claim_once() -> None:
+    # the cost of signed reports: one verification per holder per member per recovery (printed with -s;
+    # the counts, not times, are asserted)
+    names = [f"n{i:02d}" for i in range(32)]
+    net = SignedNet(names, spares=1)
+    net.run(1.0)
+    before = {n: len(node.auth.crypto.verified) for n, node in net.nodes.items()}  # type: ignore[union-attr, attr-defined]
+    net.nodes["n01"].leave(net.now)
+    t = net.now
+    while len(net.plans()) < 31 and t < 3.0:
+        t = round(t + 0.05, 6)
+        net.run(t)
+    assert len(net.plans()) == 31 and len({p.digest() for p in net.plans().values()}) == 1
+    holders = set(net.nodes["n00"].view.holders())  # type: ignore[union-attr]
+    assert len(holders) == 30
+    counts = []
+    for name, node in net.nodes.items():
+        if name != "n01":
+            seen = _claims_verified(node)
+            assert len(seen) == len(set(seen)) == len(holders - {name}), name
+            counts.append(len(node.auth.crypto.verified) - before[name])  # type: ignore[union-attr, attr-defined]
+    print(f"signatures verified per member from the leave to every plan (32 members): "
+          f"min {min(counts)}, max {max(counts)}, of which claims {len(holders) - 1} or {len(holders)}")
