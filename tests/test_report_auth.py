@@ -13,9 +13,13 @@ view of trainers n0, n1, n2 and spare n3 where n1 leaves (holders n0 and n2):
 - a forged report in healthy n2's name, as an unsigned bitmap or as a claim signed with n0's key, sent
   to every member before n2's own, is refused and counted (``rx_report_unsigned``,
   ``rx_state_claim_refused``), is not relayed, and every member computes the honest plan;
-- the cost, at 32 members (one leaves, 30 holders): each member verifies each other holder's claim once,
-  29 or 30 verifications per member per recovery on top of the votes and alerts (``-s`` prints the
-  total; counts, not times, are asserted).
+- plan digests likewise: each member's is its own signed :class:`~gossiprec.core.wire.PlanConfirm`, and
+  a forged one in other members' names (an unsigned bitmap, or a confirm signed with n0's key) raises
+  no ``PlanMismatch`` anywhere, is counted (``rx_plan_digest_unsigned``, ``rx_plan_confirm_refused``)
+  and is not relayed;
+- the cost, at 32 members (one leaves, 30 holders): each member verifies each other holder's claim and
+  each other member's confirm once, 29 or 30 plus 30 verifications per member per recovery on top of
+  the votes and alerts (``-s`` prints the total; counts, not times, are asserted).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
-from gossiprec.core.wire import PHASES, Message, Report, decode_packet, encode_packet
+from gossiprec.core.events import PlanMismatch
+from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, decode_packet, encode_packet
 from tests.test_node import CFG, MiniNet
 
 NAMES = ["n0", "n1", "n2", "n3"]
@@ -140,10 +145,14 @@ def _honest_plan() -> str:
     return digest
 
 
-def _claims_verified(node: Node) -> list[bytes]:
+def _verified(node: Node, kind: type) -> list[bytes]:
     assert node.auth is not None
     return [d for d in node.auth.crypto.verified  # type: ignore[attr-defined]
-            if msgpack.unpackb(d)[0] == wire.StateClaim.TYPE]
+            if msgpack.unpackb(d)[0] == kind.TYPE]  # type: ignore[attr-defined]
+
+
+def _claims_verified(node: Node) -> list[bytes]:
+    return _verified(node, wire.StateClaim)
 
 
 def test_honest_signed_claims_give_every_member_the_plan_unsigned_bitmaps_give() -> None:
@@ -209,7 +218,7 @@ def test_a_forged_report_in_a_healthy_members_name_is_refused_and_the_plan_is_th
     assert all(m.committed_step == 5 for m in relayed)  # the forgeries went no further
 
 
-def test_at_32_members_each_member_verifies_each_holders_claim_once() -> None:
+def test_at_32_members_each_member_verifies_each_claim_and_each_confirm_once() -> None:
     # the cost of signed reports: one verification per holder per member per recovery (printed with -s;
     # the counts, not times, are asserted)
     names = [f"n{i:02d}" for i in range(32)]
@@ -222,6 +231,11 @@ def test_at_32_members_each_member_verifies_each_holders_claim_once() -> None:
         t = round(t + 0.05, 6)
         net.run(t)
     assert len(net.plans()) == 31 and len({p.digest() for p in net.plans().values()}) == 1
+    live = [n for n in names if n != "n01"]
+    while not all(len(net.nodes[n].aggregates.confirms) == 31 for n in live) and t < 3.0:
+        t = round(t + 0.05, 6)
+        net.run(t)
+    assert all(len(net.nodes[n].aggregates.confirms) == 31 for n in live)  # each member's own digest
     holders = set(net.nodes["n00"].view.holders())  # type: ignore[union-attr]
     assert len(holders) == 30
     counts = []
@@ -229,6 +243,54 @@ def test_at_32_members_each_member_verifies_each_holders_claim_once() -> None:
         if name != "n01":
             seen = _claims_verified(node)
             assert len(seen) == len(set(seen)) == len(holders - {name}), name
+            confirms = _verified(node, wire.PlanConfirm)
+            assert len(confirms) == len(set(confirms)) == 30, name  # every other member's, once
             counts.append(len(node.auth.crypto.verified) - before[name])  # type: ignore[union-attr, attr-defined]
-    print(f"signatures verified per member from the leave to every plan (32 members): "
-          f"min {min(counts)}, max {max(counts)}, of which claims {len(holders) - 1} or {len(holders)}")
+    print(f"signatures verified per member from the leave to every plan confirmed (32 members): "
+          f"min {min(counts)}, max {max(counts)}, of which state claims {len(holders) - 1} or "
+          f"{len(holders)} and plan confirms 30")
+
+
+def _confirmed(net: SignedNet, until: float = 2.0) -> None:
+    """Run on until every member holds every member's plan confirm (well before any later view)."""
+    t = net.now
+    while not all(len(net.nodes[n].aggregates.confirms) == 3 for n in ("n0", "n2", "n3")) and t < until:
+        t = round(t + 0.05, 6)
+        net.run(t)
+
+
+def test_each_members_plan_digest_is_its_own_signed_confirm() -> None:
+    net = SignedNet(NAMES)
+    plans = _recovery(net)
+    _confirmed(net)
+    (digest,) = set(plans.values())
+    for name in ("n0", "n2", "n3"):
+        agg = net.nodes[name].aggregates
+        assert set(agg.confirms) == {"n0", "n2", "n3"}, name
+        assert agg.digests == {bytes.fromhex(digest): 0b111}, name  # all of view 1: n0, n2, n3
+    assert not [m for _, _, m in net.sent if isinstance(m, PlanDigest)]
+    assert not [e for _, _, e in net.events if isinstance(e, PlanMismatch)]
+
+
+@pytest.mark.parametrize("forgery", ["unsigned-bitmap", "another-key"])
+def test_a_forged_plan_digest_in_other_members_names_raises_no_mismatch(forgery: str) -> None:
+    net = SignedNet(NAMES)
+    plans = _recovery(net)
+    v = net.nodes["n0"].view
+    assert v is not None
+    other = bytes(32)  # "they computed another plan" (every member would log a mismatch)
+    if forgery == "unsigned-bitmap":
+        everyone = ((1 << len(v)) - 1).to_bytes((len(v) + 7) // 8, "little")
+        net.deliver_to_all(PlanDigest(v.epoch, v.config_id, other, everyone))
+        counter = "rx_plan_digest_unsigned"
+    else:
+        pins = {n: DigestCrypto.for_name(n).public_key for n in NAMES}
+        net.deliver_to_all(book("n0", pins).sign(wire.PlanConfirm(v.epoch, v.config_id, "n2", other)))
+        counter = "rx_plan_confirm_refused"
+    assert not [e for _, _, e in net.events if isinstance(e, PlanMismatch)]
+    _confirmed(net)
+    assert not [e for _, _, e in net.events if isinstance(e, PlanMismatch)]
+    for name in ("n0", "n2", "n3"):
+        assert net.nodes[name].counters.get(counter) == 1, name
+        assert set(net.nodes[name].aggregates.digests) == {bytes.fromhex(plans[name])}, name
+    assert not [m for _, _, m in net.sent if getattr(m, "digest", None) == other]  # not relayed

@@ -23,7 +23,11 @@ relayed and re-sent as it came (as a fast vote does, see :mod:`~gossiprec.core.c
 once its author's bound key checks it (``rx_state_claim_refused`` otherwise), and unsigned
 :class:`Report` bitmaps are ignored (``rx_report_unsigned``). A member's first valid claim for the view
 stands (a second, different one is ``rx_state_claim_conflict``). The claims then fill the same
-per-value bitmaps as before, locally, so the plan is computed exactly as without signatures.
+per-value bitmaps as before, locally, so the plan is computed exactly as without signatures. Plan
+digests likewise: each member's own signed :class:`~gossiprec.core.wire.PlanConfirm`
+(``rx_plan_confirm_refused``; unsigned :class:`PlanDigest` bitmaps: ``rx_plan_digest_unsigned``), so
+no key holder can raise a mismatch in another member's name, nor end re-aggregation early by claiming
+that every member confirmed.
 
 Anti-entropy: gossip drops a merged aggregate after a bounded number of sends, so for
 ``reaggregate_for`` after the install, at doubling intervals from ``reaggregate_first`` (at most
@@ -42,7 +46,7 @@ from gossiprec.core.election import StateReport
 from gossiprec.core.events import PlanMismatch, PlanReady
 from gossiprec.core.membership import Membership
 from gossiprec.core.view import View
-from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, StateClaim, encode_message
+from gossiprec.core.wire import PHASES, Message, PlanConfirm, PlanDigest, Report, StateClaim, encode_message
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -58,7 +62,7 @@ class Aggregates:
     """The reports and plan digests of one :class:`~gossiprec.core.node.Node`'s current view."""
 
     __slots__ = ("node", "swim", "acfg", "reports", "have", "need", "holders", "plan_hex", "next_reagg",
-                 "reagg_gap", "digests", "held_until", "claims")
+                 "reagg_gap", "digests", "held_until", "claims", "confirms")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -80,11 +84,14 @@ class Aggregates:
         """This member's state report for the current view waits until then (see ``report_hold``)."""
         self.claims: dict[str, StateClaim] = {}
         """With a key book: each member's own signed report for the view, as it came (what is relayed)."""
+        self.confirms: dict[str, PlanConfirm] = {}
+        """With a key book: each member's own signed plan digest for the view, as it came."""
 
     def start_view(self, now: float) -> None:
         self.held_until = None  # a report held for the last view is moot
         self.reports = {}
         self.claims = {}
+        self.confirms = {}
         self.have = 0
         self.need = None
         self.next_reagg = now + self.acfg.reaggregate_first
@@ -242,11 +249,14 @@ class Aggregates:
         digest = bytes.fromhex(self.plan_hex)
         node._events.append(PlanReady(v.epoch, self.plan_hex, plan, now))
         idx = v.index(node.name)
-        if idx is not None:
+        if idx is not None and node.auth is not None:
+            self.on_plan_confirm(sign_if(node.auth, PlanConfirm(v.epoch, v.config_id, node.name, digest)), now)
+        elif idx is not None:
             self.merge_digest(digest, 1 << idx, now)
 
     # ------------------------------------------------------------------ plan digests
-    def merge_digest(self, digest: bytes, bits: int, now: float) -> None:
+    def merge_digest(self, digest: bytes, bits: int, now: float, signed: bool = False) -> None:
+        """``bits`` computed ``digest``; ``signed``: from a checked claim (then nothing is broadcast here)."""
         old = self.digests.get(digest, 0)
         new = old | bits
         if new == old:
@@ -255,13 +265,39 @@ class Aggregates:
         node = self.node
         v = node.view
         assert v is not None
-        node._bcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
-                                                    new.to_bytes((len(v) + 7) // 8, "little")))
+        if not signed:
+            node._bcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+                                                        new.to_bytes((len(v) + 7) // 8, "little")))
         if node.plan is not None and digest.hex() != self.plan_hex:
             node._events.append(PlanMismatch(v.epoch, self.plan_hex, digest.hex(), now))
 
     def on_plan_digest(self, msg: PlanDigest, now: float) -> None:
+        if self.node.auth is not None:
+            counters = self.node.counters  # a bitmap is nobody's signed word: only signed confirms count
+            counters["rx_plan_digest_unsigned"] = counters.get("rx_plan_digest_unsigned", 0) + 1
+            return
         self.merge_digest(msg.digest, int.from_bytes(msg.bitmap, "little"), now)
+
+    def on_plan_confirm(self, msg: PlanConfirm, now: float) -> None:
+        """One member's own plan digest: counts once its signature checks (``check``, as for a claim);
+        relayed as it came."""
+        node = self.node
+        v = node.view
+        idx = v.index(msg.node) if v is not None else None
+        if idx is None:
+            return
+        have = self.confirms.get(msg.node)
+        if have == msg:
+            return
+        if node.auth is not None and not node.auth.check(msg.node, msg):
+            node.counters["rx_plan_confirm_refused"] = node.counters.get("rx_plan_confirm_refused", 0) + 1
+            return
+        if have is not None:
+            node.counters["rx_plan_confirm_conflict"] = node.counters.get("rx_plan_confirm_conflict", 0) + 1
+            return
+        self.confirms[msg.node] = msg
+        node._bcast("G|" + msg.node, msg)
+        self.merge_digest(msg.digest, 1 << idx, now, signed=True)
 
     # ------------------------------------------------------------------ anti-entropy
     def reaggregate(self, v: View, now: float) -> None:
@@ -283,9 +319,13 @@ class Aggregates:
             for (committed, inflight, size), bits in self.reports.items():
                 self.swim.broadcast(f"r|{committed}|{inflight}|{size}", Report(
                     v.epoch, v.config_id, committed, inflight, size, bits.to_bytes(nbytes, "little")), now)
-        for digest, bits in self.digests.items():
-            self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
-                                                                bits.to_bytes(nbytes, "little")), now)
+        if signed:
+            for name, confirm in self.confirms.items():
+                self.swim.broadcast("G|" + name, confirm, now)
+        else:
+            for digest, bits in self.digests.items():
+                self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+                                                                    bits.to_bytes(nbytes, "little")), now)
         if node.plan is not None and v.basis is not None:
             # A subject of ours that has not confirmed our plan's digest may lack a report: the rounds
             # above reach it only by chance (each re-broadcast goes to a few random members). Its K

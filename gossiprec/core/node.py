@@ -54,8 +54,8 @@ from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
     ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
-    Message,
-    PlanDigest, Prepare, Promise, Proposal, Report, StateClaim, ViewDelta, ViewRequest, ViewState, Vote, Votes,
+    Message, PlanConfirm, PlanDigest, Prepare, Promise, Proposal, Report, StateClaim, ViewDelta, ViewRequest,
+    ViewState, Vote, Votes,
 )
 from gossiprec.errors import ProtocolError
 
@@ -752,6 +752,7 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     Report: (lambda n, m, now: n.aggregates.on_report(m, now), True),
     StateClaim: (lambda n, m, now: n.aggregates.on_state_claim(m, now), True),
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
+    PlanConfirm: (lambda n, m, now: n.aggregates.on_plan_confirm(m, now), True),
     Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
     Votes: (Node._on_votes, False),
     Vote: (Node._on_vote, False),

@@ -24,7 +24,8 @@ from gossiprec.errors import DecodeError
 
 PROTOCOL_VERSION = 6
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
-signs state reports (:class:`StateClaim`, one per member, where a key book is set)."""
+signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
+book is set)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_U64 = 2**64 - 1
@@ -709,6 +710,19 @@ class PlanDigest(Message):
     config: str
     digest: bytes
     bitmap: bytes
+
+
+@message(39, EPOCH, CFG, NAME, DIGEST, SIG)
+@value_class
+class PlanConfirm(Message):
+    """``node`` computed the plan with this digest for ``epoch``, signed by it: with a key book, what a
+    :class:`PlanDigest` bitmap carries for one member, one message each."""
+
+    epoch: int
+    config: str
+    node: str
+    digest: bytes
+    sig: bytes = b""
 
 
 @message(34, EPOCH, STEP, NAME, SIG)
