@@ -17,7 +17,6 @@ observers alert it as ``implausible`` (and evict it). Shown here on the virtual 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Callable
 
 import msgpack
@@ -33,45 +32,23 @@ from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
 from gossiprec.core.wire import ALIVE, PHASES, Ack, Ping, Progress, PushPull, decode_packet, encode_packet
+from tests.support.signing import pinned_book, pins_of, sign_all
 from tests.test_membership import CFG, Pump, addr, deliver
 
 SEEDS = range(1, 4)
 NAMES = ["a", "b", "c"]
-PINS = {n: DigestCrypto.for_name(n).public_key for n in NAMES}
+PINS = pins_of(NAMES)
 COMPUTE = PHASES.index("compute")
 FROZEN = 10**6
 """A forger's version: far above the owner's own, so that, taken, it would shut out every honest update."""
 
 
-@dataclass
-class Counting:
-    """The keyed-digest stand-in, remembering what it verified (to show a copy is not verified twice)."""
-
-    inner: DigestCrypto
-    verified: list[bytes] = field(default_factory=list)
-
-    @property
-    def public_key(self) -> bytes:
-        return self.inner.public_key
-
-    def sign(self, data: bytes) -> bytes:
-        return self.inner.sign(data)
-
-    def verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
-        self.verified.append(data)
-        return self.inner.verify(key, data, sig)
-
-
 def book(name: str, pins: dict[str, bytes] = PINS) -> KeyBook:
-    return KeyBook(name, Counting(DigestCrypto.for_name(name)), pinned=pins, claims=False)
+    return pinned_book(name, pins, counting=True)
 
 
 def signed(pump: Pump) -> Pump:
-    for name, m in pump.machines.items():
-        m.auth = book(name)
-        m.auth.counters = m.counters  # as the node does: one set of counters
-        pump.flush(name)
-    return pump
+    return sign_all(pump, book)
 
 
 def progress_verified(m: Membership) -> list[bytes]:
@@ -163,7 +140,7 @@ def test_progress_of_a_member_whose_key_is_not_bound_yet_is_taken_and_counted() 
 
 # --- the hang check ---------------------------------------------------------------------------------
 TRAINERS = [f"n{i}" for i in range(6)]
-TRAINER_PINS = {n: DigestCrypto.for_name(n).public_key for n in TRAINERS}
+TRAINER_PINS = pins_of(TRAINERS)
 
 Forge = Callable[[int, int], list[Progress]]
 """(the honest version, the honest step) -> the forger's messages for that moment"""

@@ -25,14 +25,13 @@ view of trainers n0, n1, n2 and spare n3 where n1 leaves (holders n0 and n2):
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
 import pytest
 
 from gossiprec.core import wire
-from gossiprec.core.auth import DigestCrypto, KeyBook
+from gossiprec.core.auth import KeyBook
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
@@ -40,6 +39,7 @@ from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember
 from gossiprec.core.events import PlanMismatch
 from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, decode_packet, encode_packet
+from tests.support.signing import pinned_book, pins_of
 from tests.test_node import CFG, MiniNet
 
 NAMES = ["n0", "n1", "n2", "n3"]
@@ -47,27 +47,8 @@ FAR = 10**9
 """A forger's step: one nobody holds."""
 
 
-@dataclass
-class Counting:
-    """The keyed-digest stand-in, remembering what it verified."""
-
-    inner: DigestCrypto
-    verified: list[bytes] = field(default_factory=list)
-
-    @property
-    def public_key(self) -> bytes:
-        return self.inner.public_key
-
-    def sign(self, data: bytes) -> bytes:
-        return self.inner.sign(data)
-
-    def verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
-        self.verified.append(data)
-        return self.inner.verify(key, data, sig)
-
-
 def book(name: str, pins: dict[str, bytes]) -> KeyBook:
-    return KeyBook(name, Counting(DigestCrypto.for_name(name)), pinned=pins, claims=False)
+    return pinned_book(name, pins, counting=True)
 
 
 class SignedNet(MiniNet):
@@ -81,7 +62,7 @@ class SignedNet(MiniNet):
                               i if i < len(names) - spares else None) for i, n in enumerate(names)]
         v = View.initial(members, JobTopology.ddp(len(names) - spares))
         base = {n: MemberInfo(n, n, 1) for n in v.nodes}
-        pins = {n: DigestCrypto.for_name(n).public_key for n in names}
+        pins = pins_of(names)
         self.nodes = {n: Node(CFG, n, n, incarnation=1, rng=random.Random(i), now=0.0, view=v, members=base,
                               member_order=v.nodes, agreement=AgreementConfig(**acfg),
                               auth=book(n, pins) if signed else None)
@@ -198,7 +179,7 @@ def _forged_bitmap(net: SignedNet) -> None:
 def _forged_claim(net: SignedNet) -> None:
     v = net.nodes["n0"].view
     assert v is not None
-    pins = {n: DigestCrypto.for_name(n).public_key for n in NAMES}
+    pins = pins_of(NAMES)
     for values in ((FAR, None, 1000), (0, None, 0)):  # n2 holds step 10^9; n2 holds nothing
         net.deliver_to_all(book("n0", pins).sign(wire.StateClaim(v.epoch, v.config_id, "n2", *values)))
 
@@ -284,7 +265,7 @@ def test_a_forged_plan_digest_in_other_members_names_raises_no_mismatch(forgery:
         net.deliver_to_all(PlanDigest(v.epoch, v.config_id, other, everyone))
         counter = "rx_plan_digest_unsigned"
     else:
-        pins = {n: DigestCrypto.for_name(n).public_key for n in NAMES}
+        pins = pins_of(NAMES)
         net.deliver_to_all(book("n0", pins).sign(wire.PlanConfirm(v.epoch, v.config_id, "n2", other)))
         counter = "rx_plan_confirm_refused"
     assert not [e for _, _, e in net.events if isinstance(e, PlanMismatch)]

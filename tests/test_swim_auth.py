@@ -13,29 +13,26 @@ import random
 
 import pytest
 
-from gossiprec.core.auth import DigestCrypto, KeyBook
+from gossiprec.core.auth import KeyBook
 from gossiprec.core.events import MemberAlive, MemberFailed, MemberJoined, MemberSuspected, SelfRefuted
 from gossiprec.core.membership import Membership
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.wire import ALIVE, MAX_INCARNATION, SUSPECT, Alive, Dead, Suspect
+from tests.support.signing import pinned_book, pins_of, sign_all
 from tests.test_membership import CFG, NAMES5, Pump, addr, deliver, table
 
 SEEDS = range(1, 4)
 NAMES = [*NAMES5, "j"]
-PINS = {n: DigestCrypto.for_name(n).public_key for n in NAMES}
+PINS = pins_of(NAMES)
 REFUSALS = ("rx_alive_unsigned", "rx_accusation_unsigned", "rx_sig_invalid", "rx_sig_unknown_author")
 
 
 def book(name: str) -> KeyBook:
-    return KeyBook(name, DigestCrypto.for_name(name), pinned=PINS, claims=False)
+    return pinned_book(name, PINS)
 
 
 def signed(pump: Pump) -> Pump:
-    for name, m in pump.machines.items():
-        m.auth = book(name)
-        m.auth.counters = m.counters  # as the node does: one set of counters
-        pump.flush(name)
-    return pump
+    return sign_all(pump, book)
 
 
 def refusals(pump: Pump) -> dict[str, int]:

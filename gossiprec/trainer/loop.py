@@ -333,16 +333,13 @@ class ResilientTrainer:
             self.epoch = view.epoch - 1
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
-            if self.sharded is None and self.role == "trainer" and me.rank is not None:
-                # a rank of a view that changed before its start: a plan may resume at step 0, its own
-                # initial state, committed as in view 0 (a spare's optimizer state, made in advance by a
-                # step at lr 0, would count that step in Adam's bias correction)
-                self._commit_snapshot(0)
-            elif self.sharded is None:  # a sharded spare builds its objects when a plan gives it a rank
+            if self.sharded is not None:  # a sharded spare builds its objects when a plan gives it a rank
+                self.sharded.warm()
+            elif self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan
+                self._commit_snapshot(0)  # may resume from its initial state (no spare's lr-0 step: Adam counts it)
+            else:
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
-            else:
-                self.sharded.warm()
             self._report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
