@@ -602,7 +602,10 @@ class MiniNet:
     """Nodes that deliver to each other at once (addr = name), on one virtual clock; ``down`` nodes
     neither send nor receive."""
 
-    def __init__(self, names: list[str], spares: int = 1, **acfg: Any) -> None:
+    def __init__(self, names: list[str], spares: int = 1, *, auth: Any = None, drop: Any = None,
+                 **acfg: Any) -> None:
+        """``auth``: name -> that node's key book (default none); ``drop``: (time, message) -> whether the
+        network loses it (default: nothing is lost; what is lost is kept in ``dropped``)."""
         from gossiprec.core.config import AgreementConfig
 
         members = [ViewMember(n, n, "trainer" if i < len(names) - spares else "spare",
@@ -610,8 +613,11 @@ class MiniNet:
         v = View.initial(members, JobTopology.ddp(len(names) - spares))
         base = {n: MemberInfo(n, n, 1) for n in v.nodes}
         self.nodes = {n: Node(CFG, n, n, incarnation=1, rng=random.Random(i), now=0.0, view=v, members=base,
-                              member_order=v.nodes, agreement=AgreementConfig(**acfg))
+                              member_order=v.nodes, agreement=AgreementConfig(**acfg),
+                              auth=auth(n) if auth is not None else None)
                       for i, n in enumerate(names)}
+        self.drop = drop
+        self.dropped: list[tuple[float, str, Any]] = []
         self.now = 0.0
         self.down: set[str] = set()
         self.events: list[tuple[float, str, Any]] = []
@@ -626,9 +632,17 @@ class MiniNet:
                     moved = True
                     if name in self.down or s.addr in self.down:
                         continue
+                    payload, kept = s.payload, []
                     for m in decode_packet(s.payload, CFG.max_stream):
-                        self.sent.append((self.now, name, m))
-                    self.nodes[s.addr].receive(s.payload, self.now, s.reliable)
+                        if self.drop is not None and self.drop(self.now, m):
+                            self.dropped.append((self.now, name, m))
+                        else:
+                            kept.append(m)
+                            self.sent.append((self.now, name, m))
+                    if self.drop is not None:
+                        payload = encode_packet(kept) if kept else b""
+                    if payload:
+                        self.nodes[s.addr].receive(payload, self.now, s.reliable)
                 self.events += [(self.now, name, e) for e in node.take_events()]
 
     def run(self, until: float) -> None:

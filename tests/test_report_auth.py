@@ -24,7 +24,6 @@ view of trainers n0, n1, n2 and spare n3 where n1 leaves (holders n0 and n2):
 
 from __future__ import annotations
 
-import random
 from typing import Any, Callable
 
 import msgpack
@@ -32,15 +31,11 @@ import pytest
 
 from gossiprec.core import wire
 from gossiprec.core.auth import KeyBook
-from gossiprec.core.config import AgreementConfig
 from gossiprec.core.node import Node
-from gossiprec.core.records import MemberInfo
-from gossiprec.core.topology import JobTopology
-from gossiprec.core.view import View, ViewMember
 from gossiprec.core.events import PlanMismatch
-from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, decode_packet, encode_packet
+from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, encode_packet
 from tests.support.signing import pinned_book, pins_of
-from tests.test_node import CFG, MiniNet
+from tests.test_node import MiniNet
 
 NAMES = ["n0", "n1", "n2", "n3"]
 FAR = 10**9
@@ -57,39 +52,8 @@ class SignedNet(MiniNet):
 
     def __init__(self, names: list[str], spares: int = 1, signed: bool = True,
                  drop: Callable[[float, Message], bool] | None = None, **acfg: Any) -> None:
-        super().__init__(names, spares, **acfg)
-        members = [ViewMember(n, n, "trainer" if i < len(names) - spares else "spare",
-                              i if i < len(names) - spares else None) for i, n in enumerate(names)]
-        v = View.initial(members, JobTopology.ddp(len(names) - spares))
-        base = {n: MemberInfo(n, n, 1) for n in v.nodes}
         pins = pins_of(names)
-        self.nodes = {n: Node(CFG, n, n, incarnation=1, rng=random.Random(i), now=0.0, view=v, members=base,
-                              member_order=v.nodes, agreement=AgreementConfig(**acfg),
-                              auth=book(n, pins) if signed else None)
-                      for i, n in enumerate(names)}
-        self.drop = drop
-        self.dropped: list[tuple[float, str, Message]] = []
-
-    def _deliver(self) -> None:
-        moved = True
-        while moved:
-            moved = False
-            for name, node in self.nodes.items():
-                for s in node.take_sends():
-                    moved = True
-                    if name in self.down or s.addr in self.down:
-                        continue
-                    msgs = decode_packet(s.payload, CFG.max_stream)
-                    kept = []
-                    for m in msgs:
-                        if self.drop is not None and self.drop(self.now, m):
-                            self.dropped.append((self.now, name, m))
-                        else:
-                            kept.append(m)
-                            self.sent.append((self.now, name, m))
-                    if kept:
-                        self.nodes[s.addr].receive(encode_packet(kept), self.now, s.reliable)
-                self.events += [(self.now, name, e) for e in node.take_events()]
+        super().__init__(names, spares, auth=(lambda n: book(n, pins)) if signed else None, drop=drop, **acfg)
 
     def deliver_to_all(self, msg: Message) -> None:
         for node in self.nodes.values():
