@@ -72,3 +72,28 @@ def test_a_report_that_jumps_further_than_training_can_go_is_refused() -> None:
     node.set_progress(5, PHASES.index("recovering"), 300, 1.7)
     node.set_progress(9000, COMPUTE, 300, 1.71)  # out of recovery, at the state it received
     assert node._my_progress[0] == 9000
+
+
+def test_one_rank_ahead_of_a_single_lagging_other_is_not_the_anomaly() -> None:
+    # two ranks and a spare, 30 ms steps; rank 1's agent hears its trainer 3 steps late (starved on a
+    # loaded host). One against one cannot tell a counter gone wrong from a lagging report: nobody is
+    # judged (before, the spare alerted rank 0 "implausible" at once, and with rank 1 SIGSTOPped next the
+    # cut held both ranks, so the healthy one fenced with the only copy of the state)
+    params = AgreeParams(scenario="crash", nodes=3, spares=1, seed=1, duration=6.0)
+    cluster, names, extra = build_cluster(params)
+    checker = AgreementChecker(cluster, params, extra["identity"])
+    cluster.observers.append(checker)
+    alerts: list[tuple[str, str, str]] = []
+    cluster.observers.append(lambda now, i, ev: alerts.append((names[i], ev.subject, ev.reason))
+                             if isinstance(ev, AlertRaised) else None)
+
+    def report() -> None:
+        now = cluster.now
+        step = int(now / 0.03)
+        cluster.nodes[0].machine.set_progress(step, COMPUTE, 30, now)
+        cluster.nodes[1].machine.set_progress(max(0, step - 3), COMPUTE, 30, now)
+        cluster.at(now + 0.01, report)
+
+    cluster.at(0.01, report)
+    cluster.run_until(params.duration)
+    assert alerts == [] and checker.removed_at == {}, alerts

@@ -620,6 +620,8 @@ class MiniNet:
         self.dropped: list[tuple[float, str, Any]] = []
         self.now = 0.0
         self.down: set[str] = set()
+        self.lose: Any = None
+        """(sender, receiver, message) -> whether that message is lost on its way (default: none is)."""
         self.events: list[tuple[float, str, Any]] = []
         self.sent: list[tuple[float, str, Any]] = []
 
@@ -634,12 +636,13 @@ class MiniNet:
                         continue
                     payload, kept = s.payload, []
                     for m in decode_packet(s.payload, CFG.max_stream):
-                        if self.drop is not None and self.drop(self.now, m):
+                        if (self.drop is not None and self.drop(self.now, m)) or (
+                                self.lose is not None and self.lose(name, s.addr, m)):
                             self.dropped.append((self.now, name, m))
                         else:
                             kept.append(m)
                             self.sent.append((self.now, name, m))
-                    if self.drop is not None:
+                    if self.drop is not None or self.lose is not None:
                         payload = encode_packet(kept) if kept else b""
                     if payload:
                         self.nodes[s.addr].receive(payload, self.now, s.reliable)
@@ -670,6 +673,35 @@ def _in_optimizer(net: MiniNet, step: int) -> None:
         if node.view is not None and node.view.member(name).role == "trainer":  # type: ignore[union-attr]
             node.set_state(step - 1, None, 1000)
             node.set_progress(step, PHASES.index("optimizer"), 100, net.now)
+
+
+def test_accusations_from_the_member_being_removed_do_not_fence_the_healthy_side() -> None:
+    # n1 stops hearing anyone (its agent starved on a loaded host) and accuses both others, then its
+    # whole node stops (SIGSTOP): its alerts can never be retracted. Each healthy member's cut (remove n1)
+    # keeps the other, which SWIM holds alive; the stale word of the member this very cut removes must not
+    # make it look unreachable, or both withhold the cut, nobody votes, and both fence, dropping the only
+    # copies of the state (seen under load in test_recovery_fenced).
+    from gossiprec.core.events import Fenced, ViewInstalled
+
+    net = MiniNet(["n0", "n1", "n2"], spares=1)
+    net.run(1.0)
+    net.lose = lambda src, dst, m: dst == "n1"
+    t = 1.0
+    while net.nodes["n0"].cut.count("n0") == 0 or net.nodes["n0"].cut.count("n2") == 0:
+        assert t < 10.0, "n1 never accused both"
+        t += 0.05
+        net.run(t)
+    net.lose = None
+    net.down.add("n1")
+    assert net.nodes["n0"].cut.unstable("n2") and net.nodes["n2"].cut.unstable("n0")  # and nobody retracts
+    net.run(t + 15.0)
+    fenced = [(n, e.reason) for _, n, e in net.events if isinstance(e, Fenced)]
+    assert not fenced, fenced
+    for name in ("n0", "n2"):
+        node = net.nodes[name]
+        assert node.view is not None and node.view.nodes == ("n0", "n2"), (name, node.view)
+        assert not node.counters.get("cut_withheld_unreachable"), (name, node.counters)
+    assert sorted(n for _, n, e in net.events if isinstance(e, ViewInstalled)) == ["n0", "n2"]
 
 
 def test_a_report_waits_for_the_step_its_trainer_is_finishing() -> None:

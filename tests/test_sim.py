@@ -63,7 +63,8 @@ def test_bad_parameters_are_refused_clearly() -> None:
 
 # expectations per scenario over many seeds (GOSSIPREC_SIM_SEEDS overrides; `make sim-seeds` runs 10,000)
 SEEDS = int(os.environ.get("GOSSIPREC_SIM_SEEDS", "40"))
-SWEPT_ELSEWHERE = {"delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet", "blip"}
+SWEPT_ELSEWHERE = {"delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet", "blip",
+                   "mute"}
 """Scenarios with expectations of their own (tests/test_sim_agreement.py; ``gossiprec bench agreement``)."""
 
 

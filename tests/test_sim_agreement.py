@@ -62,6 +62,17 @@ def test_a_crash_while_the_survivors_are_starved_is_still_decided() -> None:
         _settled(r, within=10.0)
 
 
+@pytest.mark.parametrize("nodes,spares", [(3, 1), (10, 2)])
+def test_a_node_that_accused_everyone_and_then_died_is_removed_alone(nodes: int, spares: int) -> None:
+    # it heard nobody for 1.2-2.5 s (so it accused its subjects), then crashed, its alerts never retracted;
+    # at 3 members each healthy one's cut kept only the other, which that stale word made look
+    # unreachable: both withheld the cut and fenced for good
+    for r in _runs("mute", seeds=range(1, 21), nodes=nodes, spares=spares, duration=16.0):
+        assert r["removed"] == r["expected_removed"], f"seed {r['seed']}: removed {r['removed']}"
+        assert set(r["fenced"]) <= set(r["expected_removed"]), f"seed {r['seed']}: fenced {r['fenced']}"
+        _settled(r, within=6.0)
+
+
 def test_a_job_wide_stall_is_no_ones_hang() -> None:
     # the whole job waits 1.3-5 s in one collective, then resumes: nobody removed, no view change
     for r in _runs("stall", nodes=16, duration=14.0):

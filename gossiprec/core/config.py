@@ -250,9 +250,10 @@ class AgreementConfig:
     step_floor_ms: int = 1
     """Milliseconds: the shortest training step the plausibility checks assume (a property of the job,
     not of the network: no profile scales it). Synchronous training keeps every rank within one step of
-    the others, so a rank reported ahead of every other by more than ``2 + 2 * dt / step`` steps (``dt``:
-    how far apart in time the two reports are; ``step``: the median step time, at least this) is the
-    anomaly (a buggy counter), not the ranks waiting for it; and a trainer's report that jumps ahead of
+    the others, so a rank reported ahead of at least two others by more than ``2 + 2 * (dt +
+    progress_stale) / step`` steps (``dt``: how far apart in time the two reports are; ``progress_stale``:
+    how old a report still counted may be; ``step``: the median step time, at least this) is the anomaly
+    (a buggy counter), not the ranks waiting for it; and a trainer's report that jumps ahead of
     its previous one by more than ``2 + 2 * elapsed / step`` steps is refused."""
     checkpoint_timeout: float = 600.0
     """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is

@@ -131,10 +131,14 @@ class CutDetector:
         tally = self._tallies.get((subject, kind))
         return len(tally.observers) if tally else 0
 
-    def unstable(self, subject: str) -> bool:
-        """Whether ``subject`` has at least L alerts for its removal (stable or unstable)."""
+    def unstable(self, subject: str, but: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Whether ``subject`` has at least L alerts for its removal (stable or unstable), not counting
+        those raised by ``but`` (members on their way out: their word is discounted, as in the counts)."""
         tally = self._tallies.get((subject, REMOVE))
-        return tally is not None and len(tally.observers) >= self._thresholds(subject, REMOVE)[1]
+        if tally is None:
+            return False
+        n = len(tally.observers - but) if but else len(tally.observers)
+        return n >= self._thresholds(subject, REMOVE)[1]
 
     def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
         key = (subject, kind)

@@ -32,8 +32,9 @@ rank of the sample recovers from this view's change, the frontier is past every 
 its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
 change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
 every other by more than synchronous training allows (one step, plus what the time between the reports
-permits: see ``AgreementConfig.step_floor_ms``) is the anomaly, not the ranks waiting for it: it is left
-out of the frontier, and its observers alert it as ``implausible``.
+and their possible staleness permit: see ``AgreementConfig.step_floor_ms``), with at least two others to
+witness it, is the anomaly, not the ranks waiting for it: it is left out of the frontier, and its
+observers alert it as ``implausible``.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class HangCheck:
             return
         median_s = statistics.median(times) / 1000.0
         threshold = max(acfg.hang_floor, acfg.hang_mult * median_s)
-        bogus = _implausible(table, seen, max(acfg.step_floor_ms / 1000.0, median_s))
+        bogus = _implausible(table, seen, max(acfg.step_floor_ms / 1000.0, median_s), acfg.progress_stale)
         if bogus is not None:
             # a rank ahead of every other by more than synchronous training allows (a counter gone wrong)
             # is the anomaly, not the ranks that wait for it: out of the frontier, and alerted if ours
@@ -209,10 +210,14 @@ class HangCheck:
 
 
 def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, tuple[float, float]],
-                 step_s: float) -> str | None:
+                 step_s: float, stale_s: float) -> str | None:
     """The one rank whose step is ahead of every other's by more than synchronous training allows: the
     next one's, plus what it may have advanced from when its step began to when the leader's report was
-    heard (``2 + 2 * dt / step_s`` steps; generous: relayed records are older than they look), or None."""
+    heard, plus what a report still counted fresh may hide (``stale_s``: an agent starved or stopped
+    behind its own trainer reports a position that old; relayed records are older than they look), so
+    ``2 + 2 * (dt + stale_s) / step_s`` steps; or None. Only with two others behind it: one rank against
+    one other cannot tell a counter gone wrong from the other's report lagging (a 2-rank job's ranks,
+    one of them SIGSTOPped with its agent a few steps behind, evicted the healthy one this way)."""
     top = second = ""
     best = nxt = -1
     for name, row in table.items():  # (one pass: the hang check runs often in a hang storm)
@@ -222,10 +227,10 @@ def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, 
         elif step > nxt:
             second, nxt = name, step
     lead = best - nxt
-    if not second or lead <= 2:
+    if len(table) < 3 or lead <= 2:
         return None
     dt = max(0.0, seen[top][0] - seen[second][1])
-    return top if lead > 2 + 2 * dt / step_s else None
+    return top if lead > 2 + 2 * (dt + stale_s) / step_s else None
 
 
 def _passed_since(table: dict[str, tuple[int, int, int, float]],

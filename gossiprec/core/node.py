@@ -633,7 +633,11 @@ class Node:
         for m in v.members:
             if m.node not in removed:
                 rec = self.swim.member(m.node)
-                if m.node == self.name or (rec is not None and rec.status == ALIVE and not cut.unstable(m.node)):
+                # alerts raised by the members this cut removes do not count: a node stopped (or cut off)
+                # right after it accused a live one can never retract, and would keep that one
+                # "unreachable" here for good, so the healthy side fenced instead of removing it
+                if m.node == self.name or (rec is not None and rec.status == ALIVE
+                                           and not cut.unstable(m.node, but=removed)):
                     reachable += 1
         return reachable >= v.majority()
 

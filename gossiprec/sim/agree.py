@@ -45,7 +45,8 @@ from gossiprec.sim.network import NetworkModel
 from gossiprec.sim.quorum import QuorumAudit
 
 SCENARIOS = ("crash", "rack", "hang", "straggler", "partition", "split", "oneway", "flap", "donor", "join",
-             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet", "blip")
+             "delay", "flappart", "stall", "restart", "respawn", "heal", "mass", "rackflap", "quiet", "blip",
+             "mute")
 COMPUTE, COMMUNICATE, OPTIMIZER, RECOVERING = (PHASES.index(p) for p in ("compute", "communicate", "optimizer",
                                                                            "recovering"))
 ABORT_DELAY = 0.002
@@ -299,6 +300,15 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         cluster.at(t_fault, lambda: [cluster.crash(victims[0]),
                                      *(cluster.network.set_node_delay(i, 0.5, 1.5) for i in starved)])
         cluster.at(back, lambda: [cluster.network.set_node_delay(i, 0.0, 0.0) for i in starved])
+    elif sc == "mute":
+        # a node stops hearing anyone (its agent starved, its inbound link gone) for 1.2-2.5 s, so it
+        # accuses its subjects, then crashes: its alerts can never be retracted. The others must remove it
+        # alone, without taking its stale word against the members their cut keeps (a 3-member job
+        # fenced both healthy members that way, under load)
+        victims = [rng.randrange(n)]
+        mute = victims[0]
+        cluster.at(t_fault, lambda: [cluster.network.block(o, mute) for o in range(n) if o != mute])
+        cluster.at(t_fault + rng.uniform(1.2, 2.5), lambda: cluster.crash(mute))
     elif sc == "flap":
         victims = [rng.randrange(n)]
         cluster.at(t_fault, lambda: cluster.network.set_node_loss(victims[0], 0.8, 0.8))
@@ -425,7 +435,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         if cluster.now < stall_until:
             return True
         for v in victims if sc in ("crash", "rack", "hang", "donor", "oneway", "flap", "restart", "respawn", "mass",
-                                   "rackflap", "blip") else []:
+                                   "rackflap", "blip", "mute") else []:
             # blocked while some live trainer still has v as a trainer in its view
             for i in trainers:
                 node = cluster.nodes[i]
