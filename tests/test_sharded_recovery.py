@@ -127,6 +127,25 @@ def _check(res: dict[str, Any], reference: dict[int, str]) -> None:
         assert f["assignment"][lost] != f["node"], (f, where)
 
 
+def _crash_before_start(gate: Path, spare: str) -> list[Any]:
+    """Actions: once every process is up (before start()), crash ``spare``'s host; once n0's agent holds
+    a view without it, open ``gate`` (the trainers' ``--start-gate``)."""
+    from gossiprec.harness.job import LocalJob
+    from gossiprec.harness.scenario import Action
+    from gossiprec.local.client import ControlClient
+    from gossiprec.local.protocol import ViewBrief
+
+    def members(job: LocalJob) -> set[str]:
+        with ControlClient(str(job.path("n0", ".sock"))) as c:
+            view = c.status().get("view")
+        return {m.node for m in ViewBrief.from_wire(view).members} if view is not None else set()
+
+    return [Action(f"crash of {spare}'s host", lambda job: all(job.path(n, ".ready").exists() for n in job.names),
+                   lambda job: job.crash(spare)),
+            Action("the ranks start", lambda job: members(job) == set(job.names) - {spare},
+                   lambda job: gate.touch())]
+
+
 CI_JOBS = {
     # a kill in backward (FSDP-free: the data-parallel all-reduce of local shards waits), then a rank
     # stopped before its row-parallel layer: its tensor-parallel peer waits inside the TP all-reduce
@@ -144,8 +163,18 @@ def test_sharded_job_spares_take_lost_shards_bit_identical(layout: str, tmp_path
     from gossiprec.harness.sharded import run_sharded
 
     faults = CI_JOBS[layout]
-    res = run_sharded(layout, STEPS, faults, spares=len(faults), workdir=str(tmp_path / "job"), timeout=300.0)
+    kw: dict[str, Any] = {}
+    if layout == "tp":
+        # first a spare's host dies before any rank has called start(): the ranks come up in view 1 with
+        # no group built and nothing committed, and must train from their initial state (they once
+        # failed every plan of view 1, "resumes at step 0 from this rank, but it holds steps []")
+        spare = f"n{4 + len(faults)}"
+        kw = {"actions": _crash_before_start(tmp_path / "go", spare), "may_fail": {spare},
+              "trainer_args": ["--start-gate", str(tmp_path / "go")]}
+    res = run_sharded(layout, STEPS, faults, spares=len(faults) + bool(kw), workdir=str(tmp_path / "job"),
+                      timeout=300.0, **kw)
     _check(res, _reference(layout, ref_dir))
+    assert len(res["actions"]) == len(kw.get("actions", ())), res
     by_rank_cause = {f["phase"]: f["causes"] for f in res["faults"]}
     if layout == "tp":  # the stopped rank's tensor-parallel peer (rank 3, same dp row) waited in the TP all-reduce
         assert "allreduce" in by_rank_cause["forward"][3], res

@@ -12,7 +12,8 @@ is reaped. The result:
 - ``assignment``: rank -> the node that finished it; ``final_step``: the steps the ranks ended at;
 - ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
   (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
-- ``exits``: each launcher's exit code (None: still running when reaped).
+- ``exits``: each launcher's exit code (None: still running when reaped); ``records``: every recovery
+  record of the run; ``actions``: each action's name -> the ``time.monotonic()`` it was done at.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from gossiprec.errors import GossiprecError
 from gossiprec.harness.faults import Fault
 from gossiprec.harness.job import LocalJob, read_json
+from gossiprec.harness.scenario import Action
 from gossiprec.harness.timeline import timeline
 
 END_WAIT_S = 10.0
@@ -40,11 +42,16 @@ RANKS = 4
 def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares: int = 1,
                 workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
-                log: Any = None) -> dict[str, Any]:
+                log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
+                trainer_args: Sequence[str] = ()) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
-    ``hidden``: the MLP's width; ``agent_log_level``: the agents' (``info`` logs every agent event)."""
+    ``hidden``: the MLP's width; ``agent_log_level``: the agents' (``info`` logs every agent event);
+    ``actions``: the caller's interventions, one after the other, as in
+    :func:`~gossiprec.harness.scenario.run_scenario` (each name -> when it was done: ``actions`` in the
+    result); ``may_fail``: nodes whose trainer may exit with an error; ``trainer_args``: more options
+    for every trainer (e.g. ``--start-gate PATH``)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -58,20 +65,26 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
                     "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),
                     "--timeout", str(trainer_timeout), "--hidden", str(hidden),
-                    "--wait-for-spares", str(SPARES_UP_S if spares else 0)]
+                    "--wait-for-spares", str(SPARES_UP_S if spares else 0), *trainer_args]
             for f in faults:
                 if f.node == node:
                     argv += ["--fault", f.spec()]
             job.spawn(node, argv, agent_log_level=agent_log_level)
         deadline = time.monotonic() + timeout
         reports: dict[int, dict[str, Any]] = {}
+        done_at: dict[str, float] = {}
         while len(reports) < RANKS:
+            if len(done_at) < len(actions) and actions[len(done_at)].when(job):
+                action = actions[len(done_at)]
+                say(f"action: {action.name}")
+                action.do(job)
+                done_at[action.name] = time.monotonic()
             for node in job.names:
                 rep = read_json(job.path(node, ".json"))
                 if rep is not None and "rank" in rep:
                     reports[int(rep["rank"])] = rep
             dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0)
-                    and not any(f.node == n for f in faults)]
+                    and n not in may_fail and not any(f.node == n for f in faults)]
             if dead:
                 raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}")
             if time.monotonic() >= deadline:
@@ -101,4 +114,5 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             "kept_bytes": {r: rep["kept_bytes"] for r, rep in sorted(reports.items())},
             "assignment": {r: rep["node"] for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
+            "actions": done_at, "records": records,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

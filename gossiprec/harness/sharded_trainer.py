@@ -141,6 +141,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     rt = ResilientTrainer(None, config, mesh=LAYOUTS[layout], build=build, on_recovered=on_recovered,
                           on_phase=hook)
     out.with_suffix(".ready").write_text("1")
+    while args.start_gate and not Path(args.start_gate).exists():
+        time.sleep(0.02)  # the harness holds start() back (to change the view before any rank starts)
     try:
         rt.start()
         while rt.step < args.steps:
@@ -174,6 +176,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="start() waits this long for the spares to be up")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's width")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
+    p.add_argument("--start-gate", dest="start_gate", default="",
+                   help="call start() only once this file exists (default: at once)")
     return p
 
 

@@ -327,16 +327,16 @@ class ResilientTrainer:
                 self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
                 self._wait_for_spares(view)
         else:
-            # No group yet: the plan of the current view is still to be applied by this process. A spare
-            # whose trainer comes up after the view that promoted it (a slow start on a loaded machine)
-            # must take that plan, not wait for a newer one while the survivors wait for it.
+            # No group yet: this process still has to apply the current view's plan. A spare whose trainer
+            # comes up after the view that promoted it must take that plan, not wait for a newer one.
             self.epoch = view.epoch - 1
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
-            if self.sharded is not None:  # a sharded spare builds its objects when a plan gives it a rank
+            if self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan may
+                self.prepare_rank(me.rank)  # resume from its initial state (sharded: built as at epoch 0; and
+                self._commit_snapshot(0)  # no spare's lr-0 step: Adam would count it)
+            elif self.sharded is not None:  # a sharded spare builds its objects when a plan gives it a rank
                 self.sharded.warm()
-            elif self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan
-                self._commit_snapshot(0)  # may resume from its initial state (no spare's lr-0 step: Adam counts it)
             else:
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
