@@ -35,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossiprec.core import wire
+from gossiprec.core import codec
 from gossiprec.core.config import Config
 from gossiprec.core.node import Node
 from gossiprec.core.view import View
@@ -204,7 +204,7 @@ CANDIDATES: tuple[Any, ...] = (0, 1, 7, 2**62, "n1", "n2", "127.0.0.1:7001", "",
 def wire_samples(rng: random.Random) -> list[bytes]:
     """Encoded packets holding every registered message type, several variants each, plus compounds."""
     per_type: dict[int, list[Message]] = {}
-    for type_id, (cls, validators) in wire._REGISTRY.items():
+    for type_id, (cls, validators) in codec._REGISTRY.items():
         for _ in range(6):
             values = []
             for check in validators:
@@ -223,7 +223,7 @@ def wire_samples(rng: random.Random) -> list[bytes]:
         out.append(encode_packet(rng.sample(singles, rng.randrange(2, 6))))
     for data in out:  # every sample is valid, so that mutations start from the real thing
         decode_packet(data, BIG)
-    assert {m.TYPE for m in singles} == set(wire._REGISTRY)
+    assert {m.TYPE for m in singles} == set(codec._REGISTRY)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Tests of the wire codec (:mod:`gossiprec.core.wire`) and the broadcast queue
+"""Tests of the wire codec (:mod:`gossiprec.core.wire`, :mod:`gossiprec.core.codec`) and the broadcast queue
 (:mod:`gossiprec.core.broadcast`).
 
 Decoding treats every byte as hostile, so the bulk of this file is refusals: a table of hand-built bad
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gossiprec.core import wire
+from gossiprec.core import codec, wire
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.wire import (
     MAX_ADDR, MAX_MEMBERS, MAX_NAME, MAX_U64, PACKET_OVERHEAD, PHASES, PROTOCOL_VERSION, ROLES,
@@ -114,7 +114,7 @@ def assert_fields_valid(msg: Message) -> None:
         for name in msg.FIELDS:
             assert FIELD_OK[name](getattr(msg, name)), (type(msg).__name__, name, getattr(msg, name))
         return
-    cls, validators = wire._REGISTRY[msg.TYPE]
+    cls, validators = codec._REGISTRY[msg.TYPE]
     assert type(msg) is cls
     for name, check in zip(msg.FIELDS, validators):
         value = getattr(msg, name)
@@ -124,10 +124,10 @@ def assert_fields_valid(msg: Message) -> None:
 
 # --- round trips ----------------------------------------------------------------------------------
 def test_every_core_message_type_has_a_sample_and_a_unique_id() -> None:
-    core = {cls for cls, _ in wire._REGISTRY.values() if cls in CORE_TYPES}
+    core = {cls for cls, _ in codec._REGISTRY.values() if cls in CORE_TYPES}
     assert core == set(CORE_TYPES) == {type(m) for m in SAMPLES}
     assert len({cls.TYPE for cls in CORE_TYPES}) == len(CORE_TYPES)
-    for type_id, (cls, validators) in wire._REGISTRY.items():
+    for type_id, (cls, validators) in codec._REGISTRY.items():
         assert cls.TYPE == type_id
         assert cls.FIELDS == tuple(cls.__dataclass_fields__)  # type: ignore[attr-defined]
         assert len(validators) == len(cls.FIELDS)
@@ -160,9 +160,9 @@ def _generic_sample(cls: type, validators: tuple) -> Message:
     return cls(*values)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("type_id", sorted(wire._REGISTRY))
+@pytest.mark.parametrize("type_id", sorted(codec._REGISTRY))
 def test_round_trip_every_registered_type(type_id: int) -> None:
-    cls, validators = wire._REGISTRY[type_id]
+    cls, validators = codec._REGISTRY[type_id]
     msg = _generic_sample(cls, validators)
     assert decode_packet(encode_packet([msg]), BIG) == [msg]
     assert decode_packet(encode_packet([msg, *SAMPLES[:2], msg]), BIG) == [msg, *SAMPLES[:2], msg]
@@ -464,8 +464,8 @@ garbage = st.recursive(
     lambda inner: st.lists(inner, max_size=10) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8,
 )
-TYPE_IDS = st.sampled_from(sorted(wire._REGISTRY))
-REGISTERED_SAMPLES = [_generic_sample(cls, v) for cls, v in wire._REGISTRY.values()]
+TYPE_IDS = st.sampled_from(sorted(codec._REGISTRY))
+REGISTERED_SAMPLES = [_generic_sample(cls, v) for cls, v in codec._REGISTRY.values()]
 
 
 @st.composite
@@ -615,6 +615,6 @@ def test_cached_decode_returns_the_same_message_and_still_refuses_lookalikes() -
 
 
 def test_decode_cache_is_bounded() -> None:
-    for i in range(wire.CACHE_MAX + 10):
+    for i in range(codec.CACHE_MAX + 10):
         decode_packet(encode_packet([Dead(f"n{i}", 1, "x")]), MTU)
-    assert 0 < len(wire._CACHE) <= wire.CACHE_MAX
+    assert 0 < len(codec._CACHE) <= codec.CACHE_MAX

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable
 
+from gossiprec.core import own_words
 from gossiprec.core.auth import claims_of
 from gossiprec.core.records import MemberInfo, Send
 from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, KeyClaim, Progress, PushPull, Suspect, encode_packet
@@ -39,7 +40,7 @@ def pushpull(m: Membership, join: bool, reply: bool) -> PushPull:
     alives, said = m._alives, m._book.said
     for r in m.members():
         if r.name == m.name:
-            p: Progress | None = m._own_progress() if m._my_progress.version > 0 else None
+            p: Progress | None = own_words.progress(m) if m._my_progress.version > 0 else None
         else:
             p = said.get(r.name)
         a = alives.get(r.name)

@@ -40,9 +40,9 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
 
 Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
 base), the probe schedule and records (:mod:`~gossiprec.core.probing`), one suspicion's timer
-(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), the broadcast
-queue (:mod:`~gossiprec.core.broadcast`) and push-pull (:mod:`~gossiprec.core.antientropy`); this class
-is the protocol between them.
+(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), our own signed
+words (:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`) and
+push-pull (:mod:`~gossiprec.core.antientropy`); this class is the protocol between them.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from gossiprec.core import antientropy
+from gossiprec.core import antientropy, own_words
 from gossiprec.core.auth import KeyBook, sign_if
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
@@ -145,7 +145,7 @@ class Membership:
         sched.token = self._at(sched.next_at, _PROBE, None)
         known = table.base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
-            self._broadcast(name, self._own_alive())
+            self._broadcast(name, own_words.alive(self))
         self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
 
     @property
@@ -155,37 +155,7 @@ class Membership:
 
     @auth.setter
     def auth(self, book: KeyBook | None) -> None:
-        self._auth = book
-        self._book.vouch = None if book is None else self._vouch_progress
-        p = self._my_progress  # signed by this key when it is next sent (see _own_progress)
-        self._my_progress = Progress(p.name, p.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
-        alive = self._own_alive()  # our push-pull rows carry it
-        if isinstance(self._queue.pending(self.name), Alive):  # queued before we had a key: signed now
-            self._broadcast(self.name, alive)
-
-    def _own_alive(self) -> Alive:
-        alive = self._alives[self.name] = Alive(self.name, self.addr, self.incarnation, self.role)
-        return sign_if(self._auth, alive)
-
-    def _own_progress(self) -> Progress:
-        """Our progress as it goes out, signed: once per version, when it is first sent (the trainer may
-        report far more often than we send; until then the record is ours alone, so signing it in place
-        is safe)."""
-        p = self._my_progress
-        if not p.sig and self._auth is not None:
-            self._auth.sign(p)
-        return p
-
-    def _vouch_progress(self, msg: Progress) -> bool:
-        """Whether a gossiped progress record (news to us) is its owner's own word, as an Alive is
-        (:meth:`KeyBook.vouched`: a member whose key is not bound yet is taken, and counted). A refusal
-        is counted: forged progress could otherwise freeze a healthy rank, or put it ahead of the others,
-        and have the hang check accuse it."""
-        auth = self._auth
-        if auth is None or auth.vouched(msg.name, msg):
-            return True
-        self._count("rx_progress_unsigned")
-        return False
+        own_words.use_book(self, book)
 
     # ------------------------------------------------------------------ table access
     member: Callable[[str], MemberInfo | None]
@@ -744,7 +714,7 @@ class Membership:
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
         p = self._my_progress
         self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
-        alive = self._own_alive()
+        alive = own_words.alive(self)
         self._broadcast(self.name, alive)
         self.awareness.apply(+1)
         self._events.append(SelfRefuted(self.incarnation, accuser, now))
@@ -791,7 +761,7 @@ class Membership:
             book, mine = self._book, self._my_progress
             if book.names or mine.version:  # ours, then others' in turn
                 if mine.version > 0:
-                    parts.append(encode_message(self._own_progress()))
+                    parts.append(encode_message(own_words.progress(self)))
                 parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
             if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)

@@ -7,19 +7,23 @@ versions and types, and validates each field's type and range (strings by UTF-8 
 range, lists by length). Anything wrong raises :class:`~gossiprec.errors.DecodeError` with a short
 ``reason`` that the caller counts; nothing else escapes :func:`decode_packet`. Larger messages (push-pull
 state, agreement payloads) travel on the reliable stream with the same encoding and a larger size limit.
-Message types are registered with :func:`message` (later modules add their own types to the same
-registry, so one decoder serves all of them).
+
+What this module holds: the protocol's version, limits and codes, every message type, and the packet
+framing. How a message becomes a row and is validated back (the field validators, the registry that
+:func:`~gossiprec.core.codec.message` fills, the generated decoders and their cache) is
+:mod:`gossiprec.core.codec`'s; one registry serves every type, so one decoder serves every packet.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields
-from operator import attrgetter
-from typing import Any, Callable, ClassVar, Iterable, Sequence, TypeVar, dataclass_transform
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
+from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol name comes from here
+    DECODERS, MAX_U64 as MAX_U64, ROWS, Message as Message, blob, boolean, message, optional, record, seq, sint,
+    text, uint, value_class as value_class,
+)
 from gossiprec.errors import DecodeError
 
 PROTOCOL_VERSION = 6
@@ -28,7 +32,6 @@ signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`:
 book is set)."""
 MAX_NAME = 128
 MAX_ADDR = 300
-MAX_U64 = 2**64 - 1
 MAX_INCARNATION = 2**62
 """Incarnations above this are refused: a refutation adds one, and must still encode."""
 MAX_MEMBERS = 100_000
@@ -43,246 +46,21 @@ STATUS_NAMES = ("alive", "suspect", "dead", "left")
 PHASES = ("idle", "compute", "communicate", "optimizer", "checkpoint", "recovering", "waiting")
 ROLES = ("trainer", "spare")
 
-Validator = Callable[[Any], Any]
+# Field validators with the protocol's limits.
+U64 = uint()
+U32 = uint(2**32 - 1)
+NAME = text(MAX_NAME)
+ADDR = text(MAX_ADDR, allow_empty=True)
+STATUS = uint(len(STATUS_NAMES) - 1)
+PHASE = uint(len(PHASES) - 1)
+ROLE = uint(len(ROLES) - 1)
+STEP = sint(-1, 2**62)
+MILLIS = uint(2**31 - 1)
+SIG = blob(64)  # a member's signature (gossiprec.core.auth); empty where the cluster runs without them
+KEY = blob(64)
 
-
-# --- field validators -----------------------------------------------------------------------------
-def _uint(limit: int = MAX_U64) -> Validator:
-    def check(v: Any) -> int:
-        if type(v) is not int or v < 0 or v > limit:
-            raise DecodeError("bad_field", f"expected integer 0..{limit}, got {type(v).__name__}")
-        return v
-
-    check.inline = f"type({{v}}) is not int or {{v}} < 0 or {{v}} > {limit}"  # type: ignore[attr-defined]
-    return check
-
-
-def _sint(lo: int, hi: int) -> Validator:
-    def check(v: Any) -> int:
-        if type(v) is not int or v < lo or v > hi:
-            raise DecodeError("bad_field", f"expected integer {lo}..{hi}")
-        return v
-
-    check.inline = f"type({{v}}) is not int or {{v}} < {lo} or {{v}} > {hi}"  # type: ignore[attr-defined]
-    return check
-
-
-def _text(max_bytes: int, allow_empty: bool = False) -> Validator:
-    def check(v: Any) -> str:
-        if type(v) is not str:
-            raise DecodeError("bad_field", f"expected text, got {type(v).__name__}")
-        if len(v) > max_bytes or len(v.encode("utf-8", "surrogatepass")) > max_bytes:
-            raise DecodeError("bad_field", f"text longer than {max_bytes} bytes")
-        if not v and not allow_empty:
-            raise DecodeError("bad_field", "empty text")
-        return v
-
-    # Fast path for short ASCII-sized text; anything longer than max_bytes/4 chars takes the full check.
-    empty = "" if allow_empty else " or not {v}"
-    check.inline = (f"type({{v}}) is not str or len({{v}}) > {max_bytes // 4}{empty}")  # type: ignore[attr-defined]
-    return check
-
-
-def _bool(v: Any) -> bool:
-    if type(v) is not bool:
-        raise DecodeError("bad_field", "expected boolean")
-    return v
-
-
-_bool.inline = "type({v}) is not bool"  # type: ignore[attr-defined]
-
-
-def _real(lo: float, hi: float) -> Validator:
-    def check(v: Any) -> float:
-        if type(v) not in (int, float) or not math.isfinite(v) or v < lo or v > hi:
-            raise DecodeError("bad_field", f"expected number {lo}..{hi}")
-        return float(v)
-
-    return check
-
-
-def _blob(max_bytes: int) -> Validator:
-    def check(v: Any) -> bytes:
-        if type(v) is not bytes or len(v) > max_bytes:
-            raise DecodeError("bad_field", f"expected bytes of at most {max_bytes}")
-        return v
-
-    check.inline = f"type({{v}}) is not bytes or len({{v}}) > {max_bytes}"  # type: ignore[attr-defined]
-    return check
-
-
-def _seq(item: Validator, max_len: int) -> Validator:
-    def check(v: Any) -> tuple[Any, ...]:
-        if type(v) is not list or len(v) > max_len:
-            raise DecodeError("bad_field", f"expected list of at most {max_len}")
-        return tuple(item(x) for x in v)
-
-    return check
-
-
-def _record(*items: Validator) -> Validator:
-    n = len(items)
-
-    def check(v: Any) -> tuple[Any, ...]:
-        if type(v) is not list or len(v) != n:
-            raise DecodeError("bad_field", f"expected record of {n} fields")
-        return tuple(f(x) for f, x in zip(items, v))
-
-    return check
-
-
-def _optional(inner: Validator) -> Validator:
-    def check(v: Any) -> Any:
-        return None if v is None else inner(v)
-
-    return check
-
-
-U64 = _uint()
-U32 = _uint(2**32 - 1)
-NAME = _text(MAX_NAME)
-ADDR = _text(MAX_ADDR, allow_empty=True)
-STATUS = _uint(len(STATUS_NAMES) - 1)
-PHASE = _uint(len(PHASES) - 1)
-ROLE = _uint(len(ROLES) - 1)
-STEP = _sint(-1, 2**62)
-MILLIS = _uint(2**31 - 1)
-SIG = _blob(64)  # a member's signature (gossiprec.core.auth); empty where the cluster runs without them
-KEY = _blob(64)
-
-_REGISTRY: dict[int, tuple[type, tuple[Validator, ...]]] = {}
-_DECODERS: dict[int, Callable[[list[Any]], Any]] = {}
-
-_CACHE: dict[tuple[Any, ...], Any] = {}
-"""Decoded gossip messages by field values (see :func:`_cached_decoder`); shared by every machine in the
-process, cleared whenever it reaches :data:`CACHE_MAX` entries."""
-CACHE_MAX = 1 << 16
-_CACHED_TYPES = frozenset((5, 6, 7, 8, 20))
-"""Alive, Suspect, Dead, Progress, Alert: broadcasts, which every member receives many times over (the
-same bytes, piggybacked on many packets). Other types are unique per packet (sequence numbers) or large."""
-
-
-def _compile_decoder(cls: type, validators: tuple[Validator, ...]) -> Callable[[list[Any]], Any]:
-    """Generate a straight-line decoder for one message type.
-
-    Simple fields are checked inline (``check.inline`` is a condition that is true for a *suspect* value);
-    a suspect value, or a field without an inline form, goes through the full validator, which raises
-    DecodeError or returns the value. Behaviour equals calling every validator; only faster.
-    """
-    n = len(validators)
-    lines = ["def decode(item):", f"    if len(item) != {n + 1}:",
-             f"        raise DecodeError('bad_message', '{cls.__name__} needs {n} fields')"]
-    env: dict[str, Any] = {"DecodeError": DecodeError, "cls": cls}
-    args = []
-    for i, check in enumerate(validators, start=1):
-        var = f"f{i}"
-        env[f"c{i}"] = check
-        lines.append(f"    {var} = item[{i}]")
-        cond = getattr(check, "inline", None)
-        if cond is None:
-            lines.append(f"    {var} = c{i}({var})")
-        else:
-            lines.append(f"    if {cond.format(v=var)}:")
-            lines.append(f"        {var} = c{i}({var})")
-        args.append(var)
-    lines.append(f"    return cls({', '.join(args)})")
-    exec("\n".join(lines), env)  # noqa: S102 - generated from our own field specs, no outside input
-    return env["decode"]  # type: ignore[no-any-return]
-
-
-def _cached_decoder(decode: Callable[[list[Any]], Any],
-                    validators: tuple[Validator, ...]) -> Callable[[list[Any]], Any]:
-    """Wrap ``decode`` with a lookup in :data:`_CACHE`, keyed by the tuple of the item's values.
-
-    Equal tuples can still differ in type (``1 == 1.0 == True``), so a hit counts only when every field
-    that must be an integer (or a boolean) has exactly that type; the other field kinds (text) compare
-    equal only to values of their own type. Anything else, and every miss, goes through ``decode``, which
-    validates in full; only messages it accepted are stored. The result equals ``decode(item)`` for every
-    input (decoded messages are immutable, so sharing one object is safe).
-    """
-    checks = []
-    for i, check in enumerate(validators, start=1):
-        cond = getattr(check, "inline", None)
-        if cond is None or not cond.startswith("type({v}) is not "):
-            raise TypeError("only messages whose every field has an inline check can be cached")
-        kind = cond.split()[3]
-        if kind in ("int", "bool"):
-            checks.append(f"type(item[{i}]) is {kind}")
-    hit = " and ".join(checks) or "True"
-    src = f"""
-def decode_cached(item):
-    try:
-        key = tuple(item)
-        msg = cache_get(key)
-    except TypeError:  # an unhashable value (a list): not a valid message of this type
-        return decode(item)
-    if msg is not None and {hit}:
-        return msg
-    msg = decode(item)
-    if len(cache) >= limit:
-        cache.clear()
-    cache[key] = msg
-    return msg
-"""
-    env: dict[str, Any] = {"decode": decode, "cache": _CACHE, "cache_get": _CACHE.get, "limit": CACHE_MAX}
-    exec(src, env)  # noqa: S102 - generated from our own field specs, no outside input
-    return env["decode_cached"]  # type: ignore[no-any-return]
-
-
-def message(type_id: int, *validators: Validator) -> Callable[[type], type]:
-    """Class decorator: register a slotted dataclass as wire message ``type_id`` with field validators."""
-
-    def register(cls: type) -> type:
-        names = [f.name for f in fields(cls)]
-        if len(names) != len(validators):
-            raise TypeError(f"{cls.__name__}: {len(names)} fields but {len(validators)} validators")
-        if type_id in _REGISTRY:
-            raise TypeError(f"message type {type_id} registered twice")
-        cls.TYPE = type_id  # type: ignore[attr-defined]
-        cls.FIELDS = tuple(names)  # type: ignore[attr-defined]
-        getter = attrgetter(*names)
-        if len(names) == 1:
-            _ROWS[cls] = lambda msg: [type_id, getter(msg)]
-        else:
-            _ROWS[cls] = lambda msg: [type_id, *getter(msg)]
-        _REGISTRY[type_id] = (cls, tuple(validators))
-        decoder = _compile_decoder(cls, tuple(validators))
-        if type_id in _CACHED_TYPES:
-            decoder = _cached_decoder(decoder, tuple(validators))
-        _DECODERS[type_id] = decoder
-        return cls
-
-    return register
-
-
-_T = TypeVar("_T")
-
-
-@dataclass_transform(eq_default=True)
-def value_class(cls: type[_T]) -> type[_T]:
-    """Per-packet records (every wire message, ``Send``): slotted, equal and hashed by value, not frozen."""
-    return dataclass(slots=True, unsafe_hash=True)(cls)
-
-
-class Message:
-    """Marker base: every wire message is a slotted dataclass registered with :func:`message`.
-
-    Messages are values: never assign to a field (decoded gossip records are cached and shared by every
-    receiver in a process). They are not ``frozen`` dataclasses only for speed: a frozen dataclass
-    sets each field through ``object.__setattr__``, several times slower to build, and the simulator
-    builds millions of them. Equality and hashing are still by value (``unsafe_hash``)."""
-
-    TYPE: ClassVar[int]
-    FIELDS: ClassVar[tuple[str, ...]]
-    __slots__ = ()
-
-
-_ROWS: dict[type, Callable[[Any], list[Any]]] = {}
-"""Per message class: msg -> [TYPE, *fields] (a C attrgetter; msgpack writes nested tuples as arrays)."""
-
-
-def _to_list(msg: Any) -> list[Any]:
-    return _ROWS[type(msg)](msg)
+# ``cached=True``: Alive, Suspect, Dead, Progress and Alert are broadcasts, which every member receives many
+# times over; other types are unique per packet (sequence numbers) or large.
 
 
 # --- SWIM messages -------------------------------------------------------------------------------
@@ -295,7 +73,7 @@ class Ping(Message):
     src_addr: str
 
 
-@message(2, U64, NAME, ADDR, NAME, ADDR, _bool)
+@message(2, U64, NAME, ADDR, NAME, ADDR, boolean)
 @value_class
 class IndirectPing(Message):
     seq: int
@@ -331,7 +109,7 @@ class Nack(Message):
     src: str
 
 
-@message(5, NAME, ADDR, U64, ROLE, SIG)
+@message(5, NAME, ADDR, U64, ROLE, SIG, cached=True)
 @value_class
 class Alive(Message):
     name: str
@@ -341,7 +119,7 @@ class Alive(Message):
     sig: bytes = b""  # by ``name`` itself (the only member that raises its incarnation)
 
 
-@message(6, NAME, U64, NAME, SIG)
+@message(6, NAME, U64, NAME, SIG, cached=True)
 @value_class
 class Suspect(Message):
     name: str
@@ -350,7 +128,7 @@ class Suspect(Message):
     sig: bytes = b""  # by the accuser ``src``
 
 
-@message(7, NAME, U64, NAME, SIG)
+@message(7, NAME, U64, NAME, SIG, cached=True)
 @value_class
 class Dead(Message):
     """``src == name`` means a graceful leave, which counts only when ``sig`` is the member's own."""
@@ -361,7 +139,7 @@ class Dead(Message):
     sig: bytes = b""
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32, SIG)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32, SIG, cached=True)
 @value_class
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner. ``coll``: the
@@ -377,10 +155,10 @@ class Progress(Message):
     sig: bytes = b""  # by ``name`` itself (relayed copies carry it: only the owner speaks for its progress)
 
 
-MEMBER_RECORD = _record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, SIG, SIG)
+MEMBER_RECORD = record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, SIG, SIG)
 
 
-@message(9, NAME, ADDR, _bool, _bool, _seq(MEMBER_RECORD, MAX_MEMBERS))
+@message(9, NAME, ADDR, boolean, boolean, seq(MEMBER_RECORD, MAX_MEMBERS))
 @value_class
 class PushPull(Message):
     """Anti-entropy: full state. ``members`` rows are (name, addr, incarnation, status, role, progress_version,
@@ -394,19 +172,19 @@ class PushPull(Message):
     members: tuple[Any, ...]
 
 
-# --- codec ---------------------------------------------------------------------------------------
+# --- packets -------------------------------------------------------------------------------------
 _packer = msgpack.Packer(use_bin_type=True)
 _pack: Callable[[Any], bytes] = _packer.pack  # (msgpack has no type hints)
 
 
 def encode_message(msg: Message) -> bytes:
     """One message as a standalone msgpack body (used for sizing and for streams)."""
-    return _pack(_ROWS[type(msg)](msg))
+    return _pack(ROWS[type(msg)](msg))
 
 
 def encode_packet(msgs: Sequence[Message]) -> bytes:
     """A compound packet of already-chosen messages."""
-    return _pack([PROTOCOL_VERSION, [_to_list(m) for m in msgs]])
+    return _pack([PROTOCOL_VERSION, [ROWS[type(m)](m) for m in msgs]])
 
 
 _HEADS = tuple(bytes((0x92, PROTOCOL_VERSION, 0x90 | n)) for n in range(16))
@@ -432,7 +210,7 @@ PACKET_OVERHEAD = 5
 def _decode_one(item: Any) -> Message:
     if type(item) is not list or not item:
         raise DecodeError("bad_message", "message is not a non-empty list")
-    decoder = _DECODERS.get(item[0]) if type(item[0]) is int else None
+    decoder = DECODERS.get(item[0]) if type(item[0]) is int else None
     if decoder is None:
         raise DecodeError("unknown_type", repr(item[0])[:20])
     return decoder(item)  # type: ignore[no-any-return]
@@ -465,7 +243,7 @@ def decode_packet(data: bytes, max_size: int) -> list[Message]:
     if type(body) is not list or not body:
         raise DecodeError("malformed", "no messages")
     # _decode_one, inlined (the hot path of every receive)
-    decoders = _DECODERS
+    decoders = DECODERS
     out = []
     for item in body:
         if type(item) is not list or not item:
@@ -479,21 +257,21 @@ def decode_packet(data: bytes, max_size: int) -> list[Message]:
 
 
 # --- agreement messages (views, alerts, votes, Paxos fallback, reports) ---------------------------
-EPOCH = _uint(2**62)
-CFG = _text(32)
-DIGEST = _blob(32)
-CHANGE = _record(NAME, _uint(1), ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True))
-CHANGES = _seq(CHANGE, MAX_MEMBERS)
-BITMAP = _blob(MAX_MEMBERS // 8 + 1)
+EPOCH = uint(2**62)
+CFG = text(32)
+DIGEST = blob(32)
+CHANGE = record(NAME, uint(1), ADDR, text(MAX_NAME, allow_empty=True), text(MAX_NAME, allow_empty=True))
+CHANGES = seq(CHANGE, MAX_MEMBERS)
+BITMAP = blob(MAX_MEMBERS // 8 + 1)
 
 # Alert reasons
 UNREACHABLE, HUNG, DEPARTED, JOINING, RESTARTED, IMPLAUSIBLE = 0, 1, 2, 3, 4, 5
 ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "implausible")
 
 
-@message(20, EPOCH, CFG, NAME, NAME, _uint(1), _uint(len(ALERT_REASONS) - 1), _bool, ADDR,
-         _text(MAX_NAME, allow_empty=True),
-         _text(MAX_NAME, allow_empty=True), U64, SIG)
+@message(20, EPOCH, CFG, NAME, NAME, uint(1), uint(len(ALERT_REASONS) - 1), boolean, ADDR,
+         text(MAX_NAME, allow_empty=True),
+         text(MAX_NAME, allow_empty=True), U64, SIG, cached=True)
 @value_class
 class Alert(Message):
     """Observer's judgement about a subject (kind REMOVE=0 / JOIN=1); ``retract`` withdraws it; ``seq``
@@ -542,7 +320,7 @@ class Decided(Message):
     changes: tuple[Any, ...]
 
 
-@message(24, EPOCH, CFG, _uint(2**31), NAME, SIG)
+@message(24, EPOCH, CFG, uint(2**31), NAME, SIG)
 @value_class
 class Prepare(Message):
     epoch: int
@@ -552,8 +330,8 @@ class Prepare(Message):
     sig: bytes = b""
 
 
-@message(25, EPOCH, CFG, _uint(2**31), NAME, NAME, _uint(2**31), _text(MAX_NAME, allow_empty=True),
-         _optional(DIGEST), _optional(CHANGES), SIG)
+@message(25, EPOCH, CFG, uint(2**31), NAME, NAME, uint(2**31), text(MAX_NAME, allow_empty=True),
+         optional(DIGEST), optional(CHANGES), SIG)
 @value_class
 class Promise(Message):
     epoch: int
@@ -568,7 +346,7 @@ class Promise(Message):
     sig: bytes = b""
 
 
-@message(26, EPOCH, CFG, _uint(2**31), NAME, DIGEST, CHANGES, SIG)
+@message(26, EPOCH, CFG, uint(2**31), NAME, DIGEST, CHANGES, SIG)
 @value_class
 class Accept(Message):
     epoch: int
@@ -580,7 +358,7 @@ class Accept(Message):
     sig: bytes = b""
 
 
-@message(27, EPOCH, CFG, _uint(2**31), NAME, DIGEST, NAME, SIG)
+@message(27, EPOCH, CFG, uint(2**31), NAME, DIGEST, NAME, SIG)
 @value_class
 class Accepted(Message):
     epoch: int
@@ -602,7 +380,7 @@ class Vote(Message):  # one member's signed fast-round vote (instead of bitmaps,
     sig: bytes = b""
 
 
-@message(28, EPOCH, _text(32, allow_empty=True), NAME, ADDR)
+@message(28, EPOCH, text(32, allow_empty=True), NAME, ADDR)
 @value_class
 class ViewRequest(Message):
     """Catch-up: ``src`` holds view (``epoch``, ``config``) (``config`` empty: none yet) and asks for news."""
@@ -620,7 +398,7 @@ def _any_view(v: Any) -> Any:
     return v
 
 
-@message(29, _any_view, _text(MAX_NAME, allow_empty=True), SIG)
+@message(29, _any_view, text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewState(Message):
     view: list[Any]
@@ -632,7 +410,7 @@ MAX_DELTA_STEPS = 16
 """Longest chain of view changes a :class:`ViewDelta` carries (a member further behind gets the full view)."""
 
 
-@message(33, EPOCH, CFG, _seq(_record(CFG, CHANGES), MAX_DELTA_STEPS), _text(MAX_NAME, allow_empty=True), SIG)
+@message(33, EPOCH, CFG, seq(record(CFG, CHANGES), MAX_DELTA_STEPS), text(MAX_NAME, allow_empty=True), SIG)
 @value_class
 class ViewDelta(Message):
     """Catch-up for a member that holds view (``epoch``, ``config``): the change sets that lead from it to
@@ -647,7 +425,7 @@ class ViewDelta(Message):
     sig: bytes = b""
 
 
-@message(30, NAME, ADDR, _text(MAX_NAME, allow_empty=True), _text(MAX_NAME, allow_empty=True), EPOCH)
+@message(30, NAME, ADDR, text(MAX_NAME, allow_empty=True), text(MAX_NAME, allow_empty=True), EPOCH)
 @value_class
 class JoinRequest(Message):
     node: str
@@ -657,7 +435,7 @@ class JoinRequest(Message):
     epoch: int
 
 
-@message(35, NAME, ADDR, U64, EPOCH, _text(32, allow_empty=True), SIG)
+@message(35, NAME, ADDR, U64, EPOCH, text(32, allow_empty=True), SIG)
 @value_class
 class Hello(Message):
     """A new process of ``node`` (started at ``incarnation``) holds view (``epoch``, ``config``), which lists
@@ -672,7 +450,7 @@ class Hello(Message):
     sig: bytes = b""  # by ``node``: required where its key is pinned (else its new key is not yet bound)
 
 
-@message(31, EPOCH, CFG, STEP, _optional(STEP), _uint(2**62), BITMAP)
+@message(31, EPOCH, CFG, STEP, optional(STEP), uint(2**62), BITMAP)
 @value_class
 class Report(Message):
     """State reports for the plan of ``epoch``, aggregated: every holder whose bit is set in ``bitmap``
@@ -686,7 +464,7 @@ class Report(Message):
     bitmap: bytes
 
 
-@message(38, EPOCH, CFG, NAME, STEP, _optional(STEP), _uint(2**62), SIG)
+@message(38, EPOCH, CFG, NAME, STEP, optional(STEP), uint(2**62), SIG)
 @value_class
 class StateClaim(Message):
     """``node``'s own state report for the plan of ``epoch``, signed by it: with a key book, what a
@@ -748,10 +526,10 @@ class KeyClaim(Message):
 
 # --- bootstrap: view 0 agreed without a job spec (gossiprec.core.bootstrap) ---------------------------
 # a candidate: (name, addr, host, local index, spare by flag)
-CANDIDATE = _record(NAME, ADDR, _text(MAX_NAME, allow_empty=True), _uint(2**31), _bool)
-CANDIDATES = _seq(CANDIDATE, MAX_MEMBERS)
-ROUND = _uint(2**31)
-SIZE = _uint(MAX_MEMBERS)
+CANDIDATE = record(NAME, ADDR, text(MAX_NAME, allow_empty=True), uint(2**31), boolean)
+CANDIDATES = seq(CANDIDATE, MAX_MEMBERS)
+ROUND = uint(2**31)
+SIZE = uint(MAX_MEMBERS)
 
 
 @message(40, CANDIDATE, SIZE, SIZE, SIZE)
@@ -786,7 +564,7 @@ class BootPrepare(Message):
     reply_to: str
 
 
-@message(43, ADDR, _bool, ROUND, NAME, ROUND, _text(MAX_NAME, allow_empty=True), CANDIDATES, CANDIDATES)
+@message(43, ADDR, boolean, ROUND, NAME, ROUND, text(MAX_NAME, allow_empty=True), CANDIDATES, CANDIDATES)
 @value_class
 class BootPromise(Message):
     """An acceptor's answer to a prepare: ``ok`` with the ballot promised (else the higher ballot it
@@ -814,7 +592,7 @@ class BootAccept(Message):
     value: tuple[Any, ...]
 
 
-@message(45, ADDR, _bool, ROUND, NAME)
+@message(45, ADDR, boolean, ROUND, NAME)
 @value_class
 class BootAccepted(Message):
     """An acceptor's answer to an accept: ``ok`` at that ballot, else the higher ballot it promised."""
