@@ -17,8 +17,10 @@ from gossiprec.local.protocol import event_to_dict
 
 _QUIET_EVENTS = frozenset({"ProbeResult"})
 """Events logged at debug level: one per probe, far too many for info."""
-_LOUD_EVENTS = {"JobSpecMismatch": logging.ERROR, "BootMismatch": logging.ERROR}
-"""Events that say the job was started wrongly: errors, whatever the level."""
+_LOUD_EVENTS = {"JobSpecMismatch": logging.ERROR, "BootMismatch": logging.ERROR,
+                "AlertRaised": logging.WARNING, "Fenced": logging.WARNING, "Straggler": logging.WARNING}
+"""Events that say the job was started wrongly (errors), and the ones that say why a member is removed or
+stopped (warnings: an operator, or a flaky test's logs at ``warning``, must show who accused whom, and why)."""
 
 
 class _TextFormatter(logging.Formatter):
@@ -59,5 +61,7 @@ def log_event(logger: logging.Logger, ev: Any) -> None:
     """One line per machine event, its fields attached (encoded only when the level is enabled)."""
     name = type(ev).__name__
     level = logging.DEBUG if name in _QUIET_EVENTS else _LOUD_EVENTS.get(name, logging.INFO)
+    if name == "ViewInstalled" and getattr(ev, "removed", ()):
+        level = logging.WARNING  # a member removed: the job recovers
     if logger.isEnabledFor(level):
         logger.log(level, "event %s", name, extra={"fields": event_to_dict(ev)})
