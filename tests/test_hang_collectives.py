@@ -10,19 +10,14 @@ collective 1, and the other replica (n0..n3) in the gradient all-reduce (collect
 
 from __future__ import annotations
 
-import random
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import pytest
 
-from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.events import AlertRaised
-from gossiprec.core.node import Node
-from gossiprec.core.records import MemberInfo
-from gossiprec.core.topology import JobTopology
-from gossiprec.core.view import View, ViewMember
-from gossiprec.core.wire import PHASES, Ack, Ping, Progress, decode_packet, encode_packet
+from gossiprec.core.config import Config
+from gossiprec.core.wire import PHASES, Ack, Ping, Progress
+from tests.support.hangs import hang_observer, hung_alerts_of
 
 CFG = Config.profile("lan")
 NAMES = [f"n{i}" for i in range(6)]
@@ -38,41 +33,31 @@ def hung_alerts(positions: dict[str, Position], until: float, *, unknown: frozen
     """Drive n0 with the others at ``positions`` from :data:`STALL_AT` on (n0's own is ``positions["n0"]``);
     ``unknown``: members n0 never hears progress from (outside its sample). Returns (time, subject) of
     n0's hang alerts up to ``until``."""
-    view = View.initial([ViewMember(n, n, "trainer", i) for i, n in enumerate(NAMES)], JobTopology.ddp(len(NAMES)))
-    base = {n: MemberInfo(n, n, 1) for n in view.nodes}
-    agreement.setdefault("hang_floor", 1.0)  # the times below are worked out for a 1 s floor
-    acfg = AgreementConfig(alert_after=600.0, confirm_after=600.0, fence_after=600.0, **agreement)
-    node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=view, members=base,
-                member_order=view.nodes, agreement=acfg)
+    node = hang_observer(NAMES, **agreement)
     start: Position = (5, 0, COMPUTE)
+    mine = [start]
 
     def at(name: str, t: float) -> Position:
         return positions[name] if t >= STALL_AT - 1e-9 else start
 
-    node.set_progress(5, COMPUTE, 100, 0.0)
-    t, version, alerts, mine = 0.0, 0, [], start
-    while t < until:
-        version += 1
-        if at("n0", t) != mine:
-            mine = at("n0", t)
-            node.set_progress(mine[0], mine[2], 100, t, mine[1])
-        msgs = [Progress(n, 1, version, at(n, t)[0], at(n, t)[2], 100, at(n, t)[1])
+    def own(t: float) -> None:
+        if at("n0", t) != mine[0]:
+            mine[0] = at("n0", t)
+            node.set_progress(mine[0][0], mine[0][2], 100, t, mine[0][1])
+
+    def gossip(t: float, version: int) -> list[Progress]:
+        return [Progress(n, 1, version, at(n, t)[0], at(n, t)[2], 100, at(n, t)[1])
                 for n in NAMES[1:] if n not in unknown]
-        node.receive(encode_packet(msgs), t)
-        step_end = round(t + 0.05, 6)
-        while node.next_deadline() <= step_end:
-            now = node.next_deadline()
-            node.tick(now)
-            for send in node.take_sends():  # members answer its probes (a hang is judged on live ranks)
-                for m in decode_packet(send.payload, 1 << 20):
-                    if isinstance(m, Ping) and m.target not in unknown:
-                        step, coll, phase = at(m.target, now)
-                        age = round(max(0.0, now - STALL_AT) * 1000) if now >= STALL_AT else round(now * 1000)
-                        node.receive(encode_packet([Ack(m.seq, m.target, 1, step, phase, 100, age, coll)]), now)
-            alerts += [(now, e.subject) for e in node.take_events()
-                       if isinstance(e, AlertRaised) and e.reason == "hung"]
-        t = step_end
-    return alerts
+
+    def answer(m: Ping, now: float) -> Ack | None:
+        if m.target in unknown:
+            return None
+        step, coll, phase = at(m.target, now)
+        age = round(max(0.0, now - STALL_AT) * 1000) if now >= STALL_AT else round(now * 1000)
+        return Ack(m.seq, m.target, 1, step, phase, 100, age, coll)
+
+    node.set_progress(5, COMPUTE, 100, 0.0)
+    return hung_alerts_of(node, until, gossip, answer, own)
 
 
 def tp_hang(peer_phase: int, coll: bool = True) -> dict[str, Position]:

@@ -34,6 +34,7 @@ from gossiprec.core.wire import (
 )
 from gossiprec.sim.agree import AgreeParams, run_agreement
 from gossiprec.sim.network import Network
+from tests.support.hangs import hang_observer, hung_alerts_of
 
 CFG = Config.profile("lan")
 NAMES = [f"n{i}" for i in range(6)]
@@ -200,40 +201,26 @@ def _hung_alerts(lagging_phase: str, until: float, heard_from: float = 0.1, aged
     """Drive n0 of a 6-trainer view: n1..n4 wait in the step-5 all-reduce, n5 sits in ``lagging_phase``
     after committing step 4 from t = 0.1 on (n0 hears of it from ``heard_from`` on; ``aged``: with its
     age on the wire); returns (time, subject) of n0's hang alerts up to ``until``."""
-    from gossiprec.core.config import AgreementConfig
     from gossiprec.core.wire import PHASES, Progress
 
-    v = view0()
-    base = {n: MemberInfo(n, n, 1) for n in v.nodes}
-    # unreachable-alerts out of the way (n5 answers only once it is heard from)
-    agreement.setdefault("hang_floor", 1.0)  # the times below are worked out for a 1 s floor
-    acfg = AgreementConfig(alert_after=600.0, confirm_after=600.0, fence_after=600.0, **agreement)
-    node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v, members=base,
-                member_order=v.nodes, agreement=acfg)
+    node = hang_observer(NAMES, **agreement)  # (n5 answers only once it is heard from)
     communicate, lagging = PHASES.index("communicate"), PHASES.index(lagging_phase)
     node.set_progress(5, communicate, 100, 0.0)
-    t, version, alerts = 0.0, 0, []
-    while t < until:
-        version += 1
+
+    def gossip(t: float, version: int) -> list[Progress]:
         msgs = [Progress(n, 1, version, 5, communicate, 100) for n in ("n1", "n2", "n3", "n4")]
         if t >= heard_from - 1e-9:
             msgs.append(Progress("n5", 1, version, 4, lagging, 100))
-        node.receive(encode_packet(msgs), t)
-        step_end = round(t + 0.05, 6)
-        while node.next_deadline() <= step_end:
-            at = node.next_deadline()
-            node.tick(at)
-            for send in node.take_sends():  # members answer its probes (a hang is judged on live ranks)
-                for m in decode_packet(send.payload, 1 << 20):
-                    if isinstance(m, Ping) and m.target != "n5":
-                        node.receive(encode_packet([Ack(m.seq, m.target, 1, 5, communicate, 100)]), at)
-                    elif isinstance(m, Ping) and answers and at >= heard_from - 1e-9:
-                        age = round((at - 0.1) * 1000) if aged else 0
-                        node.receive(encode_packet([Ack(m.seq, "n5", 1, 4, lagging, 100, age)]), at)
-            alerts += [(at, e.subject) for e in node.take_events()
-                       if isinstance(e, AlertRaised) and e.reason == "hung"]
-        t = step_end
-    return alerts
+        return msgs
+
+    def answer(m: Ping, at: float) -> Ack | None:
+        if m.target != "n5":
+            return Ack(m.seq, m.target, 1, 5, communicate, 100)
+        if answers and at >= heard_from - 1e-9:
+            return Ack(m.seq, "n5", 1, 4, lagging, 100, round((at - 0.1) * 1000) if aged else 0)
+        return None
+
+    return hung_alerts_of(node, until, gossip, answer)
 
 
 def test_hang_alert_comes_when_the_threshold_passes_counted_from_first_hearing() -> None:
