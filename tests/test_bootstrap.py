@@ -146,7 +146,7 @@ def test_booting_hands_over_to_the_node_and_keeps_the_trainers_inputs() -> None:
         def tick(self, now: float) -> None:
             pass
 
-    def make_node(view: object, now: float) -> FakeNode:
+    def make_node(view: object, now: float, keys: dict[str, bytes]) -> FakeNode:
         made.append(view)
         return FakeNode()
 

@@ -25,8 +25,8 @@ from gossiprec.core.events import (
 from gossiprec.core.membership import Membership
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.wire import (
-    ALIVE, DEAD, LEFT, MAX_U64, PHASES, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack, Ping, Progress,
-    PushPull, Suspect, decode_packet, encode_packet,
+    ALIVE, DEAD, LEFT, MAX_U64, PHASES, PROTOCOL_VERSION, SUSPECT, Ack, Alive, Dead, IndirectPing, Message, Nack,
+    Ping, Progress, PushPull, Suspect, decode_packet, encode_packet,
 )
 from gossiprec.errors import ConfigError, ProtocolError
 
@@ -618,9 +618,9 @@ BAD_DATAGRAMS = [
     (b"\xc1garbage", "rx_dropped_malformed"),
     (b"\x92\x09\x91\x93\x04\x01\xa1a", "rx_dropped_bad_version"),
     (encode_packet([Nack(1, "a")])[:-2], "rx_dropped_malformed"),
-    (b"\x92\x06\x91\x91\x63", "rx_dropped_unknown_type"),
-    (b"\x92\x06\x91\x93\x01\x01\xa1a", "rx_dropped_bad_message"),
-    (b"\x92\x06\x91\x93\x04\xff\xa1a", "rx_dropped_bad_field"),
+    (bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x91\x63", "rx_dropped_unknown_type"),
+    (bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x93\x01\x01\xa1a", "rx_dropped_bad_message"),
+    (bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x93\x04\xff\xa1a", "rx_dropped_bad_field"),
     (b"\x00" * (CFG.mtu + 1), "rx_dropped_oversized"),
 ]
 

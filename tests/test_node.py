@@ -29,8 +29,8 @@ from gossiprec.core.topology import JobTopology
 from gossiprec.core.consensus import change_rows
 from gossiprec.core.view import REMOVE, Change, View, ViewMember, changes_digest
 from gossiprec.core.wire import (
-    UNREACHABLE, Ack, Alert, Dead, Decided, Hello, IndirectPing, Nack, Ping, Votes, ViewDelta, ViewRequest, ViewState,
-    decode_packet, encode_packet,
+    PROTOCOL_VERSION, UNREACHABLE, Ack, Alert, Dead, Decided, Hello, IndirectPing, Nack, Ping, Votes, ViewDelta,
+    ViewRequest, ViewState, decode_packet, encode_packet,
 )
 from gossiprec.sim.agree import AgreeParams, run_agreement
 from gossiprec.sim.network import Network
@@ -81,10 +81,10 @@ GARBAGE = [
     b"\xff",
     b"\x00" * 64,
     bytes(range(256)),
-    b"\x92\x06\x91\x92\x63\x01",  # [6, [[99, 1]]]: unknown message type (protocol 6)
-    b"\x92\x07\x91\x91\x01",  # unknown protocol version
+    bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x92\x63\x01",  # [version, [[99, 1]]]: unknown message type
+    bytes((0x92, PROTOCOL_VERSION + 1)) + b"\x91\x91\x01",  # unknown protocol version
     b"\xdd\xff\xff\xff\xff",  # array header claiming 4 billion items, no items
-    b"\x92\x06\x91\x9c\x14" + b"\xc0" * 11,  # an Alert with every field nil
+    bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x9c\x14" + b"\xc0" * 11,  # an Alert with every field nil
 ]
 
 

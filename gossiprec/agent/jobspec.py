@@ -27,7 +27,8 @@ bound from the start and never taken from a claim, so no holder of the cluster k
 key to that name, even before the member's first message (trust on first use otherwise). A pinned
 member gossips no key claim; members the table does not name (joiners) still claim theirs. The table
 may name only members of view 0, and a pinned agent refuses to start without ``--signing-key`` or
-with a key that does not match its pin.
+with a key that does not match its pin. A job without a spec (``--nnodes``) reads the same table from
+``--public-keys FILE``; there it names every agent that may take part in the bootstrap.
 """
 
 from __future__ import annotations
@@ -85,14 +86,15 @@ def view0_from_dict(doc: dict[str, Any], where: str = "job spec") -> View:
     return View.initial(members, topology)
 
 
-def pins_from_dict(doc: dict[str, Any], view: View, where: str = "job spec") -> dict[str, bytes]:
-    """The ``[public_keys]`` table: member name -> pinned Ed25519 public key (only members of view 0)."""
+def pins_from_dict(doc: dict[str, Any], view: View | None, where: str = "job spec") -> dict[str, bytes]:
+    """The ``[public_keys]`` table: member name -> pinned Ed25519 public key (only members of ``view``,
+    where one is given)."""
     table = doc.get("public_keys", {})
     if not isinstance(table, dict):
         raise ConfigError(f"{where}: public_keys must be a table of member = \"hex key\"")
     pins: dict[str, bytes] = {}
     for name, text in table.items():
-        if view.member(name) is None:
+        if view is not None and view.member(name) is None:
             raise ConfigError(f"{where}: public_keys names {name!r}, which is not a member of the job; "
                               "add it under [[members]] or drop its key")
         try:
@@ -102,13 +104,13 @@ def pins_from_dict(doc: dict[str, Any], view: View, where: str = "job spec") -> 
     return pins
 
 
-def _read_spec(path: str) -> dict[str, Any]:
+def _read_spec(path: str, what: str = "job spec") -> dict[str, Any]:
     try:
         return tomllib.loads(Path(path).read_text())
     except OSError as exc:
-        raise ConfigError(f"cannot read job spec {path}: {exc.strerror}") from None
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"job spec {path} is not valid TOML: {exc}") from None
+        raise ConfigError(f"{what} {path} is not valid TOML: {exc}") from None
 
 
 def load_view0(path: str) -> View:
@@ -120,6 +122,15 @@ def load_job(path: str) -> tuple[View, dict[str, bytes]]:
     doc = _read_spec(path)
     view = view0_from_dict(doc, path)
     return view, pins_from_dict(doc, view, path)
+
+
+def load_pins(path: str) -> dict[str, bytes]:
+    """The ``[public_keys]`` table of the file at ``path`` (``--public-keys``, for a bootstrap)."""
+    pins = pins_from_dict(_read_spec(path, "public keys file"), None, path)
+    if not pins:
+        raise ConfigError(f"public keys file {path} pins no key: give it a [public_keys] table of "
+                          "NAME = \"hex key\" lines (`gossiprec keys public --signing-key PATH --name NAME`)")
+    return pins
 
 
 def signing_crypto(settings: AgentSettings) -> Ed25519Crypto:
@@ -137,11 +148,15 @@ def key_book(name: str, crypto: Ed25519Crypto, pins: dict[str, bytes], settings:
     """``name``'s key book: ``pins`` bound from the start; a pinned member makes no claims, and must sign
     with the key its pin names."""
     pin = pins.get(name)
+    source = f"job spec {settings.job}" if settings.job else f"public keys file {settings.public_keys}"
+    if pin is None and pins and settings.nnodes is not None:
+        raise ConfigError(f"{source} names no key for {name}: only the agents it names take part in the "
+                          "bootstrap; add this one (`gossiprec keys public --signing-key PATH --name NODE`)")
     if pin is not None and settings.signing_key is None:
-        raise ConfigError(f"job spec {settings.job} pins a public key for {name}; start this agent with "
+        raise ConfigError(f"{source} pins a public key for {name}; start this agent with "
                           "--signing-key PATH, the file holding that key")
     if pin is not None and pin != crypto.public_key:
-        raise ConfigError(f"job spec {settings.job} pins {name} to key {pin.hex()}, but the signing key "
+        raise ConfigError(f"{source} pins {name} to key {pin.hex()}, but the signing key "
                           f"{settings.signing_key} is {crypto.public_key.hex()}: pass the right --signing-key, "
                           "or pin this key (`gossiprec keys public --signing-key PATH --name NODE`)")
     return KeyBook(name, crypto, pinned=pins, claims=pin is None)
@@ -195,23 +210,32 @@ def boot_factory(settings: AgentSettings) -> MachineFactory:
                         allow_shrink=settings.allow_shrink)
     agreement = settings.agreement_config()
     host = settings.host or socket.gethostname()
-    crypto = signing_crypto(settings)  # no job spec, so nothing pinned: keys are bound on first use
+    crypto = signing_crypto(settings)
+    pins = load_pins(settings.public_keys) if settings.public_keys else {}  # none: bound on first use
+    if settings.name is not None:
+        key_book(settings.name, crypto, pins, settings)  # a wrong or missing key: refused before binding
 
     def make(config: Config, name: str, addr: str, *, incarnation: int, role: str, now: float,
              rng: random.Random, seeds: tuple[str, ...] = ()) -> Machine:
         local = settings.local_index if settings.local_index is not None else int(addr.rpartition(":")[2] or 0)
         me = Candidate(name, addr, host, local, spare=settings.role == "spare")
 
-        def make_node(view: View | None, at: float) -> Machine:
+        def make_node(view: View | None, at: float, keys: dict[str, bytes]) -> Machine:
+            # view 0's members' keys, agreed with it, bound from the start (no first use after the bootstrap);
+            # unless --public-keys pins them, a member that leaves the view loses its binding, so that a
+            # restarted process (a new key) can rejoin
+            auth = key_book(name, crypto, pins, settings)
+            auth.keys.update((n, k) for n, k in keys.items() if n != name)
             if view is not None:
                 m = view.member(name)
                 assert m is not None
                 members = {v.node: MemberInfo(v.node, v.addr, 1) for v in view.members if v.node != name}
                 return Node(config, name, addr, incarnation=incarnation, rng=rng, now=at, view=view, role=m.role,
-                            host=m.host, members=members, agreement=agreement, auth=KeyBook(name, crypto))
+                            host=m.host, members=members, agreement=agreement, auth=auth)
             return Node(config, name, addr, incarnation=incarnation, rng=rng, now=at, view=None, role="spare",
-                        host=host, seeds=seeds, agreement=agreement, auth=KeyBook(name, crypto))
+                        host=host, seeds=seeds, agreement=agreement, auth=auth)
 
-        return Booting(Bootstrap(params, me, now, rng), make_node, seeds, incarnation, config.max_stream)
+        boot = Bootstrap(params, me, now, rng, key_book(name, crypto, pins, settings))
+        return Booting(boot, make_node, seeds, incarnation, config.max_stream)
 
     return make

@@ -93,6 +93,7 @@ ENV: dict[str, str] = {
     "local_index": "GOSSIPREC_LOCAL_INDEX",
     "host": "GOSSIPREC_HOST",
     "bootstrap_timeout": "GOSSIPREC_BOOTSTRAP_TIMEOUT",
+    "public_keys": "GOSSIPREC_PUBLIC_KEYS",
 }
 """Setting field -> environment variable."""
 ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
@@ -170,6 +171,10 @@ class AgentSettings:
     bootstrap_timeout: float = 300.0
     """Seconds an agent started with ``nnodes`` waits for view 0 before it gives up, naming who it
     found (too few agents started, or a majority of the seeds is not up)."""
+    public_keys: str | None = None
+    """With ``nnodes``: a TOML file whose ``[public_keys]`` table pins agents' public keys, as a job spec's
+    does (``gossiprec keys public``); then only the agents it names take part in the bootstrap, and each
+    runs with its ``signing_key``. None: keys bound on first use."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -247,6 +252,9 @@ class AgentSettings:
             bad("local_index", f"expected an integer >= 0, got {self.local_index!r}")
         if self.host is not None and not self.host:
             bad("host", "empty host name")
+        if self.public_keys is not None and self.nnodes is None:
+            bad("public_keys", "pins the keys of a bootstrap (--nnodes); a job spec pins them in its own "
+                               "[public_keys] table")
         if isinstance(self.bootstrap_timeout, bool) or not isinstance(self.bootstrap_timeout, (int, float)) \
                 or not 0 < self.bootstrap_timeout < math.inf:
             bad("bootstrap_timeout", f"expected seconds > 0, got {self.bootstrap_timeout!r}")
@@ -431,7 +439,7 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
     "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
     "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
-    "host": _as_opt_str, "bootstrap_timeout": _as_seconds,
+    "host": _as_opt_str, "bootstrap_timeout": _as_seconds, "public_keys": _as_opt_str,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 _AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
@@ -653,6 +661,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--host", default=None, help="host name ranks are ordered by (default: this machine's)")
     b.add_argument("--bootstrap-timeout", dest="bootstrap_timeout", type=float, default=None,
                    help="seconds to wait for view 0 before giving up (default 300)")
+    b.add_argument("--public-keys", dest="public_keys", metavar="FILE", default=None,
+                   help="TOML file whose [public_keys] table pins the agents' keys: only they take part")
     g.add_argument("--protocol", metavar="NAME=VALUE", action="append", default=None,
                    help="override a protocol Config field (repeatable), e.g. probe_interval=0.2")
 

@@ -4,8 +4,9 @@ Every agent starts as a *candidate*: its name, address, host, local index on the
 port) and whether it was started as a spare. It says hello to every seed (the same ``--seed`` list on
 every agent) until it knows the job's ``expected`` candidates; a seed answers with every candidate it
 knows. View 0 is then decided by single-decree Paxos whose acceptors are the seeds: any candidate that
-knows enough candidates proposes, the first in rank order at once and the others ``stagger`` seconds
-apart after it, so that a dead first candidate costs one stagger and two live ones rarely duel. A
+knows enough candidates proposes (signing, any seed: see below), the first in rank order at once and
+the others ``stagger`` seconds apart after it, so that a dead first candidate costs one stagger and two
+live ones rarely duel. A
 value is decided when a majority of the seeds accepted it at one ballot; Paxos then guarantees that no
 other value of view 0 is ever decided, whatever the timing, the losses or the late candidates. A
 proposer that hears of an accepted value re-proposes it, so a proposer that died after the decision
@@ -18,17 +19,45 @@ order, the rest hot spares. Candidates beyond ``expected`` (late or extra) are n
 the running job as spares, like any joiner. Too few candidates: nothing is decided; :class:`BootProgress`
 events say who is known, and the agent gives up after its timeout with that list.
 
+Signatures (with a :class:`~gossiprec.core.auth.KeyBook`; without one nothing is signed or checked, and
+any candidate proposes). A candidate row carries the candidate's public key and its own signature of
+the row, so a row is its owner's word however it is relayed (hellos, a seed's answers, promises, the
+value); each receiver binds the name to the first key it sees for it and refuses, and counts
+(``rx_boot_key_conflict``, ``rx_boot_unsigned``), a row or hello under that name with another key.
+With pinned keys only the names they pin take part (``rx_boot_unpinned``). Seeds are named by address,
+often one they do not advertise (a host name), so a receiver binds each seed address to the name whose
+signed answer first claims it (one name per address, one address per name): a hello says which seed
+address it was sent to, and reports 0 known candidates until that seed is bound, so that the seed
+answers. Promises and accepteds are signed by the seed and count only under its bound name; an
+accepted signs the digest of the value it accepted. Only seeds propose, and a seed takes a prepare or
+an accept only from a seed, signed by it, and sent to its own seed address (``rx_boot_not_seed``): each
+ballot then has one value, put there after phase 1, as Paxos needs; a candidate of a key holder's own
+cannot skip phase 1. A candidate learns it is a seed, and which, from its own signed answer to its own
+hello. ``BootDecided`` decides
+nothing alone: it carries the majority's signed accepteds (its proof), and each receiver checks them
+against its own bindings, so a late candidate that takes part in no round learns view 0 safely. View 0's
+members keep their keys: the node built from it starts with them bound.
+
 Safety needs only that a majority of the seeds keep their promises for the bootstrap's duration (an
-acceptor restarted during the bootstrap forgets them). Liveness needs a majority of the seeds up: give
-several (e.g. the first agent of three hosts); any minority of them may be dead at the start.
+acceptor restarted during the bootstrap forgets them; signing, it has a new key, and receivers that
+bound the old one refuse its words). Liveness needs a majority of the seeds up: give several (e.g. the
+first agent of three hosts); any minority of them may be dead at the start. Trust on first use, without
+pins: a holder of the cluster key that speaks first at a receiver, under a candidate's name or as a
+seed address (before that candidate's row or that seed's first signed answer reaches it; a dead seed's
+address stays open), is bound there, and a seed address so claimed is a proposer and acceptor that may
+lie, which Paxos does not tolerate.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import msgpack
+
+from gossiprec.core.auth import KeyBook, sign_if
 from gossiprec.core.events import BootMismatch, BootProgress, ViewZeroAgreed
 from gossiprec.core.records import MemberInfo, RandomSource, Send
 from gossiprec.core.topology import SPARE, TRAINER, JobTopology
@@ -46,6 +75,7 @@ if TYPE_CHECKING:
 
 INF = float("inf")
 Ballot = tuple[int, str]
+_pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack  # (msgpack has no type hints)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +89,36 @@ class Candidate:
     """Its index among the agents of its host (the rank order within a host)."""
     spare: bool = False
     """Started as a spare (``--role spare``): never a trainer of view 0."""
+    key: bytes = b""
+    """Its public signing key (empty: unsigned)."""
+    sig: bytes = b""
+    """Its own signature of the fields above (:meth:`signed_part`)."""
 
     def row(self) -> tuple[Any, ...]:
-        return (self.name, self.addr, self.host, self.local, self.spare)
+        return (self.name, self.addr, self.host, self.local, self.spare, self.key, self.sig)
 
     @classmethod
     def of(cls, row: tuple[Any, ...] | list[Any]) -> Candidate:
-        return cls(str(row[0]), str(row[1]), str(row[2]), int(row[3]), bool(row[4]))
+        return cls(str(row[0]), str(row[1]), str(row[2]), int(row[3]), bool(row[4]), bytes(row[5]), bytes(row[6]))
+
+    def signed_part(self) -> bytes:
+        """What the candidate's own signature covers (tagged: no other signed message reads the same)."""
+        return _pack(["gossiprec.candidate/1", self.name, self.addr, self.host, self.local, self.spare,
+                      self.key])
+
+    def signed_by(self, book: KeyBook) -> Candidate:
+        c = replace(self, key=book.crypto.public_key, sig=b"")
+        return replace(c, sig=book.crypto.sign(c.signed_part()))
+
+
+def value_digest(value: Iterable[Candidate]) -> bytes:
+    """16-byte id of a value of view 0 (what an acceptor's signed accepted is for)."""
+    return hashlib.sha256(_pack(["gossiprec.view0/1", _rows(value)])).digest()[:16]
+
+
+def boot_keys(value: Iterable[Candidate]) -> dict[str, bytes]:
+    """The signing keys of a decided view 0's members (none where it was decided unsigned)."""
+    return {c.name: c.key for c in value if c.key}
 
 
 def _natural(text: str) -> tuple[Any, ...]:
@@ -148,32 +201,45 @@ def choose(known: Iterable[Candidate], params: BootParams) -> tuple[Candidate, .
 
 
 class Bootstrap:
-    """One agent's part in agreeing on view 0: candidate, proposer and (when asked) acceptor."""
+    """One agent's part in agreeing on view 0: candidate, proposer and (when asked) acceptor. ``book``:
+    its key book (None: nothing signed or checked)."""
 
-    def __init__(self, params: BootParams, me: Candidate, now: float, rng: RandomSource) -> None:
+    def __init__(self, params: BootParams, me: Candidate, now: float, rng: RandomSource,
+                 book: KeyBook | None = None) -> None:
         self.params = params
-        self.me = me
         self.rng = rng
+        self.counters: dict[str, int] = {}
+        self.book = book
+        if book is not None:
+            book.counters = self.counters
+            me = me.signed_by(book)
+        self.me = me
         self.known: dict[str, Candidate] = {me.name: me}
         self.decided: tuple[Candidate, ...] | None = None
         self.decided_at: float | None = None
-        self.counters: dict[str, int] = {}
+        self.decision: BootDecided | None = None
+        """What a late candidate is answered: the value and, signing, its proof."""
+        self.seed_of: dict[str, str] = {}
+        """Seed address -> the candidate name whose signed word first claimed it here."""
         self.events: list[CoreEvent] = []
         self._out: list[tuple[str, Message, bool]] = []
         # acceptor
         self._promised: Ballot = (0, "")
         self._accepted: tuple[Ballot, tuple[Candidate, ...]] | None = None
+        self._answers: dict[str, BootKnown] = {}  # our signed answer to a hello, by seed address
         # proposer
         self._ballot: Ballot = (0, me.name)
         self._highest = 0
         self._phase = ""  # "", "prepare", "accept"
         self._promises: dict[str, BootPromise] = {}
-        self._accepts: set[str] = set()
+        self._accepts: dict[str, tuple[Any, ...]] = {}  # seed address -> its proof entry
         self._value: tuple[Candidate, ...] = ()
+        self._digest = b""
         self._round_due = INF
         self._propose_due = INF
         self._hello_due = now
         self._hello_gap = params.hello_interval
+        self._hellos: dict[str, BootHello] = {}
         self._progress_due = now + params.progress_interval
         self._mismatched: set[str] = set()
         self._arm_proposal(now)  # a job of one: nothing to wait for
@@ -184,7 +250,7 @@ class Bootstrap:
         handler = _HANDLERS.get(type(msg))
         if handler is None:
             return False
-        self.counters["boot_rx"] = self.counters.get("boot_rx", 0) + 1
+        self._count("boot_rx")
         handler(self, msg, now)
         return True
 
@@ -192,8 +258,14 @@ class Bootstrap:
         if self.decided is not None:
             return
         if now >= self._hello_due:
-            hello = BootHello(self.me.row(), self.params.expected, self.params.spares, len(self.known))
             for seed in self.params.seeds:
+                # known 0 until the seed's signed answer bound its address here: it answers then
+                n = len(self.known) if self.book is None or seed in self.seed_of else 0
+                hello = self._hellos.get(seed)
+                if hello is None or hello.known != n:
+                    hello = sign_if(self.book, BootHello(self.me.row(), self.params.expected, self.params.spares,
+                                                         n, seed))
+                    self._hellos[seed] = hello
                 # streams, not datagrams: a seed may be named by an address it does not advertise, and a
                 # datagram is sealed for the receiver's own advertised address
                 self._send(seed, hello, True)
@@ -214,26 +286,92 @@ class Bootstrap:
         out, self._out = self._out, []
         return out
 
+    # ------------------------------------------------------------------ signatures
+    def _admit(self, row: Any) -> Candidate | None:
+        """A candidate row, if it is its owner's signed word under the key bound to its name (bound here
+        if it was not); None, counted, if not."""
+        c = Candidate.of(row)
+        book = self.book
+        if book is None or self.known.get(c.name) == c:  # the same row: checked when it was first seen
+            return c
+        if not c.key or not c.sig:
+            self._count("rx_boot_unsigned")
+            return None
+        if book.pinned and c.name not in book.pinned:
+            self._count("rx_boot_unpinned")  # with pins, only the agents they name take part
+            return None
+        bound = book.key_of(c.name)
+        if bound is not None and bound != c.key:
+            self._count("rx_boot_key_conflict")
+            return None
+        if not book.crypto.verify(c.key, c.signed_part(), c.sig):
+            self._count("rx_boot_sig_invalid")
+            return None
+        book.bind(c.name, c.key)
+        return c
+
+    def _value_of(self, rows: Iterable[Any]) -> tuple[Candidate, ...] | None:
+        """A value of view 0: ``expected`` distinct candidates, each row its owner's signed word."""
+        value = tuple(self._admit(r) for r in rows)
+        if (len(value) != self.params.expected or any(c is None for c in value)
+                or len({c.name for c in value if c is not None}) != len(value)):
+            self._count("boot_bad_value")
+            return None
+        return value  # type: ignore[return-value]
+
+    def _signed(self, author: str, msg: Message) -> bool:
+        if self.book is None:
+            return True
+        if not author or not msg.sig:  # type: ignore[attr-defined]
+            self._count("rx_boot_unsigned")
+            return False
+        return self.book.check(author, msg)
+
+    def _seed(self, seed: str, signer: str, msg: Message) -> bool:
+        """Whether ``msg`` is the signed word of the seed at address ``seed``: by ``signer``, the name bound
+        to that address (bound on first use; a name stands for one seed only)."""
+        if seed not in self.params.seeds or not self._signed(signer, msg):
+            return False
+        if self.book is None:
+            return True
+        have = self.seed_of.get(seed)
+        if have == signer:
+            return True
+        if have is not None or signer in self.seed_of.values():
+            self._count("rx_boot_key_conflict")
+            return False
+        self.seed_of[seed] = signer
+        return True
+
     # ------------------------------------------------------------------ candidates
     def _learn(self, rows: Iterable[Any], now: float) -> None:
+        self._add([c for c in map(self._admit, rows) if c is not None], now)
+
+    def _add(self, cands: Iterable[Candidate], now: float) -> None:
         before = len(self.known)
-        for row in rows:
-            c = Candidate.of(row)
+        for c in cands:
             if c.name not in self.known:
                 self.known[c.name] = c
             elif self.known[c.name] != c:
-                self.counters["boot_conflicts"] = self.counters.get("boot_conflicts", 0) + 1
+                self._count("boot_conflicts")
         if len(self.known) != before:
             self._hello_gap = self.params.hello_interval  # news: keep the seeds up to date quickly
             self._arm_proposal(now)
 
+    def _proposers(self) -> set[str] | None:
+        """Signing, the names that may propose: the seeds, as bound here (None: unsigned, any candidate)."""
+        return set(self.seed_of.values()) if self.book is not None else None
+
     def _arm_proposal(self, now: float) -> None:
         if self.decided is not None or self._phase or self._propose_due != INF:
             return
+        proposers = self._proposers()
+        if proposers is not None and self.me.name not in proposers:
+            return  # not a seed (or not known to be one yet: our own signed answer to our hello says so)
         value = choose(self.known.values(), self.params)
         if value is None:
             return
-        order = sorted(self.known.values(), key=rank_order)
+        order = sorted((c for c in self.known.values() if proposers is None or c.name in proposers), key=rank_order)
         position = order.index(self.me)
         self._propose_due = now + position * self.params.stagger
 
@@ -243,47 +381,77 @@ class Bootstrap:
 
     # ------------------------------------------------------------------ seed (registrar + acceptor)
     def _on_hello(self, msg: BootHello, now: float) -> None:
-        c = Candidate.of(msg.candidate)
+        c = self._admit(msg.candidate)
+        if c is None or not self._signed(c.name, msg):
+            return
         if (msg.expected, msg.spares) != (self.params.expected, self.params.spares):
             if c.name not in self._mismatched:
                 self._mismatched.add(c.name)
                 self.events.append(BootMismatch(c.name, c.addr, msg.expected, msg.spares, self.params.expected,
                                                 self.params.spares, now))
                 # our own hello back, so that the candidate sees the mismatch too and says so
-                self._send(c.addr, BootHello(self.me.row(), self.params.expected, self.params.spares, 0), True)
-            self.counters["boot_mismatch"] = self.counters.get("boot_mismatch", 0) + 1
+                self._send(c.addr, sign_if(self.book, BootHello(self.me.row(), self.params.expected,
+                                                                self.params.spares, 0, c.addr)), True)
+            self._count("boot_mismatch")
             return
-        self._learn([msg.candidate], now)
-        if self.decided is not None:
-            self._send(c.addr, BootDecided(_rows(self.decided)), True)
+        self._add([c], now)
+        if self.decision is not None:
+            self._send(c.addr, self.decision, True)
         elif msg.known != len(self.known):
-            self._send(c.addr, BootKnown(_rows(self.known.values())), True)
+            seed = msg.to if msg.to in self.params.seeds else ""
+            answer = self._answers.get(seed)
+            if answer is None or len(answer.candidates) != len(self.known):
+                answer = sign_if(self.book, BootKnown(seed, self.me.name, _rows(self.known.values())))
+                self._answers[seed] = answer
+            self._send(c.addr, answer, True)
 
     def _on_known(self, msg: BootKnown, now: float) -> None:
-        self._learn(msg.candidates, now)
+        self._learn(msg.candidates, now)  # each row its owner's word, whoever relays it
+        if self._seed(msg.seed, msg.signer, msg):  # binds the seed's address here (its first signed answer)
+            self._arm_proposal(now)  # we may have learnt that we are a seed
+
+    def _from_proposer(self, msg: BootPrepare | BootAccept) -> bool:
+        """Signing, a prepare or accept counts only from a seed, signed by it: a candidate of the forger's
+        own would otherwise skip phase 1 and get a value of its choosing accepted."""
+        proposers = self._proposers()
+        if proposers is None:
+            return True
+        if msg.proposer not in proposers or self.seed_of.get(msg.to) != self.me.name:
+            self._count("rx_boot_not_seed")  # from a non-seed, or to a seed address that is not ours
+            return False
+        return self._signed(msg.proposer, msg)
 
     def _on_prepare(self, msg: BootPrepare, now: float) -> None:
+        if not self._from_proposer(msg):
+            return
         ballot = (msg.round, msg.proposer)
         ok = ballot > self._promised
         if ok:
             self._promised = ballot
         (a_round, a_prop), value = self._accepted if self._accepted is not None else ((0, ""), ())
         reply = BootPromise(msg.to, ok, *(ballot if ok else self._promised), a_round, a_prop,
-                            _rows(value), _rows(self.known.values()))
-        self._send(msg.reply_to, reply, True)
+                            _rows(value), _rows(self.known.values()), self.me.name)
+        self._send(msg.reply_to, sign_if(self.book, reply), True)
 
     def _on_accept(self, msg: BootAccept, now: float) -> None:
+        if not self._from_proposer(msg):
+            return
         ballot = (msg.round, msg.proposer)
         ok = ballot >= self._promised
+        digest = b""
         if ok:
-            value = tuple(Candidate.of(r) for r in msg.value)
-            if len(value) != self.params.expected:
-                self.counters["boot_bad_value"] = self.counters.get("boot_bad_value", 0) + 1
+            value = self._value_of(msg.value)
+            if value is None:
+                return
+            if self._accepted is not None and self._accepted[0] == ballot and self._accepted[1] != value:
+                self._count("boot_bad_value")  # one value per ballot, whatever its proposer says
                 return
             self._promised = ballot
             self._accepted = (ballot, value)
-            self._learn(msg.value, now)
-        self._send(msg.reply_to, BootAccepted(msg.to, ok, *(ballot if ok else self._promised)), True)
+            digest = value_digest(value)
+            self._add(value, now)
+        reply = BootAccepted(msg.to, ok, *(ballot if ok else self._promised), digest, self.me.name)
+        self._send(msg.reply_to, sign_if(self.book, reply), True)
 
     # ------------------------------------------------------------------ proposer
     def _prepare(self, now: float) -> None:
@@ -294,15 +462,17 @@ class Bootstrap:
         self._promises.clear()
         self._accepts.clear()
         self._round_due = now + self.params.round_timeout * (1.0 + self.rng.random())
-        self.counters["boot_rounds"] = self.counters.get("boot_rounds", 0) + 1
+        self._count("boot_rounds")
         for seed in self.params.seeds:
-            self._send(seed, BootPrepare(self._ballot[0], self.me.name, seed, self.me.addr), True)
+            self._send(seed, sign_if(self.book, BootPrepare(self._ballot[0], self.me.name, seed, self.me.addr)), True)
 
     def _on_promise(self, msg: BootPromise, now: float) -> None:
-        self._learn(msg.known, now)
+        self._learn(msg.known, now)  # the signer's own row among them: its key, to check the promise with
+        if not self._seed(msg.acceptor, msg.signer, msg):
+            return
         self._learn(msg.accepted, now)
         self._highest = max(self._highest, msg.round, msg.accepted_round)
-        if self._phase != "prepare" or msg.acceptor not in self.params.seeds:
+        if self._phase != "prepare":
             return
         if not msg.ok:
             self._beaten(msg, now)
@@ -313,7 +483,7 @@ class Bootstrap:
         if len(self._promises) < self.params.quorum:
             return
         prior = max(self._promises.values(), key=lambda p: (p.accepted_round, p.accepted_proposer))
-        if prior.accepted:
+        if prior.accepted:  # re-proposed as it was accepted (each row its owner's signed word)
             value: tuple[Candidate, ...] | None = tuple(Candidate.of(r) for r in prior.accepted)
         else:
             value = choose(self.known.values(), self.params)
@@ -321,27 +491,34 @@ class Bootstrap:
             self._phase = ""
             self._round_due = INF
             return  # the quorum's candidates are still too few: wait for more hellos
-        self._value = value
+        self._value, self._digest = value, value_digest(value)
         self._phase = "accept"
         rows = _rows(value)
         for seed in self.params.seeds:
-            self._send(seed, BootAccept(self._ballot[0], self.me.name, seed, self.me.addr, rows), True)
+            self._send(seed, sign_if(self.book, BootAccept(self._ballot[0], self.me.name, seed, self.me.addr, rows)),
+                       True)
 
     def _on_accepted(self, msg: BootAccepted, now: float) -> None:
+        if not self._seed(msg.acceptor, msg.signer, msg):
+            return
         self._highest = max(self._highest, msg.round)
-        if self._phase != "accept" or msg.acceptor not in self.params.seeds:
+        if self._phase != "accept":
             return
         if not msg.ok:
             self._beaten(msg, now)
             return
-        if (msg.round, msg.proposer) != self._ballot:
+        if (msg.round, msg.proposer) != self._ballot or msg.digest != self._digest:
             return
-        self._accepts.add(msg.acceptor)
+        signer = self.known.get(msg.signer)
+        if signer is None and self.book is not None:
+            return  # its row goes into the proof, for receivers that do not know it
+        self._accepts[msg.acceptor] = (msg.acceptor, signer.row() if signer is not None else (), msg.sig)
         if len(self._accepts) >= self.params.quorum:
-            self._decide(self._value, now)
-            rows = _rows(self._value)
+            proof = tuple(self._accepts.values()) if self.book is not None else ()
+            decision = BootDecided(_rows(self._value), *self._ballot, proof)
+            self._decide(self._value, decision, now)
             for addr in {*self.params.seeds, *(c.addr for c in self.known.values())}:
-                self._send(addr, BootDecided(rows), True)
+                self._send(addr, decision, True)
 
     def _beaten(self, msg: BootPromise | BootAccepted, now: float) -> None:
         """An acceptor holds a higher ballot: let its proposer finish, try again a round later if not."""
@@ -350,26 +527,43 @@ class Bootstrap:
             self._round_due = now + self.params.round_timeout * (1.0 + self.rng.random())
 
     def _on_decided(self, msg: BootDecided, now: float) -> None:
-        value = tuple(Candidate.of(r) for r in msg.value)
-        if len(value) != self.params.expected:
-            self.counters["boot_bad_value"] = self.counters.get("boot_bad_value", 0) + 1
+        value = self._value_of(msg.value)
+        if value is None:
             return
         if self.decided is not None:
             if value != self.decided:  # cannot happen with honest seeds: counted, never installed
-                self.counters["boot_conflicting_decision"] = self.counters.get("boot_conflicting_decision", 0) + 1
+                self._count("boot_conflicting_decision")
             return
-        self._decide(value, now)
+        if self.book is not None and self._proven(msg, value_digest(value)) < self.params.quorum:
+            self._count("rx_boot_decided_unproven")  # decides nothing alone: only its signed quorum does
+            return
+        self._decide(value, msg, now)
 
-    def _decide(self, value: tuple[Candidate, ...], now: float) -> None:
+    def _proven(self, msg: BootDecided, digest: bytes) -> int:
+        """How many seeds' signed accepteds of ``msg``'s value at its ballot its proof holds (each checked)."""
+        seeds: set[str] = set()
+        for seed, row, sig in msg.proof:
+            signer = self._admit(row) if row else None
+            if signer is None or seed in seeds:
+                continue
+            if self._seed(seed, signer.name, BootAccepted(seed, True, msg.round, msg.proposer, digest,
+                                                          signer.name, sig)):
+                seeds.add(seed)
+        return len(seeds)
+
+    def _decide(self, value: tuple[Candidate, ...], decision: BootDecided, now: float) -> None:
         if self.decided is not None:
             return
-        self.decided, self.decided_at = value, now
+        self.decided, self.decided_at, self.decision = value, now, decision
         self._phase, self._round_due, self._propose_due = "", INF, INF
         self.events.append(ViewZeroAgreed(tuple(c.name for c in sorted(value, key=rank_order)),
                                           any(c.name == self.me.name for c in value), now))
 
     def _send(self, addr: str, msg: Message, reliable: bool) -> None:
         self._out.append((addr, msg, reliable))
+
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
 
 
 _HANDLERS: dict[type, Callable[[Bootstrap, Any, float], None]] = {
@@ -382,11 +576,12 @@ BOOT_TYPES = frozenset(_HANDLERS)
 
 class Booting:
     """The machine of an agent started without a job spec: a :class:`Bootstrap` until view 0 is decided,
-    then the node ``make_node(view, now)`` builds (``view`` None: not in view 0, it joins as a spare),
-    which it passes everything on to. Bootstrap messages that still arrive are answered for
+    then the node ``make_node(view, now, keys)`` builds (``view`` None: not in view 0, it joins as a
+    spare; ``keys``: view 0's members' signing keys, to bind from the start), which it passes everything
+    on to. Bootstrap messages that still arrive are answered for
     ``linger`` seconds (a late candidate learns the decision) and dropped after."""
 
-    def __init__(self, boot: Bootstrap, make_node: Callable[[View | None, float], Machine],
+    def __init__(self, boot: Bootstrap, make_node: Callable[[View | None, float, dict[str, bytes]], Machine],
                  join_seeds: tuple[str, ...], incarnation: int, max_packet: int) -> None:
         self.boot = boot
         self._make_node = make_node
@@ -517,7 +712,7 @@ class Booting:
         if self.node is None and boot.decided is not None and not self._left:
             me = boot.me.name
             view = view_zero(boot.decided, boot.params) if any(c.name == me for c in boot.decided) else None
-            self.node = self._make_node(view, now)
+            self.node = self._make_node(view, now, boot_keys(boot.decided))
             if view is None:
                 self.node.join(self._join_seeds, now)
             for kind, args in self._pending:

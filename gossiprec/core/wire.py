@@ -26,10 +26,11 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
-book is set)."""
+book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
+proof: :class:`BootHello` ... :class:`BootDecided`)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -525,34 +526,45 @@ class KeyClaim(Message):
 
 
 # --- bootstrap: view 0 agreed without a job spec (gossiprec.core.bootstrap) ---------------------------
-# a candidate: (name, addr, host, local index, spare by flag)
-CANDIDATE = record(NAME, ADDR, text(MAX_NAME, allow_empty=True), uint(2**31), boolean)
+# A candidate: (name, addr, host, local index, spare by flag, its public key, its own signature of the
+# row's other fields). ``key`` and ``sig`` are empty where agents run unsigned.
+CANDIDATE = record(NAME, ADDR, text(MAX_NAME, allow_empty=True), uint(2**31), boolean, KEY, SIG)
 CANDIDATES = seq(CANDIDATE, MAX_MEMBERS)
 ROUND = uint(2**31)
 SIZE = uint(MAX_MEMBERS)
+SIGNER = text(MAX_NAME, allow_empty=True)
+# One signed accepted of a decision's proof: (the seed address it accepted as, the acceptor's row, its sig).
+PROOF = seq(record(ADDR, CANDIDATE, SIG), MAX_MEMBERS)
 
 
-@message(40, CANDIDATE, SIZE, SIZE, SIZE)
+@message(40, CANDIDATE, SIZE, SIZE, SIZE, ADDR, SIG)
 @value_class
 class BootHello(Message):
     """A candidate for view 0 to a seed: who it is, the job size it was started for (``expected``
-    members, ``spares`` of them spares) and how many candidates it knows."""
+    members, ``spares`` of them spares), how many candidates it knows and ``to``, the seed address it was
+    sent to (the seed signs its answer as that seed)."""
 
     candidate: tuple[Any, ...]
     expected: int
     spares: int
     known: int
+    to: str = ""
+    sig: bytes = b""  # by the candidate (the key its row names)
 
 
-@message(41, CANDIDATES)
+@message(41, ADDR, SIGNER, CANDIDATES, SIG)
 @value_class
 class BootKnown(Message):
-    """A seed's answer to a hello: every candidate it knows."""
+    """A seed's answer to a hello: every candidate it knows; ``seed``: the seed address it answers as,
+    ``signer``: its own candidate name."""
 
+    seed: str
+    signer: str
     candidates: tuple[Any, ...]
+    sig: bytes = b""  # by ``signer``
 
 
-@message(42, ROUND, NAME, ADDR, ADDR)
+@message(42, ROUND, NAME, ADDR, ADDR, SIG)
 @value_class
 class BootPrepare(Message):
     """Paxos phase 1 for view 0: ballot (``round``, ``proposer``); ``to`` is the seed address it was sent
@@ -562,9 +574,11 @@ class BootPrepare(Message):
     proposer: str
     to: str
     reply_to: str
+    sig: bytes = b""  # by ``proposer`` (signing, a seed)
 
 
-@message(43, ADDR, boolean, ROUND, NAME, ROUND, text(MAX_NAME, allow_empty=True), CANDIDATES, CANDIDATES)
+@message(43, ADDR, boolean, ROUND, NAME, ROUND, text(MAX_NAME, allow_empty=True), CANDIDATES, CANDIDATES, SIGNER,
+         SIG)
 @value_class
 class BootPromise(Message):
     """An acceptor's answer to a prepare: ``ok`` with the ballot promised (else the higher ballot it
@@ -578,9 +592,11 @@ class BootPromise(Message):
     accepted_proposer: str
     accepted: tuple[Any, ...]
     known: tuple[Any, ...]
+    signer: str = ""  # the acceptor's candidate name
+    sig: bytes = b""  # by ``signer``
 
 
-@message(44, ROUND, NAME, ADDR, ADDR, CANDIDATES)
+@message(44, ROUND, NAME, ADDR, ADDR, CANDIDATES, SIG)
 @value_class
 class BootAccept(Message):
     """Paxos phase 2 for view 0: accept ``value`` (the candidates of view 0) at ballot (round, proposer)."""
@@ -590,22 +606,31 @@ class BootAccept(Message):
     to: str
     reply_to: str
     value: tuple[Any, ...]
+    sig: bytes = b""  # by ``proposer``: no one else puts a value in its ballot
 
 
-@message(45, ADDR, boolean, ROUND, NAME)
+@message(45, ADDR, boolean, ROUND, NAME, DIGEST, SIGNER, SIG)
 @value_class
 class BootAccepted(Message):
-    """An acceptor's answer to an accept: ``ok`` at that ballot, else the higher ballot it promised."""
+    """An acceptor's answer to an accept: ``ok`` at that ballot for the value of ``digest``, else the
+    higher ballot it promised."""
 
     acceptor: str
     ok: bool
     round: int
     proposer: str
+    digest: bytes = b""
+    signer: str = ""  # the acceptor's candidate name
+    sig: bytes = b""  # by ``signer``: a decision's proof carries it
 
 
-@message(46, CANDIDATES)
+@message(46, CANDIDATES, ROUND, text(MAX_NAME, allow_empty=True), PROOF)
 @value_class
 class BootDecided(Message):
-    """View 0's candidates, decided by a quorum of the seeds."""
+    """View 0's candidates, decided at ballot (round, proposer); ``proof``: a majority of the seeds'
+    signed accepteds of it (empty where agents run unsigned)."""
 
     value: tuple[Any, ...]
+    round: int = 0
+    proposer: str = ""
+    proof: tuple[Any, ...] = ()

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gossiprec.core.auth import DigestCrypto, KeyBook
 from gossiprec.core.bootstrap import BootParams, Booting, Bootstrap, Candidate, rank_order, view_zero
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.events import ViewZeroAgreed
@@ -24,7 +25,6 @@ from gossiprec.core.records import MemberInfo
 from gossiprec.core.view import View
 from gossiprec.core.wire import BootAccept, BootAccepted, decode_packet
 from gossiprec.errors import ConfigError, DecodeError
-from gossiprec.sim.agree import sim_keys
 from gossiprec.sim.cluster import SimCluster
 from gossiprec.sim.network import NetworkModel
 
@@ -62,29 +62,30 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
     boot = BootParams(params.expected, params.spares, seeds)
     config, agreement = Config.profile("sim"), AgreementConfig.profile("sim")
     memo: dict[Any, Any] = {}
-    keys = sim_keys(names, "digest")
 
     def make(idx: int, now: float, incarnation: int, rng: random.Random) -> Booting:
         name = names[idx]
         me = Candidate(name, name, hosts[name], idx % 2)
+        crypto = DigestCrypto.for_name(name)
 
-        def make_node(view: View | None, at: float) -> Node:
+        def make_node(view: View | None, at: float, keys: dict[str, bytes]) -> Node:
+            auth = KeyBook(name, crypto, keys=dict(keys))  # as an agent: view 0's keys, nothing pinned
             if view is not None:
                 members = {m.node: MemberInfo(m.node, m.addr, 1) for m in view.members if m.node != name}
                 m = view.member(name)
                 assert m is not None
                 node = Node(config, name, name, incarnation=incarnation, rng=rng, now=at, view=view, role=m.role,
-                            host=m.host, members=members, agreement=agreement, memo=memo,
-                            auth=keys(name))
+                            host=m.host, members=members, agreement=agreement, memo=memo, auth=auth)
             else:
                 node = Node(config, name, name, incarnation=incarnation, rng=rng, now=at, view=None, role="spare",
                             host=me.host, seeds=tuple(s for s in seeds if s != name), agreement=agreement, memo=memo,
-                            auth=keys(name))
+                            auth=auth)
             node.set_state(0, None, 1 << 20)
             return node
 
         join = tuple(s for s in seeds if s != name)
-        return Booting(Bootstrap(boot, me, now, rng), make_node, join, incarnation, config.max_stream)
+        return Booting(Bootstrap(boot, me, now, rng, KeyBook(name, crypto)), make_node, join, incarnation,
+                       config.max_stream)
 
     cluster = SimCluster(params.nodes, make, seed=params.seed, model=NetworkModel(loss=params.loss), names=names)
     rng = random.Random(cluster.rng.getrandbits(64))
