@@ -48,6 +48,7 @@ from typing import Mapping, Protocol, TypeVar
 
 import msgpack
 
+from gossiprec.core.codec import ROWS
 from gossiprec.core.wire import KeyClaim, Message
 
 CLAIM_EVERY = 30.0
@@ -93,8 +94,11 @@ _pack = msgpack.Packer(use_bin_type=True).pack
 
 
 def signed_bytes(msg: Message) -> bytes:
-    """What a signature of ``msg`` covers: its wire row without the trailing ``sig`` field."""
-    return _pack([msg.TYPE, *[getattr(msg, f) for f in msg.FIELDS[:-1]]])  # type: ignore[no-any-return]
+    """What a signature of ``msg`` covers: its wire row without the trailing ``sig`` field (the codec's
+    own row getter: every check of a gossiped record runs this, a cache hit included)."""
+    row = ROWS[type(msg)](msg)
+    row.pop()
+    return _pack(row)  # type: ignore[no-any-return]
 
 
 def claims_of(book: "KeyBook | None") -> tuple[Message, ...]:
