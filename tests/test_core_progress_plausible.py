@@ -16,16 +16,23 @@ from gossiprec.sim.agree import AgreeParams, AgreementChecker, build_cluster
 COMPUTE, COMMUNICATE = PHASES.index("compute"), PHASES.index("communicate")
 
 
-def _bogus_leader_run(seed: int, bogus_step: int | None) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
-    """Ranks 0 and 1 wait at step 10 from t = 1 s while rank 2 reports ``bogus_step`` (None: all three
-    train in lockstep from t = 1.3 s, rank 2 always one step ahead)."""
-    params = AgreeParams(scenario="crash", nodes=3, spares=0, seed=seed, duration=10.0)
+def _watched(params: AgreeParams) -> tuple[Any, list[str], AgreementChecker, list[tuple[str, str, str]]]:
+    """A simulated cluster whose invariants are checked on every event (the checker raises at a breach)
+    and whose alerts are collected as (observer, subject, reason)."""
     cluster, names, extra = build_cluster(params)
-    checker = AgreementChecker(cluster, params, extra["identity"])  # raises at any invariant breach
+    checker = AgreementChecker(cluster, params, extra["identity"])
     cluster.observers.append(checker)
     alerts: list[tuple[str, str, str]] = []
     cluster.observers.append(lambda now, i, ev: alerts.append((names[i], ev.subject, ev.reason))
                              if isinstance(ev, AlertRaised) else None)
+    return cluster, names, checker, alerts
+
+
+def _bogus_leader_run(seed: int, bogus_step: int | None) -> tuple[dict[str, Any], list[tuple[str, str, str]]]:
+    """Ranks 0 and 1 wait at step 10 from t = 1 s while rank 2 reports ``bogus_step`` (None: all three
+    train in lockstep from t = 1.3 s, rank 2 always one step ahead)."""
+    params = AgreeParams(scenario="crash", nodes=3, spares=0, seed=seed, duration=10.0)
+    cluster, names, checker, alerts = _watched(params)
 
     def report() -> None:
         now = cluster.now
@@ -80,12 +87,7 @@ def test_one_rank_ahead_of_a_single_lagging_other_is_not_the_anomaly() -> None:
     # judged (before, the spare alerted rank 0 "implausible" at once, and with rank 1 SIGSTOPped next the
     # cut held both ranks, so the healthy one fenced with the only copy of the state)
     params = AgreeParams(scenario="crash", nodes=3, spares=1, seed=1, duration=6.0)
-    cluster, names, extra = build_cluster(params)
-    checker = AgreementChecker(cluster, params, extra["identity"])
-    cluster.observers.append(checker)
-    alerts: list[tuple[str, str, str]] = []
-    cluster.observers.append(lambda now, i, ev: alerts.append((names[i], ev.subject, ev.reason))
-                             if isinstance(ev, AlertRaised) else None)
+    cluster, names, checker, alerts = _watched(params)
 
     def report() -> None:
         now = cluster.now
