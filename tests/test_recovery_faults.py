@@ -24,6 +24,7 @@ import pytest
 
 from gossiprec.core.config import AgreementConfig
 from gossiprec.harness.faults import Fault, FaultInjector
+from tests.support.second_plan import second_plan_run
 from gossiprec.harness.scenario import run_scenario
 from gossiprec.harness.workload import build, load_checkpoint, objects_of, reference_state, save_checkpoint
 from gossiprec.errors import ConfigError, GossiprecError
@@ -246,14 +247,9 @@ def test_a_second_plan_during_a_recovery_leaves_the_survivor_at_the_new_target(t
     # for the first plan, which (reports not held: report_hold = 0) targets step 11. n2 then commits 12
     # and reloads 11 for that plan; n0, the donor of spare n3, dies while serving it (a slowed receiver),
     # and the second plan targets 12, which n2 holds: n2 restores twice in one recovery, 11 then 12.
-    faults = [Fault("n1", "kill", 12, "optimizer"), Fault("n0", "hold", 12, "optimizer"),
-              Fault("n2", "hold", 12, "optimizer"), Fault("n0", "kill", 11, "serve")]
     # two host copies (TrainerConfig.snapshot_copies=2): with one, n2's reload of 11 overwrites its 12 and
     # the second plan resumes at 11 (tests/test_recovery_memory.py)
-    res = run_scenario(3, 2, 24, faults, hidden=1024, step_ms=10.0, workdir=str(tmp_path), timeout=150.0,
-                       slow_fetch=0.15, protocol={"report_hold": 0}, trainer_args=["--snapshot-copies", "2"])
-    _check_common(res, 24)
-    (n2,) = [r for r in _records(tmp_path, "n2") if r["superseded"]]
+    res, n2 = second_plan_run(tmp_path, copies=2)
     assert [s[1] for s in n2["superseded"]] == [11] and n2["target_step"] == 12, n2  # targets 11, then 12
     assert n2["role"] in ("survivor", "donor"), n2  # it reloaded its own snapshots both times
     assert res["exits"] == {"n0": 137, "n1": 137, "n2": 0, "n3": 0, "n4": 0}, res["exits"]

@@ -19,6 +19,7 @@ import pytest
 
 from gossiprec.harness.faults import Fault
 from gossiprec.harness.scenario import run_scenario
+from tests.support.second_plan import second_plan_run
 
 
 def _kills_in_every_phase(tmp_path: Path, copies: int) -> dict:
@@ -88,11 +89,6 @@ def test_one_copy_second_plan_after_a_roll_back_resumes_at_the_kept_step(tmp_pat
     # so n2 reloads its copy of 11, which overwrites the live step 12 it committed after the view; it tells
     # its agent so, and the second plan (n0 died serving) resumes at 11, the step n2 still holds. Two
     # copies would resume at 12; one copy loses that step and still ends bit-identical.
-    faults = [Fault("n1", "kill", 12, "optimizer"), Fault("n0", "hold", 12, "optimizer"),
-              Fault("n2", "hold", 12, "optimizer"), Fault("n0", "kill", 11, "serve")]
-    res = run_scenario(3, 2, 24, faults, hidden=1024, step_ms=10.0, workdir=str(tmp_path), timeout=150.0,
-                       slow_fetch=0.15, protocol={"report_hold": 0}, trainer_args=["--snapshot-copies", "1"])
-    assert res["bit_identical"] and res["final_step"] == [24], res
-    (n2,) = [r for r in _records(tmp_path, "n2") if r["superseded"]]
+    _, n2 = second_plan_run(tmp_path, copies=1)
     assert [s[1] for s in n2["superseded"]] == [11] and n2["target_step"] == 11, n2
     assert n2["lost_steps"] == 1, n2
