@@ -135,10 +135,7 @@ class CutDetector:
         """Whether ``subject`` has at least L alerts for its removal (stable or unstable), not counting
         those raised by ``but`` (members on their way out: their word is discounted, as in the counts)."""
         tally = self._tallies.get((subject, REMOVE))
-        if tally is None:
-            return False
-        n = len(tally.observers - but) if but else len(tally.observers)
-        return n >= self._thresholds(subject, REMOVE)[1]
+        return tally is not None and len(tally.observers - but) >= self._thresholds(subject, REMOVE)[1]
 
     def _thresholds(self, subject: str, kind: int) -> tuple[int, int]:
         key = (subject, kind)

@@ -216,8 +216,8 @@ def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, 
     heard, plus what a report still counted fresh may hide (``stale_s``: an agent starved or stopped
     behind its own trainer reports a position that old; relayed records are older than they look), so
     ``2 + 2 * (dt + stale_s) / step_s`` steps; or None. Only with two others behind it: one rank against
-    one other cannot tell a counter gone wrong from the other's report lagging (a 2-rank job's ranks,
-    one of them SIGSTOPped with its agent a few steps behind, evicted the healthy one this way)."""
+    one other cannot tell a counter gone wrong from the other's report lagging (an agent stopped a few
+    steps behind its trainer)."""
     top = second = ""
     best = nxt = -1
     for name, row in table.items():  # (one pass: the hang check runs often in a hang storm)
