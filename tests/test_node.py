@@ -829,3 +829,35 @@ def test_view_pushes_to_names_outside_the_view_are_bounded_per_interval() -> Non
     # a member of the view is never held back by the outsiders' budget
     ahead.receive(encode_packet([Hello("n0", "n0", 1, 0, v0.config_id)]), 0.2 + interval * 1.02)
     assert [m for a, m in sent_messages(ahead) if a == "n0"]
+
+
+def test_a_removed_member_rejoins_only_once_its_trainer_dropped_its_state() -> None:
+    # A trainer removed as hung cannot answer its removal; its launcher kills it after a grace. Had its
+    # agent rejoined as a spare meanwhile, the next election could hand a rank to that hung trainer: a
+    # wasted view change, and another to remove it again (seen under load in
+    # test_ranks_hung_inside_a_step_are_the_ones_evicted). A trainer that answers drops its state, and
+    # then its node asks to join again.
+    from gossiprec.core.wire import JoinRequest
+
+    net = MiniNet(["n0", "n1", "n2", "n3"])
+    net.run(4.0)  # past hello_for: n1 is no new process when it learns of its removal
+    for name in ("n0", "n1", "n2"):
+        net.nodes[name].set_state(5, None, 1000)
+    net.lose = lambda src, dst, m: "n1" in (src, dst)
+    t = 4.0
+    while "n1" in (net.nodes["n0"].view or ()):
+        assert t < 30.0, "n1 was never removed"
+        t += 0.25
+        net.run(t)
+    net.lose = None
+    healed = net.now
+    net.run(healed + 8.0)
+    n1 = net.nodes["n1"]
+    assert n1.view is not None and "n1" not in n1.view  # it learned that it was removed ...
+    asked = [m for at, src, m in net.sent if src == "n1" and isinstance(m, JoinRequest) and at >= healed]
+    assert not asked and n1.counters.get("join_held_for_trainer", 0) > 0  # ... and asks nothing yet
+    n1.set_state(0, None, 0)  # its trainer dropped the state of its old rank: a spare now
+    net.run(net.now + 8.0)
+    for name in ("n0", "n2", "n3", "n1"):
+        v = net.nodes[name].view
+        assert v is not None and (m := v.member("n1")) is not None and m.role == "spare", (name, v)

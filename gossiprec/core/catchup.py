@@ -13,6 +13,10 @@ of an older epoch (their sender missed a decision).
   pseudo-random ~2K members, at most once per ``catchup_interval`` each: O(N) pushes, not O(N^2)); a
   member the decision removed learns so, and asks to join again.
 - A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert.
+  One removed from the view asks only once its trainer holds no trained state (it dropped it to wait as
+  a spare, as a trainer that answers does): a trainer removed as hung cannot answer, and admitting its
+  node as a spare would have the next election hand a rank to it (a wasted view change, and a second
+  one to remove it again). The launcher kills such a trainer after its grace, and the agent leaves.
 - A new process that holds a view listing it (an agent restarted from the job spec holds view 0) says
   :class:`Hello` to its observers for ``hello_for``: a member holding a later view sends its news back
   (the process learns it was removed, and joins again); an observer that had answers from an older
@@ -40,7 +44,8 @@ if TYPE_CHECKING:
 class CatchUp:
     """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
 
-    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view", "outsider_window", "_state")
+    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view", "outsider_window", "_state",
+                 "after_removal")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -56,6 +61,9 @@ class CatchUp:
         """(start, count) of the current catchup_interval's pushes to names outside the view."""
         self._state: ViewState | None = None
         """Our signed full view, made once per view."""
+        self.after_removal = False
+        """This member was removed from a view it held (not as a new process): it rejoins only once its
+        trainer dropped its state (see the module notes)."""
 
     def start_view(self) -> None:
         self.pushed_view = {}
@@ -256,6 +264,12 @@ class CatchUp:
         node._at(now + self.acfg.join_retry, timers.JOIN)
         if v is None:
             return
+        if self.after_removal:
+            committed, _, size = node._state
+            if committed > 0 and size > 0:  # the trainer has not answered its removal (yet)
+                node.counters["join_held_for_trainer"] = node.counters.get("join_held_for_trainer", 0) + 1
+                return
+            self.after_removal = False
         for obs in node._overlay(v).joiner_observers(node.name):
             m = v.member(obs)
             if m is not None:

@@ -271,9 +271,10 @@ class AgreementConfig:
     join_retry: float = 0.5
     """A member outside the view (a joiner, or one removed) asks its joiner observers again this often."""
     rejoin_after: float = 2.0
-    """A member removed from the view asks to join again (as a spare) after this long (a process still
-    within ``hello_for`` of its start asks at once: its trainer is new, nothing of it must be stopped
-    first)."""
+    """A member removed from the view asks to join again (as a spare) after this long, and once its
+    trainer dropped its state (a trainer removed as hung cannot: it is killed instead, and its agent
+    leaves); a process still within ``hello_for`` of its start asks at once: its trainer is new,
+    nothing of it must be stopped first."""
     hello_for: float = 3.0
     """For this long after it starts, a process that holds a view listing it says so to its observers
     (every ``join_retry``): one that restarted is told the current view, and its old process's place is

@@ -343,8 +343,9 @@ class Node:
                     self.hello_until = now
                     self._at(now, timers.JOIN)
                 else:
-                    # not at once: the launcher first kills a trainer that was removed as hung (and this
-                    # agent leaves); a healed minority asks a little later and loses nothing
+                    # not at once, and not before the trainer dropped its state (see catchup): a trainer
+                    # removed as hung is killed by the launcher, and this agent leaves
+                    self.catchup.after_removal = True
                     self._at(now + self.acfg.rejoin_after, timers.JOIN)
             else:
                 self._at(now, timers.JOIN)

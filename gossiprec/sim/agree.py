@@ -415,6 +415,10 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         if not (params.train or sc in ("hang", "straggler")):
             return
         t = type(ev)
+        machine = cluster.nodes[idx].machine
+        if (t is Fenced or (t is ViewInstalled and machine.view is not None and names[idx] not in machine.view)) \
+                and not (idx in hung and now >= t_fault):
+            machine.set_state(0, None, 0)  # a trainer that answers drops its state to wait as a spare
         if t is ViewInstalled and is_trainer(idx):
             if not recovering and state["phase"] == OPTIMIZER:  # the step's collective was done: commit it
                 state["step"] += 1
