@@ -116,17 +116,27 @@ def test_honest_signed_claims_give_every_member_the_plan_unsigned_bitmaps_give()
                                                        "rx_state_claim_conflict"))
 
 
+def _authors(net: SignedNet, m: Message) -> set[str]:
+    """Whose claims ``m`` carries: its author's, or a bundle's members'."""
+    if isinstance(m, wire.StateClaim):
+        return {m.node}
+    v = net.nodes["n0"].view
+    assert isinstance(m, wire.ClaimBundle) and v is not None
+    bits = int.from_bytes(m.bitmap, "little")
+    return {v.members[m.first + j].node for j in range(bits.bit_length()) if bits >> j & 1}
+
+
 def test_claims_that_gossip_dropped_arrive_by_re_aggregation_and_give_the_same_plan() -> None:
     lost = (1.5, 1.7)  # every claim sent in this window is lost: the one-hop sends and gossip's few sends
 
     def drop(t: float, m: Message) -> bool:
-        return isinstance(m, wire.StateClaim) and lost[0] <= t < lost[1]
+        return isinstance(m, (wire.StateClaim, wire.ClaimBundle)) and lost[0] <= t < lost[1]
 
     net = SignedNet(NAMES, drop=drop)
     plans = _recovery(net)
-    assert {m.node for t, _, m in net.dropped if t < lost[1]} == {"n0", "n2"}
+    assert set().union(*(_authors(net, m) for t, _, m in net.dropped if t < lost[1])) == {"n0", "n2"}
     assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
-    delivered = [t for t, _, m in net.sent if isinstance(m, wire.StateClaim)]
+    delivered = [t for t, _, m in net.sent if isinstance(m, (wire.StateClaim, wire.ClaimBundle))]
     assert delivered and min(delivered) >= lost[1]  # every claim that arrived was sent again, later
     ready = [t for t, _, e in net.events if type(e).__name__ == "PlanReady"]
     assert min(ready) >= lost[1]  # no plan from what the window let through (nothing)
@@ -159,7 +169,7 @@ def test_a_forged_report_in_a_healthy_members_name_is_refused_and_the_plan_is_th
     for name in ("n0", "n2", "n3"):
         assert net.nodes[name].counters.get(counter) == 2, name
         assert not net.nodes[name].counters.get("rx_state_claim_conflict")
-    relayed = [m for _, _, m in net.sent if isinstance(m, (Report, wire.StateClaim))]
+    relayed = [m for _, _, m in net.sent if isinstance(m, (Report, wire.StateClaim, wire.ClaimBundle))]
     assert all(m.committed_step == 5 for m in relayed)  # the forgeries went no further
 
 

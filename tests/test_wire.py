@@ -143,7 +143,8 @@ def test_round_trip_single(msg: Message) -> None:
 
 # Every registered type, including those other modules add: a sample built from the first candidate
 # value each field's own validator accepts (its normalised output, e.g. lists become tuples).
-CANDIDATES: list[Any] = [1, "n1", b"\x01" * 32, True, [], [0] * 6, None, ["n1", "a:1", "h", 0, False, b"", b""]]
+CANDIDATES: list[Any] = [1, "n1", b"\x01" * 32, b"\x01", True, [], [0] * 6, None,
+                         ["n1", "a:1", "h", 0, False, b"", b""]]
 
 
 def _generic_sample(cls: type, validators: tuple) -> Message:

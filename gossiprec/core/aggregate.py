@@ -18,35 +18,39 @@ at most ``report_hold`` (a report made at once would roll every survivor back a 
 Signed reports (with a :class:`~gossiprec.core.auth.KeyBook`): a bitmap is nobody's signed word, so a
 holder of the cluster key could report in any member's name (every rank at a step nobody holds, a
 healthy donor holding nothing) and make every member compute a plan that cannot be carried out. So
-each member's report then travels as its own :class:`~gossiprec.core.wire.StateClaim`, signed by it,
-relayed and re-sent as it came (as a fast vote does, see :mod:`~gossiprec.core.consensus`); it counts
-once its author's bound key checks it (``rx_state_claim_refused`` otherwise), and unsigned
+each member's report then is its own :class:`~gossiprec.core.wire.StateClaim`, signed by it: sent so by
+its author, relayed in :class:`~gossiprec.core.wire.ClaimBundle` s that carry, for one value, each
+counted member's signature of its own claim (see :mod:`~gossiprec.core.bundles`). A member's claim
+counts once its author's bound key checks it (``rx_state_claim_refused`` otherwise), and unsigned
 :class:`Report` bitmaps are ignored (``rx_report_unsigned``). A member's first valid claim for the view
 stands (a second, different one is ``rx_state_claim_conflict``). The claims then fill the same
 per-value bitmaps as before, locally, so the plan is computed exactly as without signatures. Plan
-digests likewise: each member's own signed :class:`~gossiprec.core.wire.PlanConfirm`
-(``rx_plan_confirm_refused``; unsigned :class:`PlanDigest` bitmaps: ``rx_plan_digest_unsigned``), so
-no key holder can raise a mismatch in another member's name, nor end re-aggregation early by claiming
-that every member confirmed.
+digests likewise: each member's own signed :class:`~gossiprec.core.wire.PlanConfirm`, relayed in
+:class:`~gossiprec.core.wire.ConfirmBundle` s (``rx_plan_confirm_refused``; unsigned :class:`PlanDigest`
+bitmaps: ``rx_plan_digest_unsigned``), so no key holder can raise a mismatch in another member's name,
+nor end re-aggregation early by claiming that every member confirmed.
 
 Anti-entropy: gossip drops a merged aggregate after a bounded number of sends, so for
 ``reaggregate_for`` after the install, at doubling intervals from ``reaggregate_first`` (at most
 ``reaggregate_gap_max``), a member that lacks the plan, or sees members that have not confirmed its
-digest, sends its bitmaps again; a subject of ours that has not confirmed gets the reports directly.
+digest, sends its bitmaps (signed: its bundles) again; a subject of ours that has not confirmed gets the
+reports directly.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gossiprec.core import timers
+from gossiprec.core import bundles, timers
 from gossiprec.core.auth import sign_if
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.election import StateReport
 from gossiprec.core.events import PlanMismatch, PlanReady
 from gossiprec.core.membership import Membership
 from gossiprec.core.view import View
-from gossiprec.core.wire import PHASES, Message, PlanConfirm, PlanDigest, Report, StateClaim, encode_message
+from gossiprec.core.wire import (
+    PHASES, ClaimBundle, ConfirmBundle, Message, PlanConfirm, PlanDigest, Report, StateClaim, encode_message,
+)
 
 if TYPE_CHECKING:
     from gossiprec.core.node import Node
@@ -62,7 +66,7 @@ class Aggregates:
     """The reports and plan digests of one :class:`~gossiprec.core.node.Node`'s current view."""
 
     __slots__ = ("node", "swim", "acfg", "reports", "have", "need", "holders", "plan_hex", "next_reagg",
-                 "reagg_gap", "digests", "held_until", "claims", "confirms")
+                 "reagg_gap", "digests", "held_until", "claims", "confirms", "chunk")
 
     def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -86,6 +90,8 @@ class Aggregates:
         """With a key book: each member's own signed report for the view, as it came (what is relayed)."""
         self.confirms: dict[str, PlanConfirm] = {}
         """With a key book: each member's own signed plan digest for the view, as it came."""
+        self.chunk = bundles.chunk_size(swim.config.mtu)
+        """Members per signed bundle (see :mod:`~gossiprec.core.bundles`)."""
 
     def start_view(self, now: float) -> None:
         self.held_until = None  # a report held for the last view is moot
@@ -182,15 +188,44 @@ class Aggregates:
         self.merge_report((msg.committed_step, msg.inflight_step, msg.state_bytes), bits, now)
 
     def on_state_claim(self, msg: StateClaim, now: float) -> None:
-        """One member's own report: its bit counts once its signature checks; relayed as it came."""
-        node = self.node
-        v = node.view
+        """One member's own report: its bit counts once its signature checks; relayed in a bundle."""
+        v = self.node.view
         idx = v.index(msg.node) if v is not None else None
         if idx is None or (msg.inflight_step is not None and msg.inflight_step <= msg.committed_step):
             return
+        if self._take_claim(msg):
+            self._claims_counted((msg.committed_step, msg.inflight_step, msg.state_bytes), 1 << idx, now)
+
+    def on_claim_bundle(self, msg: ClaimBundle, now: float) -> None:
+        """Claims of one value (see :mod:`~gossiprec.core.bundles`): each member not counted yet with this
+        signature is checked as its own claim would be."""
+        v = self.node.view
+        if v is None or (msg.inflight_step is not None and msg.inflight_step <= msg.committed_step):
+            return
+        rows = bundles.members(msg.first, msg.bitmap, msg.sigs, len(v))
+        if rows is None:
+            self.node.counters["rx_bundle_malformed"] = self.node.counters.get("rx_bundle_malformed", 0) + 1
+            return
+        values = (msg.committed_step, msg.inflight_step, msg.state_bytes)
+        claims = self.claims
+        new = 0
+        for idx, sig in rows:
+            name = v.members[idx].node
+            have = claims.get(name)
+            if have is not None and have.sig == sig and (have.committed_step, have.inflight_step,
+                                                         have.state_bytes) == values:
+                continue  # counted already, with this very signature: nothing to check
+            if self._take_claim(StateClaim(v.epoch, v.config_id, name, *values, sig)):
+                new |= 1 << idx
+        if new:
+            self._claims_counted(values, new, now)
+
+    def _take_claim(self, msg: StateClaim) -> bool:
+        """Whether ``msg`` (of a member of the view) counts now: signed by its author, and its first."""
+        node = self.node
         have = self.claims.get(msg.node)
         if have == msg:
-            return  # a copy of what counts already (verified once)
+            return False  # a copy of what counts already (verified once)
         auth = node.auth
         # ``check``, not ``vouched``: a claim is made after the view is installed, by one of its members,
         # whose key is bound by then (pinned, or claimed ahead of its messages); taking an unbound author's
@@ -198,14 +233,37 @@ class Aggregates:
         # a key only waits: anti-entropy sends the author's claim again, and its key claim comes too.
         if auth is not None and not auth.check(msg.node, msg):
             node.counters["rx_state_claim_refused"] = node.counters.get("rx_state_claim_refused", 0) + 1
-            return
+            return False
         if have is not None:  # its author said two things: the first stands here
             node.counters["rx_state_claim_conflict"] = node.counters.get("rx_state_claim_conflict", 0) + 1
-            return
+            return False
         self.claims[msg.node] = msg
-        node._bcast("s|" + msg.node, msg)
-        if self._add((msg.committed_step, msg.inflight_step, msg.state_bytes), 1 << idx):
+        return True
+
+    def _claims_counted(self, values: StateValues, bits: int, now: float) -> None:
+        for c in bundles.chunks(bits, self.chunk):
+            self.node._bcast(self._claim_key(values, c), self._claim_bundle(values, c))
+        if self._add(values, bits):
             self.maybe_plan(now)
+
+    @staticmethod
+    def _claim_key(values: StateValues, chunk: int) -> str:
+        return f"S|{values[0]}|{values[1]}|{values[2]}|{chunk}"
+
+    def _claim_bundle(self, values: StateValues, chunk: int) -> ClaimBundle:
+        """Our bundle of chunk ``chunk``: every claim counted there that says ``values``."""
+        v = self.node.view
+        assert v is not None
+        claims, ms = self.claims, v.members
+
+        def sig_of(i: int) -> bytes | None:
+            c = claims.get(ms[i].node)
+            if c is None or (c.committed_step, c.inflight_step, c.state_bytes) != values:
+                return None
+            return c.sig
+
+        first, bitmap, sigs = bundles.gather(chunk, self.chunk, len(v), sig_of)
+        return ClaimBundle(v.epoch, v.config_id, *values, first, bitmap, sigs)
 
     def maybe_plan(self, now: float) -> None:
         node = self.node
@@ -280,24 +338,63 @@ class Aggregates:
 
     def on_plan_confirm(self, msg: PlanConfirm, now: float) -> None:
         """One member's own plan digest: counts once its signature checks (``check``, as for a claim);
-        relayed as it came."""
-        node = self.node
-        v = node.view
+        relayed in a bundle."""
+        v = self.node.view
         idx = v.index(msg.node) if v is not None else None
-        if idx is None:
+        if idx is not None and self._take_confirm(msg):
+            self._confirms_counted(msg.digest, 1 << idx, now)
+
+    def on_confirm_bundle(self, msg: ConfirmBundle, now: float) -> None:
+        """Confirms of one digest (as :meth:`on_claim_bundle`)."""
+        v = self.node.view
+        if v is None:
             return
+        rows = bundles.members(msg.first, msg.bitmap, msg.sigs, len(v))
+        if rows is None:
+            self.node.counters["rx_bundle_malformed"] = self.node.counters.get("rx_bundle_malformed", 0) + 1
+            return
+        confirms = self.confirms
+        new = 0
+        for idx, sig in rows:
+            name = v.members[idx].node
+            have = confirms.get(name)
+            if have is not None and have.sig == sig and have.digest == msg.digest:
+                continue
+            if self._take_confirm(PlanConfirm(v.epoch, v.config_id, name, msg.digest, sig)):
+                new |= 1 << idx
+        if new:
+            self._confirms_counted(msg.digest, new, now)
+
+    def _take_confirm(self, msg: PlanConfirm) -> bool:
+        node = self.node
         have = self.confirms.get(msg.node)
         if have == msg:
-            return
+            return False
         if node.auth is not None and not node.auth.check(msg.node, msg):
             node.counters["rx_plan_confirm_refused"] = node.counters.get("rx_plan_confirm_refused", 0) + 1
-            return
+            return False
         if have is not None:
             node.counters["rx_plan_confirm_conflict"] = node.counters.get("rx_plan_confirm_conflict", 0) + 1
-            return
+            return False
         self.confirms[msg.node] = msg
-        node._bcast("G|" + msg.node, msg)
-        self.merge_digest(msg.digest, 1 << idx, now, signed=True)
+        return True
+
+    def _confirms_counted(self, digest: bytes, bits: int, now: float) -> None:
+        for c in bundles.chunks(bits, self.chunk):
+            self.node._bcast(f"G|{digest.hex()}|{c}", self._confirm_bundle(digest, c))
+        self.merge_digest(digest, bits, now, signed=True)
+
+    def _confirm_bundle(self, digest: bytes, chunk: int) -> ConfirmBundle:
+        v = self.node.view
+        assert v is not None
+        confirms, ms = self.confirms, v.members
+
+        def sig_of(i: int) -> bytes | None:
+            c = confirms.get(ms[i].node)
+            return c.sig if c is not None and c.digest == digest else None
+
+        first, bitmap, sigs = bundles.gather(chunk, self.chunk, len(v), sig_of)
+        return ConfirmBundle(v.epoch, v.config_id, digest, first, bitmap, sigs)
 
     # ------------------------------------------------------------------ anti-entropy
     def reaggregate(self, v: View, now: float) -> None:
@@ -313,15 +410,17 @@ class Aggregates:
         nbytes = (len(v) + 7) // 8
         signed = node.auth is not None
         if v.basis is not None and signed:
-            for name, claim in self.claims.items():
-                self.swim.broadcast("s|" + name, claim, now)
+            for values, bits in self.reports.items():
+                for c in bundles.chunks(bits, self.chunk):
+                    self.swim.broadcast(self._claim_key(values, c), self._claim_bundle(values, c), now)
         elif v.basis is not None:
             for (committed, inflight, size), bits in self.reports.items():
                 self.swim.broadcast(f"r|{committed}|{inflight}|{size}", Report(
                     v.epoch, v.config_id, committed, inflight, size, bits.to_bytes(nbytes, "little")), now)
         if signed:
-            for name, confirm in self.confirms.items():
-                self.swim.broadcast("G|" + name, confirm, now)
+            for digest, bits in self.digests.items():
+                for c in bundles.chunks(bits, self.chunk):
+                    self.swim.broadcast(f"G|{digest.hex()}|{c}", self._confirm_bundle(digest, c), now)
         else:
             for digest, bits in self.digests.items():
                 self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
@@ -342,17 +441,19 @@ class Aggregates:
                                                 bits.to_bytes(nbytes, "little")))
 
     def _send_claims(self, to: str) -> None:
-        """Every signed claim we hold, to member ``to``, as few packets as fit the MTU."""
+        """Every signed claim we hold, to member ``to``, in bundles, as few packets as fit the MTU."""
         budget = self.swim.config.mtu // 2  # room left for piggybacked news
         batch: list[Message] = []
         size = 0
-        for claim in self.claims.values():
-            n = len(encode_message(claim))
-            if batch and size + n > budget:
-                self._send_batch(to, batch)
-                batch, size = [], 0
-            batch.append(claim)
-            size += n
+        for values, bits in self.reports.items():
+            for c in bundles.chunks(bits, self.chunk):
+                bundle = self._claim_bundle(values, c)
+                n = len(encode_message(bundle))
+                if batch and size + n > budget:
+                    self._send_batch(to, batch)
+                    batch, size = [], 0
+                batch.append(bundle)
+                size += n
         if batch:
             self._send_batch(to, batch)
 

@@ -21,17 +21,18 @@ which the hang check judges; push-pull rows carry that signature too, see
 :mod:`~gossiprec.core.progress`), Suspect and an observer's Dead (the accuser), alerts (observer),
 graceful leaves (the member), fast votes (voter, one :class:`~gossiprec.core.wire.Vote` each; unsigned
 bitmaps are ignored), state reports for a view's plan and plan digests (the member, one
-:class:`~gossiprec.core.wire.StateClaim` and one :class:`~gossiprec.core.wire.PlanConfirm` each;
-unsigned bitmaps are ignored), prepares and accepts (coordinator), promises and accepteds (acceptor),
-the job's end (the trainer), catch-up views (sender, who must be a member of the view the receiver
-holds), and the bootstrap without a job spec (each candidate row by its candidate, which carries its
-key there instead of a claim; hellos; the seeds' answers, promises and accepteds; the seeds' prepares
-and accepts: see :mod:`gossiprec.core.bootstrap`, where view 0's keys come bound). A ``Decided`` (and a
-``BootDecided``) decides nothing alone: each member counts the signed quorum itself (see
-:mod:`gossiprec.core.consensus`). The signature covers the message's wire row without its ``sig`` field
-(the type id included, so one kind never passes as another); relayed messages carry their author's
-signature, so every copy is checked however it came. Results are cached by signature: each distinct
-signed item is verified once, however many times gossip delivers it.
+:class:`~gossiprec.core.wire.StateClaim` and one :class:`~gossiprec.core.wire.PlanConfirm` each; unsigned
+bitmaps are ignored; relays carry these three in bundles of many members' signatures of one payload, each
+checked as its member's single message would be, see :mod:`gossiprec.core.bundles`), prepares and accepts
+(coordinator), promises and accepteds (acceptor), the job's end (the trainer), catch-up views (sender,
+who must be a member of the view the receiver holds), and the bootstrap without a job spec (each
+candidate row by its candidate, which carries its key there instead of a claim; hellos; the seeds'
+answers, promises and accepteds; the seeds' prepares and accepts: see :mod:`gossiprec.core.bootstrap`,
+where view 0's keys come bound). A ``Decided`` (and a ``BootDecided``) decides nothing alone: each member
+counts the signed quorum itself (see :mod:`gossiprec.core.consensus`). The signature covers the message's
+wire row without its ``sig`` field (the type id included, so one kind never passes as another); relayed
+messages carry their author's signature, so every copy is checked however it came. Results are cached by
+signature: each distinct signed item is verified once, however many times gossip delivers it.
 
 Trust on first use: a holder of the cluster key present *before* a member's first claim reaches a
 receiver (at job start or at the bootstrap, or while a removed member rejoins) can bind that name to

@@ -36,11 +36,13 @@ no proposal of the epoch starts no round.
 
 Signed ballots (with a :class:`~gossiprec.core.auth.KeyBook`): every vote, prepare, promise, accept and
 accepted carries its author's signature and counts only if it checks, so one holder of the cluster key
-is at most one faulty member. Fast votes then travel one by one (:class:`Vote`, relayed as signed; the
-unsigned bitmaps are ignored), and accepteds are gossiped as well as sent to their coordinator: every
-member counts a fast quorum of signed votes, or a majority of signed accepteds of one round, itself. A
-``Decided`` is only a hint that brings the change set (checked against its digest); it decides nothing
-without the signed quorum behind it. A member that missed those learns the next view by catch-up.
+is at most one faulty member. Fast votes then are each voter's own signed :class:`Vote` (sent alone by
+its voter, relayed in :class:`~gossiprec.core.wire.VoteBundle` s that carry each voter's signature, see
+:mod:`~gossiprec.core.bundles`; the unsigned bitmaps are ignored), and accepteds are gossiped as well as
+sent to their coordinator: every member counts a fast quorum of signed votes, or a majority of signed
+accepteds of one round, itself. A ``Decided`` is only a hint that brings the change set (checked against
+its digest); it decides nothing without the signed quorum behind it. A member that missed those learns the
+next view by catch-up.
 
 Safety needs none of these filters: an acceptor's refusal is a lost message to Paxos, and the coordinator
 picks as Fast Paxos says whenever a value may have been chosen; the filters only keep some values from
@@ -52,9 +54,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from gossiprec.core import bundles
 from gossiprec.core.auth import KeyBook
 from gossiprec.core.view import REMOVE, Change, View, changes_digest
-from gossiprec.core.wire import Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Vote, Votes
+from gossiprec.core.wire import (
+    BUNDLE_MAX, Accept, Accepted, Decided, Message, Prepare, Promise, Proposal, Vote, VoteBundle, Votes,
+)
 
 Rank = tuple[int, str]
 ChangeRow = tuple[str, int, str, str, str]
@@ -120,6 +125,10 @@ class Consensus:
     my_vote_msg: Vote | None = None
     accepted_by: dict[tuple[int, str, bytes], set[str]] = field(default_factory=dict)
     """Signed accepteds heard, by (round, coordinator, digest): who accepted (every member learns)."""
+    vote_sigs: dict[bytes, dict[int, bytes]] = field(default_factory=dict)
+    """Signed votes counted: digest -> view index -> the voter's signature (what bundles relay)."""
+    chunk: int = BUNDLE_MAX
+    """Members per vote bundle (see :func:`~gossiprec.core.bundles.chunk_size`)."""
 
     def _signed(self, author: str, msg: Message) -> bool:
         return self.auth is None or self.auth.check(author, msg)
@@ -167,16 +176,52 @@ class Consensus:
                 self._check_classic(key)
 
     def on_vote(self, msg: Vote) -> None:
-        """One member's signed vote: its bit counts once the signature checks; relayed as it came."""
+        """One member's signed vote: its bit counts once the signature checks; relayed in a bundle."""
         idx = self.view.index(msg.voter)
         if idx is None:
             return
         old = self.votes.get(msg.digest, 0)
         if self.decided is not None or old >> idx & 1 or not self._signed(msg.voter, msg):
             return
-        self.votes[msg.digest] = old | 1 << idx
-        self.broadcast("v|" + msg.voter, msg)
-        self._check_fast(msg.digest)
+        self._votes_counted(msg.digest, {idx: msg.sig})
+
+    def on_vote_bundle(self, msg: VoteBundle) -> bool:
+        """Signed votes for one proposal (see :mod:`~gossiprec.core.bundles`): each voter not counted yet
+        for it is checked as its own vote would be. False: a malformed bundle (nothing counted)."""
+        v = self.view
+        rows = bundles.members(msg.first, msg.bitmap, msg.sigs, len(v))
+        if rows is None:
+            return False
+        old = self.votes.get(msg.digest, 0)
+        new: dict[int, bytes] = {}
+        for idx, sig in rows:
+            if self.decided is not None:
+                break
+            if old >> idx & 1:
+                continue  # counted already: its vote for this digest stands, nothing to check
+            voter = v.members[idx].node
+            if self._signed(voter, Vote(v.epoch, v.config_id, msg.digest, voter, sig)):
+                new[idx] = sig
+        if new:
+            self._votes_counted(msg.digest, new)
+        return True
+
+    def _votes_counted(self, digest: bytes, new: dict[int, bytes]) -> None:
+        bits = 0
+        for idx in new:
+            bits |= 1 << idx
+        self.votes[digest] = self.votes.get(digest, 0) | bits
+        sigs = self.vote_sigs.setdefault(digest, {})
+        sigs.update(new)
+        for c in bundles.chunks(bits, self.chunk):
+            self.broadcast(f"V|{digest.hex()}|{c}", self.vote_bundle(digest, c))
+        self._check_fast(digest)
+
+    def vote_bundle(self, digest: bytes, chunk: int) -> VoteBundle:
+        """Our bundle of the signed votes for ``digest`` counted in chunk ``chunk``."""
+        v = self.view
+        first, bitmap, sigs = bundles.gather(chunk, self.chunk, len(v), self.vote_sigs.get(digest, {}).get)
+        return VoteBundle(v.epoch, v.config_id, digest, first, bitmap, sigs)
 
     def on_votes(self, msg: Votes) -> None:
         if self.auth is not None:

@@ -37,6 +37,7 @@ from gossiprec.core import fencing, timers
 from gossiprec.core.fencing import RESTART_FENCE
 from gossiprec.core.aggregate import Aggregates
 from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
+from gossiprec.core.bundles import MERGED
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import Consensus, change_rows, keeps_quorum, removes_majority
@@ -53,9 +54,9 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, Decided, Hello, JobDone, JoinRequest, KeyClaim,
-    Message, PlanConfirm, PlanDigest, Prepare, Promise, Proposal, Report, StateClaim, ViewDelta, ViewRequest,
-    ViewState, Vote, Votes,
+    ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, ClaimBundle, ConfirmBundle, Decided, Hello, JobDone,
+    JoinRequest, KeyClaim, Message, PlanConfirm, PlanDigest, Prepare, Promise, Proposal, Report, StateClaim,
+    ViewDelta, ViewRequest, ViewState, Vote, VoteBundle, Votes,
 )
 from gossiprec.errors import ProtocolError
 
@@ -312,7 +313,8 @@ class Node:
         def allowed(changes: list[Change]) -> bool:
             return keeps_quorum(view, changes, me)
 
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth)
+        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth,
+                                   chunk=self.aggregates.chunk)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
@@ -402,11 +404,11 @@ class Node:
 
     # ------------------------------------------------------------------ sending helpers
     def _bcast(self, key: str, msg: Message) -> None:
-        # bitmap aggregates (votes, state reports, plan digests) grow by merging: keep their transmit count
+        # bitmap aggregates and signed bundles grow by merging: keep their transmit count
         t = type(msg)
         if self.spec_conflict and t in _THIS_VIEW:
             return
-        self.swim.broadcast(key, msg, self._now, merge=t is Votes or t is Report or t is PlanDigest)
+        self.swim.broadcast(key, msg, self._now, merge=t in MERGED)
 
     def _send_to(self, node: str, msg: Message) -> None:
         if self.spec_conflict and type(msg) in _THIS_VIEW:
@@ -528,6 +530,11 @@ class Node:
 
     def _on_vote(self, msg: Vote, now: float) -> None:
         self.consensus.on_vote(msg)
+        self._after_consensus(now)
+
+    def _on_vote_bundle(self, msg: VoteBundle, now: float) -> None:
+        if not self.consensus.on_vote_bundle(msg):
+            self.counters["rx_bundle_malformed"] = self.counters.get("rx_bundle_malformed", 0) + 1
         self._after_consensus(now)
 
     def _on_proposal(self, msg: Proposal, now: float) -> None:
@@ -758,9 +765,12 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     StateClaim: (lambda n, m, now: n.aggregates.on_state_claim(m, now), True),
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     PlanConfirm: (lambda n, m, now: n.aggregates.on_plan_confirm(m, now), True),
+    ClaimBundle: (lambda n, m, now: n.aggregates.on_claim_bundle(m, now), True),
+    ConfirmBundle: (lambda n, m, now: n.aggregates.on_confirm_bundle(m, now), True),
     Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
     Votes: (Node._on_votes, False),
     Vote: (Node._on_vote, False),
+    VoteBundle: (Node._on_vote_bundle, False),
     Proposal: (Node._on_proposal, False),
     Prepare: (lambda n, m, now: n.consensus.on_prepare(m), False),
     Promise: (lambda n, m, now: n.consensus.on_promise(m), False),

@@ -26,11 +26,12 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
-proof: :class:`BootHello` ... :class:`BootDecided`)."""
+proof: :class:`BootHello` ... :class:`BootDecided`), 8 relays signed claims, confirms and votes in bundles
+(:class:`ClaimBundle`, :class:`ConfirmBundle`, :class:`VoteBundle`: many members' signatures of one payload)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -373,7 +374,8 @@ class Accepted(Message):
 
 @message(37, EPOCH, CFG, DIGEST, NAME, SIG)
 @value_class
-class Vote(Message):  # one member's signed fast-round vote (instead of bitmaps, where the cluster signs)
+class Vote(Message):  # one member's signed fast-round vote (instead of bitmaps, where the cluster signs;
+    # relayed in a VoteBundle)
     epoch: int
     config: str
     digest: bytes
@@ -469,7 +471,8 @@ class Report(Message):
 @value_class
 class StateClaim(Message):
     """``node``'s own state report for the plan of ``epoch``, signed by it: with a key book, what a
-    :class:`Report` bitmap carries for one member, one message each (as :class:`Vote` for :class:`Votes`)."""
+    :class:`Report` bitmap carries for one member (as :class:`Vote` for :class:`Votes`); its author sends it
+    so, relays gather claims of one value in a :class:`ClaimBundle`."""
 
     epoch: int
     config: str
@@ -495,13 +498,63 @@ class PlanDigest(Message):
 @value_class
 class PlanConfirm(Message):
     """``node`` computed the plan with this digest for ``epoch``, signed by it: with a key book, what a
-    :class:`PlanDigest` bitmap carries for one member, one message each."""
+    :class:`PlanDigest` bitmap carries for one member; relayed in a :class:`ConfirmBundle`."""
 
     epoch: int
     config: str
     node: str
     digest: bytes
     sig: bytes = b""
+
+
+# --- signed bundles: many members' own signatures of one payload (gossiprec.core.bundles) ------------
+BUNDLE_MAX = 16
+"""Most members one bundle carries; a sender's chunk is smaller where its MTU needs it."""
+FIRST = uint(MAX_MEMBERS)
+BUNDLE_BITS = blob(BUNDLE_MAX // 8)
+BUNDLE_SIGS = seq(SIG, BUNDLE_MAX)
+
+
+@message(47, EPOCH, CFG, STEP, optional(STEP), uint(2**62), FIRST, BUNDLE_BITS, BUNDLE_SIGS)
+@value_class
+class ClaimBundle(Message):
+    """:class:`StateClaim` s of one value, relayed together: bit ``j`` of ``bitmap`` names the view's
+    member ``first + j`` (sorted order), whose signature of its own claim is the next of ``sigs``."""
+
+    epoch: int
+    config: str
+    committed_step: int
+    inflight_step: int | None
+    state_bytes: int
+    first: int
+    bitmap: bytes
+    sigs: tuple[bytes, ...]
+
+
+@message(48, EPOCH, CFG, DIGEST, FIRST, BUNDLE_BITS, BUNDLE_SIGS)
+@value_class
+class ConfirmBundle(Message):
+    """:class:`PlanConfirm` s of one digest, relayed together (bits and signatures as :class:`ClaimBundle`)."""
+
+    epoch: int
+    config: str
+    digest: bytes
+    first: int
+    bitmap: bytes
+    sigs: tuple[bytes, ...]
+
+
+@message(49, EPOCH, CFG, DIGEST, FIRST, BUNDLE_BITS, BUNDLE_SIGS)
+@value_class
+class VoteBundle(Message):
+    """Signed :class:`Vote` s for one proposal, relayed together (bits and signatures as :class:`ClaimBundle`)."""
+
+    epoch: int
+    config: str
+    digest: bytes
+    first: int
+    bitmap: bytes
+    sigs: tuple[bytes, ...]
 
 
 @message(34, EPOCH, STEP, NAME, SIG)

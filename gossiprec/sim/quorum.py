@@ -7,11 +7,12 @@ them itself, from the packets the simulated network delivered to that member (:a
 <gossiprec.sim.cluster.SimCluster.wiretaps>`), never from the member's consensus state: a vote-merging
 bug in the core must not be counted the same wrong way.
 
-Inputs: every delivered datagram (only those that may hold a ``Votes`` or ``Accepted`` message are
-unpacked: the byte pair that opens such a message must occur in it; only those messages are read), and
-the member's ``ViewInstalled``.
-Per member and epoch it keeps the OR of the vote bitmaps delivered for each (config, digest), and the
-acceptors of each (config, digest, round) it coordinated; a restarted member starts afresh.
+Inputs: every delivered datagram (only those that may hold a ``Votes``, ``Vote``, ``VoteBundle`` or
+``Accepted`` message are unpacked: the byte pair that opens such a message must occur in it; only those
+messages are read), and the member's ``ViewInstalled``.
+Per member and epoch it keeps the OR of the vote bitmaps delivered for each (config, digest) (a bundle's
+bits count where it carries a signature for each), and the acceptors of each (config, digest, round) it
+coordinated; a restarted member starts afresh.
 
 At a decision the change set is rebuilt from the event (its removals, and its joiners with the identity
 the simulator gave them); its digest names what was decided, and the predecessor view with that change
@@ -30,7 +31,7 @@ import msgpack
 from gossiprec.core.events import ViewInstalled
 from gossiprec.core.machine import Machine
 from gossiprec.core.view import JOIN, REMOVE, Change, View, changes_digest
-from gossiprec.core.wire import Accepted, Message, Vote, Votes
+from gossiprec.core.wire import Accepted, Message, Vote, VoteBundle, Votes
 from gossiprec.sim.cluster import SimCluster
 
 
@@ -44,7 +45,9 @@ def _opening(cls: type[Message]) -> bytes:
 _VOTES = _opening(Votes)
 _ACCEPTED = _opening(Accepted)
 _VOTE = _opening(Vote)
-_VOTES_TYPE, _ACCEPTED_TYPE, _VOTE_TYPE = Votes.TYPE, Accepted.TYPE, Vote.TYPE
+_BUNDLE = _opening(VoteBundle)
+_VOTES_TYPE, _ACCEPTED_TYPE, _VOTE_TYPE, _BUNDLE_TYPE = Votes.TYPE, Accepted.TYPE, Vote.TYPE, VoteBundle.TYPE
+_BUNDLE_ROW = len(VoteBundle.FIELDS) + 1
 _VOTES_ROW = len(Votes.FIELDS) + 1
 _ACCEPTED_ROW = len(Accepted.FIELDS) + 1
 _VOTE_ROW = len(Vote.FIELDS) + 1
@@ -52,6 +55,7 @@ _VOTE_ROW = len(Vote.FIELDS) + 1
 assert Votes.FIELDS == ("epoch", "config", "digest", "bitmap")
 assert Accepted.FIELDS == ("epoch", "config", "round", "coordinator", "digest", "acceptor", "sig")
 assert Vote.FIELDS == ("epoch", "config", "digest", "voter", "sig")
+assert VoteBundle.FIELDS == ("epoch", "config", "digest", "first", "bitmap", "sigs")
 
 
 def fast_quorum(n: int) -> int:
@@ -77,6 +81,8 @@ class _Heard:
     or gossiped where ballots are signed)."""
     voters: dict[int, dict[tuple[str, bytes], set[str]]] = field(default_factory=dict)
     """epoch -> (config, digest) -> members whose signed Vote reached this machine."""
+    bundled: dict[int, dict[tuple[str, bytes], int]] = field(default_factory=dict)
+    """epoch -> (config, digest) -> view indexes whose signed vote reached this machine in a VoteBundle."""
 
 
 class QuorumAudit:
@@ -105,7 +111,8 @@ class QuorumAudit:
     def delivered(self, now: float, idx: int, payload: bytes, reliable: bool) -> None:
         # a type id as an int first: a byte search with no buffer to take (the pair only where it occurs)
         if not ((_VOTES_TYPE in payload and _VOTES in payload) or (_VOTE_TYPE in payload and _VOTE in payload)
-                or (_ACCEPTED_TYPE in payload and _ACCEPTED in payload)):
+                or (_ACCEPTED_TYPE in payload and _ACCEPTED in payload)
+                or (_BUNDLE_TYPE in payload and _BUNDLE in payload)):
             return
         try:  # [version, [[type, *fields], ...]]: the simulated nodes' own traffic, read as the wire has it
             items = msgpack.unpackb(payload, raw=False)[1]
@@ -125,6 +132,18 @@ class QuorumAudit:
                 _, epoch, config, digest, voter, _ = item
                 rec = rec or self._record(idx)
                 rec.voters.setdefault(epoch, {}).setdefault((config, digest), set()).add(voter)
+            elif item[0] == _BUNDLE_TYPE and len(item) == _BUNDLE_ROW:
+                # as a Vote each: a bit counts where the bundle carries a signature for it (the node
+                # refuses a bundle whose bits and signatures do not pair up, and so does this)
+                _, epoch, config, digest, first, bitmap, sigs = item
+                if not isinstance(bitmap, bytes) or not isinstance(sigs, list) or type(first) is not int:
+                    continue
+                bits = int.from_bytes(bitmap, "little")
+                if bits.bit_count() != len(sigs) or not all(isinstance(s, bytes) and s for s in sigs):
+                    continue
+                rec = rec or self._record(idx)
+                per = rec.bundled.setdefault(epoch, {})
+                per[(config, digest)] = per.get((config, digest), 0) | bits << first
             elif item[0] == _ACCEPTED_TYPE and len(item) == _ACCEPTED_ROW and (item[4] == me or item[7]):
                 _, epoch, config, rnd, _, digest, acceptor, _ = item
                 rec = rec or self._record(idx)
@@ -145,6 +164,8 @@ class QuorumAudit:
         rec.view = new
         for old in [e for e in rec.votes if e < ev.epoch]:
             del rec.votes[old]
+        for old in [e for e in rec.bundled if e < ev.epoch]:
+            del rec.bundled[old]
         for old in [e for e in rec.accepts if e < ev.epoch]:
             del rec.accepts[old]
         return problem
@@ -166,7 +187,9 @@ class QuorumAudit:
         nv = self._views.setdefault(nv.config_id, nv)
         pos = prev.index(me)
         if ev.fast:
-            bits = rec.votes.get(prev.epoch, {}).get((prev.config_id, digest), 0) & ((1 << len(prev)) - 1)
+            bits = rec.votes.get(prev.epoch, {}).get((prev.config_id, digest), 0)
+            bits |= rec.bundled.get(prev.epoch, {}).get((prev.config_id, digest), 0)
+            bits &= (1 << len(prev)) - 1
             if pos is not None:
                 bits |= 1 << pos
             for voter in rec.voters.get(prev.epoch, {}).get((prev.config_id, digest), ()):
