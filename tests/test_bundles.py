@@ -5,8 +5,9 @@ Shown on the signing nodes of :mod:`tests.test_report_auth` (view 1 is n0, n2, n
 
 - a bundle whose signature for one member is forged counts the others and refuses that one (the same
   counter as a forged single claim), and relays nothing of the forgery;
-- a member already counted with the same signature is not checked again (the saving); with another
-  signature it is, and refused;
+- a member already counted for the payload is not checked again, whatever signature comes (the
+  saving); one not counted yet is, and refused if forged; one counted with another value is checked
+  and its first word stands;
 - a bundle whose bits and signatures do not pair up counts nothing (``rx_bundle_malformed``);
 - one bundle of full-size (Ed25519, 64-byte) signatures fits half a packet at every MTU the config allows;
 - the decoder refuses every bundle whose fields exceed their bounds;
@@ -83,7 +84,7 @@ def test_a_bundle_with_one_forged_signature_counts_the_others_and_refuses_that_o
     assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
 
 
-def test_a_member_counted_with_the_same_signature_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_member_counted_already_is_not_checked_again(monkeypatch: pytest.MonkeyPatch) -> None:
     net = SignedNet(NAMES)
     _recovery(net)
     v = net.nodes["n0"].view
@@ -92,12 +93,19 @@ def test_a_member_counted_with_the_same_signature_is_not_checked_again(monkeypat
     again = _claim_bundle(v, {"n0": "n0", "n2": "n2"})
     assert {net.nodes["n3"].aggregates.claims[n].sig for n in ("n0", "n2")} == set(again.sigs)
     net.deliver_to_all(again)
-    assert calls == []  # every bit counted already, with this very signature
-    forged = _claim_bundle(v, {"n0": "n0", "n2": "n0"})
-    net.deliver_to_all(forged)
-    assert sorted(calls) == [("n0", "n2"), ("n2", "n2"), ("n3", "n2")]  # only the bit whose signature is new
+    assert calls == []  # every bit counted already
+    net.deliver_to_all(_claim_bundle(v, {"n0": "n0", "n2": "n0"}))
+    assert calls == []  # n2's word for this value is held: whatever signature comes, nothing is learnt
+    net.deliver_to_all(_claim_bundle(v, {"n0": "n0", "n3": "n0"}))  # n3 (a spare) claimed nothing
+    assert sorted(calls) == [("n0", "n3"), ("n2", "n3"), ("n3", "n3")]  # only the bit not counted yet
     for name in ("n0", "n2", "n3"):
         assert net.nodes[name].counters.get("rx_state_claim_refused") == 1, name
+        assert "n3" not in net.nodes[name].aggregates.claims
+    net.deliver_to_all(_claim_bundle(v, {"n2": "n2"}, (7, None, 1000)))  # n2 signed another value: checked
+    assert sorted(calls[3:]) == [("n0", "n2"), ("n2", "n2"), ("n3", "n2")]
+    for name in ("n0", "n2", "n3"):
+        assert net.nodes[name].counters.get("rx_state_claim_conflict") == 1, name  # the first stands
+        assert net.nodes[name].aggregates.claims["n2"].committed_step == 5
 
 
 def test_a_bundle_whose_bits_and_signatures_do_not_pair_up_counts_nothing() -> None:
@@ -134,13 +142,15 @@ def test_one_bundle_of_ed25519_signatures_fits_half_a_packet(mtu: int) -> None:
 def test_chunks_and_gather_cover_the_view_by_member_index() -> None:
     assert list(bundles.chunks(0, 9)) == []
     assert list(bundles.chunks(1 | 1 << 20 | 1 << 63, 9)) == [0, 2, 7]
-    sigs = {i: bytes([i]) for i in (0, 8, 9, 17, 63)}
+    sigs = {i: bytes([i]) for i in (0, 8, 9, 12, 17, 63)}
     assert bundles.gather(0, 9, 64, sigs.get) == (0, (1 | 1 << 8).to_bytes(2, "little"), (b"\x00", b"\x08"))
     assert bundles.gather(7, 9, 64, sigs.get) == (63, b"\x01\x00", (b"\x3f",))
     first, bitmap, s = bundles.gather(1, 9, 64, sigs.get)
-    assert bundles.members(first, bitmap, s, 64) == [(9, b"\x09"), (17, b"\x11")]
-    assert bundles.members(first, bitmap, s, 10) == [(9, b"\x09")]  # beyond the view: ignored
-    assert bundles.members(first, bitmap, s[:1], 64) is None
+    assert bundles.fresh(first, bitmap, s, 0, 64) == [(9, b"\x09"), (12, b"\x0c"), (17, b"\x11")]
+    assert bundles.fresh(first, bitmap, s, 1 << 9 | 1 << 17, 64) == [(12, b"\x0c")]  # counted: skipped
+    assert bundles.fresh(first, bitmap, s, 0, 13) == [(9, b"\x09"), (12, b"\x0c")]  # beyond the view: ignored
+    assert bundles.fresh(first, bitmap, s[:2], 0, 64) is None
+    assert bundles.fresh(first, bitmap, s[:2], (1 << 64) - 1, 64) is None  # malformed, even if all counted
 
 
 def _raw(*items: Any) -> bytes:

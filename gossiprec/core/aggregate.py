@@ -197,25 +197,19 @@ class Aggregates:
             self._claims_counted((msg.committed_step, msg.inflight_step, msg.state_bytes), 1 << idx, now)
 
     def on_claim_bundle(self, msg: ClaimBundle, now: float) -> None:
-        """Claims of one value (see :mod:`~gossiprec.core.bundles`): each member not counted yet with this
-        signature is checked as its own claim would be."""
+        """Claims of one value (see :mod:`~gossiprec.core.bundles`): each member not counted for it yet
+        is checked as its own claim would be."""
         v = self.node.view
         if v is None or (msg.inflight_step is not None and msg.inflight_step <= msg.committed_step):
             return
-        rows = bundles.members(msg.first, msg.bitmap, msg.sigs, len(v))
+        values = (msg.committed_step, msg.inflight_step, msg.state_bytes)
+        rows = bundles.fresh(msg.first, msg.bitmap, msg.sigs, self.reports.get(values, 0), len(v))
         if rows is None:
             self.node.counters["rx_bundle_malformed"] = self.node.counters.get("rx_bundle_malformed", 0) + 1
             return
-        values = (msg.committed_step, msg.inflight_step, msg.state_bytes)
-        claims = self.claims
         new = 0
         for idx, sig in rows:
-            name = v.members[idx].node
-            have = claims.get(name)
-            if have is not None and have.sig == sig and (have.committed_step, have.inflight_step,
-                                                         have.state_bytes) == values:
-                continue  # counted already, with this very signature: nothing to check
-            if self._take_claim(StateClaim(v.epoch, v.config_id, name, *values, sig)):
+            if self._take_claim(StateClaim(v.epoch, v.config_id, v.members[idx].node, *values, sig)):
                 new |= 1 << idx
         if new:
             self._claims_counted(values, new, now)
@@ -349,18 +343,13 @@ class Aggregates:
         v = self.node.view
         if v is None:
             return
-        rows = bundles.members(msg.first, msg.bitmap, msg.sigs, len(v))
+        rows = bundles.fresh(msg.first, msg.bitmap, msg.sigs, self.digests.get(msg.digest, 0), len(v))
         if rows is None:
             self.node.counters["rx_bundle_malformed"] = self.node.counters.get("rx_bundle_malformed", 0) + 1
             return
-        confirms = self.confirms
         new = 0
         for idx, sig in rows:
-            name = v.members[idx].node
-            have = confirms.get(name)
-            if have is not None and have.sig == sig and have.digest == msg.digest:
-                continue
-            if self._take_confirm(PlanConfirm(v.epoch, v.config_id, name, msg.digest, sig)):
+            if self._take_confirm(PlanConfirm(v.epoch, v.config_id, v.members[idx].node, msg.digest, sig)):
                 new |= 1 << idx
         if new:
             self._confirms_counted(msg.digest, new, now)

@@ -10,8 +10,9 @@ each one alone costs a decode, a dispatch and a dedup per member per hop (tens o
 the view's sorted members (``first`` ... ``first + chunk - 1``) and, in bit order, each of those members'
 signatures of its own single message. Nothing is aggregated in a signature: a receiver rebuilds each
 member's single message (its name from the view index) and checks it with the key book exactly as if it
-had come alone, so a bundle proves no more than its members' messages would. A bit already counted with
-the same signature costs nothing (the saving: gossip mostly delivers what is known); the bits counted
+had come alone, so a bundle proves no more than its members' messages would. A bit already counted for
+that payload costs nothing, not even a look at its signature (the saving: gossip mostly delivers what is
+known; what counts is the member's word, which is already held); the bits counted
 merge into the receiver's own bundle of that chunk, re-broadcast under one gossip key per (kind, payload,
 chunk) with the merged transmit count of a bitmap aggregate.
 
@@ -39,21 +40,20 @@ def chunk_size(mtu: int) -> int:
     return max(1, min(BUNDLE_MAX, (mtu // 2 - HEAD_ROOM) // SIG_ROOM))
 
 
-def members(first: int, bitmap: bytes, sigs: tuple[bytes, ...], n: int) -> list[tuple[int, bytes]] | None:
-    """(view index, signature) of each bit set, in bit order, below ``n``; None when the bitmap and the
-    signatures do not pair up (a malformed bundle: nothing in it counts)."""
+def fresh(first: int, bitmap: bytes, sigs: tuple[bytes, ...], counted: int, n: int) -> list[tuple[int, bytes]] | None:
+    """(view index, signature) of each member the bundle names that ``counted`` (a bitmap over the view)
+    lacks, below ``n``; None when the bitmap and the signatures do not pair up (a malformed bundle:
+    nothing in it counts). A member counted already costs nothing, whatever signature comes with it."""
     bits = int.from_bytes(bitmap, "little")
     if bits.bit_count() != len(sigs):
         return None
+    want = (bits << first) & ~counted & ((1 << n) - 1)
     out = []
-    k = 0
-    while bits:
-        low = bits & -bits
-        idx = first + low.bit_length() - 1
-        if idx < n:
-            out.append((idx, sigs[k]))
-        k += 1
-        bits ^= low
+    while want:
+        low = want & -want
+        # its signature: the one after those of the bits below it
+        out.append((low.bit_length() - 1, sigs[(bits & ((low >> first) - 1)).bit_count()]))
+        want ^= low
     return out
 
 

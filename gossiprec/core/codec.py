@@ -97,6 +97,21 @@ def seq(item: Validator, max_len: int) -> Validator:
     return check
 
 
+def blobs(max_bytes: int, max_len: int) -> Validator:
+    """A list of at most ``max_len`` byte strings of at most ``max_bytes`` each (``seq(blob(...))``, in one
+    pass: signatures, many per message)."""
+
+    def check(v: Any) -> tuple[bytes, ...]:
+        if type(v) is not list or len(v) > max_len:
+            raise DecodeError("bad_field", f"expected list of at most {max_len}")
+        for x in v:
+            if type(x) is not bytes or len(x) > max_bytes:
+                raise DecodeError("bad_field", f"expected bytes of at most {max_bytes}")
+        return tuple(v)
+
+    return check
+
+
 def record(*items: Validator) -> Validator:
     n = len(items)
 

@@ -189,16 +189,13 @@ class Consensus:
         """Signed votes for one proposal (see :mod:`~gossiprec.core.bundles`): each voter not counted yet
         for it is checked as its own vote would be. False: a malformed bundle (nothing counted)."""
         v = self.view
-        rows = bundles.members(msg.first, msg.bitmap, msg.sigs, len(v))
+        rows = bundles.fresh(msg.first, msg.bitmap, msg.sigs, self.votes.get(msg.digest, 0), len(v))
         if rows is None:
             return False
-        old = self.votes.get(msg.digest, 0)
+        if self.decided is not None:
+            return True
         new: dict[int, bytes] = {}
         for idx, sig in rows:
-            if self.decided is not None:
-                break
-            if old >> idx & 1:
-                continue  # counted already: its vote for this digest stands, nothing to check
             voter = v.members[idx].node
             if self._signed(voter, Vote(v.epoch, v.config_id, msg.digest, voter, sig)):
                 new[idx] = sig
