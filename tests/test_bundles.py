@@ -239,3 +239,21 @@ def test_the_quorum_audit_counts_bundled_votes_itself(monkeypatch: pytest.Monkey
     monkeypatch.setattr(Consensus, "on_vote_bundle", every_bundle_counts_for_all)
     with pytest.raises(InvariantViolation, match="on the fast path without a fast quorum"):
         run_agreement(AgreeParams(scenario="crash", nodes=40, seed=1, duration=8, signing="digest"))
+
+
+def test_odd_bundles_of_the_view_count_nothing_and_raise_nothing() -> None:
+    def odd(net: SignedNet) -> None:
+        v = net.nodes["n0"].view
+        assert v is not None
+        full, sigs16 = b"\xff\xff", tuple(bytes([i]) * 16 for i in range(16))
+        for first, bitmap, sigs in ((MAX_MEMBERS, full, sigs16), (2, full, sigs16), (0, b"\x07", (b"", b"", b"")),
+                                    (0, b"", ()), (1, b"\x01", (b"x" * 64,))):
+            net.deliver_to_all(ClaimBundle(v.epoch, v.config_id, *VALUES, first, bitmap, sigs))
+            net.deliver_to_all(ConfirmBundle(v.epoch, v.config_id, b"d" * 32, first, bitmap, sigs))
+            net.deliver_to_all(VoteBundle(v.epoch, v.config_id, b"d" * 32, first, bitmap, sigs))
+        for name in ("n0", "n2", "n3"):
+            agg = net.nodes[name].aggregates
+            assert not agg.claims and not agg.confirms and not net.nodes[name].consensus.votes, name
+
+    plans = _recovery(SignedNet(NAMES), odd)
+    assert set(plans.values()) == {_honest_plan()}
