@@ -11,7 +11,11 @@ observers alert it as ``implausible`` (and evict it). Shown here on the virtual 
   as gossip or as a push-pull row, is refused and counted (``rx_progress_unsigned``), moves nobody's
   recorded progress, is not relayed, and raises no alert;
 - one from a member whose key is not bound yet is taken and counted (``rx_sig_unbound``), as an Alive is
-  (a start-up's first progress must not wait for the key claims).
+  (a start-up's first progress must not wait for the key claims);
+- a member checks as they arrive only the records it reads (its hang check's sample); any other's news
+  waits unchecked, is relayed as it came, and is checked if read after all: a forged one then is refused
+  and stops being relayed, and a forged newer version held so never shuts out the owner's own records
+  at a member that reads them.
 """
 
 from __future__ import annotations
@@ -204,3 +208,68 @@ def test_forged_progress_raises_no_alert_against_healthy_ranks(forgery: str) -> 
     for name in ("n3", "n5"):
         p = node.progress(name)
         assert p is not None and p.version < FROZEN and p.step >= 40, (name, p)  # the owner's word
+
+
+# --- records this member does not read ----------------------------------------------------------------
+def _reading_only_a(seed: int = 1) -> tuple[Pump, Membership]:
+    """``honest``, but c reads only a's records (as a hang check whose sample lacks b would set it)."""
+    pump = signed(Pump.cluster(NAMES, seed=seed))
+    c = pump.machines["c"]
+    c.set_probe_targets(["a"])
+    c._book.read = frozenset({"a"})
+    pump.machines["b"].set_progress(9, COMPUTE, 100, pump.now)
+    pump.run_until(3.0)
+    return pump, c
+
+
+def test_news_of_a_member_not_read_is_relayed_as_it_came_and_checked_only_when_read() -> None:
+    pump, c = _reading_only_a()
+    assert not progress_verified(c), "c checked b's records although it does not read them"
+    relayed = [msg for _, msg in pump.sent(Progress, "c") if msg.name == "b"]
+    assert relayed and all(book("a").check("b", msg) for msg in relayed)  # b's own word, signature and all
+    p = c.progress("b")  # read after all (a status query): checked now, once
+    assert p is not None and (p.step, p.phase) == (9, COMPUTE)
+    assert len(progress_verified(c)) == 1 and not c.counters.get("rx_progress_unsigned")
+    assert c.progress("b") == p and len(progress_verified(c)) == 1
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "another-key"])
+def test_forged_news_held_unchecked_is_refused_when_read_and_not_relayed_after(forgery: str) -> None:
+    pump, c = _reading_only_a()
+    pump.flush("c")
+    before = c.progress("b")  # b's own record, checked (a status query)
+    assert before is not None and before.step == 9
+    forged = Progress("b", 1, FROZEN, 3, COMPUTE, 100)
+    if forgery == "another-key":
+        forged = book("a").sign(forged)
+    deliver(c, pump.now, forged)
+    assert not c.counters.get("rx_progress_unsigned")  # held, not checked yet
+    assert c.progress("b") == before  # refused when read: the owner's word stands
+    assert c.counters["rx_progress_unsigned"] == 1
+    since = pump.now
+    pump.machines["b"].set_progress(10, COMPUTE, 100, pump.now)
+    pump.run_until(6.0)
+    assert not [m for _, m in pump.sent(Progress, "c", since=since) if m.version == FROZEN]
+    p = c.progress("b")
+    assert p is not None and p.step == 10, p  # b's later records reach c again
+
+
+def test_a_member_that_reads_a_record_checks_it_on_arrival_so_a_forged_newer_one_shuts_nothing_out() -> None:
+    pump, c = _reading_only_a()
+    c._book.read = frozenset({"a", "b"})  # b joins c's sample; its news held from before is checked now
+    pump.flush("c")
+    for step in (10, 11, 12):
+        pump.machines["b"].set_progress(step, COMPUTE, 100, pump.now)
+        pump.run_until(pump.now + 1.0)
+        # a forger's newer version, right behind each of b's own: refused as it comes
+        deliver(c, pump.now, Progress("b", 1, FROZEN + step, 3, COMPUTE, 100))
+        pump.machines["b"].set_progress(step, COMPUTE, 101, pump.now)  # a new version at the same step
+        pump.run_until(pump.now + 1.0)
+        p = c.progress("b")
+        assert p is not None and p.step == step and p.version < FROZEN, (step, p)
+    assert c.counters["rx_progress_unsigned"] == 3
+
+
+def test_the_hang_check_reads_its_sample() -> None:
+    alerts, node = _alerts_with_forger(lambda version, step: [])
+    assert node.swim._book.read == frozenset(node.hangs.sample) and node.hangs.sample

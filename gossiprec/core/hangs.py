@@ -88,6 +88,7 @@ class HangCheck:
         me = self.node.name
         sample = sorted({me} | self.observer.subject_set | set(ov.observers(me))) if me in view else []
         self.sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
+        self.swim._book.read = frozenset(self.sample)  # the records checked as they come (see progress)
 
     def on_timer(self, now: float) -> None:
         """The extra check's timer."""

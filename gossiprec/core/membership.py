@@ -186,7 +186,7 @@ class Membership:
         return [m.name for m in self.members() if m.live]
 
     def progress(self, name: str) -> ProgressInfo | None:
-        return self._book.records.get(name)
+        return self._book.get(name)
 
     def health(self) -> int:
         return self.awareness.score
