@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from gossiprec.errors import ConfigError
+from gossiprec.errors import ConfigError, RecoveryError
 from gossiprec.trainer.capture import capture_state
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.objects import training_state
@@ -322,3 +322,72 @@ def test_a_donor_asking_during_a_reload_of_live_tensors_waits_and_gets_them(monk
     snaps.restore(snap)
     asking[0].join(10)
     assert got[0] is not None and got[0].payload() == committed
+
+
+# --- one copy in a sharded job: the last commit held live until the commit barrier ------------------------
+def _sharded_step(snaps: Snapshots, model: torch.nn.Module, opt: torch.optim.Optimizer, cursor: Cursor,
+                  step: int) -> None:
+    """A sharded step from commit ``step - 1``: the commit barrier passed (harden), compute (forward and
+    backward), optimizer step, commit (a sharded job has no background copies)."""
+    snaps.harden()
+    _backward(model, opt, cursor)
+    opt.step()
+    snaps.commit(step)
+
+
+def _sharded_job() -> tuple[torch.nn.Module, torch.optim.Optimizer, Cursor, dict[str, Any], Snapshots]:
+    model, opt, cursor, objects = _job()
+    snaps = Snapshots(objects, background=False, copies=1)
+    snaps.hold_live = True
+    snaps.commit(0)
+    return model, opt, cursor, objects, snaps
+
+
+def test_a_sharded_commit_holds_its_step_live_beside_the_previous_copy_until_harden() -> None:
+    model, opt, cursor, objects, snaps = _sharded_job()
+    _sharded_step(snaps, model, opt, cursor, 1)
+    one = _state(objects, 1)
+    _sharded_step(snaps, model, opt, cursor, 2)
+    two = _state(objects, 2)
+    late = sum(p.nbytes * 3 for p in model.parameters())  # parameters, exp_avg, exp_avg_sq: held live
+    assert snaps.steps() == [1, 2] and snaps.kept_previous() == 1
+    assert snaps.host_bytes() <= _state_bytes(objects) + (_state_bytes(objects) - late)  # 1x, and the small rest
+    s1, s2 = snaps.at(1), snaps.at(2)
+    assert s1 is not None and s1.payload() == one and s2 is not None and s2.payload() == two
+    buffers = [t.data_ptr() for t in s1.tensors]
+    _backward(model, opt, cursor)  # the next step's compute (BatchNorm, RNG, cursor move) ...
+    assert snaps.harden() == 2  # ... after the barrier: step 2 is copied over step 1, into its buffers
+    assert snaps.steps() == [2] and snaps.kept_previous() is None and snaps.harden() is None
+    hard = snaps.at(2)
+    assert hard is not None and hard.payload() == two and hard.live == ()
+    assert sum(p in buffers for p in (t.data_ptr() for t in hard.tensors)) >= len(list(model.parameters())) * 3
+    assert snaps.host_bytes() <= _state_bytes(objects)
+    opt.step()  # the optimizer may move the tensors now: the copy stays step 2
+    hard = snaps.at(2)
+    assert hard is not None and hard.payload() == two
+
+
+def test_harden_refuses_a_live_step_whose_tensors_changed_after_its_commit() -> None:
+    model, opt, cursor, objects, snaps = _sharded_job()
+    zero = _state(objects, 0)
+    _sharded_step(snaps, model, opt, cursor, 1)
+    with torch.no_grad():
+        next(model.parameters()).mul_(2.0)  # written between two steps, outside the optimizer step
+    with pytest.raises(RecoveryError, match="snapshot_copies=2"):
+        snaps.harden()
+    assert snaps.steps() == [0]
+    s0 = snaps.at(0)
+    assert s0 is not None and s0.payload() == zero
+
+
+def test_a_reload_of_the_older_copy_drops_the_live_step() -> None:
+    model, opt, cursor, objects, snaps = _sharded_job()
+    zero = _state(objects, 0)
+    _sharded_step(snaps, model, opt, cursor, 1)
+    s0 = snaps.at(0)
+    assert s0 is not None
+    snaps.begin_recovery()
+    snaps.restore(s0)  # a plan resumed at 0 (another replica group never committed 1)
+    assert _state(objects, 0) == zero and snaps.steps() == [0] and snaps.harden() is None
+    _sharded_step(snaps, model, opt, cursor, 1)  # training goes on: 0 copied, 1 live
+    assert snaps.steps() == [0, 1]

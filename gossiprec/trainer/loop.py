@@ -86,7 +86,7 @@ from gossiprec.trainer.exits import exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server
 from gossiprec.trainer.keys import TransferKeys
-from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, has_data_position
+from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.receive import materialize_optimizers
 from gossiprec.trainer.recovery import (
@@ -108,21 +108,6 @@ log = logging.getLogger(__name__)
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 WAITING = "waiting"
 """The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
-
-
-def _check_objects(objects: Mapping[str, Stateful] | None, config: TrainerConfig) -> None:
-    if not objects:
-        raise ConfigError("ResilientTrainer needs the objects that make up the training state")
-    if JOB_ENTRY in objects:
-        raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
-                          "rename that object")
-    if not config.stateless_data and not has_data_position(objects):
-        raise ConfigError(
-            f"no data position among the objects {sorted(objects)}: a spare that takes a rank would read "
-            "its data from the start, training silently on other batches than the rank it replaces. "
-            "Register the position (training_state(model, opt, data=position), any object with "
-            "state_dict/load_state_dict), or pass TrainerConfig(stateless_data=True) if every batch is a "
-            "function of rt.step and rt.rank")
 
 
 def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -173,16 +158,15 @@ class ResilientTrainer:
                                   "objects=None (the objects are built once the mesh exists)")
             if config.backend != "gloo":
                 raise ConfigError("a sharded job runs on gloo (mesh device 'cpu') so far")
-            if config.snapshot_copies is not None and config.snapshot_copies < 2:
-                raise ConfigError(f"a sharded job keeps two snapshot copies (snapshot_copies=None or 2), got "
-                                  f"{config.snapshot_copies}: a failure inside a step can leave its replica "
-                                  "groups one commit apart, and the step before the last commit is then the "
-                                  "newest one every shard can serve")
+            if config.snapshot_copies == 0:
+                raise ConfigError("a sharded job keeps one or two snapshot copies (snapshot_copies=None, 1 or 2), "
+                                  "got 0: a failure inside a step can leave its replica groups one commit apart, "
+                                  "and the step before the last commit is then the newest one every shard can serve")
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
                                         slow_after=config.wait_report_after, on_slow=self._on_slow,
                                         on_resume=self._on_resume, on_issue=self._entered)
         else:
-            _check_objects(objects, config)
+            check_objects(objects, config)
         if config.backend == "nccl":
             check_nccl_environment()  # now, not as a silent failure inside the first group's build
         self.config = config
@@ -231,8 +215,9 @@ class ResilientTrainer:
         self._closed = threading.Event()
         self._left = ""
         """Why this process left the training (a recovery that ended it), if it did: it then finishes nothing."""
-        copies = config.snapshot_copies if config.snapshot_copies is not None else 2 if self.sharded else 1
+        copies = config.snapshot_copies if config.snapshot_copies is not None else 1
         self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=copies)
+        self._snaps.hold_live = self.sharded is not None and copies == 1
         self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
@@ -250,8 +235,8 @@ class ResilientTrainer:
 
     @property
     def snapshot_bytes(self) -> int:
-        """Host memory the snapshots kept for recovery hold now (bytes; the last two commits)."""
-        return sum(snap.header.total_nbytes for snap in self._snaps.held)
+        """Host memory the snapshots kept for recovery hold now (bytes; live tensors held are not counted)."""
+        return self._snaps.host_bytes()
 
     @property
     def key(self) -> bytes:
@@ -390,9 +375,19 @@ class ResilientTrainer:
         """Start computing step ``self.step + 1`` (recovering first if the agent asked); returns it."""
         if self._follower.trouble(self.epoch):
             self._recover("view change")
-        self._step_t0 = time.monotonic()
-        self._coll = 0  # (a step redone after a recovery starts its count again)
-        self._report(self.step + 1, "compute")
+        while True:
+            self._step_t0 = time.monotonic()
+            self._coll = 0  # (a step redone after a recovery starts its count again)
+            self._report(self.step + 1, "compute")
+            # A sharded job holds its last commit live beside the copy of the one before, for a failure that
+            # leaves one replica group a commit behind another. The commit barrier (every rank, every step)
+            # shows that every rank committed it: the older copy is then overwritten (harden), before this
+            # step's optimizer moves the tensors.
+            if self.sharded is None or not self._snaps.hold_live or self.sharded.barrier(self._interrupted):
+                break
+            self._recover(f"interrupted in step {self.step + 1}'s commit barrier")
+        if self.sharded is not None and (hard := self._snaps.harden()) is not None:
+            self._announce(hard, self._snaps.held[-1].header.total_nbytes)
         self._snaps.copier.release()  # the last commit's small copies, on the thread, while this step computes
         self._hook(self.step + 1, "compute")
         return self.step + 1
@@ -762,7 +757,7 @@ class ResilientTrainer:
                                         f"{sharded.rank}: a mesh job keeps every rank's coordinate")
             return
         objects = sharded.build(rank)
-        _check_objects(objects, self.config)
+        check_objects(objects, self.config)
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})

@@ -7,9 +7,13 @@ a given step; rank-specific choices are computed from the rank, not stored.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
+from gossiprec.errors import ConfigError
 from gossiprec.trainer.rng import RNGState
+
+if TYPE_CHECKING:
+    from gossiprec.trainer.config import TrainerConfig
 
 
 @runtime_checkable
@@ -63,3 +67,19 @@ def has_data_position(objects: Mapping[str, Stateful]) -> bool:
     if isinstance(scaler, type):
         plain += (scaler,)
     return any(not isinstance(o, plain) for o in objects.values())
+
+
+def check_objects(objects: Mapping[str, Stateful] | None, config: TrainerConfig) -> None:
+    """Refuse objects a trainer cannot recover (none, the reserved name, no data position)."""
+    if not objects:
+        raise ConfigError("ResilientTrainer needs the objects that make up the training state")
+    if JOB_ENTRY in objects:
+        raise ConfigError(f"the object name {JOB_ENTRY!r} is reserved for the trainer's own state; "
+                          "rename that object")
+    if not config.stateless_data and not has_data_position(objects):
+        raise ConfigError(
+            f"no data position among the objects {sorted(objects)}: a spare that takes a rank would read "
+            "its data from the start, training silently on other batches than the rank it replaces. "
+            "Register the position (training_state(model, opt, data=position), any object with "
+            "state_dict/load_state_dict), or pass TrainerConfig(stateless_data=True) if every batch is a "
+            "function of rt.step and rt.rank")

@@ -142,6 +142,8 @@ class ShardedWorld:
         self.world: ManagedWorld | None = None
         self.mesh: Any = None
         self.rank = -1
+        self._one: Any = None
+        """The commit barrier's tensor (see :meth:`barrier`)."""
 
     @property
     def built(self) -> bool:
@@ -195,6 +197,23 @@ class ShardedWorld:
         world = self.world
         return world is not None and bool(world.abort_reason)
 
+    def barrier(self, interrupted: Callable[[BaseException], bool]) -> bool:
+        """The commit barrier: a one-element all-reduce over every rank of the mesh, on the epoch's default
+        group. True once every rank has entered it; False if a view change interrupted it (``interrupted``:
+        whether an error raised is one)."""
+        import torch
+        import torch.distributed as dist
+
+        if self._one is None:
+            self._one = torch.zeros(1)
+        try:
+            dist.all_reduce(self._one)
+        except Exception as exc:
+            if not interrupted(exc):
+                raise
+            return False
+        return True
+
     def reset_modules(self, objects: Mapping[str, Any]) -> int:
         """After an interrupted step: put every FSDP2 root module among ``objects`` back to its idle,
         resharded state (torch's ``reset_iter_state``), or the next forward would skip an all-gather that
@@ -207,6 +226,9 @@ class ShardedWorld:
             reset = getattr(obj, "reset_iter_state", None)
             if reset is None:
                 continue
+            root = obj._get_fsdp_state() if hasattr(obj, "_get_fsdp_state") else None
+            if root is not None and not hasattr(getattr(root, "_comm_ctx", None), "all_gather_state"):
+                continue  # never ran a forward (a spare that just took its rank): idle already, nothing to reset
             for module in obj.modules():
                 state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
                 for group in getattr(state, "_fsdp_param_groups", ()) if state is not None else ():

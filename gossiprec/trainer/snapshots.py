@@ -25,6 +25,11 @@ How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
   before the recovery), so both ``s - 1`` (copy) and ``s`` (live) stay servable for the plan, and the
   trainer reports both (committed ``s - 1``, in flight ``s``). A reload of ``s - 1`` overwrites the live
   ``s``, and the agent is told at once (:attr:`Snapshots.on_restored`). 1x.
+* **1 in a sharded job** (``hold_live``): each commit holds its step ``s`` as a view of the live tensors
+  beside the copy of ``s - 1`` (both servable: a failure inside a step can leave one replica group a
+  commit behind another, and the job then resumes at the older step). At the start of step ``s + 1``,
+  once every rank has committed ``s`` (the trainer's commit barrier), :meth:`harden` copies ``s`` over
+  ``s - 1``, before the step's optimizer changes the tensors. 1x.
 * **0** (snapshot-free): no copy of parameters and optimizer state; a commit's snapshot *is* the live
   tensors (:attr:`~gossiprec.trainer.capture.StateSnapshot.live`), valid until the next optimizer step
   modifies them. Only the small rest (buffers, RNG, data position) is copied, so a step interrupted
@@ -72,6 +77,9 @@ class Snapshots:
         self.copies = copies
         self.background = background and copies > 0
         self.copier = Copier()
+        self.hold_live = False
+        """One copy, a sharded job: every commit holds its step live beside the previous copy, until
+        :meth:`harden` (see the module docstring)."""
         self.late: frozenset[int] = frozenset()
         """``data_ptr()`` of the tensors only the optimizer step changes (see :meth:`update_late`)."""
         self.unchanged: frozenset[int] = frozenset()
@@ -115,7 +123,8 @@ class Snapshots:
         this step as a view of the live tensors.
         """
         self.settle()
-        if self.copies == 0 or (self.copies == 1 and keep_previous and self._held and not self._held[-1].live):
+        if self.copies == 0 or (self.copies == 1 and (keep_previous or self.hold_live) and self._held
+                                and not self._held[-1].live):
             snap, _ = capture_deferred(self.objects, step=step, copy=True, checksum=checksum, view=self._live_set())
             with self._lock:
                 self._held = [snap] if self.copies == 0 else [self._held[-1], snap]
@@ -176,6 +185,44 @@ class Snapshots:
                 return self._held[0].step
         return None
 
+    def harden(self) -> int | None:
+        """One copy, after a commit that held its step live (``hold_live`` or ``keep_previous``): copy that
+        step over the previous one, into its buffers, and keep only it; returns the step (None: nothing
+        held live). Call it only when no plan can name the previous step any more (a sharded job: every
+        rank committed the live one). A live step whose tensors changed since its commit (anything but the
+        optimizer step wrote a parameter or optimizer state between two steps) raises
+        :class:`RecoveryError`: the snapshot would mix two steps."""
+        with self._lock:
+            if self.copies != 1 or len(self._held) != 2 or not self._held[-1].live:
+                return None
+            old, live = self._held
+            if not live.valid():
+                self._held = [old]
+                self._served = None
+                raise RecoveryError(
+                    f"parameters or optimizer state of the step-{live.step} commit were modified in place "
+                    "before the next step began: with one snapshot copy a sharded job holds its last commit "
+                    "as the live tensors until then; change them only in the optimizer step, or pass "
+                    "TrainerConfig(snapshot_copies=2)")
+            self._held = [live]  # (a donor asking now is served the live tensors, not a half-copied buffer)
+            self._served = None
+        import torch
+
+        same = [s.name for s in old.header.tensors] == [s.name for s in live.header.tensors]
+        tensors = list(live.tensors)
+        with torch.no_grad():
+            for i in live.live:
+                src = live.tensors[i]
+                dst = old.tensors[i] if same else None
+                if dst is None or dst.dtype != src.dtype or dst.shape != src.shape or dst.device.type != "cpu":
+                    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+                tensors[i] = dst.copy_(src)
+        hard = StateSnapshot(live.header, tuple(tensors), live.sources, ())
+        with self._lock:
+            self._held = [hard]
+            self._served = None
+        return hard.step
+
     def restore(self, snap: StateSnapshot) -> int:
         """Reload ``snap`` (held here) into the objects; returns the bytes copied. A snapshot of live
         tensors stays valid: loading the objects' state dicts copies each of those tensors onto itself,
@@ -191,6 +238,9 @@ class Snapshots:
                 self._served = None
         else:
             copied = restore_state(self.objects, snap, unchanged=self.unchanged)
+            with self._lock:  # a live step the reload overwrote is gone (and harden must not find it)
+                self._held = [h for h in self._held if not h.live or h.valid()]
+                self._served = None
         if held_live and self.on_restored is not None:
             self.on_restored(snap.step, snap.header.total_nbytes)  # the live step is gone: say so
         return copied
@@ -259,15 +309,20 @@ class Snapshots:
 def late_tensors(objects: Mapping[str, Stateful], params: list[torch.Tensor], *,
                  optimizer_params: bool = False) -> frozenset[int]:
     """``data_ptr()`` of ``params`` and of every optimizer state tensor among ``objects`` (and, with
-    ``optimizer_params``, of every optimizer's parameters)."""
+    ``optimizer_params``, of every optimizer's parameters); of a DTensor, its local shard's (what a
+    capture holds of it)."""
     import torch
 
-    ptrs = {p.data_ptr() for p in params}
+    def ptr(t: torch.Tensor) -> int:
+        local = getattr(t, "_local_tensor", None)
+        return (local if isinstance(local, torch.Tensor) else t).data_ptr()
+
+    ptrs = {ptr(p) for p in params}
     for obj in objects.values():
         if isinstance(obj, torch.optim.Optimizer):
             if optimizer_params:
-                ptrs.update(p.data_ptr() for g in obj.param_groups for p in g["params"])
+                ptrs.update(ptr(p) for g in obj.param_groups for p in g["params"])
             for st in obj.state.values():
-                ptrs.update(v.data_ptr() for v in st.values()
+                ptrs.update(ptr(v) for v in st.values()
                             if isinstance(v, torch.Tensor) and (v.is_cpu or v.is_cuda))
     return frozenset(ptrs)
