@@ -67,9 +67,9 @@ class TrainerConfig:
     live tensors until the next optimizer step; only buffers, RNG and data position are copied). None
     (default): 1. A sharded job needs the step before its last commit too (a failure inside a step can
     leave its replica groups one commit apart): with 1 it holds its last commit as the live tensors
-    until every rank has committed it (a one-element all-reduce at the start of the next step), then
-    copies it over the one before; it refuses 0. Which failures each covers: README, "Memory of
-    commits"."""
+    until every rank has committed it (a one-element all-reduce issued at the start of the next step,
+    waited before its optimizer step), then copies it over the one before; it refuses 0. Which failures
+    each covers: README, "Memory of commits"."""
     verify_replicas: bool = True
     """Compare a digest of the state across each replica group at the start, after the first step,
     after every recovery and every :attr:`verify_every` steps; a mismatch raises

@@ -379,15 +379,15 @@ class ResilientTrainer:
             self._step_t0 = time.monotonic()
             self._coll = 0  # (a step redone after a recovery starts its count again)
             self._report(self.step + 1, "compute")
-            # A sharded job holds its last commit live beside the copy of the one before, for a failure that
-            # leaves one replica group a commit behind another. The commit barrier (every rank, every step)
-            # shows that every rank committed it: the older copy is then overwritten (harden), before this
-            # step's optimizer moves the tensors.
-            if self.sharded is None or not self._snaps.hold_live or self.sharded.barrier(self._interrupted):
+            # a sharded job's commit barrier (every rank, every step; waited before the optimizer, see _harden)
+            try:
+                if self.sharded is not None and self._snaps.hold_live:
+                    self.sharded.issue_barrier()
                 break
-            self._recover(f"interrupted in step {self.step + 1}'s commit barrier")
-        if self.sharded is not None and (hard := self._snaps.harden()) is not None:
-            self._announce(hard, self._snaps.held[-1].header.total_nbytes)
+            except Exception as exc:
+                if not self._interrupted(exc):
+                    raise
+                self._recover(f"interrupted in step {self.step + 1}'s commit barrier")
         self._snaps.copier.release()  # the last commit's small copies, on the thread, while this step computes
         self._hook(self.step + 1, "compute")
         return self.step + 1
@@ -483,6 +483,7 @@ class ResilientTrainer:
                 break
         try:
             yield step
+            self._harden()  # (a step without an optimizer step)
         except Exception as exc:
             if not self._interrupted(exc):
                 raise
@@ -652,7 +653,7 @@ class ResilientTrainer:
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
         if self.sharded is not None and self.sharded.built:
-            self.sharded.reset_modules(self.objects)  # before the state is restored into the modules
+            self.sharded.reset_modules(self.objects)  # before the state is restored (the barrier is dropped too)
         try:
             self._recovery.recover(cause, spare)
         except GossiprecError as exc:
@@ -758,6 +759,8 @@ class ResilientTrainer:
             return
         objects = sharded.build(rank)
         check_objects(objects, self.config)
+        for opt in (o for o in objects.values() if hasattr(o, "register_step_pre_hook")):
+            opt.register_step_pre_hook(lambda *_: self._harden())  # the commit barrier waited before each step
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})
@@ -771,6 +774,12 @@ class ResilientTrainer:
         assert self.groups is not None
         self.sharded.configure(epoch, self.groups.shared_store(), lambda: self._follower.superseded(epoch))
 
+    def _harden(self) -> None:
+        """A sharded job: once the commit barrier shows every rank committed the step held live, copy it over
+        the older one, before the optimizer moves the tensors (see Snapshots: why both are held until then)."""
+        if self.sharded is not None and self.sharded.settle_barrier() and (hard := self._snaps.harden()) is not None:
+            self._announce(hard, self._snaps.held[-1].header.total_nbytes)
+
     def _hook(self, step: int, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(step, phase)
@@ -781,9 +790,6 @@ class ResilientTrainer:
         self._at = (step, phase)
         if phase != WAITING:
             self._resume_phase = phase
-        self._write_progress(step, phase)
-
-    def _write_progress(self, step: int, phase: str) -> None:
         page = self._page
         if page is not None:
             page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)

@@ -143,7 +143,8 @@ class ShardedWorld:
         self.mesh: Any = None
         self.rank = -1
         self._one: Any = None
-        """The commit barrier's tensor (see :meth:`barrier`)."""
+        self._barrier: Any = None
+        """The commit barrier's tensor and pending work (see :meth:`issue_barrier`)."""
 
     @property
     def built(self) -> bool:
@@ -197,28 +198,37 @@ class ShardedWorld:
         world = self.world
         return world is not None and bool(world.abort_reason)
 
-    def barrier(self, interrupted: Callable[[BaseException], bool]) -> bool:
-        """The commit barrier: a one-element all-reduce over every rank of the mesh, on the epoch's default
-        group. True once every rank has entered it; False if a view change interrupted it (``interrupted``:
-        whether an error raised is one)."""
+    def issue_barrier(self) -> None:
+        """Issue the commit barrier: a one-element all-reduce over every rank of the mesh, on the epoch's
+        default group, waited by :meth:`settle_barrier` (before the step's optimizer: the step computes
+        meanwhile). Raises as any collective of an aborted epoch does."""
         import torch
         import torch.distributed as dist
 
         if self._one is None:
             self._one = torch.zeros(1)
-        try:
-            dist.all_reduce(self._one)
-        except Exception as exc:
-            if not interrupted(exc):
-                raise
+        self._barrier = dist.all_reduce(self._one, async_op=True)
+
+    def settle_barrier(self) -> bool:
+        """Wait for the commit barrier issued this step; True once every rank has entered it, False if
+        none is pending. Raises :class:`~gossiprec.trainer.groups.CollectiveAborted` when a view change
+        interrupts it."""
+        work, self._barrier = self._barrier, None
+        if work is None:
             return False
+        work.wait()
         return True
+
+    def drop_barrier(self) -> None:
+        """A recovery begins: the barrier issued in the interrupted epoch is not waited for."""
+        self._barrier = None
 
     def reset_modules(self, objects: Mapping[str, Any]) -> int:
         """After an interrupted step: put every FSDP2 root module among ``objects`` back to its idle,
         resharded state (torch's ``reset_iter_state``), or the next forward would skip an all-gather that
         the replacement does (a collective mismatch). Work still pending on the aborted backend is
-        dropped, not waited for (it never completes). Returns the modules reset."""
+        dropped, not waited for (it never completes), and so is the commit barrier. Returns the modules reset."""
+        self.drop_barrier()
         from gossiprec.trainer.managed import ManagedWork
 
         done = 0

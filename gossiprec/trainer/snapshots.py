@@ -28,8 +28,8 @@ How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
 * **1 in a sharded job** (``hold_live``): each commit holds its step ``s`` as a view of the live tensors
   beside the copy of ``s - 1`` (both servable: a failure inside a step can leave one replica group a
   commit behind another, and the job then resumes at the older step). At the start of step ``s + 1``,
-  once every rank has committed ``s`` (the trainer's commit barrier), :meth:`harden` copies ``s`` over
-  ``s - 1``, before the step's optimizer changes the tensors. 1x.
+  once every rank has committed ``s`` (the trainer's commit barrier, waited before the step's optimizer
+  step), :meth:`harden` copies ``s`` over ``s - 1``, before the optimizer changes the tensors. 1x.
 * **0** (snapshot-free): no copy of parameters and optimizer state; a commit's snapshot *is* the live
   tensors (:attr:`~gossiprec.trainer.capture.StateSnapshot.live`), valid until the next optimizer step
   modifies them. Only the small rest (buffers, RNG, data position) is copied, so a step interrupted
