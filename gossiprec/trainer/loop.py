@@ -379,8 +379,7 @@ class ResilientTrainer:
             self._step_t0 = time.monotonic()
             self._coll = 0  # (a step redone after a recovery starts its count again)
             self._report(self.step + 1, "compute")
-            # a sharded job's commit barrier (every rank, every step; waited before the optimizer, see _harden)
-            try:
+            try:  # a sharded job's commit barrier (every rank, every step; waited before the optimizer: _harden)
                 if self.sharded is not None and self._snaps.hold_live:
                     self.sharded.issue_barrier()
                 break
