@@ -36,3 +36,48 @@ def test_bench_sharded_is_a_bench_command() -> None:
     add_cli(parser.add_subparsers())
     args = parser.parse_args(["bench", "sharded", "--layout", "hsdp", "--trials", "1", "--phase", "optimizer"])
     assert (args.layout, args.trials, args.phase, args.kill_at) == ("hsdp", 1, "optimizer", 4)
+
+
+def test_the_overhead_is_the_ratio_of_the_median_steps_per_round_and_pooled() -> None:
+    from gossiprec.bench.sharded_overhead import compare
+
+    def job(step_s: float, jitter: float = 0.0) -> list[list[tuple[int, float]]]:
+        # four ranks; the job's commit of a step is its last rank's
+        return [[(s, s * step_s + r * jitter) for s in range(1, 13)] for r in range(4)]
+
+    out = compare([job(0.100), job(0.100)], [job(0.101), job(0.103)])
+    assert out["plain_step_s"]["median"] == 0.1 and out["plain_step_s"]["n"] == 20  # from step 3 on, 2 rounds
+    assert out["per_round_pct"] == [1.0, 3.0]
+    assert out["overhead_pct"] == 2.0  # pooled: the median of ten 0.101 s and ten 0.103 s steps is 0.102 s
+    assert out["overhead_ms"] == 2.0 and out["within_0.5pct"] is False
+    assert compare([job(0.1)], [job(0.1004)])["within_0.5pct"] is True
+    assert compare([], [])["overhead_pct"] is None
+
+
+def test_the_training_digest_leaves_out_only_gossiprecs_own_entry(tmp_path: Any) -> None:
+    import msgpack
+
+    from gossiprec.bench.sharded_overhead import training_digest
+
+    def write(name: str, trees: dict[str, Any], payload: bytes) -> Any:
+        path = tmp_path / name
+        header = {"v": 1, "step": 5, "tensors": [["model/w", "float32", [2], 0, 8, None]], "trees": trees}
+        path.write_bytes(msgpack.packb(header, use_bin_type=True) + payload)
+        return path
+
+    trees = {"model": {"w": 0}, "rng": {"seed": 7}}
+    plain = training_digest(write("plain", trees, b"\x00" * 8))
+    assert training_digest(write("managed", {**trees, "gossiprec": {"data": 3}}, b"\x00" * 8)) == plain
+    assert training_digest(write("other_tensor", trees, b"\x00" * 7 + b"\x01")) != plain
+    assert training_digest(write("other_rng", {**trees, "rng": {"seed": 8}}, b"\x00" * 8)) != plain
+
+
+def test_bench_sharded_overhead_options() -> None:
+    import argparse
+
+    from gossiprec.bench import add_cli
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    args = parser.parse_args(["bench", "sharded", "--overhead", "--layout", "tp", "--rounds", "3"])
+    assert (args.overhead, args.rounds, args.steps, args.pace_ms) == (True, 3, 60, 100.0)

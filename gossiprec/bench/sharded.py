@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from gossiprec.errors import GossiprecError
+from gossiprec.errors import ConfigError, GossiprecError
 
 LAYOUT_NAMES = ("tp", "hsdp")
 PHASES = ("forward", "backprop", "optimizer", "committed")
@@ -100,6 +100,15 @@ def run_bench(layouts: Sequence[str], *, trials: int, phase: str, kill_at: int, 
 def _cmd_sharded(args: argparse.Namespace) -> int:
     progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     layouts = LAYOUT_NAMES if args.layout == "both" else (args.layout,)
+    if args.overhead:
+        from gossiprec.bench.sharded_overhead import run_overhead
+
+        if args.rounds < 1 or args.steps < 4 or args.pace_ms < 0:
+            raise ConfigError("--overhead needs --rounds >= 1, --steps >= 4 and --pace-ms >= 0")
+        over = run_overhead(layouts, rounds=args.rounds, steps=args.steps, hidden=args.hidden,
+                            pace_ms=args.pace_ms, workdir=args.workdir, say=progress)
+        print(json.dumps(over, indent=None if args.json else 2))
+        return 1 if over["errors"] else 0
     report = run_bench(layouts, trials=args.trials, phase=args.phase, kill_at=args.kill_at,
                        post_steps=args.post_steps, hidden=args.hidden, workdir=args.workdir, say=progress)
     print(json.dumps(report, indent=None if args.json else 2))
@@ -112,7 +121,8 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
         "sharded", help="time in-place recovery of sharded jobs (dp x tp DTensor TP, HSDP with FSDP2)",
         description="Per layout: a 2 x 2 mesh job with one hot spare, rank 3 SIGKILLed at a phase of a step; "
                     "RTO and phases, bytes per donor, host memory kept per rank, bit-identity with the "
-                    "failure-free run. Prints one JSON report on stdout.")
+                    "failure-free run. With --overhead: failure-free step time against the same loop "
+                    "without gossiprec (gossiprec.bench.sharded_overhead). Prints one JSON report on stdout.")
     p.add_argument("--layout", choices=(*LAYOUT_NAMES, "both"), default="both")
     p.add_argument("--trials", type=int, default=3, help="kills to time per layout, each in a fresh job (3)")
     p.add_argument("--phase", choices=PHASES, default="backprop",
@@ -121,6 +131,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--post-steps", dest="post_steps", type=int, default=4, help="steps after the fault (4)")
     p.add_argument("--hidden", type=int, default=16, help="the MLP's width (16)")
     p.add_argument("--workdir", default=None, help="keep job specs, logs and outputs here")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead of kills: failure-free step time against the same loop under plain torchrun")
+    p.add_argument("--rounds", type=int, default=2, help="--overhead: plain/gossiprec pairs per layout (2)")
+    p.add_argument("--steps", type=int, default=60, help="--overhead: steps of every job (60)")
+    p.add_argument("--pace-ms", dest="pace_ms", type=float, default=100.0,
+                   help="--overhead: sleep inside each step, standing in for compute, ms (100)")
     p.add_argument("--json", action="store_true", help="compact JSON (one line)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_sharded)

@@ -10,6 +10,8 @@ is reaped. The result:
 - ``states``: rank -> SHA-256 of its final local state (its shards of model and optimizer, RNG): a run
   with failures must give the same digests as the failure-free run of the same layout and steps;
 - ``assignment``: rank -> the node that finished it; ``final_step``: the steps the ranks ended at;
+  ``commits``: rank -> its ``(step, time.monotonic())`` after each step it committed, ``cpu_s``: rank ->
+  its process's CPU time (``time.process_time()``) at each of those commits;
 - ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
   (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
 - ``exits``: each launcher's exit code (None: still running when reaped); ``records``: every recovery
@@ -113,6 +115,9 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             "state_bytes": {r: rep["state_bytes"] for r, rep in sorted(reports.items())},
             "kept_bytes": {r: rep["kept_bytes"] for r, rep in sorted(reports.items())},
             "assignment": {r: rep["node"] for r, rep in sorted(reports.items())},
+            "commits": {r: [(int(st), float(t)) for st, t in rep.get("commits", [])]
+                        for r, rep in sorted(reports.items())},
+            "cpu_s": {r: rep.get("cpu_s", []) for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
             "actions": done_at, "records": records,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

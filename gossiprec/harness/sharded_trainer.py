@@ -72,15 +72,19 @@ def build_objects(layout: str, mesh: Any, hidden: int = HIDDEN) -> dict[str, Any
     return training_state(model, opt)
 
 
-def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int) -> None:
-    """One step: forward, backward, data-parallel averaging (tp), clipping, optimizer."""
+def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int, pace_s: float = 0.0) -> None:
+    """One step: forward, backward, data-parallel averaging (tp), clipping, optimizer. ``pace_s``: a sleep
+    between forward and backward, standing in for a longer compute step (the overhead bench's pacing)."""
     import torch
     import torch.distributed as dist
 
     model, opt = objects["model"], objects["optimizer"]
     dp = mesh.get_coordinate()[0]
     x = torch.randn(BATCH, DIM, generator=torch.Generator().manual_seed(1000 * step + dp))
-    model(x).pow(2).mean().backward()
+    loss = model(x).pow(2).mean()
+    if pace_s:
+        time.sleep(pace_s)
+    loss.backward()
     if layout == "tp":
         group = mesh["dp"].get_group()
         for p in model.parameters():
@@ -143,11 +147,15 @@ def trainer_main(args: argparse.Namespace) -> int:
     out.with_suffix(".ready").write_text("1")
     while args.start_gate and not Path(args.start_gate).exists():
         time.sleep(0.02)  # the harness holds start() back (to change the view before any rank starts)
+    commits: list[tuple[int, float]] = []
+    cpu: list[float] = []  # the process's CPU time at each commit (every thread's)
     try:
         rt.start()
         while rt.step < args.steps:
             with rt.training_step() as step:
-                train_step(layout, rt.objects, rt.mesh, step)
+                train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0)
+            commits.append((rt.step, time.monotonic()))
+            cpu.append(time.process_time())
             if args.step_ms:
                 time.sleep(args.step_ms / 1000.0)  # pacing: stands in for a longer compute step
     except (Released, JobFinished, JobStopped) as exc:
@@ -159,9 +167,43 @@ def trainer_main(args: argparse.Namespace) -> int:
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "world_size": rt.world_size, "step": rt.step,
                                "records": records, "state_bytes": final.header.total_nbytes,
                                "kept_bytes": rt.snapshot_bytes,
-                               "hung": rt.sharded.hung if rt.sharded is not None else 0}))
+                               "hung": rt.sharded.hung if rt.sharded is not None else 0,
+                               "commits": commits, "cpu_s": cpu}))
     rt.finish()
     os._exit(0)  # an aborted backend may hold collectives whose destructor would block (managed.py)
+
+
+def plain_main(args: argparse.Namespace) -> int:
+    """The same rank without gossiprec, under torchrun (``--plain``): torch's own process group and
+    ``init_device_mesh``, the same objects and steps; the report holds its commits and final state."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from gossiprec.harness.workload import state_bytes
+    from gossiprec.trainer.capture import capture_state
+
+    torch.set_num_threads(1)
+    spec = LAYOUTS[args.layout]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
+    objects = build_objects(args.layout, mesh, args.hidden)
+    commits: list[tuple[int, float]] = []
+    cpu: list[float] = []
+    for step in range(1, args.steps + 1):
+        train_step(args.layout, objects, mesh, step, args.pace_ms / 1000.0)
+        commits.append((step, time.monotonic()))
+        cpu.append(time.process_time())
+    out = Path(args.out.replace("{rank}", str(dist.get_rank())))
+    final = capture_state(objects, step=args.steps, checksum=False)
+    out.with_suffix(".state").write_bytes(state_bytes(final))
+    out.write_text(json.dumps({"node": f"plain{dist.get_rank()}", "rank": dist.get_rank(),
+                               "world_size": dist.get_world_size(), "step": args.steps,
+                               "state_bytes": final.header.total_nbytes, "commits": commits, "cpu_s": cpu}))
+    dist.destroy_process_group()
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -175,6 +217,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
                    help="start() waits this long for the spares to be up")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's width")
+    p.add_argument("--pace-ms", dest="pace_ms", type=float, default=0.0,
+                   help="sleep this long inside each step, between forward and backward (stands in for compute)")
+    p.add_argument("--plain", action="store_true",
+                   help="run without gossiprec under torchrun ('{rank}' in --out becomes the rank)")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
     p.add_argument("--start-gate", dest="start_gate", default="",
                    help="call start() only once this file exists (default: at once)")
@@ -182,7 +228,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return trainer_main(_parser().parse_args(argv))
+    args = _parser().parse_args(argv)
+    return plain_main(args) if args.plain else trainer_main(args)
 
 
 if __name__ == "__main__":
