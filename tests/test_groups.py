@@ -16,6 +16,7 @@ import torch
 
 from gossiprec.errors import ConfigError, RecoveryError
 from gossiprec.trainer.groups import (
+    Alarm,
     CollectiveAborted,
     EpochGroups,
     connect_store,
@@ -86,6 +87,80 @@ def test_deadline_and_polling_mode() -> None:
     abort.set()
     with pytest.raises(CollectiveAborted):
         wait_interruptible(FakeWork(polls=None), abort, epoch=0, op="allreduce", blocking_wait=False)
+
+
+class FutureWork(FakeWork):
+    """A Work with a future: never completes by waiting; :meth:`complete` (any thread) completes it."""
+
+    def __init__(self) -> None:
+        super().__init__(polls=None)
+        self.callbacks: list[Any] = []
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def get_future(self) -> Any:
+        return self
+
+    def add_done_callback(self, fn: Any) -> None:
+        self.callbacks.append(fn)
+
+    def complete(self) -> None:
+        self.done = True
+        for fn in self.callbacks:
+            fn(self)
+
+
+def _in_thread(fn: Any) -> tuple[threading.Thread, list[BaseException | None]]:
+    out: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fn()
+            out.append(None)
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def test_a_long_wait_sleeps_on_the_future_after_one_timed_slice() -> None:
+    """One native slice (a timed wait that runs out raises, costly), then no more: the wait sleeps until
+    the future completes, or until the abort, an Alarm, wakes it; slices of a minute show that nothing
+    else wakes it."""
+    work = FutureWork()
+    t, out = _in_thread(lambda: wait_interruptible(work, Alarm(), epoch=0, op="allreduce", poll_interval=60.0,
+                                                   deadline=time.monotonic() + 600))
+    while not work.callbacks:
+        time.sleep(0.001)
+    work.complete()
+    t.join(10)
+    assert out == [None] and work.calls == 1
+    abort, work = Alarm(), FutureWork()
+    t, out = _in_thread(lambda: wait_interruptible(work, abort, epoch=2, op="allreduce", poll_interval=60.0,
+                                                   deadline=time.monotonic() + 600, reason_of_abort=lambda: "view 3"))
+    while not work.callbacks:
+        time.sleep(0.001)
+    abort.set()
+    t.join(10)
+    assert len(out) == 1 and isinstance(out[0], CollectiveAborted) and out[0].reason == "aborted", out
+    assert work.calls == 1
+
+
+def test_an_alarm_sets_what_it_watches_and_forgets_the_completed() -> None:
+    alarm, a, b = Alarm(), threading.Event(), threading.Event()
+    alarm.watch(a)
+    a.set()  # completed: dropped at the next watch
+    alarm.watch(b)
+    assert alarm._watched == [b]
+    alarm.set()
+    assert b.is_set() and alarm._watched == []
+    late = threading.Event()
+    alarm.watch(late)  # watched after the abort: set at once
+    assert late.is_set()
 
 
 def test_epochs_must_grow_and_late_aborts_miss_new_groups() -> None:
