@@ -79,5 +79,21 @@ def test_bench_sharded_overhead_options() -> None:
 
     parser = argparse.ArgumentParser()
     add_cli(parser.add_subparsers())
-    args = parser.parse_args(["bench", "sharded", "--overhead", "--layout", "tp", "--rounds", "3"])
-    assert (args.overhead, args.rounds, args.steps, args.pace_ms) == (True, 3, 60, 100.0)
+    args = parser.parse_args(["bench", "sharded", "--overhead", "--layout", "tp", "--rounds", "3", "--copies", "1,0"])
+    assert (args.overhead, args.rounds, args.steps, args.pace_ms, args.copies) == (True, 3, 60, 100.0, "1,0")
+
+
+def test_bench_sharded_refuses_bad_copies() -> None:
+    import argparse
+
+    import pytest
+
+    from gossiprec.bench import add_cli
+    from gossiprec.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers())
+    for bad in ("3", "1,1", "one", ""):
+        args = parser.parse_args(["bench", "sharded", "--copies", bad])
+        with pytest.raises(ConfigError, match="--copies"):
+            args.func(args)

@@ -63,12 +63,6 @@ def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None
     with pytest.raises(ConfigError, match="mesh=MeshSpec"):
         ResilientTrainer({"x": object()}, TrainerConfig(), control=object(), key=b"k" * 32,  # type: ignore[dict-item]
                          mesh=spec, build=lambda mesh: {})
-    # a failure inside a step can leave the replica groups one commit apart: the step before the last
-    # commit must still be held (copied, or the live tensors until the commit barrier), so a mesh job
-    # refuses the snapshot-free mode
-    with pytest.raises(ConfigError, match="one or two snapshot copies"):
-        ResilientTrainer(None, TrainerConfig(snapshot_copies=0), control=object(), key=b"k" * 32,
-                         mesh=spec, build=lambda mesh: {})
 
 
 _NEVER_FORWARDED = """
@@ -119,13 +113,15 @@ def test_the_donor_of_a_lost_shard_is_its_replica_peer(lost: int) -> None:
 _REFERENCES: dict[str, dict[int, str]] = {}
 
 
-def _reference(layout: str, tmp: Path) -> dict[int, str]:
+def _reference(layout: str, tmp: Path, *args: str) -> dict[int, str]:
+    """The failure-free run's final states (``args``: the trainers' options that change the training)."""
     from gossiprec.harness.sharded import run_sharded
 
-    if layout not in _REFERENCES:
-        _REFERENCES[layout] = run_sharded(layout, STEPS, spares=0, workdir=str(tmp / f"ref-{layout}"),
-                                          timeout=240.0)["states"]
-    return _REFERENCES[layout]
+    key = " ".join((layout, *args))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_sharded(layout, STEPS, spares=0, workdir=str(tmp / f"ref-{key.replace(' ', '')}"),
+                                       timeout=240.0, trainer_args=args)["states"]
+    return _REFERENCES[key]
 
 
 @pytest.fixture(scope="module")
@@ -133,18 +129,20 @@ def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("sharded-ref")
 
 
-def _check(res: dict[str, Any], reference: dict[int, str]) -> None:
+def _check(res: dict[str, Any], reference: dict[int, str], copies: int = 1) -> None:
     where = f"(logs in {res['workdir']})"
     assert res["final_step"] == [STEPS], (res, where)
     assert res["states"] == reference, (res, where)  # every rank's shards, optimizer state, RNG: byte for byte
     # one snapshot copy: host memory kept for recovery is the rank's state once (its last commit is held
     # as the live tensors beside the copy of the one before), and a second copy only of what is not
-    # parameters or optimizer state: here the RNG (torch's CPU generator state, 5 KB; two copies kept 2x)
+    # parameters or optimizer state: here the RNG (torch's CPU generator state, 5 KB; two copies kept 2x).
+    # No copy: the RNG alone (parameters and optimizer state are served live)
     import torch
 
     rng = torch.get_rng_state().numel()
     for r, kept in res["kept_bytes"].items():
-        assert res["state_bytes"][r] <= kept <= res["state_bytes"][r] + rng, (r, res["kept_bytes"], where)
+        least = res["state_bytes"][r] if copies else 0
+        assert least <= kept <= least + rng, (r, res["kept_bytes"], where)
     groups = res["replica_groups"]
     for f in res["faults"]:
         assert f["fired"], (f, where)
@@ -261,20 +259,52 @@ def test_ranks_hung_inside_a_step_are_the_ones_evicted(tmp_path: Path, ref_dir: 
     assert (final[0], final[3]) == ("n0", "n3") and {final[1], final[2]} == {"n4", "n5"}, (res, where)
 
 
-FULL_MATRIX = [(layout, kind, phase) for layout in ("tp", "hsdp")
+SNAPSHOT_FREE = [
+    # n3 dies in backward, before its data-parallel all-reduces: with no clip-norm all-reduce after
+    # them, ranks 0 and 2 finish theirs and reach the ready barrier while rank 1 cannot; without the
+    # barrier they would step and commit 3, rank 1 could not, and no step would be held by every shard
+    # (the plan: checkpoint). With it the job resumes at 2
+    Fault("n3", "kill", 3, "backprop"),
+    # n1 dies in its optimizer step's pre-hook, before the barrier: every survivor waits in the barrier
+    # with its gradients complete, so the job resumes at 5 (rolled forward), which nobody had committed
+    Fault("n1", "kill", 5, "optimizer"),
+    # between two steps: the survivors serve step 7 from their live tensors
+    Fault("n2", "kill", 7, "committed"),
+]
+
+
+@pytest.mark.slow
+def test_a_snapshot_free_sharded_job_resumes_where_every_shard_can(tmp_path: Path, ref_dir: Path) -> None:
+    """snapshot_copies=0 in a mesh job: no copy of parameters or optimizer state is kept; the ready
+    barrier before each optimizer step keeps the replica groups from committing apart."""
+    from gossiprec.harness.sharded import run_sharded
+
+    args = ("--no-clip", "--snapshot-copies", "0")
+    res = run_sharded("tp", STEPS, SNAPSHOT_FREE, spares=len(SNAPSHOT_FREE), workdir=str(tmp_path / "job"),
+                      timeout=300.0, trainer_args=args)
+    _check(res, _reference("tp", ref_dir, "--no-clip"), copies=0)
+    where = f"(logs in {res['workdir']})"
+    targets = [{r["target_step"] for r in f["records"]} for f in res["faults"]]
+    assert targets == [{2}, {5}, {7}], (targets, where)
+
+
+FULL_MATRIX = [(layout, kind, phase, copies) for layout in ("tp", "hsdp") for copies in (1, 0)
                for kind, phase in (("kill", "forward"), ("kill", "backprop"), ("kill", "optimizer"),
                                    ("kill", "committed"), ("stop", "forward"))]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="the whole matrix: set GOSSIPREC_SHARDED_FULL=1")
-@pytest.mark.parametrize("layout,kind,phase", FULL_MATRIX)
-def test_sharded_fault_matrix(layout: str, kind: str, phase: str, tmp_path: Path, ref_dir: Path) -> None:
+@pytest.mark.parametrize("layout,kind,phase,copies", FULL_MATRIX)
+def test_sharded_fault_matrix(layout: str, kind: str, phase: str, copies: int, tmp_path: Path,
+                              ref_dir: Path) -> None:
     from gossiprec.harness.sharded import run_sharded
 
     res = run_sharded(layout, STEPS, [Fault("n3", kind, 4, phase)], spares=1, workdir=str(tmp_path / "job"),
-                      timeout=300.0)
-    _check(res, _reference(layout, ref_dir))
+                      timeout=300.0, trainer_args=("--snapshot-copies", str(copies)))
+    _check(res, _reference(layout, ref_dir), copies)
+    if copies == 0 and phase == "optimizer":  # killed before the ready barrier: the survivors rolled forward
+        assert {r["target_step"] for r in res["faults"][0]["records"]} == {4}, res
 
 
 def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:

@@ -4,8 +4,12 @@ the fence that turns a trainer into a waiting spare (events fed in directly, no 
 from __future__ import annotations
 
 import threading
+import time
 
-from gossiprec.core.events import Fenced, MemberAlive, MemberLeft, MemberSuspected, Unfenced, ViewInstalled
+from gossiprec.core.election import Plan
+from gossiprec.core.events import (
+    Fenced, MemberAlive, MemberLeft, MemberSuspected, PlanReady, Unfenced, ViewInstalled,
+)
 from gossiprec.trainer.follower import Follower
 
 
@@ -50,3 +54,32 @@ def test_a_fence_aborts_and_holds_until_unfenced() -> None:
     assert f.fenced.startswith("no quorum") and aborts and f.trouble(0)
     f.on_event(Unfenced(2, 9.0))
     assert f.fenced == "" and f.newest_view == 2
+
+
+def _plan(epoch: int) -> Plan:
+    from gossiprec.core.election import StateReport, elect
+    from gossiprec.core.topology import JobTopology, Member
+
+    members = [Member(f"n{r}", "trainer", r, f"h{r}", "r0") for r in range(2)]
+    reports = {f"n{r}": StateReport(f"n{r}", r, 5, 6, 100) for r in range(2)}
+    return elect(epoch, members, {0: "n0", 1: "n1"}, reports, JobTopology.ddp(2))
+
+
+def test_the_gates_look_ahead_waits_for_the_newest_views_plan() -> None:
+    """``plan_after``: the plan of the newest view only (a plan of a view already superseded is not
+    the one the job follows), and nothing once fenced."""
+    f, _ = _follower()
+    polls: list[int] = []
+    f.on_event(_view(2, ("n0", "n1"), 1.0))
+    f.on_event(PlanReady(1, "d1", _plan(1), 1.0))
+    assert f.plan_after(0, time.monotonic() + 0.15, poll=lambda: polls.append(1)) is None  # epoch 2's is not in
+    assert polls  # the status fallback was asked meanwhile
+    later = threading.Timer(0.05, lambda: f.on_event(PlanReady(2, "d2", _plan(2), 2.0)))
+    later.start()
+    got = f.plan_after(0, time.monotonic() + 30)
+    later.join()
+    assert got is not None and got.epoch == 2 and got.target_step == 6
+    assert f.plan_after(2, time.monotonic() + 0.05) is None  # nothing newer than epoch 2
+    f.on_event(Fenced(2, "no quorum", 3.0))
+    start = time.monotonic()
+    assert f.plan_after(0, start + 30) is None and time.monotonic() - start < 10  # at once, not at the deadline

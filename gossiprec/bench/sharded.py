@@ -68,7 +68,7 @@ def summarize(layout: str, trials: Sequence[dict[str, Any]], reference: dict[int
 
 
 def run_bench(layouts: Sequence[str], *, trials: int, phase: str, kill_at: int, post_steps: int, hidden: int,
-              workdir: str | None, say: Any) -> dict[str, Any]:
+              workdir: str | None, say: Any, copies: Sequence[int] = (1,)) -> dict[str, Any]:
     from gossiprec.harness.faults import Fault
     from gossiprec.harness.sharded import run_sharded
 
@@ -78,21 +78,25 @@ def run_bench(layouts: Sequence[str], *, trials: int, phase: str, kill_at: int, 
                            "hidden": hidden, "layouts": {}, "failed_trials": 0}
     for layout in layouts:
         reference = run_sharded(layout, steps, spares=0, hidden=hidden, workdir=str(base / f"{layout}-ref"))["states"]
-        done: list[dict[str, Any]] = []
+        done: dict[int, list[dict[str, Any]]] = {c: [] for c in copies}
         for i in range(trials):
-            try:
-                res = run_sharded(layout, steps, [Fault("n3", "kill", kill_at, phase)], spares=1, hidden=hidden,
-                                  workdir=str(base / f"{layout}-{i}"))
-            except GossiprecError as exc:
-                say(f"{layout} trial {i} failed: {exc}")
-                out["failed_trials"] += 1
-                continue
-            res["faults"][0]["loadavg_1m"] = os.getloadavg()[0]
-            say(f"{layout} trial {i}: rto {res['faults'][0]['rto_s']} s")
-            done.append(res)
-        summary = summarize(layout, done, reference)
-        summary["loadavg_1m"] = _stats([t["faults"][0]["loadavg_1m"] for t in done])
-        out["layouts"][layout] = summary
+            for c in copies:  # the modes take turns, trial by trial
+                try:
+                    res = run_sharded(layout, steps, [Fault("n3", "kill", kill_at, phase)], spares=1, hidden=hidden,
+                                      workdir=str(base / f"{layout}-c{c}-{i}"),
+                                      trainer_args=["--snapshot-copies", str(c)])
+                except GossiprecError as exc:
+                    say(f"{layout} copies={c} trial {i} failed: {exc}")
+                    out["failed_trials"] += 1
+                    continue
+                res["faults"][0]["loadavg_1m"] = os.getloadavg()[0]
+                say(f"{layout} copies={c} trial {i}: rto {res['faults'][0]['rto_s']} s")
+                done[c].append(res)
+        out["layouts"][layout] = {}
+        for c in copies:
+            summary = summarize(layout, done[c], reference)
+            summary["loadavg_1m"] = _stats([t["faults"][0]["loadavg_1m"] for t in done[c]])
+            out["layouts"][layout][str(c)] = summary
     out["workdir"] = str(base)
     return out
 
@@ -100,17 +104,25 @@ def run_bench(layouts: Sequence[str], *, trials: int, phase: str, kill_at: int, 
 def _cmd_sharded(args: argparse.Namespace) -> int:
     progress = (lambda m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     layouts = LAYOUT_NAMES if args.layout == "both" else (args.layout,)
+    try:
+        copies = [int(c) for c in args.copies.split(",")]
+    except ValueError:
+        copies = []
+    if not copies or any(c not in (0, 1, 2) for c in copies) or len(set(copies)) != len(copies):
+        raise ConfigError(f"--copies takes distinct snapshot copies among 0, 1, 2, comma-separated; "
+                          f"got {args.copies!r}")
     if args.overhead:
         from gossiprec.bench.sharded_overhead import run_overhead
 
         if args.rounds < 1 or args.steps < 4 or args.pace_ms < 0:
             raise ConfigError("--overhead needs --rounds >= 1, --steps >= 4 and --pace-ms >= 0")
         over = run_overhead(layouts, rounds=args.rounds, steps=args.steps, hidden=args.hidden,
-                            pace_ms=args.pace_ms, workdir=args.workdir, say=progress)
+                            pace_ms=args.pace_ms, workdir=args.workdir, say=progress, copies=copies)
         print(json.dumps(over, indent=None if args.json else 2))
         return 1 if over["errors"] else 0
     report = run_bench(layouts, trials=args.trials, phase=args.phase, kill_at=args.kill_at,
-                       post_steps=args.post_steps, hidden=args.hidden, workdir=args.workdir, say=progress)
+                       post_steps=args.post_steps, hidden=args.hidden, workdir=args.workdir, say=progress,
+                       copies=copies)
     print(json.dumps(report, indent=None if args.json else 2))
     return 1 if report["failed_trials"] else 0
 
@@ -137,6 +149,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=60, help="--overhead: steps of every job (60)")
     p.add_argument("--pace-ms", dest="pace_ms", type=float, default=100.0,
                    help="--overhead: sleep inside each step, standing in for compute, ms (100)")
+    p.add_argument("--copies", default="1",
+                   help="snapshot copies to run, comma-separated (TrainerConfig.snapshot_copies; 0: snapshot-free), "
+                        "taking turns trial by trial; the report has one entry per layout and copies (1)")
     p.add_argument("--json", action="store_true", help="compact JSON (one line)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd_sharded)

@@ -3,25 +3,27 @@
 Theory of operation
 -------------------
 Per layout (``tp``: dp x tp DTensor tensor parallelism; ``hsdp``: FSDP2 on a replicate x shard mesh),
-``--rounds`` pairs of failure-free jobs of ``--steps`` steps, taking turns (the plain job first in even
-rounds, second in odd ones, so that a drift of the machine's load falls on both):
+``--rounds`` rounds of failure-free jobs of ``--steps`` steps, one of each kind per round, taking turns
+(the order rotates from round to round, so that a drift of the machine's load falls on every kind):
 
 - **plain**: the four ranks of :mod:`gossiprec.harness.sharded_trainer` with ``--plain`` under torchrun:
   torch's own gloo group and ``init_device_mesh``, no agent, no snapshot;
-- **gossiprec**: the same ranks under agents (:func:`gossiprec.harness.sharded.run_sharded`) with one hot
-  spare, as a real job runs: the managed groups, the commit and its barrier, progress reports, the
-  agents' gossip.
+- **gossiprec** with each of ``--copies`` (``TrainerConfig.snapshot_copies``): the same ranks under
+  agents (:func:`gossiprec.harness.sharded.run_sharded`) with one hot spare, as a real job runs: the
+  managed groups, the commit and its barrier (1 copy: the commit barrier; 0: the ready barrier),
+  progress reports, the agents' gossip.
 
 Same model, mesh, data, optimizer and pacing: ``--pace-ms`` of sleep inside every step, between forward
 and backward, stands in for the compute of a real model (four ranks computing on two cores would put
 every other process's CPU time on the critical path, which an accelerator's compute does not). A step
 time is the interval between the job's consecutive commits (the last rank to finish each step), from
-step :data:`~gossiprec.bench.recovery.WARMUP` + 1 on. Per layout: the plain and gossiprec step times
-(pooled over the rounds), ``overhead_pct`` = median ratio - 1 with its 95 % bootstrap interval, the
-same per round, each kind's CPU time per step and rank (``*_cpu_ms_per_step``: every thread of the
-trainer process, the median over ranks and rounds; agents not included), and ``same_state``: every
-rank's final model, optimizer and RNG state is the same in the two jobs of every round (gossiprec's
-own entry, its data position, left out). One JSON object on
+step :data:`~gossiprec.bench.recovery.WARMUP` + 1 on. Per layout: the plain loop's step time and CPU
+time per step and rank (``plain_step_s``, ``plain_cpu_ms_per_step``: every thread of the trainer
+process, the median over ranks and rounds; agents not included), and per number of copies
+(``gossiprec["1"]``, ...): its step times (pooled over the rounds), ``overhead_pct`` = median ratio - 1
+with its 95 % bootstrap interval, the same per round, its CPU time per step, the host memory kept
+per rank, and ``same_state``: every rank's final model, optimizer and RNG state is the same as the
+plain job's of every round (gossiprec's own entry, its data position, left out). One JSON object on
 stdout, progress on stderr.
 """
 
@@ -83,13 +85,14 @@ def run_plain(layout: str, steps: int, hidden: int, pace_ms: float, work: Path, 
             "state_bytes": max(rep["state_bytes"] for rep in reports.values())}
 
 
-def run_managed(layout: str, steps: int, hidden: int, pace_ms: float, work: Path, timeout: float) -> dict[str, Any]:
-    """The same job under gossiprec, with one hot spare; the same keys as :func:`run_plain`, plus
-    ``kept_bytes``."""
+def run_managed(layout: str, steps: int, hidden: int, pace_ms: float, work: Path, timeout: float,
+                copies: int = 1) -> dict[str, Any]:
+    """The same job under gossiprec, with one hot spare and ``copies`` snapshot copies; the same keys as
+    :func:`run_plain`, plus ``kept_bytes``."""
     from gossiprec.harness.sharded import run_sharded
 
     res = run_sharded(layout, steps, spares=1, hidden=hidden, workdir=str(work), timeout=timeout,
-                      trainer_args=["--pace-ms", str(pace_ms)])
+                      trainer_args=["--pace-ms", str(pace_ms), "--snapshot-copies", str(copies)])
     return {"commits": res["commits"], "cpu_ms": cpu_per_step_ms(list(res["cpu_s"].values())),
             "states": {r: training_digest(work / f"{node}.state") for r, node in res["assignment"].items()},
             "state_bytes": max(res["state_bytes"].values()), "kept_bytes": max(res["kept_bytes"].values())}
@@ -126,41 +129,54 @@ def compare(plain: Sequence[Sequence[Series]], managed: Sequence[Sequence[Series
 
 
 def run_overhead(layouts: Sequence[str], *, rounds: int, steps: int, hidden: int, pace_ms: float,
-                 workdir: str | None, say: Callable[[str], None]) -> dict[str, Any]:
+                 workdir: str | None, say: Callable[[str], None], copies: Sequence[int] = (1,)) -> dict[str, Any]:
     """Every layout's rounds (see the module docstring); a failed job is reported under ``errors``."""
     base = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-bench-overhead-"))
     timeout = 120.0 + 4 * steps * pace_ms / 1000.0
     out: dict[str, Any] = {"bench": "sharded-overhead", "steps": steps, "hidden": hidden, "pace_ms": pace_ms,
-                           "rounds": rounds, "cpu_count": os.cpu_count(), "layouts": {}, "errors": {}}
-    runners = {"plain": run_plain, "gossiprec": run_managed}
+                           "rounds": rounds, "copies": list(copies), "cpu_count": os.cpu_count(), "layouts": {},
+                           "errors": {}}
+    kinds = ["plain", *(str(c) for c in copies)]
+
+    def run(kind: str, layout: str, work: Path) -> dict[str, Any]:
+        if kind == "plain":
+            return run_plain(layout, steps, hidden, pace_ms, work, timeout)
+        return run_managed(layout, steps, hidden, pace_ms, work, timeout, copies=int(kind))
+
     for layout in layouts:
-        jobs: dict[str, dict[int, dict[str, Any]]] = {"plain": {}, "gossiprec": {}}
+        jobs: dict[str, dict[int, dict[str, Any]]] = {k: {} for k in kinds}
         loads: list[float] = []
         for i in range(rounds):
-            order = ("plain", "gossiprec") if i % 2 == 0 else ("gossiprec", "plain")
-            for kind in order:
-                name = f"{layout}-{kind}-{i}"
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                name = f"{layout}-{'plain' if kind == 'plain' else 'copies' + kind}-{i}"
                 t0 = time.monotonic()
                 try:
-                    jobs[kind][i] = runners[kind](layout, steps, hidden, pace_ms, base / name, timeout)
+                    jobs[kind][i] = run(kind, layout, base / name)
                 except GossiprecError as exc:
                     out["errors"][name] = str(exc)
                     say(f"{name}: FAILED: {exc}")
                     continue
                 loads.append(round(os.getloadavg()[0], 2))
                 say(f"{name}: done in {time.monotonic() - t0:.1f} s (load {loads[-1]})")
-        pairs = [(jobs["plain"][i], jobs["gossiprec"][i]) for i in range(rounds)
-                 if i in jobs["plain"] and i in jobs["gossiprec"]]
-        report = compare([list(p["commits"].values()) for p, _ in pairs],
-                         [list(m["commits"].values()) for _, m in pairs])
-        report["same_state"] = bool(pairs) and all(p["states"] == m["states"] for p, m in pairs)
-        report["rounds_compared"] = len(pairs)
-        for kind in ("plain", "gossiprec"):
+        plain = jobs["plain"]
+        cpus = [j["cpu_ms"] for j in plain.values() if j["cpu_ms"] is not None]
+        steps_s = [x for j in plain.values() for x in job_step_times(list(j["commits"].values()))]
+        report: dict[str, Any] = {
+            "plain_step_s": series_stats(steps_s),
+            "plain_cpu_ms_per_step": round(percentile(cpus, 50), 3) if cpus else None,
+            "state_bytes": max((j["state_bytes"] for js in jobs.values() for j in js.values()), default=0),
+            "gossiprec": {}, "loadavg_1m": loads}
+        for kind in kinds[1:]:
+            pairs = [(plain[i], jobs[kind][i]) for i in range(rounds) if i in plain and i in jobs[kind]]
+            mode = compare([list(p["commits"].values()) for p, _ in pairs],
+                           [list(m["commits"].values()) for _, m in pairs])
+            del mode["plain_step_s"]
             cpus = [j["cpu_ms"] for j in jobs[kind].values() if j["cpu_ms"] is not None]
-            report[f"{kind}_cpu_ms_per_step"] = round(percentile(cpus, 50), 3) if cpus else None
-        report["state_bytes"] = max((j["state_bytes"] for js in jobs.values() for j in js.values()), default=0)
-        report["kept_bytes"] = max((m["kept_bytes"] for m in jobs["gossiprec"].values()), default=0)
-        report["loadavg_1m"] = loads
+            mode.update(cpu_ms_per_step=round(percentile(cpus, 50), 3) if cpus else None,
+                        kept_bytes=max((m["kept_bytes"] for m in jobs[kind].values()), default=0),
+                        same_state=bool(pairs) and all(p["states"] == m["states"] for p, m in pairs),
+                        rounds_compared=len(pairs))
+            report["gossiprec"][kind] = mode
         out["layouts"][layout] = report
     out["workdir"] = str(base)
     return out

@@ -72,9 +72,12 @@ def build_objects(layout: str, mesh: Any, hidden: int = HIDDEN) -> dict[str, Any
     return training_state(model, opt)
 
 
-def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int, pace_s: float = 0.0) -> None:
+def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int, pace_s: float = 0.0,
+               clip: bool = True) -> None:
     """One step: forward, backward, data-parallel averaging (tp), clipping, optimizer. ``pace_s``: a sleep
-    between forward and backward, standing in for a longer compute step (the overhead bench's pacing)."""
+    between forward and backward, standing in for a longer compute step (the overhead bench's pacing).
+    ``clip``: the clip-norm all-reduce, which also keeps every rank out of its optimizer step until
+    every rank's data-parallel reduction is done (without it a replica group may step before another)."""
     import torch
     import torch.distributed as dist
 
@@ -91,7 +94,8 @@ def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int, pace_
             g = p.grad.to_local()
             dist.all_reduce(g, group=group)
             g.div_(mesh["dp"].size())
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a norm all-reduce over the shards
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a norm all-reduce over the shards
     opt.step()
     opt.zero_grad()
 
@@ -141,7 +145,8 @@ def trainer_main(args: argparse.Namespace) -> int:
         with open(out.with_suffix(".records"), "a") as f:  # kept even if this trainer dies later
             f.write(json.dumps(records[-1]) + "\n")
 
-    config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares, stateless_data=True)
+    config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares, stateless_data=True,
+                           snapshot_copies=args.snapshot_copies)
     rt = ResilientTrainer(None, config, mesh=LAYOUTS[layout], build=build, on_recovered=on_recovered,
                           on_phase=hook)
     out.with_suffix(".ready").write_text("1")
@@ -153,7 +158,7 @@ def trainer_main(args: argparse.Namespace) -> int:
         rt.start()
         while rt.step < args.steps:
             with rt.training_step() as step:
-                train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0)
+                train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
             commits.append((rt.step, time.monotonic()))
             cpu.append(time.process_time())
             if args.step_ms:
@@ -193,7 +198,7 @@ def plain_main(args: argparse.Namespace) -> int:
     commits: list[tuple[int, float]] = []
     cpu: list[float] = []
     for step in range(1, args.steps + 1):
-        train_step(args.layout, objects, mesh, step, args.pace_ms / 1000.0)
+        train_step(args.layout, objects, mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
         commits.append((step, time.monotonic()))
         cpu.append(time.process_time())
     out = Path(args.out.replace("{rank}", str(dist.get_rank())))
@@ -217,6 +222,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
                    help="start() waits this long for the spares to be up")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's width")
+    p.add_argument("--no-clip", dest="no_clip", action="store_true",
+                   help="no gradient clipping (and so no norm all-reduce before the optimizer step)")
+    p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=None,
+                   help="TrainerConfig.snapshot_copies (default: the trainer's, 1; 0: snapshot-free)")
     p.add_argument("--pace-ms", dest="pace_ms", type=float, default=0.0,
                    help="sleep this long inside each step, between forward and backward (stands in for compute)")
     p.add_argument("--plain", action="store_true",

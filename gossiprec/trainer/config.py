@@ -68,8 +68,10 @@ class TrainerConfig:
     (default): 1. A sharded job needs the step before its last commit too (a failure inside a step can
     leave its replica groups one commit apart): with 1 it holds its last commit as the live tensors
     until every rank has committed it (a one-element all-reduce issued at the start of the next step,
-    waited before its optimizer step), then copies it over the one before; it refuses 0. Which failures
-    each covers: README, "Memory of commits"."""
+    waited before its optimizer step), then copies it over the one before; with 0 no rank steps its
+    optimizer before every rank is ready to (the same all-reduce, issued and waited there: about one
+    all-reduce of latency per step), and a rank interrupted in it rolls forward when the plan resumes
+    at its step (:mod:`gossiprec.trainer.gate`). Which failures each covers: README, "Memory of commits"."""
     verify_replicas: bool = True
     """Compare a digest of the state across each replica group at the start, after the first step,
     after every recovery and every :attr:`verify_every` steps; a mismatch raises
@@ -116,7 +118,7 @@ class TrainerConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.snapshot_copies is not None and (isinstance(self.snapshot_copies, bool)
                                                  or self.snapshot_copies not in (0, 1, 2)):
-            raise ConfigError(f"snapshot_copies must be 0, 1, 2 or None (1; a sharded job: 2), got "
+            raise ConfigError(f"snapshot_copies must be 0, 1, 2 or None (1), got "
                               f"{self.snapshot_copies!r}")
         if isinstance(self.verify_every, bool) or not isinstance(self.verify_every, int) or self.verify_every < 0:
             raise ConfigError(f"verify_every must be an int >= 0 (0: no periodic check), got {self.verify_every!r}")

@@ -167,6 +167,30 @@ class Follower:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = time.monotonic()
 
+    def plan_after(self, epoch: int, deadline: float, *, poll: Callable[[], None] | None = None) -> Plan | None:
+        """The plan of the newest view after ``epoch``, once it is in (waits until ``deadline``, calling
+        ``poll`` every 0.1 s as a fallback); None when the node is fenced, the agent is lost, or the job
+        stopped or finished first, or at the deadline. (The gate's look ahead: the recovery proper is
+        :meth:`~gossiprec.trainer.recovery.Recovery.recover`'s.)"""
+        next_poll = time.monotonic() + 0.1
+        while True:
+            with self.cond:
+                if self.fenced or self.lost or self.stopped or self.finished is not None:
+                    return None
+                newest = max(self.plans, default=-1)
+                if newest > epoch and newest >= self.newest_view:
+                    return self.plans[newest]
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(min(left, 0.05))
+            if poll is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + 0.1
+                try:
+                    poll()
+                except ControlError as exc:
+                    self.set_lost(str(exc))
+
     def trouble(self, epoch: int) -> bool:
         """Whether the loop at ``epoch`` must recover before it goes on."""
         return self.newest_view > epoch or bool(self.fenced) or bool(self.lost)

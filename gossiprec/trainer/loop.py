@@ -84,6 +84,7 @@ from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.donor import DonorServer
 from gossiprec.trainer.exits import exit_code
 from gossiprec.trainer.follower import Follower
+from gossiprec.trainer.gate import OptimizerGate
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
@@ -158,10 +159,6 @@ class ResilientTrainer:
                                   "objects=None (the objects are built once the mesh exists)")
             if config.backend != "gloo":
                 raise ConfigError("a sharded job runs on gloo (mesh device 'cpu') so far")
-            if config.snapshot_copies == 0:
-                raise ConfigError("a sharded job keeps one or two snapshot copies (snapshot_copies=None, 1 or 2), "
-                                  "got 0: a failure inside a step can leave its replica groups one commit apart, "
-                                  "and the step before the last commit is then the newest one every shard can serve")
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
                                         slow_after=config.wait_report_after, on_slow=self._on_slow,
                                         on_resume=self._on_resume, on_issue=self._entered)
@@ -218,6 +215,7 @@ class ResilientTrainer:
         copies = config.snapshot_copies if config.snapshot_copies is not None else 1
         self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=copies)
         self._snaps.hold_live = self.sharded is not None and copies == 1
+        self._gate = OptimizerGate(self)
         self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
@@ -379,7 +377,7 @@ class ResilientTrainer:
             self._step_t0 = time.monotonic()
             self._coll = 0  # (a step redone after a recovery starts its count again)
             self._report(self.step + 1, "compute")
-            try:  # a sharded job's commit barrier (every rank, every step; waited before the optimizer: _harden)
+            try:  # a sharded job's commit barrier (every rank, every step; waited before the optimizer: gate.py)
                 if self.sharded is not None and self._snaps.hold_live:
                     self.sharded.issue_barrier()
                 break
@@ -482,10 +480,12 @@ class ResilientTrainer:
                 break
         try:
             yield step
-            self._harden()  # (a step without an optimizer step)
+            self._gate.before_optimizer()  # (a step without an optimizer step)
         except Exception as exc:
             if not self._interrupted(exc):
                 raise
+            if self._gate.rolled(step):  # its optimizer stepped on the plan's word: the plan counts on it
+                self._commit_snapshot(step)
             self._recover(f"interrupted in step {step}: {exc}")
             return
         self.commit()
@@ -651,6 +651,7 @@ class ResilientTrainer:
 
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
+        self._gate.abandon()
         if self.sharded is not None and self.sharded.built:
             self.sharded.reset_modules(self.objects)  # before the state is restored (the barrier is dropped too)
         try:
@@ -677,6 +678,7 @@ class ResilientTrainer:
         if verify:
             self._checks.committed(step, snap)
         self.step = step
+        self._gate.committed(step)
         older = self._snaps.kept_previous()
         if older is not None:  # both servable: the election picks the newest every replica group holds
             self._announce(older, snap.header.total_nbytes, inflight=step)
@@ -704,6 +706,7 @@ class ResilientTrainer:
 
     def _serve(self, epoch: int, step: int) -> StateSnapshot | None:
         self._hook(step, "serve")
+        self._gate.wait_rolled(step, self.config.timeout)
         return self._snaps.at(step)
 
     def _abort(self, reason: str) -> None:
@@ -759,7 +762,9 @@ class ResilientTrainer:
         objects = sharded.build(rank)
         check_objects(objects, self.config)
         for opt in (o for o in objects.values() if hasattr(o, "register_step_pre_hook")):
-            opt.register_step_pre_hook(lambda *_: self._harden())  # the commit barrier waited before each step
+            opt.register_step_pre_hook(lambda *_: self._gate.before_optimizer())  # a barrier before each step
+            opt.register_step_post_hook(lambda *_: self._gate.after_optimizer())
+            self._gate.optimizers += 1
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})
@@ -772,12 +777,6 @@ class ResilientTrainer:
             return
         assert self.groups is not None
         self.sharded.configure(epoch, self.groups.shared_store(), lambda: self._follower.superseded(epoch))
-
-    def _harden(self) -> None:
-        """A sharded job: once the commit barrier shows every rank committed the step held live, copy it over
-        the older one, before the optimizer moves the tensors (see Snapshots: why both are held until then)."""
-        if self.sharded is not None and self.sharded.settle_barrier() and (hard := self._snaps.harden()) is not None:
-            self._announce(hard, self._snaps.held[-1].header.total_nbytes)
 
     def _hook(self, step: int, phase: str) -> None:
         if self.on_phase is not None:

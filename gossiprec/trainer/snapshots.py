@@ -34,7 +34,8 @@ How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
   tensors (:attr:`~gossiprec.trainer.capture.StateSnapshot.live`), valid until the next optimizer step
   modifies them. Only the small rest (buffers, RNG, data position) is copied, so a step interrupted
   before its optimizer step is undone exactly; a step whose optimizer step ran must be rolled forward
-  (every survivor commits it, which the agents' report hold waits for).
+  (every survivor commits it, which the agents' report hold waits for). In a sharded job no rank steps
+  its optimizer before every rank is ready to (:mod:`gossiprec.trainer.gate`).
 
 Donor threads read the snapshots too, so the list is guarded by a lock, and only the owner thread (the
 training loop's) takes finished copies and checks them.
