@@ -9,6 +9,8 @@ a trainer (``gossiprec run`` of the demo trainer), 3 ranks and 2 hot spares, fau
 - The host of the current epoch's store dies whole (its network cut, then every process in its
   namespace SIGKILLed: nothing says goodbye), at epoch 0 and at a later epoch: recovery proceeds each
   time (the next store is another host's), bit-identical.
+- A sharded job (dp x tp, four ranks and a spare on five hosts): a rank's host vanishes mid-step; the
+  survivors' collectives, waiting on it with no reset to end them, return when the agreed view does.
 
 The processes and the test share the file system: the harness reads each node's files in the work
 directory; every wait is for such an event, bounded by a generous timeout. Skipped without root,
@@ -165,3 +167,31 @@ def test_the_store_hosts_whole_host_dies_at_epoch_0_and_at_a_later_epoch(hosts: 
     print(f"\nstore host's whole host dies (network cut, every process SIGKILLed): epoch-0 store host "
           f"{first['node']}: recovered in {first['rto_s']} s {first['phases_s']}; later store host {second['node']} "
           f"(epoch {min(second['epochs']) - 1}): {second['rto_s']} s {second['phases_s']}; whole job {wall:.1f} s")
+
+
+def test_a_sharded_jobs_rank_whose_host_vanishes_mid_step_is_replaced(hosts: NetnsHosts, tmp_path: Path) -> None:
+    """dp x tp on five hosts: rank 3 stops before its row-parallel layer (its TP peer, rank 2, waits inside
+    the TP all-reduce; ranks 0 and 1 in the data-parallel one), then its host vanishes: its network is
+    cut and every process on it killed, so no reset reaches the survivors' gloo connections. Each
+    survivor's collective returns when the agreed view reaches it (within 0.2 s), the spare takes rank 3
+    from its replica peer, and the job ends bit-identical to a failure-free run on loopback."""
+    from gossiprec.harness.sharded import run_sharded
+
+    steps = 8
+    reference = run_sharded("tp", steps, spares=0, workdir=str(tmp_path / "ref"), timeout=RUN_TIMEOUT)["states"]
+    vanish = Action("n3's host vanishes", lambda job: job.path("n3", ".fault").exists(), lambda job: job.crash("n3"))
+    res = run_sharded("tp", steps, [Fault("n3", "stop", 4, "forward")], spares=1, workdir=str(tmp_path / "job"),
+                      timeout=RUN_TIMEOUT, hosts=hosts, actions=[vanish], may_fail={"n3"})
+    where = f"(logs in {res['workdir']})"
+    assert res["final_step"] == [steps] and res["states"] == reference, (res, where)
+    (fault,) = res["faults"]
+    assert fault["fired"] and "n3's host vanishes" in res["actions"], (res, where)
+    assert fault["donors"] == {3: ["n1"]} and res["assignment"][3] == "n4", (fault, where)
+    assert "allreduce" in fault["causes"][2], (fault, where)  # its TP peer waited inside the TP all-reduce
+    survivors = [r for r in fault["records"] if r["role"] != "receiver"]
+    assert {r["rank"] for r in survivors} == {0, 1, 2}, (fault, where)
+    for r in survivors:  # nothing but the agreed view ends a wait on a peer that vanished
+        assert r["agreed_at"] is not None and r["noticed_at"] - r["agreed_at"] < 0.2, (r, where)
+    print(f"\nsharded (dp x tp) rank's host vanished mid-step: recovered in {fault['rto_s']} s {fault['phases_s']}; "
+          f"survivors' collectives returned {[round(r['noticed_at'] - r['agreed_at'], 4) for r in survivors]} s "
+          "after the agreed view")

@@ -65,6 +65,29 @@ def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None
                          mesh=spec, build=lambda mesh: {})
 
 
+def test_the_mesh_groups_bind_and_seal_as_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The managed world gets the trainer's address (gloo binds there: on hosts of their own the host
+    name's address reached no peer, and epoch 0 never formed) and its keys (the store's values sealed)."""
+    import gossiprec.trainer.managed as managed
+    from gossiprec.trainer.keys import TransferKeys
+    from gossiprec.trainer.sharded import ShardedWorld
+
+    seen: dict[str, Any] = {}
+
+    def fake_init(rank: int, world_size: int, **kw: Any) -> Any:
+        seen.update(kw, rank=rank)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(managed, "init_managed_world", fake_init)
+    world = ShardedWorld(MeshSpec((2, 2), ("dp", "tp")), lambda mesh: {}, timeout=10, poll_interval=0.01,
+                         slow_after=None, on_slow=None)
+    keys = TransferKeys.fixed(b"k" * 32)
+    world.host, world.keys = "10.0.0.7", keys
+    with pytest.raises(RuntimeError, match="stop here"):
+        world.build(3)
+    assert seen["host"] == "10.0.0.7" and seen["keys"] is keys and seen["rank"] == 3
+
+
 _NEVER_FORWARDED = """
 import torch
 from torch.distributed.device_mesh import init_device_mesh

@@ -30,7 +30,7 @@ from typing import Any, Collection, Sequence
 
 from gossiprec.errors import GossiprecError
 from gossiprec.harness.faults import Fault
-from gossiprec.harness.job import LocalJob, read_json
+from gossiprec.harness.job import Hosts, LocalJob, read_json
 from gossiprec.harness.scenario import Action
 from gossiprec.harness.timeline import timeline
 
@@ -45,7 +45,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
                 log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
-                trainer_args: Sequence[str] = ()) -> dict[str, Any]:
+                trainer_args: Sequence[str] = (), hosts: Hosts | None = None) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -53,7 +53,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     ``actions``: the caller's interventions, one after the other, as in
     :func:`~gossiprec.harness.scenario.run_scenario` (each name -> when it was done: ``actions`` in the
     result); ``may_fail``: nodes whose trainer may exit with an error; ``trainer_args``: more options
-    for every trainer (e.g. ``--start-gate PATH``)."""
+    for every trainer (e.g. ``--start-gate PATH``); ``hosts``: node i runs on host i (default: every
+    node on loopback; see :class:`~gossiprec.harness.job.LocalJob`)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -62,7 +63,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
 
     spec = LAYOUTS[layout]
     work = Path(workdir or tempfile.mkdtemp(prefix=f"gossiprec-sharded-{layout}-"))
-    with LocalJob(work, RANKS, spares, job_table=spec.job_toml()) as job:
+    with LocalJob(work, RANKS, spares, job_table=spec.job_toml(), hosts=hosts) as job:
         for node in job.names:
             argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
                     "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),

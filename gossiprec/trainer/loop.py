@@ -281,6 +281,7 @@ class ResilientTrainer:
             raise JobStopped(f"the job stopped in view {view.epoch} ({view.stopped})")
         if self.sharded is not None:
             self.sharded.spec.check_view(view.world_size, view.replica_groups)
+            self.sharded.host, self.sharded.keys = bind, self.keys  # its groups bind and seal as the trainer's
         if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
             self.prepare_rank(me.rank)
             self.rank, self.world_size, self.epoch = me.rank, view.world_size, 0

@@ -33,6 +33,7 @@ from gossiprec.trainer.recovery import MeshShrinkRefused
 
 if TYPE_CHECKING:
     from gossiprec.core.topology import JobTopology
+    from gossiprec.trainer.keys import TransferKeys
     from gossiprec.trainer.managed import ManagedWorld
     from gossiprec.trainer.objects import Stateful
 
@@ -145,6 +146,12 @@ class ShardedWorld:
         self._one: Any = None
         self._barrier: Any = None
         """The commit barrier's tensor and pending work (see :meth:`issue_barrier`)."""
+        self.host: str | None = None
+        """The address every group's gloo connections bind to (the trainer's: its agent's), set before
+        :meth:`build`; None binds torch's default device (the host name's address)."""
+        self.keys: TransferKeys | None = None
+        """The cluster's keys, which seal every value the groups put in the epoch's store (set before
+        :meth:`build`)."""
 
     @property
     def built(self) -> bool:
@@ -173,7 +180,7 @@ class ShardedWorld:
 
         self.world = init_managed_world(rank, self.spec.world_size, timeout=self.timeout,
                                         poll_interval=self.poll_interval, slow_after=self.slow_after,
-                                        on_slow=self.on_slow)
+                                        on_slow=self.on_slow, host=self.host, keys=self.keys)
         self.world.on_resume, self.world.on_issue = self.on_resume, self.on_issue
         self.rank = rank
         self.mesh = init_device_mesh(self.spec.device, self.spec.shape, mesh_dim_names=self.spec.names)
