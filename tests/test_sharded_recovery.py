@@ -47,9 +47,10 @@ def test_mesh_spec_gives_the_agents_topology_and_job_table() -> None:
         MeshSpec((2, 2), ("tp", "dp"), "dp").job_toml()
     for bad in ({"shape": (2, 0), "names": ("a", "b")}, {"shape": (2, 2), "names": ("a",)},
                 {"shape": (2, 2), "names": ("a", "a")}, {"shape": (2, 2), "names": ("a", "b"), "replicate": "c"},
-                {"shape": (2,), "names": ("a",), "device": "cuda"}):
+                {"shape": (2,), "names": ("a",), "device": "xpu"}):
         with pytest.raises(ConfigError):
             MeshSpec(**bad)  # type: ignore[arg-type]
+    assert (tp.backend, MeshSpec((2,), ("dp",), device="cuda").backend) == ("gloo", "nccl")
 
 
 def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None:
@@ -63,6 +64,11 @@ def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None
     with pytest.raises(ConfigError, match="mesh=MeshSpec"):
         ResilientTrainer({"x": object()}, TrainerConfig(), control=object(), key=b"k" * 32,  # type: ignore[dict-item]
                          mesh=spec, build=lambda mesh: {})
+    # the groups' backend follows the mesh's device: a CUDA mesh on gloo, or a CPU one on NCCL, is refused
+    for device, backend in (("cuda", "gloo"), ("cpu", "nccl")):
+        with pytest.raises(ConfigError, match=f"runs on {'nccl' if device == 'cuda' else 'gloo'}"):
+            ResilientTrainer(None, TrainerConfig(backend=backend), control=object(), key=b"k" * 32,
+                             mesh=MeshSpec((2, 2), ("dp", "tp"), device=device), build=lambda mesh: {})
 
 
 def test_the_mesh_groups_bind_and_seal_as_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:

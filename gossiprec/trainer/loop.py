@@ -157,8 +157,9 @@ class ResilientTrainer:
             if not isinstance(mesh, MeshSpec) or build is None or objects is not None:
                 raise ConfigError("a sharded job passes mesh=MeshSpec(...) and build=callable(mesh) -> objects, and "
                                   "objects=None (the objects are built once the mesh exists)")
-            if config.backend != "gloo":
-                raise ConfigError("a sharded job runs on gloo (mesh device 'cpu') so far")
+            if config.backend != mesh.backend:
+                raise ConfigError(f"a mesh on {mesh.device!r} runs on {mesh.backend}: pass TrainerConfig(backend="
+                                  f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
                                         slow_after=config.wait_report_after, on_slow=self._on_slow,
                                         on_resume=self._on_resume, on_issue=self._entered)

@@ -6,8 +6,11 @@ FSDP2 modules, DTensors and a ``DeviceMesh`` keep references to their process gr
 place cannot hand torch new group objects. :class:`ManagedGroup` is a ``torch.distributed.ProcessGroup``
 subclass that torch creates once (through the ``gossiprec`` backend that :func:`init_managed_world`
 registers and makes the default one) and that forwards every collective to the backend of the current
-epoch: a gloo group built by :meth:`ManagedWorld.configure` on ``PrefixStore`` of the epoch and the
-group's key, kept in an :class:`~gossiprec.trainer.groups.EpochGroups` per managed group.
+epoch: a gloo group (CPU tensors), or an NCCL one with non-blocking communicators (CUDA tensors; a
+world made with ``backend="nccl"``), built by :meth:`ManagedWorld.configure` on ``PrefixStore`` of the
+epoch and the group's key, kept in an :class:`~gossiprec.trainer.groups.EpochGroups` per managed group.
+NCCL's collectives are waited by polling their completion (its ``wait`` does not block the host), and
+an abort also aborts its communicators.
 
 The mesh has a fixed shape; a replacement process takes the lost rank's place (same global rank, same
 coordinate), so every group keeps its rank and size across epochs, and torch's own bookkeeping
@@ -47,7 +50,9 @@ import torch.distributed as dist
 
 from gossiprec.core.topology import JobTopology
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups, wait_interruptible
+from gossiprec.trainer.groups import (
+    BACKENDS, CollectiveAborted, EpochGroup, EpochGroups, check_nccl_environment, wait_interruptible,
+)
 from gossiprec.trainer.keys import TransferKeys
 
 BACKEND_NAME = "gossiprec"
@@ -97,6 +102,7 @@ class ManagedWork(dist.Work):  # type: ignore[misc]
         try:
             wait_interruptible(self._inner, eg.abort_event, epoch=eg.epoch, op=self._op,
                                poll_interval=eg.poll_interval, deadline=time.monotonic() + limit,
+                               blocking_wait=eg.backend == "gloo",
                                reason_of_abort=lambda: eg.abort_reason,
                                slow_after=world.slow_after if world is not None else None,
                                on_slow=slow if world is not None else None)
@@ -152,8 +158,9 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
 
     def __init__(self, rank: int, size: int, *, global_ranks: Sequence[int] | None = None,
                  timeout: float = 30.0, poll_interval: float = 0.005, world: ManagedWorld | None = None,
-                 host: str | None = None, keys: TransferKeys | None = None) -> None:
+                 host: str | None = None, keys: TransferKeys | None = None, backend: str = "gloo") -> None:
         super().__init__(rank, size)
+        self.backend = backend
         self._host = host
         self._keys = keys
         self._rank = rank
@@ -253,9 +260,10 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
                 raise ConfigError(f"epoch {epoch} is not newer than epoch {last} of {self.describe()}: store "
                                   "prefixes must never be reused")
             if self._epochs is None:
-                self._epochs = EpochGroups(store, timeout=self._timeout, poll_interval=self._poll_interval,
-                                           host=self._host, keys=self._keys,
-                                           seal_context=f"{KEY_PREFIX}{self.key}/")
+                self._epochs = EpochGroups(store, backend=self.backend, timeout=self._timeout,
+                                           poll_interval=self._poll_interval, host=self._host, keys=self._keys,
+                                           seal_context=f"{KEY_PREFIX}{self.key}/",
+                                           device=torch.cuda.current_device() if self.backend == "nccl" else None)
             epochs = self._epochs
             if self._current is not None:
                 self._current.epoch_group.abort(f"superseded by epoch {epoch}")
@@ -265,7 +273,11 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
         prefixed = dist.PrefixStore(KEY_PREFIX + self.key, store)
         eg = epochs.build(epoch, new_rank, new_size, store=prefixed, cancelled=cancelled)
         wrapper = dist.ProcessGroup(prefixed, new_rank, new_size)
-        wrapper._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, eg.pg)
+        if self.backend == "nccl":
+            wrapper._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
+            wrapper._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, eg.pg)
+        else:
+            wrapper._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, eg.pg)
         wrapper._set_group_name(f"{BACKEND_NAME}-{self.key}-e{epoch}")
         with self._lock:
             self._current = _Built(eg, wrapper)
@@ -331,11 +343,15 @@ class ManagedWorld:
     entered, on any group (the trainer counts them: its position in the step).
     ``host`` and ``keys``: as for :class:`~gossiprec.trainer.groups.EpochGroups` (the address gloo binds
     to, the agent's; the cluster's keys every store value is sealed with), for every group.
+    ``backend``: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors, on the current CUDA device).
     """
 
     def __init__(self, rank: int, world_size: int, *, timeout: float = 30.0, poll_interval: float = 0.005,
                  slow_after: float | None = None, on_slow: Callable[[], None] | None = None,
-                 host: str | None = None, keys: TransferKeys | None = None) -> None:
+                 host: str | None = None, keys: TransferKeys | None = None, backend: str = "gloo") -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
         self.host = host
         self.keys = keys
         self.rank = rank
@@ -362,7 +378,8 @@ class ManagedWorld:
     def _create(self, opts: Any, _backend_options: Any) -> ManagedGroup:
         ranks = list(opts.global_ranks_in_group) or list(range(opts.group_size))
         group = ManagedGroup(opts.group_rank, opts.group_size, global_ranks=ranks, timeout=self.timeout,
-                             poll_interval=self.poll_interval, world=self, host=self.host, keys=self.keys)
+                             poll_interval=self.poll_interval, world=self, host=self.host, keys=self.keys,
+                             backend=self.backend)
         with self._lock:
             if self.epoch is not None:
                 raise ConfigError("a managed group was created after the first configure(); create the "
@@ -435,23 +452,35 @@ _world: ManagedWorld | None = None
 
 def init_managed_world(rank: int, world_size: int, *, timeout: float = 30.0, poll_interval: float = 0.005,
                        slow_after: float | None = None, on_slow: Callable[[], None] | None = None,
-                       host: str | None = None, keys: TransferKeys | None = None) -> ManagedWorld:
+                       host: str | None = None, keys: TransferKeys | None = None,
+                       backend: str = "gloo") -> ManagedWorld:
     """Make the ``gossiprec`` backend torch's default group; later groups and meshes are managed too.
 
     Call once per process, instead of ``init_process_group``; then build the mesh
-    (``init_device_mesh("cpu", shape, mesh_dim_names=...)``) and the model, and call
-    :meth:`ManagedWorld.configure` for the epoch. ``rank`` is the mesh position this process plays
-    (a replacement takes the lost rank's). ``host``, ``keys``: see :class:`ManagedWorld` (give the
-    trainer's: the agent's address and ``ResilientTrainer.keys``). No collective runs here.
+    (``init_device_mesh("cpu", shape, mesh_dim_names=...)``; ``"cuda"`` with ``backend="nccl"``, after
+    ``torch.cuda.set_device``) and the model, and call :meth:`ManagedWorld.configure` for the epoch.
+    ``rank`` is the mesh position this process plays (a replacement takes the lost rank's). ``host``,
+    ``keys``, ``backend``: see :class:`ManagedWorld` (give the trainer's: the agent's address and
+    ``ResilientTrainer.keys``). No collective runs here.
     """
     global _world
     if _world is not None or dist.is_initialized():
         raise ConfigError("torch.distributed is already initialised in this process; init_managed_world "
                           "must replace init_process_group, once per process")
     world = ManagedWorld(rank, world_size, timeout=timeout, poll_interval=poll_interval, slow_after=slow_after,
-                         on_slow=on_slow, host=host, keys=keys)
+                         on_slow=on_slow, host=host, keys=keys, backend=backend)
+    if backend == "nccl":
+        if not torch.cuda.is_available() or not dist.is_nccl_available():
+            raise ConfigError("a managed world on nccl needs CUDA and an NCCL build of torch; use backend='gloo'")
+        check_nccl_environment()  # now, not as a process killed by NCCL's watchdog later
+    # torch asks the plugin for one group per device it names: the one our backend's tensors live on
+    device = "cuda" if backend == "nccl" else "cpu"
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create_managed, devices=["cpu"], extended_api=True)
+        dist.Backend.register_backend(BACKEND_NAME, _create_managed, devices=[device], extended_api=True)
+    elif dist.Backend.backend_capability.get(BACKEND_NAME) != [device]:
+        raise ConfigError(f"this process registered the {BACKEND_NAME} backend for "
+                          f"{dist.Backend.backend_capability.get(BACKEND_NAME)}; a world on {backend} needs "
+                          f"[{device!r}]: one kind of managed world per process")
     _world = world
     # The store torch keeps for the default group is only used by its own bookkeeping barriers (off by
     # default); every backend is built on the shared store given to configure().

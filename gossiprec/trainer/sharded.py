@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 class MeshSpec:
     """A device mesh: ``shape`` (ranks per dimension), ``names`` (one per dimension) and ``replicate``,
     the dimension(s) along which ranks hold the same shard (default: the first dimension).
-    ``device``: the mesh's device type (``cpu``: gloo)."""
+    ``device``: the mesh's device type: ``cpu`` (gloo) or ``cuda`` (NCCL, on the current CUDA device:
+    call ``torch.cuda.set_device`` before ``start()``; with ``TrainerConfig(backend="nccl")``)."""
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
@@ -60,8 +61,13 @@ class MeshSpec:
         rep = self.replicated
         if not rep or any(r not in self.names for r in rep):
             raise ConfigError(f"replicate must name mesh dimension(s) among {self.names}, got {self.replicate!r}")
-        if self.device != "cpu":
-            raise ConfigError(f"mesh device {self.device!r}: only 'cpu' (gloo) meshes are managed so far")
+        if self.device not in ("cpu", "cuda"):
+            raise ConfigError(f"mesh device {self.device!r}: a managed mesh is on 'cpu' (gloo) or 'cuda' (nccl)")
+
+    @property
+    def backend(self) -> str:
+        """The groups' backend: ``nccl`` for a ``cuda`` mesh, else ``gloo``."""
+        return "nccl" if self.device == "cuda" else "gloo"
 
     @property
     def replicated(self) -> tuple[str, ...]:
@@ -180,7 +186,8 @@ class ShardedWorld:
 
         self.world = init_managed_world(rank, self.spec.world_size, timeout=self.timeout,
                                         poll_interval=self.poll_interval, slow_after=self.slow_after,
-                                        on_slow=self.on_slow, host=self.host, keys=self.keys)
+                                        on_slow=self.on_slow, host=self.host, keys=self.keys,
+                                        backend=self.spec.backend)
         self.world.on_resume, self.world.on_issue = self.on_resume, self.on_issue
         self.rank = rank
         self.mesh = init_device_mesh(self.spec.device, self.spec.shape, mesh_dim_names=self.spec.names)
@@ -213,7 +220,7 @@ class ShardedWorld:
         import torch.distributed as dist
 
         if self._one is None:
-            self._one = torch.zeros(1)
+            self._one = torch.zeros(1, device=self.spec.device)  # (NCCL reduces CUDA tensors only)
         self._barrier = dist.all_reduce(self._one, async_op=True)
 
     def settle_barrier(self) -> bool:
