@@ -63,6 +63,18 @@ def test_fault_injector_fires_once_at_its_phase_and_records_it(tmp_path: Path) -
     assert (rec["kind"], rec["step"]) == ("stop", 8) and rec["t"] > 0
 
 
+def test_faults_due_at_one_phase_fire_together_in_their_order(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import gossiprec.harness.faults as faults
+
+    order: list[str] = []
+    monkeypatch.setattr(faults.time, "sleep", lambda s: order.append(f"sleep {s}"))
+    hook = FaultInjector([Fault("", "slow", 5, "optimizer"), Fault("", "kill", 5, "optimizer")], tmp_path / "f",
+                         send=lambda pid, sig: order.append(f"signal {sig}"))
+    hook(5, "optimizer")  # a stall, then the kill: at the same call, not at the next step's
+    assert order == [f"sleep {faults.SLOW_S}", f"signal {signal.SIGKILL}"]
+
+
 def test_reference_follows_world_changes_and_lr_scaling() -> None:
     plain = reference_state(6, 3, 8)
     assert reference_state(6, 3, 8, worlds=[(6, 2)]) == plain  # a change after the last step: no effect

@@ -88,8 +88,9 @@ class Fault:
 
 
 class FaultInjector:
-    """The trainer's ``on_phase`` hook: signals this process at the faults' phases (once each), and
-    sleeps ``slow_fetch`` seconds per received chunk (stretches a transfer). Before a signal it writes
+    """The trainer's ``on_phase`` hook: signals this process at the faults' phases (once each; every fault
+    due at one call fires then, in the order given), and sleeps ``slow_fetch`` seconds per received
+    chunk (stretches a transfer). Before a signal it writes
     ``{kind, phase, step, t}`` (``t``: ``time.monotonic()``) to ``record``."""
 
     def __init__(self, faults: Sequence[Fault], record: Path, slow_fetch: float = 0.0,
@@ -109,16 +110,20 @@ class FaultInjector:
                 time.sleep(self.slow_fetch)
             return
         with self._lock:
-            due = next((f for f in self.faults if f.phase == phase and step >= f.step), None)
-            if due is None:
-                return
-            self.faults.remove(due)
+            due = [f for f in self.faults if f.phase == phase and step >= f.step]
+            if phase == "serve":
+                due = due[:1]
+            for f in due:
+                self.faults.remove(f)
+        if not due:
+            return
         if phase == "serve":  # answer first, die while sending
-            timer = threading.Timer(SERVE_KILL_DELAY, self.fire, (due, step))
+            timer = threading.Timer(SERVE_KILL_DELAY, self.fire, (due[0], step))
             timer.daemon = True
             timer.start()
-        else:
-            self.fire(due, step)
+            return
+        for f in due:  # in the order given: a slow fault before a kill delays the kill
+            self.fire(f, step)
 
     def fire(self, fault: Fault, step: int) -> None:
         if fault.kind in ("slow", "hold"):  # a stall, not a failure: not recorded as the fault
