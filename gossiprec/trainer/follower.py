@@ -177,19 +177,32 @@ class Follower:
             with self.cond:
                 if self.fenced or self.lost or self.stopped or self.finished is not None:
                     return None
-                newest = max(self.plans, default=-1)
-                if newest > epoch and newest >= self.newest_view:
-                    return self.plans[newest]
+                plan = self.newest_plan(epoch)
+                if plan is not None:
+                    return plan
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
                 self.cond.wait(min(left, 0.05))
             if poll is not None and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + 0.1
-                try:
-                    poll()
-                except ControlError as exc:
-                    self.set_lost(str(exc))
+                poll()
+
+    def newest_plan(self, epoch: int) -> Plan | None:
+        """The plan of the newest view, if it is in and after ``epoch`` (call holding :attr:`cond`)."""
+        newest = max(self.plans, default=-1)
+        return self.plans[newest] if newest > epoch and newest >= self.newest_view else None
+
+    def poll_status(self, control: ControlClient, epoch: int) -> bool:
+        """Ask the agent's status (the fallback to events, see :meth:`absorb_status`); False, and the
+        connection marked lost, when the agent cannot be asked."""
+        try:
+            st = control.status()
+        except ControlError as exc:
+            self.set_lost(str(exc))
+            return False
+        self.absorb_status(st, epoch)
+        return True
 
     def trouble(self, epoch: int) -> bool:
         """Whether the loop at ``epoch`` must recover before it goes on."""

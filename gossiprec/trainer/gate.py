@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from gossiprec.errors import RecoveryError
 
@@ -60,6 +60,19 @@ class OptimizerGate:
         """Optimizer steps run in the step rolled forward."""
         self.optimizers = 0
         """The optimizers whose steps the gate hooks (set as the objects are built)."""
+
+    def hook(self, objects: Mapping[str, Any]) -> None:
+        """Put the gate before (and count after) every optimizer step among ``objects``."""
+        for opt in (o for o in objects.values() if hasattr(o, "register_step_pre_hook")):
+            opt.register_step_pre_hook(lambda *_: self.before_optimizer())
+            opt.register_step_post_hook(lambda *_: self.after_optimizer())
+            self.optimizers += 1
+
+    def begin_step(self) -> None:
+        """A step begins: with one copy, issue its commit barrier (every rank, every step; waited by
+        :meth:`before_optimizer`). Raises as any collective of an aborted epoch does."""
+        if self._rt.sharded is not None and self._rt._snaps.hold_live:
+            self._rt.sharded.issue_barrier()
 
     def before_optimizer(self) -> None:
         """Every optimizer's step pre-hook (and the end of a step that ran none)."""
@@ -96,11 +109,8 @@ class OptimizerGate:
         rt._announce(step - 1, nbytes, inflight=step)  # before the phase: the agent reports both at once
         rt._report(step, "recovering")
         f = rt._follower
-
-        def poll() -> None:
-            f.absorb_status(rt.control.status(), rt.epoch)
-
-        plan = f.plan_after(rt.epoch, time.monotonic() + rt.config.recovery_timeout, poll=poll)
+        plan = f.plan_after(rt.epoch, time.monotonic() + rt.config.recovery_timeout,
+                            poll=lambda: f.poll_status(rt.control, rt.epoch))
         keeps = (plan is not None and plan.action == "resume" and plan.target_step == step
                  and plan.rank_of(rt.node) == rt.rank and not any(x.receiver_node == rt.node for x in plan.transfers))
         if not keeps:
@@ -133,6 +143,8 @@ class OptimizerGate:
         return True
 
     def committed(self, step: int) -> None:
+        if self._rolling is None:  # (every commit calls this: no lock unless a roll-forward is on)
+            return
         with self._cond:
             if self._rolling is not None and self._rolling <= step:
                 self._rolling = None

@@ -379,9 +379,8 @@ class ResilientTrainer:
             self._step_t0 = time.monotonic()
             self._coll = 0  # (a step redone after a recovery starts its count again)
             self._report(self.step + 1, "compute")
-            try:  # a sharded job's commit barrier (every rank, every step; waited before the optimizer: gate.py)
-                if self.sharded is not None and self._snaps.hold_live:
-                    self.sharded.issue_barrier()
+            try:
+                self._gate.begin_step()
                 break
             except Exception as exc:
                 if not self._interrupted(exc):
@@ -763,10 +762,7 @@ class ResilientTrainer:
             return
         objects = sharded.build(rank)
         check_objects(objects, self.config)
-        for opt in (o for o in objects.values() if hasattr(o, "register_step_pre_hook")):
-            opt.register_step_pre_hook(lambda *_: self._gate.before_optimizer())  # a barrier before each step
-            opt.register_step_post_hook(lambda *_: self._gate.after_optimizer())
-            self._gate.optimizers += 1
+        self._gate.hook(objects)
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})

@@ -312,9 +312,9 @@ class Recovery:
                 if f.stopped and not f.fenced:
                     raise JobStopped(f"the agreed view stops the job ({f.stopped}); restart it from your "
                                      "checkpoint with more spares, or set allow_shrink = true in the job spec")
-                newest = max(f.plans, default=-1)
-                if not f.fenced and newest > t.epoch and newest >= f.newest_view:
-                    return f.plans[newest]
+                plan = f.newest_plan(t.epoch) if not f.fenced else None
+                if plan is not None:
+                    return plan
                 if not f.fenced and t.role == "trainer" and time.monotonic() >= deadline:
                     tried = "; ".join(f"epoch {e}: {why}" for e, _, why in pending.attempts) or "none"
                     raise RecoveryError(
@@ -324,12 +324,7 @@ class Recovery:
                 f.cond.wait(0.05 if not spare and not f.fenced else 0.2)
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + (0.1 if not spare and not fenced else 0.5)
-                try:
-                    st = t.control.status()
-                except ControlError as exc:
-                    f.set_lost(str(exc))
-                    continue
-                f.absorb_status(st, t.epoch)
+                f.poll_status(t.control, t.epoch)
 
     def become_spare(self, why: str) -> None:
         """This process's state is no longer trusted (fenced, removed): drop it, retire the group, tell
