@@ -2,8 +2,10 @@
 
 Deliberately minimal: each test module builds its own fixtures next to the tests that use them (the
 virtual-clock pump lives in ``test_membership.py``, the codec strategies in ``test_wire.py``), and no
-global Hypothesis profile is loaded, so every property test states its own example budget. The one
-shared fixture is ``netns_ok``, which the modules that build network namespaces depend on.
+global Hypothesis profile is loaded, so every property test states its own example budget. The shared
+fixtures are ``netns_ok``, which the modules that build network namespaces depend on, and ``ref_dir``,
+where the sharded jobs' failure-free references run once per session.
 """
 
 from tests.support.netns import netns_ok  # noqa: F401 (a fixture, shared by the netns modules)
+from tests.support.sharded import ref_dir  # noqa: F401 (a fixture: the sharded jobs' failure-free runs)

@@ -15,7 +15,7 @@ import torch
 from gossiprec.errors import ConfigError
 from gossiprec.trainer.buckets import GradientBuckets
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups, connect_store, start_store_server
-from gossiprec.trainer.loop import rank_ordered_mean
+from gossiprec.trainer.buckets import rank_ordered_mean
 
 HOST = "127.0.0.1"
 

@@ -609,3 +609,19 @@ def test_plan_invariants(s: dict) -> None:  # type: ignore[type-arg]
         )
         if load and max(load.values()) > 1:
             assert set(load) == eligible
+
+
+def test_a_stop_for_a_shard_lost_with_every_holder_names_the_shard() -> None:
+    """The lost rank's only donor died too, and no spare is left: the stop says which state no replica
+    holds any more (shard 1, replica group [1, 3]) and what to do, not merely that spares ran out."""
+    topo = JobTopology.grid(2, 2)
+    members = [Member("n0", "trainer", 0, "h0", "r0"), Member("n2", "trainer", 2, "h2", "r0")]
+    reports = {n: StateReport(n, r, 5, None, 100) for n, r in (("n0", 0), ("n2", 2))}
+    plan = elect(3, members, {r: f"n{r}" for r in range(4)}, reports, topo)
+    assert plan.action == "stop"
+    assert "shard 1 lost with every holder (replica group [1, 3])" in plan.reason, plan.reason
+    assert "no surviving replica holds that state" in plan.reason and "checkpoint" in plan.reason
+    # one holder of each shard lost, no spare: the old word (spares, shrinking) is the right one
+    plan = elect(3, members[:1] + [Member("n3", "trainer", 3, "h3", "r0")], {r: f"n{r}" for r in range(4)},
+                 {"n0": reports["n0"], "n3": StateReport("n3", 3, 5, None, 100)}, topo)
+    assert plan.action == "stop" and "0 spare(s) and shrinking is disabled" in plan.reason, plan.reason

@@ -72,6 +72,33 @@ async def test_child_gets_coordinates_and_its_exit_code_passes_through(sockdir: 
     assert child_environment(launcher.agent, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
+@pytest.mark.parametrize("trained,progress,kept", [
+    (False, (0, 0, 0), "it holds no trained state"),       # a spare: never trained, kept at once
+    (True, (0, 0, 0), "it dropped its trained state"),     # trained, then said idle: it answers
+    (True, (5, 1, 100), ""),                               # trained, reports nothing since: killed (hung)
+])
+async def test_a_removed_child_is_kept_only_if_it_never_trained_or_said_it_dropped_its_state(
+        trained: bool, progress: tuple[int, int, int], kept: str) -> None:
+    """A trainer hung in a collective no abort reached, whose agent's last word of its state is "none"
+    (its reports were reset by the views that removed it), once waited as a spare for a job that had
+    stopped: a child that trained is kept only once it says, by its idle report, that it dropped its
+    state; otherwise it is killed after the grace."""
+    from types import SimpleNamespace
+
+    proc = await asyncio.create_subprocess_exec(PY, "-c", "import time; time.sleep(30)")
+    try:
+        agent = SimpleNamespace(trainer_state={"committed_step": 0, "state_bytes": 0}, trainer_trained=trained,
+                                my_progress=lambda: progress)
+        launcher = Launcher(AgentSettings(name="n0", insecure=True), [PY], fence_grace=0.3)
+        t0 = time.monotonic()
+        why = await launcher._keep_after_removal(agent, proc, "")  # type: ignore[arg-type]
+        assert why.startswith(kept) if kept else why == "", why
+        assert (time.monotonic() - t0 >= 0.3) == (not kept)  # a hung one had the whole grace
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
 async def test_child_runs_below_the_agent_cpu_priority(sockdir: str) -> None:
     code = "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"
     base = os.getpriority(os.PRIO_PROCESS, 0)

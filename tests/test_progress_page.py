@@ -134,12 +134,14 @@ async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
             status = await c.status()
             path = status["progress_page"]
             assert path == page_path_for(agent.control_path) and status["trainer_state"] is None
+            assert not agent.trainer_trained
             with ProgressPage.open(path) as page:
                 page.report(41, PHASES.index("optimizer"), 13)
                 page.set_state(40, None, 4096, 7000)
                 status = await c.status()  # no message: the agent looks at the page
                 assert status["trainer_state"] == {"committed_step": 40, "inflight_step": None,
                                                    "state_bytes": 4096, "transfer_port": 7000}
+                assert agent.trainer_trained  # (sticky: the launcher's rule for a removed trainer)
                 me = [r for r in await c.members() if r["self"]][0]
                 assert (me["step"], me["phase"], me["step_ms"]) == (41, "optimizer", 13)
                 assert agent.machine is not None

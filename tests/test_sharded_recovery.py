@@ -23,8 +23,8 @@ from gossiprec.core.topology import Member
 from gossiprec.errors import ConfigError
 from gossiprec.harness.faults import Fault
 from gossiprec.trainer.sharded import MeshSpec
+from tests.support.sharded import STEPS, check_job as _check, reference as _reference
 
-STEPS = 9
 FULL = bool(os.environ.get("GOSSIPREC_SHARDED_FULL"))
 
 
@@ -139,59 +139,6 @@ def test_the_donor_of_a_lost_shard_is_its_replica_peer(lost: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ real jobs
-_REFERENCES: dict[str, dict[int, str]] = {}
-
-
-def _reference(layout: str, tmp: Path, *args: str) -> dict[int, str]:
-    """The failure-free run's final states (``args``: the trainers' options that change the training)."""
-    from gossiprec.harness.sharded import run_sharded
-
-    key = " ".join((layout, *args))
-    if key not in _REFERENCES:
-        _REFERENCES[key] = run_sharded(layout, STEPS, spares=0, workdir=str(tmp / f"ref-{key.replace(' ', '')}"),
-                                       timeout=240.0, trainer_args=args)["states"]
-    return _REFERENCES[key]
-
-
-@pytest.fixture(scope="module")
-def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("sharded-ref")
-
-
-def _check(res: dict[str, Any], reference: dict[int, str], copies: int = 1) -> None:
-    where = f"(logs in {res['workdir']})"
-    assert res["final_step"] == [STEPS], (res, where)
-    assert res["states"] == reference, (res, where)  # every rank's shards, optimizer state, RNG: byte for byte
-    # one snapshot copy: host memory kept for recovery is the rank's state once (its last commit is held
-    # as the live tensors beside the copy of the one before), and a second copy only of what is not
-    # parameters or optimizer state: here the RNG (torch's CPU generator state, 5 KB; two copies kept 2x).
-    # No copy: the RNG alone (parameters and optimizer state are served live)
-    import torch
-
-    rng = torch.get_rng_state().numel()
-    for r, kept in res["kept_bytes"].items():
-        least = res["state_bytes"][r] if copies else 0
-        assert least <= kept <= least + rng, (r, res["kept_bytes"], where)
-    groups = res["replica_groups"]
-    for f in res["faults"]:
-        assert f["fired"], (f, where)
-        # no step that every shard had committed is lost (a failure inside a step may leave one replica
-        # group a commit ahead of another: that step was never committed by the job, and is redone)
-        before = {r["rank"]: r["target_step"] + r["lost_steps"] for r in f["records"]
-                  if r["previous_role"] == "trainer"}
-        committed = min(max(before[r] for r in g if r in before) for g in groups)
-        targets = {r["target_step"] for r in f["records"]}
-        assert len(targets) == 1, (f, where)
-        # (a kill in the optimizer step: the survivors' agents hold their reports until the survivors
-        # committed that step, so nothing they commit is rolled back)
-        assert targets == {committed}, (f, where)
-        lost = next(r for r in f["assignment"] if f["roles"][r] == "receiver")
-        peer = next(r for g in groups if lost in g for r in g if r != lost)
-        # the spare took the lost coordinate and received its shard from the same coordinate of the other replica
-        assert f["donors"] == {lost: [f["assignment"][peer]]}, (f, where)
-        assert f["assignment"][lost] != f["node"], (f, where)
-
-
 def _crash_before_start(gate: Path, spare: str) -> list[Any]:
     """Actions: once every process is up (before start()), crash ``spare``'s host; once n0's agent holds
     a view without it, open ``gate`` (the trainers' ``--start-gate``)."""
@@ -320,21 +267,23 @@ def test_a_snapshot_free_sharded_job_resumes_where_every_shard_can(tmp_path: Pat
     assert targets == [{2}, {5}, {5}, {7}], (targets, where)
 
 
-FULL_MATRIX = [(layout, kind, phase, copies) for layout in ("tp", "hsdp") for copies in (1, 0)
+FULL_MATRIX = [(model, layout, kind, phase, copies) for model in ("mlp", "lm") for layout in ("tp", "hsdp")
+               for copies in (1, 0)
                for kind, phase in (("kill", "forward"), ("kill", "backprop"), ("kill", "optimizer"),
-                                   ("kill", "committed"), ("stop", "forward"))]
+                                   ("kill", "committed"), ("stop", "forward"), ("stop", "backprop"))]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not FULL, reason="the whole matrix: set GOSSIPREC_SHARDED_FULL=1")
-@pytest.mark.parametrize("layout,kind,phase,copies", FULL_MATRIX)
-def test_sharded_fault_matrix(layout: str, kind: str, phase: str, copies: int, tmp_path: Path,
+@pytest.mark.parametrize("model,layout,kind,phase,copies", FULL_MATRIX)
+def test_sharded_fault_matrix(model: str, layout: str, kind: str, phase: str, copies: int, tmp_path: Path,
                               ref_dir: Path) -> None:
     from gossiprec.harness.sharded import run_sharded
+    from gossiprec.harness.tiny_lm import BUFFER_BYTES
 
     res = run_sharded(layout, STEPS, [Fault("n3", kind, 4, phase)], spares=1, workdir=str(tmp_path / "job"),
-                      timeout=300.0, trainer_args=("--snapshot-copies", str(copies)))
-    _check(res, _reference(layout, ref_dir), copies)
+                      timeout=300.0, trainer_args=("--model", model, "--snapshot-copies", str(copies)))
+    _check(res, _reference(layout, ref_dir, "--model", model), copies, buffers=BUFFER_BYTES if model == "lm" else 0)
 
 
 def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:

@@ -49,7 +49,10 @@ and the exit then makes the agent leave as above, when the child is stopped (SIG
 it still holds committed state ``fence_grace`` seconds after a removal that was not preceded by a fence
 of another kind. It keeps the child when the node was fenced first (a minority that lost the majority:
 the partition, not the trainer, is at fault) and when the child holds no trained state (a spare, or a
-re-provisioned host whose new trainer has not trained in this job yet).
+re-provisioned host whose new trainer has not trained in this job yet, or a trainer that trained and
+has since said, by its idle report, that it dropped its state); a trainer that trained and says nothing
+more (hung in a collective that no abort reached) is killed after ``fence_grace``, also when the job
+has stopped.
 
 A child stopped for the hang threshold makes the agent leave (see ``Agent._check_stopped``); a leaving
 agent sees no more views, so the launcher kills a child that is still stopped when its agent leaves.
@@ -413,7 +416,10 @@ class Launcher:
         while True:
             state = agent.trainer_state
             if state is None or not state.get("state_bytes") or not state.get("committed_step"):
-                return "it holds no trained state: it waits as a spare"
+                if not agent.trainer_trained:
+                    return "it holds no trained state: it waits as a spare"
+                if agent.my_progress()[1] == 0:  # idle: it dropped its state itself (it answers)
+                    return "it dropped its trained state: it waits as a spare"
             if time.monotonic() >= deadline or proc.returncode is not None or stopped(proc.pid):
                 return ""
             await asyncio.sleep(0.05)

@@ -126,6 +126,9 @@ class Agent:
         self._coll = 0
         """The collectives the trainer entered in its current step, as its page last said."""
         self.trainer_state: dict[str, Any] | None = None
+        self.trainer_trained = False
+        """Whether the trainer ever reported a committed step with state (sticky: a trainer that held state
+        and reports none since must also say it dropped it, by reporting the idle phase)."""
         self._page: ProgressPage | None = None
         """The trainer's progress page (see :mod:`gossiprec.local.progress`), read by :meth:`_sync_page`."""
         self._page_seq = 0
@@ -559,6 +562,8 @@ class Agent:
                           transfer_port: int | None) -> None:
         """The trainer's donatable state, reported to the plan of each new view."""
         self.trainer_state = dict(zip(_STATE_KEYS, (committed_step, inflight_step, state_bytes, transfer_port)))
+        if committed_step > 0 and state_bytes > 0:
+            self.trainer_trained = True
         if self.machine is not None:
             self.machine.set_state(committed_step, inflight_step, state_bytes)
 

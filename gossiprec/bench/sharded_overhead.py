@@ -64,12 +64,15 @@ def training_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def run_plain(layout: str, steps: int, hidden: int, pace_ms: float, work: Path, timeout: float) -> dict[str, Any]:
-    """The plain job under torchrun: ``{"commits": rank -> Series, "states": rank -> digest}``."""
+def run_plain(layout: str, steps: int, hidden: int, pace_ms: float, work: Path, timeout: float,
+              trainer_args: Sequence[str] = ()) -> dict[str, Any]:
+    """The plain job under torchrun: ``{"commits": rank -> Series, "states": rank -> digest}``
+    (``trainer_args``: more options for every rank, e.g. ``--model lm``)."""
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
            str(RANKS), "-m", "gossiprec.harness.sharded_trainer", "--plain", "--layout", layout, "--steps",
-           str(steps), "--hidden", str(hidden), "--pace-ms", str(pace_ms), "--out", str(work / "r{rank}.json")]
+           str(steps), "--hidden", str(hidden), "--pace-ms", str(pace_ms), "--out", str(work / "r{rank}.json"),
+           *trainer_args]
     with open(work / "torchrun.log", "wb") as log:
         try:
             proc = subprocess.run(cmd, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, stdout=log,

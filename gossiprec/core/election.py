@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -377,6 +377,14 @@ def elect(
     dropped: list[int] = []
     to_replace = lost
     if len(spares) < len(lost):
+        gone = _shards_lost(topology, lost)
+        if gone:  # what is really missing: no spare could be given this state
+            return _stop(
+                view_epoch,
+                f"stop: {gone}: no surviving replica holds that state (ranks {lost} lost, {len(spares)} "
+                "spare(s) in the view); resume from a checkpoint (on_no_replica), and run more replicas "
+                "per shard, each on another host",
+            )
         if not topology.allow_shrink:
             return _stop(
                 view_epoch,
@@ -646,6 +654,14 @@ def _summary(
     if ignored:
         parts.append(f"{ignored} survivor(s) without a usable report")
     return "; ".join(parts)
+
+
+def _shards_lost(topology: JobTopology, lost: Sequence[int]) -> str:
+    """The shards whose every holder is among ``lost``, in words ("" if none): shard ``k`` is the
+    ``k``-th replica group (the ranks that hold the same state)."""
+    gone = set(lost)
+    orphans = [(k, list(g)) for k, g in enumerate(topology.replica_groups) if g and set(g) <= gone]
+    return "; ".join(f"shard {k} lost with every holder (replica group {g})" for k, g in orphans)
 
 
 def _stop(epoch: int, reason: str) -> Plan:

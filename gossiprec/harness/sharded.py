@@ -11,7 +11,8 @@ is reaped. The result:
   with failures must give the same digests as the failure-free run of the same layout and steps;
 - ``assignment``: rank -> the node that finished it; ``final_step``: the steps the ranks ended at;
   ``commits``: rank -> its ``(step, time.monotonic())`` after each step it committed, ``cpu_s``: rank ->
-  its process's CPU time (``time.process_time()``) at each of those commits;
+  its process's CPU time (``time.process_time()``) at each of those commits; ``losses``: rank -> step ->
+  the loss its finishing node committed that step with (``--model lm``);
 - ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
   (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
 - ``exits``: each launcher's exit code (None: still running when reaped); ``records``: every recovery
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 from gossiprec.errors import GossiprecError
 from gossiprec.harness.faults import Fault
@@ -45,7 +46,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
                 log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
-                trainer_args: Sequence[str] = (), hosts: Hosts | None = None) -> dict[str, Any]:
+                trainer_args: Sequence[str] = (), extra_args: Mapping[str, Sequence[str]] | None = None,
+                hosts: Hosts | None = None) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -53,7 +55,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     ``actions``: the caller's interventions, one after the other, as in
     :func:`~gossiprec.harness.scenario.run_scenario` (each name -> when it was done: ``actions`` in the
     result); ``may_fail``: nodes whose trainer may exit with an error; ``trainer_args``: more options
-    for every trainer (e.g. ``--start-gate PATH``); ``hosts``: node i runs on host i (default: every
+    for every trainer (e.g. ``--start-gate PATH``); ``extra_args``: node -> more options for that node's
+    trainer alone; ``hosts``: node i runs on host i (default: every
     node on loopback; see :class:`~gossiprec.harness.job.LocalJob`)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
@@ -68,7 +71,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
                     "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),
                     "--timeout", str(trainer_timeout), "--hidden", str(hidden),
-                    "--wait-for-spares", str(SPARES_UP_S if spares else 0), *trainer_args]
+                    "--wait-for-spares", str(SPARES_UP_S if spares else 0), *trainer_args,
+                    *(extra_args or {}).get(node, ())]
             for f in faults:
                 if f.node == node:
                     argv += ["--fault", f.spec()]
@@ -119,6 +123,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             "commits": {r: [(int(st), float(t)) for st, t in rep.get("commits", [])]
                         for r, rep in sorted(reports.items())},
             "cpu_s": {r: rep.get("cpu_s", []) for r, rep in sorted(reports.items())},
+            "losses": {r: {int(s): v for s, v in rep.get("losses", {}).items()} for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
             "actions": done_at, "records": records,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

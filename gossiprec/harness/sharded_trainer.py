@@ -1,6 +1,8 @@
 """A sharded job's trainer (``python -m gossiprec.harness.sharded_trainer``): one rank or spare under ``gossiprec run``.
 
-Two layouts of four ranks, each a tiny MLP (8 -> 16 -> 8) trained with AdamW and gradient clipping:
+Two layouts of four ranks, each a tiny MLP (8 -> 16 -> 8) trained with AdamW and gradient clipping
+(``--model lm``: the small language model of :mod:`gossiprec.harness.tiny_lm` instead, with root-level
+parameters, tied embeddings, a buffer, dropout, an LR schedule and a data position):
 
 - ``tp``: a ``("dp", "tp") = (2, 2)`` mesh; DTensor tensor parallelism along ``tp`` (column-wise first
   layer, row-wise second: an all-reduce in every forward), gradients averaged along ``dp`` with
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gossiprec.harness import tiny_lm
 from gossiprec.harness.faults import Fault, FaultInjector
 from gossiprec.trainer.sharded import MeshSpec
 
@@ -136,6 +139,10 @@ def trainer_main(args: argparse.Namespace) -> int:
     rt: Any = None
 
     def build(mesh: Any) -> dict[str, Any]:
+        if args.model == "lm":
+            objects = tiny_lm.build_objects(layout, mesh)
+            tiny_lm.arm(objects, lambda phase: hook(rt.step + 1, phase))
+            return objects
         objects = build_objects(layout, mesh, args.hidden)
         _arm(objects, rt, hook)
         return objects
@@ -145,20 +152,39 @@ def trainer_main(args: argparse.Namespace) -> int:
         with open(out.with_suffix(".records"), "a") as f:  # kept even if this trainer dies later
             f.write(json.dumps(records[-1]) + "\n")
 
-    config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares, stateless_data=True,
+    config = TrainerConfig(timeout=args.timeout, wait_for_spares=args.wait_for_spares,
+                           stateless_data=args.model == "mlp",
                            snapshot_copies=args.snapshot_copies)
+    started: set[int] = set()
+
+    def on_phase(step: int, phase: str) -> None:
+        if phase == "compute" and args.leave_grad and step in started:  # a redone step: a gradient left on
+            started.discard(step)
+            args.leave_grad = False
+            p = rt.objects["model"].get_parameter(args.leave_grad_on)
+            p.grad = torch.zeros_like(p)
+        elif phase == "compute":
+            started.add(step)
+        hook(step, phase)
+
     rt = ResilientTrainer(None, config, mesh=LAYOUTS[layout], build=build, on_recovered=on_recovered,
-                          on_phase=hook)
+                          on_phase=on_phase)
     out.with_suffix(".ready").write_text("1")
     while args.start_gate and not Path(args.start_gate).exists():
         time.sleep(0.02)  # the harness holds start() back (to change the view before any rank starts)
     commits: list[tuple[int, float]] = []
     cpu: list[float] = []  # the process's CPU time at each commit (every thread's)
+    losses: dict[int, float] = {}  # (--model lm) step -> its loss, as the committed run of it returned
     try:
         rt.start()
         while rt.step < args.steps:
-            with rt.training_step() as step:
-                train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
+            if args.model == "lm":
+                done = rt.run_step(lambda _s: tiny_lm.train_step(layout, rt.objects, rt.mesh, clip=not args.no_clip))
+                if done.committed:
+                    losses[done.step] = done.value
+            else:
+                with rt.training_step() as step:
+                    train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
             commits.append((rt.step, time.monotonic()))
             cpu.append(time.process_time())
             if args.step_ms:
@@ -173,7 +199,7 @@ def trainer_main(args: argparse.Namespace) -> int:
                                "records": records, "state_bytes": final.header.total_nbytes,
                                "kept_bytes": rt.snapshot_bytes,
                                "hung": rt.sharded.hung if rt.sharded is not None else 0,
-                               "commits": commits, "cpu_s": cpu}))
+                               "commits": commits, "cpu_s": cpu, "losses": losses}))
     rt.finish()
     os._exit(0)  # an aborted backend may hold collectives whose destructor would block (managed.py)
 
@@ -194,11 +220,16 @@ def plain_main(args: argparse.Namespace) -> int:
     spec = LAYOUTS[args.layout]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
-    objects = build_objects(args.layout, mesh, args.hidden)
+    lm = args.model == "lm"
+    objects = tiny_lm.build_objects(args.layout, mesh) if lm else build_objects(args.layout, mesh, args.hidden)
     commits: list[tuple[int, float]] = []
     cpu: list[float] = []
+    losses: dict[int, float] = {}
     for step in range(1, args.steps + 1):
-        train_step(args.layout, objects, mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
+        if lm:
+            losses[step] = tiny_lm.train_step(args.layout, objects, mesh, clip=not args.no_clip)
+        else:
+            train_step(args.layout, objects, mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
         commits.append((step, time.monotonic()))
         cpu.append(time.process_time())
     out = Path(args.out.replace("{rank}", str(dist.get_rank())))
@@ -206,7 +237,8 @@ def plain_main(args: argparse.Namespace) -> int:
     out.with_suffix(".state").write_bytes(state_bytes(final))
     out.write_text(json.dumps({"node": f"plain{dist.get_rank()}", "rank": dist.get_rank(),
                                "world_size": dist.get_world_size(), "step": args.steps,
-                               "state_bytes": final.header.total_nbytes, "commits": commits, "cpu_s": cpu}))
+                               "state_bytes": final.header.total_nbytes, "commits": commits, "cpu_s": cpu,
+                               "losses": losses}))
     dist.destroy_process_group()
     return 0
 
@@ -222,6 +254,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
                    help="start() waits this long for the spares to be up")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="the MLP's width")
+    p.add_argument("--model", choices=("mlp", "lm"), default="mlp",
+                   help="the tiny MLP, or the small language model of gossiprec.harness.tiny_lm")
     p.add_argument("--no-clip", dest="no_clip", action="store_true",
                    help="no gradient clipping (and so no norm all-reduce before the optimizer step)")
     p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=None,
@@ -231,6 +265,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true",
                    help="run without gossiprec under torchrun ('{rank}' in --out becomes the rank)")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
+    p.add_argument("--leave-grad", dest="leave_grad", action="store_true",
+                   help="at the first step redone after a recovery, put a gradient on --leave-grad-on before "
+                        "the step's code runs (what the trainer's guard must refuse)")
+    p.add_argument("--leave-grad-on", dest="leave_grad_on", default="ln_f.weight",
+                   help="the parameter --leave-grad writes (a name in the model)")
     p.add_argument("--start-gate", dest="start_gate", default="",
                    help="call start() only once this file exists (default: at once)")
     return p

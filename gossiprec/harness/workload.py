@@ -6,7 +6,7 @@ seeds them all), and a rank's batch is a function of the data position and the r
 (:func:`batch`): nothing per rank is stored, so a spare that receives a survivor's state continues
 exactly where the rank was. :func:`reference_state` replays the failure-free training in one process;
 because the trainers reduce gradients in rank order (``allreduce_gradients(exact=True)``, the same
-:func:`~gossiprec.trainer.loop.rank_ordered_mean`), its state equals theirs bit for bit, and a run with
+:func:`~gossiprec.trainer.buckets.rank_ordered_mean`), its state equals theirs bit for bit, and a run with
 failures must end with exactly that state. ``examples/mlp.py`` is the same workload written for a user
 to copy (it cannot import this package's harness).
 """
@@ -121,7 +121,7 @@ def reference_state(steps: int, world: int, hidden: int, *, worlds: Sequence[tup
 def _reference(steps: int, world: int, hidden: int, worlds: list[tuple[int, int]], lr_scale: bool) -> bytes:
     import torch
 
-    from gossiprec.trainer.loop import rank_ordered_mean
+    from gossiprec.trainer.buckets import rank_ordered_mean
     from gossiprec.trainer.capture import capture_state
 
     model, opt, cursor = build(hidden)

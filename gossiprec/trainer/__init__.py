@@ -10,7 +10,8 @@ from gossiprec.trainer.donor import DonorServer
 from gossiprec.trainer.exits import EXIT_FINISHED, EXIT_NOT_NEEDED, EXIT_STOPPED, exit_code
 from gossiprec.trainer.fetch import fetch_state
 from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
-from gossiprec.trainer.loop import ResilientTrainer, rank_ordered_mean
+from gossiprec.trainer.buckets import rank_ordered_mean
+from gossiprec.trainer.loop import ResilientTrainer
 from gossiprec.trainer.objects import Stateful, training_state
 from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
 from gossiprec.trainer.recovery import JobFinished, JobStopped, MeshShrinkRefused, NoReplica, RecoveryRecord, Released
@@ -18,11 +19,12 @@ from gossiprec.trainer.rng import RNGState
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.settings import TrainerSettings, transfer_key
 from gossiprec.trainer.sharded import MeshSpec
+from gossiprec.trainer.steps import StepResult
 
 __all__ = [
     "EXIT_FINISHED", "EXIT_NOT_NEEDED", "EXIT_STOPPED", "CollectiveAborted", "DonorServer", "EpochGroup", "EpochGroups",
     "JobFinished", "JobStopped", "MeshShrinkRefused", "MeshSpec", "NoReplica", "RNGState", "RecoveryRecord",
-    "Released", "ReplicaMismatch",
+    "Released", "ReplicaMismatch", "StepResult",
     "ResilientTrainer", "Stateful", "TrainerConfig", "TrainerSettings", "TransferKeys", "capture_state", "exit_code",
     "fetch_state", "materialize_optimizer_state", "rank_ordered_mean", "restore_state", "training_state",
     "transfer_key",

@@ -17,7 +17,7 @@ issued (the group was aborted) is remembered and raised by ``finish``.
 **Deterministic.** The result of each element depends only on which bucket holds it and on the
 reduction of that bucket: membership is a function of the parameter list, the issue order is the
 bucket index, and the reduction is ``exact`` (each rank's gradients in its own row, rows added in rank
-order: :func:`~gossiprec.trainer.loop.rank_ordered_mean`, bit-identical to the flat path) or the
+order: :func:`rank_ordered_mean`, bit-identical to the flat path) or the
 backend's average, whose order for a given buffer size and world size does not change between runs.
 Nothing depends on timing, so a run with failures reduces exactly as the failure-free run does.
 
@@ -41,6 +41,15 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 Issue = Callable[["torch.Tensor", str], Any]
 """Issue an asynchronous all-reduce of a tensor (op "sum" or "avg"); returns its pending work, or None
 when it was not issued (a view change is known)."""
+
+
+def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``(((rows[0] + rows[1]) + rows[2]) + ...) / len(rows)``: the reduction of ``exact`` gradients,
+    reproducible in one process (e.g. a failure-free reference run)."""
+    total = rows[0].clone()
+    for r in rows[1:]:
+        total.add_(r)
+    return total.div_(len(rows))
 
 
 class GradientBuckets:
@@ -161,8 +170,6 @@ class GradientBuckets:
         interrupted) and write the averaged gradients into ``.grad``. False: a view change stopped the
         issue (nothing written). The step's state is reset either way."""
         import torch
-
-        from gossiprec.trainer.loop import rank_ordered_mean
 
         try:
             if self._twice:

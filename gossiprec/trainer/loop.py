@@ -15,36 +15,30 @@
     rt.finish()
 
 **Commit point.** Step ``s`` is committed on a rank when its optimizer step has finished and
-:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.snapshots`:
-the bulk of the copy runs while step ``s + 1`` computes). Before that, a failure rolls this rank back
-to ``s - 1``: its live objects are reloaded from the snapshot, so RNG and data position consumed by
-the interrupted step are undone. Every commit tells the agent its state (committed step, payload
-size) and every phase change its progress (step, phase, step time) through the agent's progress page
-(:mod:`gossiprec.local.progress`: shared memory, no system call), or, where the agent has none, as
-non-blocking messages on the control socket.
+:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.snapshots`).
+Before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Every commit
+and phase change reaches the agent through its progress page (:mod:`gossiprec.local.progress`), or
+as non-blocking messages on the control socket.
 
-**Interruption.** A thread follows the agent's events (:mod:`gossiprec.trainer.follower`); a newer
-view or a fence aborts the current group, so a waiting all-reduce raises within a poll slice (a
-collective that fails by itself raises too), and the trainer recovers in place
-(:mod:`gossiprec.trainer.recovery`). Replicas are compared along the way (:mod:`gossiprec.trainer.checks`).
+**Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current
+group, so a waiting collective raises within a poll slice, and the trainer recovers in place
+(:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.checks`).
 
 **Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``,
 ``communicate`` with the collective in flight, ``optimizer``, ``committed``) and, during a recovery,
 ``serve`` (a receiver asked this donor for state; from a donor thread) and ``fetch`` (a chunk arrived;
 from a receiving thread): for tracing and fault injection, not for long work.
 
-**Hangs.** A stopped or stuck trainer stays in its collective; the survivors leave theirs when the
-agents agree on a view without it: they find the hung rank by its position (step, collectives entered
-in the step, phase) stalled behind the others'. Every collective entered, on any group, counts (the
-page carries the count), so a rank stuck before collective k is behind its peers inside k. A rank
-whose collective is still pending ``wait_report_after`` seconds in reports ``waiting`` until it
-completes (the agents never take a waiting rank for the hung one), which also leaves a rank frozen
-inside the all-reduce behind the peers waiting for it. The hung process must
-be killed by its launcher once its node is out of the view (``gossiprec run`` does); if it wakes first,
-its trainer drops its state and waits as a spare, as a fenced one does (:mod:`gossiprec.trainer.recovery`).
+**Hangs.** A stuck rank stays in its collective; the agents find it by its position (step, collectives
+entered in the step, phase) stalled behind the others' and agree on a view without it (a rank whose
+collective waits on peers reports ``waiting``). Its launcher kills it once its node is out of the view;
+one that wakes first drops its state and waits as a spare (:mod:`gossiprec.trainer.recovery`).
 
-**Exits.** :meth:`~ResilientTrainer.leave` ends a process after the outcomes that are not crashes
-(not needed, released, stopped in good order) with the codes of :mod:`gossiprec.trainer.exits`.
+**Redone steps** start clean: after a recovery every gradient of the registered objects is dropped, and
+the redone step's first collective refuses one it did not produce (:mod:`gossiprec.trainer.redo`).
+
+**Exits.** :meth:`~ResilientTrainer.leave` ends a process that is not needed, released or stopped
+in good order, with the codes of :mod:`gossiprec.trainer.exits`.
 
 **Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
 objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
@@ -72,7 +66,7 @@ import os
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn, TypeVar
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
@@ -80,6 +74,7 @@ from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
 from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.checks import ReplicaChecks
+from gossiprec.trainer.buckets import rank_ordered_mean
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.donor import DonorServer
 from gossiprec.trainer.exits import exit_code
@@ -90,12 +85,14 @@ from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.receive import materialize_optimizers
+from gossiprec.trainer.redo import RedoGuard, clear_gradients
 from gossiprec.trainer.recovery import (
-    JobStopped, MeshShrinkRefused, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
+    JobStopped, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
 )
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
 from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
 from gossiprec.trainer.snapshots import Snapshots
+from gossiprec.trainer.steps import StepResult
 
 if TYPE_CHECKING:
     import torch
@@ -105,19 +102,11 @@ if TYPE_CHECKING:
     from gossiprec.trainer.groups import PendingCollective
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
 WAITING = "waiting"
 """The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
-
-
-def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
-    """``(((rows[0] + rows[1]) + rows[2]) + ...) / len(rows)``: the reduction of ``exact`` gradients,
-    reproducible in one process (e.g. a failure-free reference run)."""
-    total = rows[0].clone()
-    for r in rows[1:]:
-        total.add_(r)
-    return total.div_(len(rows))
 
 
 class ResilientTrainer:
@@ -138,6 +127,13 @@ class ResilientTrainer:
     dropped its state to wait as a spare (its node was fenced or removed).
 
     ``mesh`` and ``build(mesh) -> objects``: a sharded job (see the module docstring); ``objects`` is then None.
+
+    What the loop reads: :attr:`step` (the last committed step), :attr:`rank` and :attr:`world_size`
+    (-1 and 0 on a spare), :attr:`epoch` (the view the rank's groups belong to), :attr:`role`
+    (``trainer`` or ``spare``), :attr:`objects` (the registered state; in a sharded job what
+    ``build(mesh)`` returned) and :attr:`mesh` (a sharded job's ``DeviceMesh``, once built; a spare's
+    ``build(mesh)`` runs on the recovery path, between the plan and the state transfer, and its time
+    is part of the recovery record's). :attr:`records`: the :class:`RecoveryRecord` of each recovery.
     """
 
     def __init__(self, objects: Mapping[str, Stateful] | None, config: TrainerConfig | None = None, *,
@@ -217,6 +213,7 @@ class ResilientTrainer:
         self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=copies)
         self._snaps.hold_live = self.sharded is not None and copies == 1
         self._gate = OptimizerGate(self)
+        self._redo = RedoGuard()
         self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
                                      every=config.verify_every, exclude=config.verify_exclude,
@@ -387,6 +384,8 @@ class ResilientTrainer:
                     raise
                 self._recover(f"interrupted in step {self.step + 1}'s commit barrier")
         self._snaps.copier.release()  # the last commit's small copies, on the thread, while this step computes
+        if self._redo.armed:
+            self._redo.start()  # (after the commit barrier: the loop's own collectives are checked)
         self._hook(self.step + 1, "compute")
         return self.step + 1
 
@@ -491,6 +490,16 @@ class ResilientTrainer:
             return
         self.commit()
 
+    def run_step(self, closure: Callable[[int], _T]) -> StepResult[_T]:
+        """``with training_step() as s: value = closure(s)``: the step, whether it committed (False: it was
+        interrupted and the trainer recovered; the loop goes on from :attr:`step`) and what ``closure``
+        returned (its loss, say; None when it did not finish)."""
+        value: _T | None = None
+        with self.training_step() as step:
+            value = closure(step)
+        committed = self.step == step  # (a step rolled forward after its interruption committed too)
+        return StepResult(step, committed, value if committed else None)
+
     def _interrupted(self, exc: BaseException) -> bool:
         """Whether ``exc`` comes from a failed or aborted collective of this epoch (wrapped or not)."""
         if isinstance(exc, CollectiveAborted):
@@ -505,6 +514,8 @@ class ResilientTrainer:
         two commits, so it includes data loading and anything else the loop does between steps.
         """
         step = self.step + 1
+        if self._redo.armed:
+            self._redo.disarm()  # (a redone step without a collective)
         self._commit_snapshot(step, verify=self._checks.checks_commit(step))
         now = time.monotonic()
         if self._last_commit_at is not None:
@@ -525,10 +536,8 @@ class ResilientTrainer:
             with rt.checkpointing():
                 torch.save({k: o.state_dict() for k, o in rt.objects.items()}, path)
 
-        The agents see this rank in phase ``checkpoint`` and judge it hung only after
-        ``checkpoint_timeout`` (600 s by default, in the ``[protocol]`` table), not after the step-time
-        threshold: without this, the ranks waiting for it in the next all-reduce would have it evicted
-        as hung after max(1 s, 3 x step time). A view change during the save is handled at the next step.
+        The agents judge a rank in phase ``checkpoint`` hung only after ``checkpoint_timeout`` (600 s by
+        default, ``[protocol]``), not max(1 s, 3 x step time). A view change meanwhile waits for the next step.
         """
         self._report(self.step, "checkpoint")
         self._hook(self.step, "checkpoint")
@@ -617,7 +626,7 @@ class ResilientTrainer:
         if self._follower.trouble(self.epoch):
             return None
         assert self.groups is not None and self.groups.current is not None
-        self._entered()
+        self._entered(guard=False)
         return self.groups.current.allreduce(tensor, op, async_op=True)
 
     def _bucket_issued(self) -> None:
@@ -660,14 +669,8 @@ class ResilientTrainer:
         except GossiprecError as exc:
             self._left = f"{type(exc).__name__}: {exc}"  # released, stopped, fenced...: it finishes nothing
             raise
-        if self.sharded is not None:
-            # the interrupted step's gradients are partial, and an aborted collective may still write into
-            # them: the step starts again from none (the loop's own backward makes new ones)
-            import torch
-
-            for obj in self.objects.values():
-                if isinstance(obj, torch.optim.Optimizer):
-                    obj.zero_grad(set_to_none=True)
+        clear_gradients(self.objects)  # the interrupted step's, partial: the redone one starts from none
+        self._redo.arm(self.objects)
 
     def _commit_snapshot(self, step: int, verify: bool = False) -> None:
         """Capture the objects as step ``step`` and tell the agent. ``verify``: copy everything now with
@@ -722,20 +725,22 @@ class ResilientTrainer:
             self.sharded.abort(reason, epoch=epoch - 1)
 
     def _on_slow(self) -> None:
-        """A managed collective waits on peers: say so, so that the agents tell this rank from a frozen one."""
+        """A managed collective waits on peers: say so (the agents tell this rank from a frozen one)."""
         if WAITING in PHASES:
             self._report(self.step + 1, WAITING)
 
     def _on_resume(self) -> None:
-        """A collective that was slow completed: this rank is no longer waiting on its peers (a rank that
-        stalls later in the step, outside any collective, must not still read as waiting)."""
+        """A slow collective completed: this rank no longer reads as waiting (a later stall must not)."""
         step, phase = self._at
         if phase == WAITING:
             self._report(step, self._resume_phase)
 
-    def _entered(self) -> None:
-        """A collective is entered (on any group): the position the agents compare moves on. Only the
-        page carries the count (the control socket's ``report`` has none: no message per collective)."""
+    def _entered(self, guard: bool = True) -> None:
+        """A collective is entered (on any group): the position the agents compare moves on (on the page
+        only). ``guard``: check a redone step's first collective (not from a gradient hook: no raising
+        into backward)."""
+        if guard and self._redo.watching:
+            self._redo.check()
         self._coll += 1
         step, phase = self._at
         if self.sharded is not None and phase == "compute" and step >= 0:
@@ -755,12 +760,9 @@ class ResilientTrainer:
         sharded = self.sharded
         if sharded is None:
             return
-        if sharded.built:
-            if rank != sharded.rank:
-                raise MeshShrinkRefused(f"the plan gives node {self.node} rank {rank}, but it built the mesh as rank "
-                                        f"{sharded.rank}: a mesh job keeps every rank's coordinate")
+        if sharded.built and rank == sharded.rank:
             return
-        objects = sharded.build(rank)
+        objects = sharded.build(rank)  # (MeshShrinkRefused for another rank than it was built for)
         check_objects(objects, self.config)
         self._gate.hook(objects)
         self.mesh = sharded.mesh

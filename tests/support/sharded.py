@@ -1,0 +1,72 @@
+"""What the sharded jobs' tests share: the failure-free references and the checks of a job with faults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STEPS = 9
+"""Every sharded test job trains this many steps."""
+
+REFERENCES: dict[str, dict[str, Any]] = {}
+
+
+def reference_run(layout: str, tmp: Path, *args: str) -> dict[str, Any]:
+    """The failure-free run (``args``: the trainers' options that change the training), once per session."""
+    from gossiprec.harness.sharded import run_sharded
+
+    key = " ".join((layout, *args))
+    if key not in REFERENCES:
+        REFERENCES[key] = run_sharded(layout, STEPS, spares=0, workdir=str(tmp / f"ref-{key.replace(' ', '')}"),
+                                       timeout=240.0, trainer_args=args)
+    return REFERENCES[key]
+
+
+def reference(layout: str, tmp: Path, *args: str) -> dict[int, str]:
+    """The failure-free run's final states: rank -> SHA-256 of its state."""
+    states: dict[int, str] = reference_run(layout, tmp, *args)["states"]
+    return states
+
+
+@pytest.fixture(scope="session")
+def ref_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sharded-ref")
+
+
+def check_job(res: dict[str, Any], reference: dict[int, str], copies: int = 1, buffers: int = 0) -> None:
+    """``res`` (a faulted job's :func:`~gossiprec.harness.sharded.run_sharded`) ended as ``reference``,
+    lost nothing committed, each lost shard came from its replica peer, and the memory kept for recovery
+    is as ``copies`` says (``buffers``: bytes of the model's buffers, copied like the RNG)."""
+    where = f"(logs in {res['workdir']})"
+    assert res["final_step"] == [STEPS], (res, where)
+    assert res["states"] == reference, (res, where)  # every rank's shards, optimizer state, RNG: byte for byte
+    # one snapshot copy: host memory kept for recovery is the rank's state once (its last commit is held
+    # as the live tensors beside the copy of the one before), and a second copy only of what is not
+    # parameters or optimizer state: here the RNG (torch's CPU generator state, 5 KB; two copies kept 2x).
+    # No copy: the RNG alone (parameters and optimizer state are served live); buffers like the RNG
+    import torch
+
+    rng = torch.get_rng_state().numel()
+    for r, kept in res["kept_bytes"].items():
+        least = res["state_bytes"][r] if copies else 0
+        assert least <= kept <= least + rng + buffers, (r, res["kept_bytes"], where)
+    groups = res["replica_groups"]
+    for f in res["faults"]:
+        assert f["fired"], (f, where)
+        # no step that every shard had committed is lost (a failure inside a step may leave one replica
+        # group a commit ahead of another: that step was never committed by the job, and is redone)
+        before = {r["rank"]: r["target_step"] + r["lost_steps"] for r in f["records"]
+                  if r["previous_role"] == "trainer"}
+        committed = min(max(before[r] for r in g if r in before) for g in groups)
+        targets = {r["target_step"] for r in f["records"]}
+        assert len(targets) == 1, (f, where)
+        # (a kill in the optimizer step: the survivors' agents hold their reports until the survivors
+        # committed that step, so nothing they commit is rolled back)
+        assert targets == {committed}, (f, where)
+        lost = next(r for r in f["assignment"] if f["roles"][r] == "receiver")
+        peer = next(r for g in groups if lost in g for r in g if r != lost)
+        # the spare took the lost coordinate and received its shard from the same coordinate of the other replica
+        assert f["donors"] == {lost: [f["assignment"][peer]]}, (f, where)
+        assert f["assignment"][lost] != f["node"], (f, where)
