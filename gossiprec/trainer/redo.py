@@ -47,7 +47,8 @@ def grad_slots(objects: Mapping[str, Any]) -> Iterator[Slot]:
                     seen.add(id(p))
                     yield f"{key}.{name}", p, "grad"
             for module in obj.modules():
-                state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+                get_state = getattr(module, "_get_fsdp_state", None)  # (FSDP2 modules only)
+                state = get_state() if get_state is not None else None
                 for group in getattr(state, "_fsdp_param_groups", ()) if state is not None else ():
                     for fp in group.fsdp_params:
                         fqn = f"{key}.{fp._param_fqn or '?'}"
