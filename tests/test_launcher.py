@@ -88,7 +88,7 @@ async def test_a_removed_child_is_kept_only_if_it_never_trained_or_said_it_dropp
     proc = await asyncio.create_subprocess_exec(PY, "-c", "import time; time.sleep(30)")
     try:
         agent = SimpleNamespace(trainer_state={"committed_step": 0, "state_bytes": 0}, trainer_trained=trained,
-                                my_progress=lambda: progress)
+                                my_progress=progress)
         launcher = Launcher(AgentSettings(name="n0", insecure=True), [PY], fence_grace=0.3)
         t0 = time.monotonic()
         why = await launcher._keep_after_removal(agent, proc, "")  # type: ignore[arg-type]

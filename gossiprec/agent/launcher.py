@@ -418,7 +418,7 @@ class Launcher:
             if state is None or not state.get("state_bytes") or not state.get("committed_step"):
                 if not agent.trainer_trained:
                     return "it holds no trained state: it waits as a spare"
-                if agent.my_progress()[1] == 0:  # idle: it dropped its state itself (it answers)
+                if agent.my_progress[1] == 0:  # idle: it dropped its state itself (it answers)
                     return "it dropped its trained state: it waits as a spare"
             if time.monotonic() >= deadline or proc.returncode is not None or stopped(proc.pid):
                 return ""
