@@ -33,56 +33,100 @@ BIG = 16 * 1024 * 1024  # floats: an allreduce long enough to be killed in the m
 
 
 class FakeWork:
-    """A Work whose outcome the test scripts: completes after ``polls`` waits, with ``error`` or not."""
+    """A Work whose outcome the test scripts: completes after ``polls`` checks of ``is_completed`` (NCCL's
+    way: polled, never waited while pending), with ``error`` or not."""
 
-    def __init__(self, polls: int | None, error: str | None = None,
-                 on_poll: Any = None) -> None:
-        self.polls, self.error, self.on_poll, self.calls = polls, error, on_poll, 0
+    def __init__(self, polls: int | None, error: str | None = None) -> None:
+        self.polls, self.error, self.calls = polls, error, 0
 
     def is_completed(self) -> bool:
-        return self.polls is not None and self.calls >= self.polls
+        self.calls += 1
+        return self.polls is not None and self.calls > self.polls
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is not None:
-            self.calls += 1
-            if self.on_poll:
-                self.on_poll(self.calls)
-            if not self.is_completed():
-                raise RuntimeError("Operation timed out!")
+        if timeout is not None and not self.is_completed():
+            raise RuntimeError("Operation timed out!")
         if self.error:
             raise RuntimeError(self.error)
         return True
 
 
-def test_wait_returns_when_work_completes_after_timed_slices() -> None:
-    work = FakeWork(polls=3)
-    wait_interruptible(work, threading.Event(), epoch=0, op="allreduce")
-    assert work.calls == 3
+class UntimedWork:
+    """As gloo's reduce-scatters in torch 2.13: no future, never ``is_completed``, and the collective runs
+    inside ``wait()`` whatever its timeout (here: until ``release`` is set; then ``error`` or not)."""
+
+    def __init__(self, error: str | None = None, released: bool = True) -> None:
+        self.error, self.release = error, threading.Event()
+        if released:
+            self.release.set()
+        self.waits: list[tuple[str, timedelta | None]] = []  # (thread, timeout) of every wait
+
+    def is_completed(self) -> bool:
+        return False
+
+    def get_future(self) -> Any:
+        raise RuntimeError("Work::getFuture not implemented.")
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waits.append((threading.current_thread().name, timeout))
+        self.release.wait(30)
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def test_a_work_without_a_future_runs_on_a_waiter_thread() -> None:
+    """Its wait would hold the rank until the collective ends: a waiter thread runs it, once, untimed."""
+    work = UntimedWork()
+    wait_interruptible(work, threading.Event(), epoch=0, op="_reduce_scatter_base")
+    assert work.waits == [("gossiprec-waiter", None)]
+    work = UntimedWork()  # the waiter that ran the first is idle again: it runs the next
+    wait_interruptible(work, Alarm(), epoch=0, op="_reduce_scatter_base")
+    assert work.waits == [("gossiprec-waiter", None)]
 
 
 def test_peer_error_becomes_collective_aborted_with_cause() -> None:
-    work = FakeWork(polls=2, error="Connection reset by peer")
+    work = UntimedWork(error="Connection reset by peer")
     with pytest.raises(CollectiveAborted, match="peer died") as info:
-        wait_interruptible(work, threading.Event(), epoch=4, op="allreduce")
+        wait_interruptible(work, threading.Event(), epoch=4, op="_reduce_scatter_base")
     assert info.value.reason == "peer_failed" and info.value.epoch == 4
     assert isinstance(info.value.__cause__, RuntimeError) and isinstance(info.value, RecoveryError)
+    work = FakeWork(polls=2, error="Connection reset by peer")  # the same from a polled work
+    with pytest.raises(CollectiveAborted, match="peer died") as info:
+        wait_interruptible(work, threading.Event(), epoch=4, op="allreduce", blocking_wait=False)
+    assert info.value.reason == "peer_failed" and isinstance(info.value.__cause__, RuntimeError)
 
 
-def test_abort_event_interrupts_the_wait() -> None:
-    abort = threading.Event()
-    work = FakeWork(polls=None, on_poll=lambda n: n == 5 and abort.set())  # the "agent" fires at poll 5
+@pytest.mark.parametrize("alarm", [False, True])
+def test_abort_event_interrupts_the_wait(alarm: bool) -> None:
+    """A work whose peer never comes: the agent's abort ends the wait (an Alarm at once, a plain event
+    within a poll slice); the waiter stays in the work until it ends, and is not reused meanwhile."""
+    abort = Alarm() if alarm else threading.Event()
+    stuck = UntimedWork(released=False)
+    threading.Timer(0.05, abort.set).start()  # the "agent", from another thread
     with pytest.raises(CollectiveAborted, match="aborted by the agent: hung") as info:
-        wait_interruptible(work, abort, epoch=1, op="broadcast", reason_of_abort=lambda: "hung")
-    assert info.value.reason == "aborted" and work.calls == 5
+        wait_interruptible(stuck, abort, epoch=1, op="_reduce_scatter_base", reason_of_abort=lambda: "hung")
+    assert info.value.reason == "aborted" and len(stuck.waits) == 1
+    other = UntimedWork()  # the next epoch's: another waiter runs it
+    wait_interruptible(other, threading.Event(), epoch=2, op="_reduce_scatter_base")
+    assert len(other.waits) == 1
+    stuck.release.set()  # the backend's own timeout, in a real group
+    work = FakeWork(polls=None)
+    threading.Timer(0.05, abort.set).start()
+    abort.clear()
+    with pytest.raises(CollectiveAborted, match="aborted by the agent") as info:
+        wait_interruptible(work, abort, epoch=1, op="allreduce", blocking_wait=False)
+    assert info.value.reason == "aborted" and work.calls > 1
 
 
 def test_deadline_and_polling_mode() -> None:
     with pytest.raises(CollectiveAborted, match="timed out") as info:
-        wait_interruptible(FakeWork(polls=None), threading.Event(), epoch=0, op="barrier",
+        wait_interruptible(FutureWork(), threading.Event(), epoch=0, op="barrier",
                            deadline=time.monotonic() - 1)
     assert info.value.reason == "timeout"
-    work = FakeWork(polls=0)  # non-blocking mode (NCCL): only is_completed() is consulted
+    work = FakeWork(polls=3)  # non-blocking mode (NCCL): only is_completed() is consulted
     wait_interruptible(work, threading.Event(), epoch=0, op="allreduce", blocking_wait=False)
+    assert work.calls == 4
     abort = threading.Event()
     abort.set()
     with pytest.raises(CollectiveAborted):
@@ -99,6 +143,11 @@ class FutureWork(FakeWork):
 
     def is_completed(self) -> bool:
         return self.done
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None:
+            self.calls += 1  # the timed native waits: one slice, then none
+        return super().wait(timeout)
 
     def get_future(self) -> Any:
         return self
@@ -213,6 +262,29 @@ def test_a_group_builds_on_a_sealed_store_and_a_timeout_names_the_missing_ranks(
         lonely.build(1, 0, 3, timeout=0.5)
     assert info.value.reason == "timeout" and info.value.missing == (1, 2)
     assert "ranks [1, 2] never arrived" in str(info.value)
+
+
+def test_a_gloo_reduce_scatter_whose_peer_never_joins_ends_at_the_abort() -> None:
+    """FSDP2's reduce-scatter on gloo: a rank in it whose peer left for a recovery without issuing its
+    half was held until the group's timeout (here 10 s, 30 s in a job) and removed as hung. The
+    agent's abort now ends the wait."""
+    store, port = start_store_server(HOST)
+    groups = [EpochGroups(connect_store(HOST, port), timeout=10) for _ in range(2)]
+    g0, g1 = two_ranks(port, 0, groups)
+    import torch.distributed as dist
+
+    out, stranded = torch.empty(4), torch.ones(8)
+    work = g0.pg._reduce_scatter_base(out, stranded, dist.ReduceScatterOptions())
+    threading.Timer(0.1, lambda: groups[0].abort(0, "view 1 installed")).start()
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveAborted, match="view 1 installed") as info:
+        wait_interruptible(work, g0.abort_event, epoch=0, op="_reduce_scatter_base",
+                           reason_of_abort=lambda: g0.abort_reason, deadline=t0 + 10)
+    assert info.value.reason == "aborted" and time.monotonic() - t0 < 5.0
+    # the peer joins late and completes it: nothing is left hung whose destructor would block
+    g1.pg._reduce_scatter_base(torch.empty(4), torch.ones(8), dist.ReduceScatterOptions()).wait()
+    work.wait()
+    assert torch.equal(out, torch.full((4,), 2.0))
 
 
 def test_in_process_collectives_abort_and_reform() -> None:

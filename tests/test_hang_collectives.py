@@ -150,6 +150,7 @@ def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[
 
     from gossiprec.local.progress import ProgressPage, page_path_for
     from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.redo import RedoGuard
 
     d = tempfile.mkdtemp(prefix="grp", dir="/tmp")
     try:
@@ -158,6 +159,7 @@ def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[
             rt = object.__new__(ResilientTrainer)
             rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
             rt.step, rt.sharded = 4, (object() if sharded else None)
+            rt._redo = RedoGuard()  # unarmed: no recovery happened, so no step is being redone
 
             def seen() -> tuple[int, int, str]:
                 rec = agent_side.read()

@@ -25,6 +25,7 @@ of its state and of the snapshots it keeps for recovery).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -157,7 +158,14 @@ def trainer_main(args: argparse.Namespace) -> int:
                            snapshot_copies=args.snapshot_copies)
     started: set[int] = set()
 
+    # a diagnostic, off in tests: GOSSIPREC_STALL_DUMP_S=<s> prints every thread's stack to the log when
+    # no phase came for that long (a rank stuck in a collective shows where). faulthandler's watchdog
+    # reads the other threads without the GIL: one trainer of 19 loaded jobs died in such a dump
+    stall_dump = float(os.environ.get("GOSSIPREC_STALL_DUMP_S", "0"))
+
     def on_phase(step: int, phase: str) -> None:
+        if stall_dump:
+            faulthandler.dump_traceback_later(stall_dump, repeat=True)
         if phase == "compute" and args.leave_grad and step in started:  # a redone step: a gradient left on
             started.discard(step)
             args.leave_grad = False
