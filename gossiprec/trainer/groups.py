@@ -131,12 +131,12 @@ def wait_interruptible(work: Any, abort: threading.Event, *, epoch: int, op: str
     """Wait for ``work`` (a ``torch.distributed.Work``) unless ``abort`` is set or ``deadline`` passes.
 
     ``blocking_wait``: a first slice of ``work.wait(poll_interval)``, then waits on an event the work's
-    future sets (gloo: completion wakes either at once); otherwise, and for a work without a future
-    (gloo's reduce-scatters, whose ``wait`` ignores its timeout), poll ``work.is_completed()`` (NCCL:
-    ``wait`` does not block the host). ``on_slow()`` is called once, from this thread, when the work is
-    still pending ``slow_after`` seconds in (the trainer tells its agent it is alive and waiting on
-    peers). Raises :class:`CollectiveAborted` with reason "aborted", "timeout" or "peer_failed"
-    (backend error as cause).
+    future sets (gloo: completion wakes either at once); a work without a future (gloo's reduce-scatters,
+    which run inside ``wait`` whatever its timeout) is waited by a waiter thread that sets such an event;
+    otherwise poll ``work.is_completed()`` (NCCL: ``wait`` does not block the host). ``on_slow()`` is
+    called once, from this thread, when the work is still pending ``slow_after`` seconds in (the
+    trainer tells its agent it is alive and waiting on peers). Raises :class:`CollectiveAborted` with
+    reason "aborted", "timeout" or "peer_failed" (backend error as cause).
     """
     slice_ = timedelta(seconds=poll_interval)
     backoff = min(poll_interval, 0.0001)
