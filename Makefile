@@ -16,7 +16,8 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# A local job (agents + 4 trainer ranks + 1 hot spare) loses a rank to SIGKILL and recovers in place.
+# A local job (agents + 4 trainer ranks + 2 hot spares) loses a rank to SIGKILL, then hangs another, and
+# recovers both in place.
 demo: install
 	$(BIN)/python -m gossiprec demo
 

@@ -98,46 +98,49 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
 
 
 class ScriptedWork:
-    """A torch Work stand-in: completes after ``polls`` timed waits, then succeeds or raises ``error``."""
+    """A torch Work stand-in, polled (``blocking_wait=False``): completes at the ``polls``-th check of
+    ``is_completed``, then succeeds or raises ``error``. (A native wait of a work without a future runs
+    on a waiter thread: tests/test_groups.py.)"""
 
     def __init__(self, polls: int | None, error: str = "") -> None:
         self.polls, self.error, self.calls = polls, error, 0
 
     def is_completed(self) -> bool:
+        self.calls += 1
         return self.polls is not None and self.calls >= self.polls
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        if timeout is not None:
-            self.calls += 1
-            if not self.is_completed():
-                raise RuntimeError("Operation timed out!")
+        assert timeout is None and self.polls is not None and self.calls >= self.polls, "waited while pending"
         if self.error:
             raise RuntimeError(self.error)
         return True
+
+
+POLLED = {"blocking_wait": False}
 
 
 def test_a_collective_still_pending_reports_waiting_once() -> None:
     calls: list[int] = []
     work = ScriptedWork(polls=50)
     wait_interruptible(work, threading.Event(), epoch=0, op="allreduce", poll_interval=0.001,
-                       slow_after=0.0, on_slow=lambda: calls.append(work.calls))
+                       slow_after=0.0, on_slow=lambda: calls.append(work.calls), **POLLED)
     assert calls == [0] and work.calls == 50  # once, as soon as it was due, and the wait went on
     calls.clear()
     wait_interruptible(ScriptedWork(polls=2), threading.Event(), epoch=0, op="allreduce",
-                       slow_after=60.0, on_slow=lambda: calls.append(1))
+                       slow_after=60.0, on_slow=lambda: calls.append(1), **POLLED)
     assert calls == []  # done in time: nothing to report
 
 
 def test_a_collective_done_before_the_abort_still_counts() -> None:
     abort = threading.Event()
     abort.set()
-    wait_interruptible(ScriptedWork(polls=0), abort, epoch=2, op="allreduce")  # complete: no raise
+    wait_interruptible(ScriptedWork(polls=0), abort, epoch=2, op="allreduce", **POLLED)  # complete: no raise
     with pytest.raises(CollectiveAborted) as info:  # complete with an error: the error wins
         wait_interruptible(ScriptedWork(polls=0, error="Connection reset by peer"), abort, epoch=2,
-                           op="allreduce")
+                           op="allreduce", **POLLED)
     assert info.value.reason == "peer_failed"
     with pytest.raises(CollectiveAborted) as info:
-        wait_interruptible(ScriptedWork(polls=None), abort, epoch=2, op="allreduce")
+        wait_interruptible(ScriptedWork(polls=None), abort, epoch=2, op="allreduce", **POLLED)
     assert info.value.reason == "aborted"
 
 

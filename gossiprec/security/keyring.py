@@ -221,7 +221,8 @@ class Keyring:
         kid = key_or_id if len(key_or_id) == KEY_ID_SIZE else key_id(key_or_id)
         if kid not in self.keyset.by_id:
             raise KeyringError(
-                f"key {kid.hex()} is not installed; install it first (`gossiprec keys install KEY`)"
+                f"key {kid.hex()} is not installed; install it first (`gossiprec keys install --key-file FILE`, "
+                "or the key on stdin)"
             )
         return kid
 
@@ -366,8 +367,9 @@ def _read_private_json(path: Path) -> tuple[object, tuple[int, int, int, int]]:
             f"its keys must be treated as leaked; fix with `chmod 600 {path}` (and rotate the keys if others "
             "may have read them)")
     except FileNotFoundError as exc:
-        raise KeyringError(f"keyring file {path} does not exist; create it with "
-                           "`gossiprec keys install $(gossiprec keys generate)`") from exc
+        raise KeyringError(f"keyring file {path} does not exist; create it with `gossiprec keys generate | "
+                           f"gossiprec keys install --keyring {path}` (the key on stdin, never on a command "
+                           "line)") from exc
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
