@@ -21,8 +21,7 @@ install: $(BIN)/.installed
 demo: install
 	$(BIN)/python -m gossiprec demo
 
-# Lint (ruff: gossiprec and tests; mypy --strict: the sans-IO core and the trainer<->agent contract), then
-# every test.
+# Lint (ruff: gossiprec and tests; mypy --strict: the whole gossiprec package), then every test.
 lint: install
 	$(BIN)/ruff check gossiprec tests
 	$(BIN)/mypy

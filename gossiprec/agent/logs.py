@@ -61,7 +61,7 @@ def log_event(logger: logging.Logger, ev: Any) -> None:
     """One line per machine event, its fields attached (encoded only when the level is enabled)."""
     name = type(ev).__name__
     level = logging.DEBUG if name in _QUIET_EVENTS else _LOUD_EVENTS.get(name, logging.INFO)
-    if name == "ViewInstalled" and getattr(ev, "removed", ()):
+    if name == "ViewInstalled" and getattr(ev, "removed", ()):  # type: ignore[arg-type]  # mypy: and's bool context
         level = logging.WARNING  # a member removed: the job recovers
     if logger.isEnabledFor(level):
         logger.log(level, "event %s", name, extra={"fields": event_to_dict(ev)})

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AsyncExitStack
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Iterator, Mapping, Protocol, cast
 
 from gossiprec.errors import ConfigError
 
@@ -173,15 +173,16 @@ class AgentMetrics:
         """Account one machine event (unknown kinds are ignored)."""
         kind = type(ev).__name__
         at = getattr(ev, "at", None)
+        # (the kinds whose ``at`` is kept below all carry ``at: float``: the casts only tell mypy)
         if kind == "ProbeResult":
             if ev.ok:
                 self._fail_since.pop(ev.target, None)
             else:
-                self._fail_since.setdefault(ev.target, at)
+                self._fail_since.setdefault(ev.target, cast(float, at))
         elif kind in ("MemberSuspected", "MemberFailed", "MemberLeft"):
-            self._fail_since.setdefault(ev.name, at)
+            self._fail_since.setdefault(ev.name, cast(float, at))
             if kind != "MemberSuspected":
-                self._trouble.setdefault(ev.name, at)
+                self._trouble.setdefault(ev.name, cast(float, at))
         elif kind == "MemberAlive":
             self._fail_since.pop(ev.name, None)
             self._trouble.pop(ev.name, None)
@@ -190,7 +191,7 @@ class AgentMetrics:
             start = self._fail_since.pop(ev.subject, None)
             if start is not None and at is not None:
                 self.detection.labels(reason=ev.reason).observe(max(0.0, at - start))
-            self._trouble.setdefault(ev.subject, at)
+            self._trouble.setdefault(ev.subject, cast(float, at))
         elif kind == "ViewInstalled":
             self.views_installed.labels(fast=str(bool(ev.fast)).lower()).inc()
             starts = [self._trouble.pop(n) for n in ev.removed if n in self._trouble]

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 from gossiprec.errors import ConfigError
 
@@ -158,7 +158,7 @@ def resolver(overrides: Mapping[str, str], slurm: bool, wait: float = 0.0,
         deadline, said = clock() + wait, False
         while True:
             try:
-                return socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)[0][4][0]
+                return cast(str, socket.getaddrinfo(host, None, proto=socket.IPPROTO_UDP)[0][4][0])  # an IP address
             except OSError:
                 pass
             if slurm:

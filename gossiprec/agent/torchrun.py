@@ -61,7 +61,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Coroutine, Mapping, MutableMapping, Sequence, TypeVar
 
-from torch.distributed import HashStore, Store  # type: ignore[attr-defined]  # the stubs do not re-export them
+from torch.distributed import HashStore, Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError, RendezvousHandler, RendezvousInfo, RendezvousParameters, RendezvousStoreInfo,
     RendezvousTimeoutError,

@@ -563,10 +563,10 @@ def summarize(spec: BaselineSpec, jobs: dict[str, JobResult], errors: dict[str, 
     }
     tr = _torchrun_loss(spec, jobs, walls, med.get("torchrun"))
     go = _gossiprec_loss(jobs, walls)
-    lost = {"torchrun": tr, "gossiprec": go,
-            "ratio_total": _ratio(tr["total_lost_s"], go["total_lost_s"]),
-            "ratio_failure": _ratio(tr["failure_s"], go["failure_s"]),
-            "ratio_event": _ratio(tr["event_lost_s"], go["event_lost_s"])}
+    lost: dict[str, Any] = {"torchrun": tr, "gossiprec": go,
+                            "ratio_total": _ratio(tr["total_lost_s"], go["total_lost_s"]),
+                            "ratio_failure": _ratio(tr["failure_s"], go["failure_s"]),
+                            "ratio_event": _ratio(tr["event_lost_s"], go["event_lost_s"])}
     notes = [f"{who}.{key} = {d[key]} s < 0: the wall-time difference is inside the run-to-run noise (see "
              "the jobs' loadavg_1m); the event figures are the less noisy ones"
              for who, d in (("torchrun", tr), ("gossiprec", go))

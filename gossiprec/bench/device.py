@@ -127,7 +127,7 @@ def _copy_rates(device: str) -> dict[str, float | None]:
     n = 1 << 28  # float32: 1 GiB
     dev = torch.empty(n, device=device)
     host = torch.empty(n, pin_memory=True)
-    out = {}
+    out: dict[str, float | None] = {}
     for name, dst, src in (("d2h_gb_s", host, dev), ("h2d_gb_s", dev, host)):
         best = float("inf")
         for _ in range(3):

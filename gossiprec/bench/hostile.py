@@ -283,7 +283,7 @@ def forged_template(to: str, cluster: str = CLUSTER) -> bytes:
 
 
 def forged_datagrams(to: str, count: int, key: bytes = KEY, cluster: str = CLUSTER,
-                     seed: int = 1, template: bytes | None = None) -> list[bytes]:
+                     seed: int = 1, template: bytes | bytearray | None = None) -> list[bytes]:
     """``count`` datagrams that look like the cluster's: its key id in clear, a fresh random sender id
     each, sealed for ``to`` (its receiver), but by someone without the key (the tag is wrong).
     ``template``: such a datagram in the format of the build attacked (default: this build's)."""

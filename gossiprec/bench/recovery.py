@@ -405,7 +405,7 @@ def run_scale(spec: RecoverySpec, sizes: Sequence[int], say: Callable[[str], Non
     for n in sizes:
         per[str(n)] = run_config(replace(spec, ranks=n, workdir=None if spec.workdir is None
                                          else str(Path(spec.workdir) / f"ranks{n}")), say)
-    med = {n: (per[str(n)]["rto_s"] or {}).get("median") for n in sizes}
+    med: dict[int, Any] = {n: (per[str(n)]["rto_s"] or {}).get("median") for n in sizes}
     lo, hi = min(sizes), max(sizes)
     ratio = round(med[hi] / med[lo], 3) if med.get(hi) and med.get(lo) else None
     report: dict[str, Any] = {

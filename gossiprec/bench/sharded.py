@@ -26,7 +26,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from gossiprec.errors import ConfigError, GossiprecError
 
@@ -53,7 +53,7 @@ def summarize(layout: str, trials: Sequence[dict[str, Any]], reference: dict[int
         if lost is None:
             return False
         peer = next(r for g in groups if lost in g for r in g if r != lost)
-        return f["donors"].get(lost) == [f["assignment"][peer]]
+        return cast(bool, f["donors"].get(lost) == [f["assignment"][peer]])
 
     state = [b for t in trials for b in t["state_bytes"].values()]
     kept = [b for t in trials for b in t["kept_bytes"].values()]
@@ -129,7 +129,7 @@ def _cmd_sharded(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``sharded`` to the ``bench`` sub-commands (sets ``func``)."""
-    p = subparsers.add_parser(
+    p: argparse.ArgumentParser = subparsers.add_parser(
         "sharded", help="time in-place recovery of sharded jobs (dp x tp DTensor TP, HSDP with FSDP2)",
         description="Per layout: a 2 x 2 mesh job with one hot spare, rank 3 SIGKILLed at a phase of a step; "
                     "RTO and phases, bytes per donor, host memory kept per rank, bit-identity with the "

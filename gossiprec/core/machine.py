@@ -21,15 +21,22 @@ if TYPE_CHECKING:
 class Machine(Protocol):
     """What a pump needs of a protocol machine."""
 
-    counters: dict[str, int]
-    view: View | None
-    """The view this member holds (None until a joiner is admitted)."""
-    plan: Plan | None
-    """The recovery plan of :attr:`view`, once every holder has reported."""
-    fenced: str
-    """Why this member must not train now ("" when it may)."""
-    finished: int | None
-    """The step at which the job's trainers finished, once known."""
+    # read-only to a pump (the machine alone changes them): properties, so that a machine may derive them
+    # (:class:`~gossiprec.core.bootstrap.Booting` forwards them to its node) or hold them as plain attributes
+    @property
+    def counters(self) -> dict[str, int]: ...
+    @property
+    def view(self) -> View | None:
+        """The view this member holds (None until a joiner is admitted)."""
+    @property
+    def plan(self) -> Plan | None:
+        """The recovery plan of :attr:`view`, once every holder has reported."""
+    @property
+    def fenced(self) -> str:
+        """Why this member must not train now ("" when it may)."""
+    @property
+    def finished(self) -> int | None:
+        """The step at which the job's trainers finished, once known."""
 
     # inputs
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...

@@ -21,7 +21,10 @@ Importing this module does not import torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 VOCAB, DIM, HEADS, SEQ, BATCH, BLOCKS = 32, 16, 2, 8, 4, 2
 DROPOUT = 0.1
@@ -73,7 +76,7 @@ def build_model() -> Any:
             att = (q @ k.transpose(-2, -1)) / hd ** 0.5
             att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
             y = self.drop(att.softmax(-1)) @ v
-            return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+            return cast("torch.Tensor", self.proj(y.transpose(1, 2).reshape(b, t, -1)))
 
     class Block(nn.Module):
         def __init__(self) -> None:
@@ -84,9 +87,11 @@ def build_model() -> Any:
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             x = x + self.drop(self.attn(self.ln1(x)))
-            return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+            return cast("torch.Tensor", x + self.drop(self.out(F.gelu(self.fc(self.ln2(x))))))
 
     class TinyLM(nn.Module):
+        tokens_seen: torch.Tensor  # a buffer (register_buffer below)
+
         def __init__(self) -> None:
             super().__init__()
             self.tok = nn.Embedding(VOCAB, DIM)
@@ -103,7 +108,7 @@ def build_model() -> Any:
             x = self.tok(idx) + self.pos[: idx.shape[1]]
             for block in self.blocks:
                 x = block(x)
-            return self.head(self.ln_f(x))
+            return cast("torch.Tensor", self.head(self.ln_f(x)))
 
     return TinyLM()
 
@@ -173,8 +178,9 @@ def train_step(layout: str, objects: dict[str, Any], mesh: Any, clip: bool = Tru
         if layout == "tp":  # DTensor shards and plain replicated tensors: one total norm for both
             sharded = [p for p in params if hasattr(p, "to_local")]
             plain = [p for p in params if not hasattr(p, "to_local")]
-            norms = torch.stack([torch.nn.utils.get_total_norm([p.grad for p in sharded]).full_tensor(),
-                                 torch.nn.utils.get_total_norm([p.grad for p in plain])])
+            norms = torch.stack([
+                cast("DTensor", torch.nn.utils.get_total_norm([p.grad for p in sharded])).full_tensor(),
+                torch.nn.utils.get_total_norm([p.grad for p in plain])])
             total = norms.norm()
             torch.nn.utils.clip_grads_with_norm_(sharded, 1.0, total)
             torch.nn.utils.clip_grads_with_norm_(plain, 1.0, total)

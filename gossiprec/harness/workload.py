@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     import torch
 
+    from gossiprec.trainer.capture import StateSnapshot
+
 SEED = 1234
 DIM = 32
 """Input and output width of the MLP."""
@@ -152,7 +154,7 @@ def set_flat_grads(params: Sequence[Any], flat: torch.Tensor) -> None:
         offset += n
 
 
-def state_bytes(snap: Any) -> bytes:
+def state_bytes(snap: StateSnapshot) -> bytes:
     """A captured state as bytes: header (every non-tensor value: optimizer settings, data position,
     RNG) + payload."""
     from gossiprec.trainer.header import pack_header

@@ -558,7 +558,7 @@ def add_cli(subparsers: Any, default_path: str | None = None) -> argparse.Argume
     return 1). ``--keyring PATH`` is accepted before or after the action; ``default_path`` is used
     when it is absent.
     """
-    keys = subparsers.add_parser(
+    keys: argparse.ArgumentParser = subparsers.add_parser(
         "keys", help="manage the keyring (generate, install, use, remove, list)",
         description="Manage the AES-256 keys that seal gossiprec traffic. Rotate live with "
                     "install (all nodes) -> use (all nodes) -> remove (all nodes).")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from gossiprec.core.auth import DigestCrypto, KeyBook
 from gossiprec.core.bootstrap import BootParams, Booting, Bootstrap, Candidate, rank_order, view_zero
@@ -25,7 +25,7 @@ from gossiprec.core.records import MemberInfo
 from gossiprec.core.view import View
 from gossiprec.core.wire import BootAccept, BootAccepted, decode_packet
 from gossiprec.errors import ConfigError, DecodeError
-from gossiprec.sim.cluster import SimCluster
+from gossiprec.sim.cluster import Action, SimCluster
 from gossiprec.sim.network import NetworkModel
 
 
@@ -96,7 +96,7 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
             continue
         t = rng.random() * params.start_spread
         started[name] = t
-        cluster.at(t, lambda i=i: cluster.restart(i, incarnation=1))
+        cluster.at(t, cast(Action, lambda i=i: cluster.restart(i, incarnation=1)))  # for mypy (default args)
 
     # the independent check: what crossed the network
     accepts: dict[tuple[int, str], tuple[Any, ...]] = {}

@@ -44,8 +44,9 @@ command that replays it.
 
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("sim", help="run the deterministic cluster simulator",
-                              description=SIM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "sim", help="run the deterministic cluster simulator",
+        description=SIM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=100, help="cluster size N (default 100)")
     p.add_argument("--crash", type=int, default=0, help="nodes to crash at once (default 0)")
     p.add_argument("--crash-at", type=float, default=None, help="virtual second of the crash")
@@ -134,7 +135,7 @@ def _agree_params(args: argparse.Namespace, **over: Any) -> AgreeParams:
     if args.crash_at is not None:
         fields["fault_at"] = args.crash_at
     fields.update(over)
-    return AgreeParams(**fields)  # type: ignore[arg-type]
+    return AgreeParams(**fields)
 
 
 def run_scenario(args: argparse.Namespace) -> int:

@@ -26,10 +26,13 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, Sequence, TypeVar
 
-from gossiprec.core.machine import Machine
 from gossiprec.sim.network import Network, NetworkModel
+
+if TYPE_CHECKING:
+    from gossiprec.core.events import CoreEvent
+    from gossiprec.core.records import Send
 
 DELIVER, TIMER, ACTION, DELIVER_RELIABLE = 0, 1, 2, 3
 UP, CRASHED, PAUSED = "up", "crashed", "paused"
@@ -40,16 +43,33 @@ _FAR = 1 << 62
 """Bucket of an infinite (or otherwise unbucketable) time: after every finite one."""
 
 
-NodeFactory = Callable[[int, float, int, random.Random], Machine]
+class SimMachine(Protocol):
+    """What the simulator drives of a machine: its inputs and outputs (a
+    :class:`~gossiprec.core.machine.Machine` has them, and so has a membership layer alone)."""
+
+    def receive(self, data: bytes, now: float, reliable: bool = False) -> None: ...
+    def tick(self, now: float) -> None: ...
+    def next_deadline(self) -> float: ...
+    def take_sends(self) -> Sequence[Send]: ...
+    def take_events(self) -> Sequence[CoreEvent]: ...
+
+
+Action = Callable[[], object]
+"""What :meth:`SimCluster.at` runs (its result, if any, is dropped)."""
+
+M = TypeVar("M", bound=SimMachine)
+"""The machines of one cluster (scenarios read more of them than the simulator does)."""
+
+NodeFactory = Callable[[int, float, int, random.Random], M]
 """(node index, now, incarnation, rng) -> a new machine for that node (the simulator drives only its
 inputs and outputs: ``receive``, ``tick``, ``next_deadline``, ``take_sends``, ``take_events``)."""
 
 
 @dataclass(slots=True)
-class SimNode:
+class SimNode(Generic[M]):
     index: int
     name: str
-    machine: Machine
+    machine: M
     state: str = UP
     timer_at: float = INF
     backlog: list[tuple[float, bytes, bool]] = field(default_factory=list)
@@ -61,11 +81,11 @@ class SimNode:
     longest_pause: float = 0.0
 
 
-class SimCluster:
+class SimCluster(Generic[M]):
     def __init__(
         self,
         n: int,
-        factory: NodeFactory,
+        factory: NodeFactory[M],
         *,
         seed: int,
         model: NetworkModel | None = None,
@@ -92,7 +112,7 @@ class SimCluster:
         self.observers: list[Callable[[float, int, Any], None]] = []
         self.wiretaps: list[Callable[[float, int, bytes, bool], None]] = []
         self.checkers: list[Callable[[float], None]] = []
-        self.nodes: list[SimNode] = []
+        self.nodes: list[SimNode[M]] = []
         for i in range(n):
             machine = factory(i, 0.0, 1, random.Random(self.rng.getrandbits(64)))
             self.nodes.append(SimNode(i, self.names[i], machine))
@@ -132,11 +152,11 @@ class SimCluster:
         """Entries (deliveries, timers, actions) waiting in the queue."""
         return len(self._near) + sum(len(b) for b in self._buckets.values())
 
-    def at(self, when: float, action: Callable[[], None]) -> None:
+    def at(self, when: float, action: Action) -> None:
         """Run ``action`` at virtual time ``when`` (fault injection, measurements)."""
         self._push(when, ACTION, -1, action)
 
-    def _flush(self, node: SimNode) -> None:
+    def _flush(self, node: SimNode[M]) -> None:
         # The hot path of the whole simulator (once per event): locals only, heappush inlined.
         machine = node.machine
         sends = machine.take_sends()

@@ -88,7 +88,7 @@ class _Heard:
 class QuorumAudit:
     """Fed every delivery (:meth:`delivered`) and every ``ViewInstalled`` (:meth:`installed`)."""
 
-    def __init__(self, cluster: SimCluster, identity: Callable[[str], tuple[str, str, str]]) -> None:
+    def __init__(self, cluster: SimCluster[Machine], identity: Callable[[str], tuple[str, str, str]]) -> None:
         """``identity(name) -> (addr, host, rack)``: what a joining node announces of itself."""
         self.cluster = cluster
         self.identity = identity

@@ -9,13 +9,13 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from gossiprec.core.config import Config
 from gossiprec.core.membership import Membership
 from gossiprec.core.records import MemberInfo
 from gossiprec.errors import ConfigError, InvariantViolation
-from gossiprec.sim.cluster import SimCluster
+from gossiprec.sim.cluster import Action, SimCluster
 from gossiprec.sim.metrics import DetectionMetrics, Progress
 from gossiprec.sim.network import NetworkModel
 
@@ -130,7 +130,7 @@ def run_membership(params: SimParams, show_progress: bool = False) -> dict[str, 
         t = plan_rng.expovariate(1.0 / params.pause_every)
         while t < params.duration:
             d = plan_rng.uniform(0.05, params.pause_max)
-            cluster.at(t, lambda p=p, d=d: cluster.pause(p, d))
+            cluster.at(t, cast(Action, lambda p=p, d=d: cluster.pause(p, d)))  # for mypy (default args)
             t += d + plan_rng.expovariate(1.0 / params.pause_every)
 
     # membership size over time

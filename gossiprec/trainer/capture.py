@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence, cast
 
 from gossiprec.errors import ConfigError
 from gossiprec.trainer.header import StateHeader, TensorSpec, dtype_name, tensor_bytes, walk_objects
@@ -168,7 +168,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
         raise ConfigError(f"step must be an int >= 0, got {step!r}")
     trees, found = walk_objects(objects)
     spare: list[torch.Tensor | None] = [None] * len(found)
-    old_specs: Sequence[TensorSpec | None] = spare
+    old_specs: Sequence[TensorSpec | None] = cast("list[TensorSpec | None]", spare)  # all None here
     if reuse is not None and copy and [s.name for s in reuse.header.tensors] == [n for n, _ in found]:
         spare = list(reuse.tensors)
         old_specs = reuse.header.tensors
@@ -200,12 +200,14 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
                     devices.add(t.device)
                 elif not kept:
                     old = torch.empty_like(t, memory_format=torch.contiguous_format)
+                assert old is not None  # made above unless kept (kept: old is not None)
                 deferred.pairs.append((old, t))
                 deferred.names.append(name)
                 deferred.versions.append(version)
                 deferred.nbytes += old.nbytes
                 payload_t = old
             elif kept:
+                assert old is not None  # kept: old is not None
                 payload_t = old.copy_(t)
             elif t.device.type != "cpu":
                 payload_t = t.to("cpu").contiguous()

@@ -178,9 +178,10 @@ def fetch_state(donors: Sequence[Address], key: bytes, target: ReceiveTarget, *,
     check_key(key)
     if not donors:
         raise ConfigError("fetch_state needs at least one donor")
+    total: int | None
     if stripes is not None:  # the donors' byte space: the plan knows their size, this process may not
         stripes = list(stripes)
-        total: int | None = max((end for _, end in stripes), default=0)
+        total = max((end for _, end in stripes), default=0)
         _check_stripes(stripes, total, len(donors))
     elif len(donors) == 1:
         stripes, total = [(0, WHOLE)], None  # all of it, whatever its size

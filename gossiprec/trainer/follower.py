@@ -167,7 +167,7 @@ class Follower:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = time.monotonic()
 
-    def plan_after(self, epoch: int, deadline: float, *, poll: Callable[[], None] | None = None) -> Plan | None:
+    def plan_after(self, epoch: int, deadline: float, *, poll: Callable[[], object] | None = None) -> Plan | None:
         """The plan of the newest view after ``epoch``, once it is in (waits until ``deadline``, calling
         ``poll`` every 0.1 s as a fallback); None when the node is fenced, the agent is lost, or the job
         stopped or finished first, or at the deadline. (The gate's look ahead: the recovery proper is

@@ -626,7 +626,7 @@ class EpochGroups:
         if self.backend == "gloo":
             if self.host is None:
                 return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch 2.13's stub
             opts._timeout = timeout
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
             return dist.ProcessGroupGloo(store, rank, world_size, opts)

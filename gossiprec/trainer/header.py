@@ -22,7 +22,7 @@ import re
 import sys
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 import msgpack
 
@@ -122,7 +122,7 @@ class StateHeader:
 
 
 def pack_header(header: StateHeader) -> bytes:
-    return msgpack.packb(header.to_wire(), use_bin_type=True)
+    return cast(bytes, msgpack.packb(header.to_wire(), use_bin_type=True))
 
 
 def unpack_header(data: bytes | memoryview) -> StateHeader:

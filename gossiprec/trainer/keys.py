@@ -287,7 +287,7 @@ def sealed_store(inner: Any, keys: TransferKeys, context: str = "") -> Any:
     value copied from one group's names to another's fails authentication."""
     import torch.distributed as dist
 
-    class SealedStore(dist.Store):  # type: ignore[misc]
+    class SealedStore(dist.Store):
         """Values sealed on ``set``, checked on ``get`` (see the module docstring); everything else passes
         through to the TCPStore. The Python object must outlive every C++ user (a PrefixStore, a process
         group): :class:`~gossiprec.trainer.groups.EpochGroups` keeps it."""
@@ -296,7 +296,7 @@ def sealed_store(inner: Any, keys: TransferKeys, context: str = "") -> Any:
             super().__init__()
             self.inner = inner
 
-        def set(self, key: str, value: bytes) -> None:
+        def set(self, key: str, value: bytes) -> None:  # type: ignore[override]  # torch passes bytes (stub: str)
             self.inner.set(key, seal_value(keys, context + key, bytes(value)))
 
         def get(self, key: str) -> bytes:
@@ -314,7 +314,7 @@ def sealed_store(inner: Any, keys: TransferKeys, context: str = "") -> Any:
         def add(self, key: str, n: int) -> int:
             return int(self.inner.add(key, n))
 
-        def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:  # type: ignore[override]  # as set
             raise ConfigError("compare_set is not supported on a sealed store")
 
         def deleteKey(self, key: str) -> bool:  # noqa: N802 - the C++ name the trampoline calls

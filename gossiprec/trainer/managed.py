@@ -43,7 +43,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,9 @@ from gossiprec.trainer.groups import (
     BACKENDS, CollectiveAborted, EpochGroup, EpochGroups, check_nccl_environment, wait_interruptible,
 )
 from gossiprec.trainer.keys import TransferKeys
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import GroupName
 
 BACKEND_NAME = "gossiprec"
 KEY_PREFIX = "gossiprec/managed/"
@@ -69,7 +72,7 @@ FORWARDED = (
 )
 
 
-class ManagedWork(dist.Work):  # type: ignore[misc]
+class ManagedWork(dist.Work):
     """A collective in flight on one epoch's backend; ``wait`` can be interrupted by an abort."""
 
     def __init__(self, group: ManagedGroup, epoch_group: EpochGroup, op: str, inner: Any,
@@ -148,7 +151,7 @@ class _Built:
         self.hung: list[ManagedWork] = []
 
 
-class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
+class ManagedGroup(dist.ProcessGroup):
     """A process group whose backend is replaced each epoch; torch sees one object for the whole job.
 
     Made by torch through the ``gossiprec`` backend (``init_process_group``, ``new_group``,
@@ -159,7 +162,7 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
     def __init__(self, rank: int, size: int, *, global_ranks: Sequence[int] | None = None,
                  timeout: float = 30.0, poll_interval: float = 0.005, world: ManagedWorld | None = None,
                  host: str | None = None, keys: TransferKeys | None = None, backend: str = "gloo") -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch has (rank, size) too; its stub lacks it
         self.backend = backend
         self._host = host
         self._keys = keys
@@ -198,8 +201,8 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
         return BACKEND_NAME
 
     @property
-    def group_name(self) -> str:
-        return self._name
+    def group_name(self) -> GroupName:
+        return cast("GroupName", self._name)  # torch's NewType of str
 
     def _set_group_name(self, name: str) -> None:
         self._name = name
@@ -278,7 +281,7 @@ class ManagedGroup(dist.ProcessGroup):  # type: ignore[misc]
             wrapper._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, eg.pg)
         else:
             wrapper._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, eg.pg)
-        wrapper._set_group_name(f"{BACKEND_NAME}-{self.key}-e{epoch}")
+        wrapper._set_group_name(cast("GroupName", f"{BACKEND_NAME}-{self.key}-e{epoch}"))
         with self._lock:
             self._current = _Built(eg, wrapper)
 

@@ -40,7 +40,7 @@ class RawPythonRNG:
         return [gen.VERSION, raw[4:] + raw[:4], gen.gauss_next]
 
     def read(self) -> list[Any] | None:
-        inst = random._inst  # type: ignore[attr-defined]
+        inst = random._inst
         return self._read(inst) if inst is self.inst else None
 
     @classmethod

@@ -176,7 +176,7 @@ def encode_request(key: bytes, tid: bytes, request: TransferRequest, context: by
     """The request frame for transfer id ``tid`` (16 random bytes, new for every fetch)."""
     if len(tid) != ID_SIZE:
         raise ConfigError(f"transfer id must be {ID_SIZE} bytes")
-    body = msgpack.packb(request.to_wire())
+    body: bytes = msgpack.packb(request.to_wire())
     head = REQ_PREFIX.pack(REQ_MAGIC, VERSION, tid, len(body)) + body
     return head + derive_aead(key, tid, b"request", context).encrypt(nonce(0), b"", head)
 
