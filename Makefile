@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint install sim-seeds bench clean
+.PHONY: demo test lint docs install sim-seeds bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,7 +26,11 @@ lint: install
 	$(BIN)/ruff check gossiprec tests
 	$(BIN)/mypy
 
-test: lint
+# The documentation site (docs/, mkdocs.yml), built strictly: a broken link, anchor or a missing page fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $${DOCS_SITE:-site}
+
+test: lint docs
 	$(BIN)/python -m pytest -q -ra
 
 # Thousands of simulator seeds per scenario (not part of CI; tens of minutes).
@@ -36,4 +40,4 @@ sim-seeds: install
 	done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis site

@@ -1,4 +1,5 @@
-"""The README's configuration reference is the one the code writes, and every field has its doc."""
+"""The documentation's configuration reference (docs/configuration.md) is the one the code writes, and every
+field has its doc."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from gossiprec.trainer.config import TrainerConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_the_readme_holds_the_reference_the_code_writes() -> None:
-    got = ref.readme_block((ROOT / "README.md").read_text())
-    assert got is not None, "README.md lost its reference markers"
-    stale = "README.md's configuration reference is stale: run `gossiprec reference --update README.md`"
+def test_the_docs_hold_the_reference_the_code_writes() -> None:
+    got = ref.marked_block((ROOT / ref.DEFAULT_FILE).read_text())
+    assert got is not None, f"{ref.DEFAULT_FILE} lost its reference markers"
+    stale = f"{ref.DEFAULT_FILE}'s configuration reference is stale: run `gossiprec reference --update`"
     assert got == ref.block(), stale
 
 
@@ -52,7 +53,7 @@ def test_update_rewrites_only_the_block_and_refuses_a_file_without_one(tmp_path:
     assert ref._cmd(argparse.Namespace(update=str(f))) == 0
     text = f.read_text()
     assert text.startswith("intro\n\n") and text.endswith("\n\noutro\n")
-    assert ref.readme_block(text) == ref.block()
+    assert ref.marked_block(text) == ref.block()
     bare = tmp_path / "other.md"
     bare.write_text("no markers here\n")
     with pytest.raises(ConfigError, match="no reference block"):
@@ -66,7 +67,8 @@ def test_every_gossiprec_command_of_the_readmes_shell_blocks_parses() -> None:
     from gossiprec.cli import build_parser
 
     seen = 0
-    for path in (ROOT / "README.md", ROOT / "examples" / "README.md", ROOT / "examples" / "slurm.md"):
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    for path in (ROOT / "README.md", ROOT / "examples" / "README.md", ROOT / "examples" / "slurm.md", *pages):
         for blk in re.findall(r"```sh\n(.*?)```", path.read_text(), flags=re.S):
             for line in blk.replace("\\\n", " ").splitlines():
                 lex = shlex.shlex(line, posix=True, punctuation_chars="|&;")

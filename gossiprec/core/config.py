@@ -265,7 +265,8 @@ class AgreementConfig:
     """A member's progress last heard longer ago than this is stale: the hang check neither counts it in
     the frontier nor judges it (it may have crashed)."""
     evict_stragglers: bool = False
-    """Also remove stragglers (behind the frontier but moving); by default they are only reported."""
+    """Reserved: not read yet. Stragglers (two whole steps or more behind the frontier but moving) are only
+    reported, whatever its value."""
     retract_after: int = 3
     """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
