@@ -318,3 +318,13 @@ def test_every_page_is_in_the_site_or_beside_the_files_it_describes(page: str) -
     nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
     listed = {f"docs/{v}" for item in nav for v in item.values()}
     assert page in listed or not page.startswith("docs/"), f"{page} is not in mkdocs.yml's nav"
+
+
+def test_the_sharded_pages_count_the_full_matrix_as_the_tests_do() -> None:
+    import importlib
+
+    matrix = importlib.import_module("tests.test_sharded_recovery").FULL_MATRIX
+    text = (ROOT / "docs" / "sharded.md").read_text()
+    m = re.search(r"`test_sharded_fault_matrix`: (\d+) jobs", text)
+    assert m is not None, "docs/sharded.md no longer counts the single-fault matrix"
+    assert int(m.group(1)) == len(matrix), f"docs/sharded.md says {m.group(1)} jobs, the matrix has {len(matrix)}"
