@@ -73,7 +73,8 @@ from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
 from gossiprec.local.bell import stopped
-from gossiprec.agent.settings import ENV, AgentSettings, split_host_port
+from gossiprec.local.launch import KEYRING_ENV, RANK_ENV
+from gossiprec.agent.settings import AgentSettings, split_host_port
 from gossiprec.agent.torchrun_conf import NodePlan, check_torchrun_argv, plan_node
 from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend
 
@@ -281,10 +282,10 @@ def export_coordinates(agent: Agent, environ: MutableMapping[str, str]) -> dict[
     what was set. Runs on the agent's loop: it reads the agent's view."""
     env = child_environment(agent, environ)
     if agent.settings.keyring is not None:
-        env[ENV["keyring"]] = agent.settings.keyring
+        env[KEYRING_ENV] = agent.settings.keyring
     env[IDENTICAL_VAR] = "1"
-    if ENV["rank"] not in env:
-        environ.pop(ENV["rank"], None)
+    if RANK_ENV not in env:
+        environ.pop(RANK_ENV, None)
     changed = {k: v for k, v in env.items() if environ.get(k) != v}
     environ.update(changed)
     return changed
