@@ -17,7 +17,7 @@ _OWNER: dict[str, str] = {
     "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keys_cli", "agent": "gossiprec.agent.cli",
     "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
     "status": "gossiprec.agent.ops", "bench": "gossiprec.bench", "spec": "gossiprec.agent.spec",
-    "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_conf",
+    "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_cli",
 }
 
 
