@@ -2,11 +2,11 @@
 
 Both sides go through this module: the launcher (:mod:`gossiprec.agent.launcher`, and the torchrun
 backend, :mod:`gossiprec.agent.torchrun`) writes the training process's environment with
-:func:`trainer_environment` and the keyring down its descriptor with :func:`keyring_message`; the trainer
-(:mod:`gossiprec.trainer.settings`, :mod:`gossiprec.trainer.keys`) reads them back with
-:func:`read_launch_env` and :func:`read_keyring_message`, each refusing a malformed value with a
-:class:`~gossiprec.errors.ConfigError` (or, for a message, the error the reader documents) that says
-how to start the process instead. Neither side imports the other.
+:func:`trainer_environment` (which refuses a value the trainer could not read back) and the keyring
+down its descriptor with :func:`keyring_message`; the trainer (:mod:`gossiprec.trainer.settings`,
+:mod:`gossiprec.trainer.keys`) reads them back with :func:`read_launch_env`, which refuses a malformed
+variable with a :class:`~gossiprec.errors.ConfigError` saying how to start the process instead, and
+:func:`read_keyring_message`. Neither side imports the other.
 
 The environment::
 
