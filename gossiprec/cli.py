@@ -14,10 +14,10 @@ from gossiprec.errors import GossiprecError
 # agent`` / ``run`` (long-lived, one per node) import only their own module, not the simulator, the
 # benchmarks and the demo (~2 MB of RSS less per agent), and ``gossiprec sim`` does not pay for torch.
 _OWNER: dict[str, str] = {
-    "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keyring", "agent": "gossiprec.agent.cli",
+    "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keys_cli", "agent": "gossiprec.agent.cli",
     "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
     "status": "gossiprec.agent.ops", "bench": "gossiprec.bench", "spec": "gossiprec.agent.spec",
-    "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_conf",
+    "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_cli",
 }
 
 

@@ -23,7 +23,8 @@ from gossiprec.agent.pump import Agent
 from gossiprec.local.client import AsyncControlClient, ControlClient
 from gossiprec.local.protocol import CONTROL_VERSION, MAX_REQUEST_FRAME, ControlError, encode_frame, event_to_dict
 from gossiprec.local.server import bind_unix_socket
-from gossiprec.agent.settings import AgentSettings, control_path_from_env
+from gossiprec.agent.settings import AgentSettings
+from gossiprec.local.launch import control_path_from_env
 from tests.support.memnet import MemNetwork
 from tests.support.vtime import virtual_time
 

@@ -19,14 +19,13 @@ from gossiprec.security.keyring import (
     KEY_SIZE,
     Keyring,
     KeyringError,
-    add_cli,
     decode_key,
     encode_key,
     generate_key,
     key_id,
     key_id_hex,
-    parse_key_arg,
 )
+from gossiprec.security.keys_cli import add_cli, parse_key_arg
 
 K1 = bytes(range(32))
 K2 = bytes(range(1, 33))

@@ -18,7 +18,8 @@ from gossiprec.agent.launcher import Launcher
 from gossiprec.agent.settings import AgentSettings
 from gossiprec.errors import ConfigError
 from gossiprec.security.keyring import Keyring, decode_key, encode_key, generate_key, key_id_hex
-from gossiprec.trainer.keys import KEYRING_FD_ENV, TransferKeys, keyring_message
+from gossiprec.local.launch import KEYRING_FD_ENV, keyring_message
+from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.settings import TrainerSettings
 
 EVENT_TIMEOUT = 30.0

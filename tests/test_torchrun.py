@@ -27,10 +27,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousHandlerRegistry  
 
 from gossiprec.agent.settings import AgentSettings  # noqa: E402
 from gossiprec.agent.spec import layout, to_toml  # noqa: E402
-from gossiprec.agent.torchrun import (  # noqa: E402
-    BACKEND, EXIT_BARRIER_DONE, AgentThread, GossiprecRendezvous,
-)
-from gossiprec.agent.torchrun_conf import check_torchrun_argv, plan_node, wrapper_argv  # noqa: E402
+from gossiprec.agent.torchrun import EXIT_BARRIER_DONE, AgentThread, GossiprecRendezvous  # noqa: E402
+from gossiprec.agent.torchrun_conf import BACKEND, check_torchrun_argv, plan_node, wrapper_argv  # noqa: E402
 from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend  # noqa: E402
 from gossiprec.cli import build_parser  # noqa: E402
 from gossiprec.core.events import Fenced, ViewInstalled  # noqa: E402
@@ -146,7 +144,7 @@ def test_the_entry_point_registers_a_creator_torchrun_accepts(monkeypatch: pytes
         handler.next_rendezvous()
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    from gossiprec.agent.torchrun import register
+    from gossiprec.agent.torchrun_cli import register
 
     register()
     register()  # as `gossiprec torchrun` does, beside an entry point discovered already: harmless

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.config import DONOR_OFFSET, STORE_OFFSET, TrainerConfig
+from gossiprec.local.launch import DONOR_OFFSET, STORE_OFFSET
+from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.settings import TrainerSettings, transfer_key
 
 

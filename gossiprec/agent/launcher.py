@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 :class:`Launcher` starts an :class:`~gossiprec.agent.pump.Agent` (bound, control socket open, joining
 its seeds) and then the training command as a child process, in a new session like torchrun does, with
-the agent's coordinates in its environment:
+the agent's coordinates in its environment (the launch contract, :mod:`gossiprec.local.launch`):
 
     GOSSIPREC_CONTROL  the agent's control socket (``ControlClient.from_env()`` reads it)
     GOSSIPREC_NODE     this node's name in the cluster
@@ -18,7 +18,7 @@ the agent's coordinates in its environment:
     GOSSIPREC_KEYRING_FD  (``--keyring-fd``) the number of the descriptor the keyring arrives on: the
                        read end of a pipe only the child inherits; the launcher writes the agent's keyring
                        into it before the child starts and again each time the agent reloads a changed
-                       one (see :mod:`gossiprec.trainer.keys`), for a trainer that cannot read the file
+                       one (see :mod:`gossiprec.local.launch`), for a trainer that cannot read the file
     THP_MEM_ALLOC_ENABLE=1  unless already set: huge pages for PyTorch's CPU tensors (see THP_VAR)
     TORCH_NCCL_ASYNC_ERROR_HANDLING=2  unless already set: NCCL's default (3) kills the process on a
                        collective's timeout instead of letting the agent's abort end it (see NCCL_VAR)
@@ -83,7 +83,8 @@ from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
 from gossiprec.local.bell import stopped
-from gossiprec.agent.settings import ENV, AgentSettings, add_agent_arguments, settings_from_args
+from gossiprec.local.launch import EXIT_STOPPED, keyring_message, trainer_environment
+from gossiprec.agent.settings import AgentSettings, add_agent_arguments, settings_from_args
 from gossiprec.core.bootstrap import Booting
 from gossiprec.security.keyring import Keyring
 
@@ -100,9 +101,6 @@ a core; with a nice gap it gets it first, and the trainer loses next to nothing 
 ``--trainer-nice 0`` turns this off."""
 
 
-EXIT_STOPPED = 75
-"""A trainer's exit code for a job stopped in good order (:data:`gossiprec.trainer.exits.EXIT_STOPPED`;
-not imported from there: an agent does not load the trainer package)."""
 DEFAULT_FENCE_GRACE = 10.0
 """Seconds a child that still holds trained state after its node was removed from the view has to drop
 it (its trainer does at its next collective) before the launcher kills it as hung."""
@@ -163,38 +161,24 @@ another value than 0 or 2 (:func:`gossiprec.trainer.groups.check_nccl_environmen
 
 def child_environment(agent: Agent, base: Mapping[str, str], *, keyring_fd: int | None = None) -> dict[str, str]:
     """The training process's environment: ``base`` plus the agent's coordinates and keyring path, or
-    ``keyring_fd``'s number instead of the path (and :data:`THP_VAR` = 1, :data:`NCCL_VAR` = 2 unless
-    ``base`` sets them)."""
-    from gossiprec.trainer.keys import KEYRING_FD_ENV
-
+    ``keyring_fd``'s number instead of the path, written through the launch contract
+    (:func:`~gossiprec.local.launch.trainer_environment`), and :data:`THP_VAR` = 1, :data:`NCCL_VAR` = 2
+    unless ``base`` sets them."""
     env = dict(base)
-    env.pop(KEYRING_FD_ENV, None)  # a number from elsewhere would name some other descriptor here
     env.setdefault(THP_VAR, "1")
     env.setdefault(NCCL_VAR, "2")
     if env[NCCL_VAR] not in ("0", "2"):
         log.warning("%s=%s: an NCCL trainer will refuse to start (it needs 0 or 2; unset it and `gossiprec run` "
                     "sets 2)", NCCL_VAR, env[NCCL_VAR])
     s = agent.settings
-    env[ENV["control_socket"]] = agent.control_path
-    env[ENV["name"]] = agent.name
     role, rank = s.role, s.rank
     if agent.machine is not None:  # its view says (a joiner enters as a spare)
         view = agent.machine.view
         me = view.member(agent.name) if view is not None else None
         role, rank = (me.role, me.rank) if me is not None else ("spare", None)
-    env[ENV["role"]] = role
-    env[ENV["cluster"]] = s.cluster
-    if s.keyring and not s.insecure and keyring_fd is None:
-        env[ENV["keyring"]] = os.path.abspath(s.keyring)
-    else:
-        env.pop(ENV["keyring"], None)
-    if keyring_fd is not None:
-        env[KEYRING_FD_ENV] = str(keyring_fd)
-    if rank is None:
-        env.pop(ENV["rank"], None)
-    else:
-        env[ENV["rank"]] = str(rank)
-    return env
+    keyring = os.path.abspath(s.keyring) if s.keyring and not s.insecure and keyring_fd is None else None
+    return trainer_environment(env, control=agent.control_path, node=agent.name, role=role, rank=rank,
+                               cluster=s.cluster, keyring=keyring, keyring_fd=keyring_fd)
 
 
 class _KeyPipe:
@@ -203,8 +187,6 @@ class _KeyPipe:
     read gets the newest keyring once it does."""
 
     def __init__(self, ring: Keyring) -> None:
-        from gossiprec.trainer.keys import keyring_message
-
         self.ring = ring
         self.read_fd, self.write_fd = os.pipe()  # both non-inheritable; pass_fds opens the read end to the child
         self.sent = ring.keyset
@@ -224,9 +206,6 @@ class _KeyPipe:
     def push(self) -> bool:
         """Send the agent's keyring if it changed since the last one sent; False once the child closed
         its end."""
-        from gossiprec.security.keyring import Keyring
-        from gossiprec.trainer.keys import keyring_message
-
         ks = self.ring.keyset  # one snapshot (the agent swaps the whole set)
         if not self.pending and ks is not self.sent:
             self.sent = ks

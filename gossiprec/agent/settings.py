@@ -16,7 +16,8 @@ Sources, highest precedence first::
 :func:`load_settings` merges raw values from the three sources field by field; :func:`add_agent_arguments`
 adds the flags to an :mod:`argparse` parser (every default is ``None`` so that "not given" is visible)
 and :func:`settings_from_args` turns parsed flags plus an environment mapping into settings. Nothing
-else in gossiprec reads the environment or a settings file; the core gets a frozen ``Config``.
+else in the agent reads the environment or a settings file; the core gets a frozen ``Config``. The
+variables a training process reads are the launch contract's (:mod:`gossiprec.local.launch`).
 
 Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC_RANK`` are also what
 ``gossiprec run`` hands to the training process, with the same meaning)::
@@ -46,19 +47,19 @@ from typing import Any, Callable, Mapping
 
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.errors import ConfigError
+from gossiprec.local.launch import (
+    CLUSTER_ENV, CONTROL_ENV, DEFAULT_CLUSTER, KEYRING_ENV, NODE_ENV, PORTS_PER_AGENT, RANK_ENV, ROLE_ENV, ROLES,
+)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 7980
 """UDP and TCP port of the agent (both protocols share the number)."""
-PORTS_PER_AGENT = 3
-"""Ports one agent and its trainer use: the agent's, the epoch store's (+1), the state donor's (+2)."""
 AGENT_STARTUP_GRACE = 30.0
 """Seconds an agent waits before probing a view-0 member it has not heard from yet (see the core's
 ``Config.startup_grace``). On a loaded machine a job's agents come up seconds apart; without a grace
 their peers suspected the late ones, raised alerts that could not be decided under that load, and
 fenced the whole cluster before training began."""
-ROLES = ("trainer", "spare")
 AGENT_PROFILES = ("lan", "wan")
 LOG_FORMATS = ("json", "text")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -66,19 +67,19 @@ UNIX_PATH_MAX = 107
 """Longest path a Unix socket can bind on Linux (sun_path is 108 bytes with the terminating NUL)."""
 
 ENV: dict[str, str] = {
-    "name": "GOSSIPREC_NODE",
+    "name": NODE_ENV,
     "bind_host": "GOSSIPREC_BIND",
     "port": "GOSSIPREC_PORT",
     "advertise": "GOSSIPREC_ADVERTISE",
     "seeds": "GOSSIPREC_SEEDS",
-    "role": "GOSSIPREC_ROLE",
-    "rank": "GOSSIPREC_RANK",
+    "role": ROLE_ENV,
+    "rank": RANK_ENV,
     "profile": "GOSSIPREC_PROFILE",
-    "cluster": "GOSSIPREC_CLUSTER",
-    "keyring": "GOSSIPREC_KEYRING",
+    "cluster": CLUSTER_ENV,
+    "keyring": KEYRING_ENV,
     "signing_key": "GOSSIPREC_SIGNING_KEY",
     "insecure": "GOSSIPREC_INSECURE",
-    "control_socket": "GOSSIPREC_CONTROL",
+    "control_socket": CONTROL_ENV,
     "log_format": "GOSSIPREC_LOG_FORMAT",
     "log_level": "GOSSIPREC_LOG_LEVEL",
     "metrics_port": "GOSSIPREC_METRICS_PORT",
@@ -120,7 +121,7 @@ class AgentSettings:
     """The training rank this node runs, if known at start."""
     profile: str = "lan"
     """Protocol timing profile: ``lan`` (training fabric) or ``wan`` (10x the timeouts)."""
-    cluster: str = "gossiprec"
+    cluster: str = DEFAULT_CLUSTER
     """Cluster name: packets of other clusters never open (it is part of the authenticated data)."""
     keyring: str | None = None
     """Keyring file (see ``gossiprec keys``). Required unless ``insecure``; :func:`load_settings` falls
@@ -625,7 +626,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--role", choices=ROLES, default=None, help="trainer (default) or spare")
     g.add_argument("--rank", type=int, default=None, help="training rank of this node, if known")
     g.add_argument("--profile", choices=AGENT_PROFILES, default=None, help="protocol timings (default lan)")
-    g.add_argument("--cluster", default=None, help="cluster name (default gossiprec)")
+    g.add_argument("--cluster", default=None, help=f"cluster name (default {DEFAULT_CLUSTER})")
     g.add_argument("--keyring", metavar="PATH", default=None, help="keyring file (see `gossiprec keys`)")
     g.add_argument("--signing-key", dest="signing_key", metavar="PATH", default=None,
                    help="persistent signing key file (created when absent; needed where the job spec pins "
@@ -684,12 +685,3 @@ def with_overrides(settings: AgentSettings, **changes: Any) -> AgentSettings:
     """A copy with some fields replaced (validated again)."""
     return replace(settings, **changes)
 
-
-def control_path_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """The agent's control socket path handed to a training process (``GOSSIPREC_CONTROL``)."""
-    env = os.environ if environ is None else environ
-    path = env.get(ENV["control_socket"])
-    if not path:
-        raise ConfigError(f"{ENV['control_socket']} is not set: start the training process with "
-                          "`gossiprec run ... -- python train.py`, or pass the agent's control socket path")
-    return path

@@ -4,7 +4,8 @@ What it decides: every member of view 0 from (the job's hosts in order, processe
 the same on every host that computes it. Member ``i`` of host ``h`` is ``{h}-{i}``; slots are ordered
 by (host's place in the list, local index); the last ``spares`` slots are hot spares, the others get
 ranks 0.. in that order. Ports are never a user's arithmetic: slot ``i`` of a host listens on
-``base_port + 3 * i`` (its agent; its store and donor follow at +1 and +2), counted over the slots
+``base_port + 3 * i`` (its agent; its store and donor follow at +1 and +2: the launch contract's port
+layout, :mod:`gossiprec.local.launch`), counted over the slots
 that share one address when several hosts resolve to the same one (emulated nodes on one machine).
 
 Hosts come from ``--hosts`` (Slurm's hostlist syntax: ``node[01-04],gpu7``) or, with ``--slurm``, from
@@ -27,10 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, cast
 
 from gossiprec.errors import ConfigError
+from gossiprec.local.launch import PORTS_PER_AGENT
 
 DEFAULT_BASE_PORT = 29400
-SLOT_STRIDE = 3
-"""Ports per slot: its agent, its store (agent + 1) and its donor (agent + 2)."""
 MAX_HOSTS = 100_000
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -111,9 +111,9 @@ def layout(hosts: Sequence[str], nproc_per_node: int, spares: int, base_port: in
     total = len(hosts) * nproc_per_node
     if not 0 <= spares < total:
         raise ConfigError(f"--spares must be in 0..{total - 1} (the job has {total} slots), got {spares}")
-    top = base_port + SLOT_STRIDE * total
+    top = base_port + PORTS_PER_AGENT * total
     if not 1024 <= base_port or top > 65535:
-        raise ConfigError(f"--base-port {base_port} leaves no room for {total} slots of {SLOT_STRIDE} ports "
+        raise ConfigError(f"--base-port {base_port} leaves no room for {total} slots of {PORTS_PER_AGENT} ports "
                           "each below 65536")
     addrs = {h: address_of(h) for h in hosts}
     used: dict[str, int] = {}
@@ -124,7 +124,7 @@ def layout(hosts: Sequence[str], nproc_per_node: int, spares: int, base_port: in
             used[addrs[h]] = n + 1
             index = len(slots)
             trainer = index < total - spares
-            slots.append(Slot(f"{h}-{i}", h, i, _join(addrs[h], base_port + SLOT_STRIDE * n),
+            slots.append(Slot(f"{h}-{i}", h, i, _join(addrs[h], base_port + PORTS_PER_AGENT * n),
                               "trainer" if trainer else "spare", index if trainer else None))
     return slots
 
@@ -254,7 +254,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="processes (agent + trainer pairs) per host (default: Slurm's tasks per node, else 1)")
     p.add_argument("--spares", type=int, default=0, help="how many of the last slots are hot spares (0)")
     p.add_argument("--base-port", dest="base_port", type=int, default=DEFAULT_BASE_PORT,
-                   help=f"first agent port of each host ({DEFAULT_BASE_PORT}); slot i uses base + {SLOT_STRIDE} i")
+                   help=f"first agent port of each host ({DEFAULT_BASE_PORT}); slot i uses base + {PORTS_PER_AGENT} i")
     p.add_argument("--allow-shrink", dest="allow_shrink", action="store_true",
                    help="with no spare left, drop data-parallel replicas instead of stopping")
     p.add_argument("--addr", action="append", default=[], metavar="HOST=ADDRESS",

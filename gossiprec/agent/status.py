@@ -8,16 +8,61 @@ phases) are turned into their names here.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sized
 
 from gossiprec import __version__
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.local.protocol import ViewBrief
 
 if TYPE_CHECKING:
-    from gossiprec.agent.pump import Agent
+    from gossiprec.agent.settings import AgentSettings
+    from gossiprec.agent.transport import Transport
+    from gossiprec.core.config import Config
     from gossiprec.core.machine import Machine
     from gossiprec.core.records import MemberInfo
+    from gossiprec.local.server import ControlServer
+
+
+class StatusSource(Protocol):
+    """What the reports read of an agent (:class:`~gossiprec.agent.pump.Agent` is one), read-only."""
+
+    @property
+    def machine(self) -> Machine | None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def addr(self) -> str: ...
+    @property
+    def config(self) -> Config: ...
+    @property
+    def settings(self) -> AgentSettings: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def my_progress(self) -> tuple[int, int, int]: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def leaving(self) -> bool: ...
+    @property
+    def leave_reason(self) -> str | None: ...
+    @property
+    def started_at(self) -> float: ...
+    @property
+    def layout(self) -> object: ...
+    @property
+    def trainer_state(self) -> Mapping[str, Any] | None: ...
+    @property
+    def progress_page_path(self) -> str | None: ...
+    @property
+    def counters(self) -> Mapping[str, int]: ...
+    @property
+    def transport(self) -> Transport | None: ...
+    @property
+    def control(self) -> ControlServer | None: ...
+    @property
+    def hub(self) -> Sized: ...
+    def live_count(self) -> int: ...
 
 
 def status_name(status: Any) -> Any:
@@ -28,7 +73,7 @@ def role_name(role: Any) -> Any:
     return ROLES[role] if type(role) is int and 0 <= role < len(ROLES) else role
 
 
-def member_rows(agent: Agent, now: float) -> list[dict[str, Any]]:
+def member_rows(agent: StatusSource, now: float) -> list[dict[str, Any]]:
     """One row per known member: address, status, role and the progress last heard (this node's own
     is the trainer's as of now)."""
     m = agent.machine
@@ -61,7 +106,7 @@ def _unheard_count(machine: Machine, members: list[MemberInfo]) -> int:
     return sum(1 for rec in members if not machine.has_heard(rec.name))
 
 
-def agent_status(agent: Agent, now: float) -> dict[str, Any]:
+def agent_status(agent: StatusSource, now: float) -> dict[str, Any]:
     """The ``status`` reply: identity, settings, life cycle, trainer state, every counter, the view."""
     m = agent.machine
     s = agent.settings

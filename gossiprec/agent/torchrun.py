@@ -7,7 +7,8 @@ torchrun finds an out-of-tree rendezvous through the ``torchrun.handlers`` entry
 the entry point ``gossiprec`` (:mod:`gossiprec.agent.torchrun_entry`, which imports nothing until a
 run asks for the backend) returns ``create_handler``, which torchrun calls with its
 :class:`RendezvousParameters` and which calls :func:`make_handler`; ``gossiprec torchrun``
-(:func:`launch`) registers the same creator in-process instead and runs torchrun's ``main``. The
+(:mod:`gossiprec.agent.torchrun_cli`) registers the same creator in-process instead and runs
+torchrun's ``main``. The
 handler's plan (:mod:`gossiprec.agent.torchrun_conf`) says which slot of the job this torchrun node
 is. :meth:`GossiprecRendezvous.next_rendezvous`, on torchrun's main thread, then
 
@@ -59,7 +60,7 @@ import tempfile
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Coroutine, Mapping, MutableMapping, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Mapping, MutableMapping, TypeVar
 
 from torch.distributed import HashStore, Store
 from torch.distributed.elastic.rendezvous import (
@@ -73,17 +74,14 @@ from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
 from gossiprec.local.bell import stopped
-from gossiprec.agent.settings import ENV, AgentSettings, split_host_port
-from gossiprec.agent.torchrun_conf import NodePlan, check_torchrun_argv, plan_node
-from gossiprec.agent.torchrun_entry import create_handler, torchrun_backend
+from gossiprec.local.launch import KEYRING_ENV, RANK_ENV
+from gossiprec.agent.settings import AgentSettings, split_host_port
+from gossiprec.agent.torchrun_conf import BACKEND, NodePlan, check_torchrun_argv, plan_node
 
-__all__ = ["BACKEND", "AgentThread", "GossiprecRendezvous", "create_handler", "launch", "make_handler", "register",
-           "torchrun_backend"]
+__all__ = ["AgentThread", "GossiprecRendezvous", "make_handler"]
 
 log = logging.getLogger(__name__)
 
-BACKEND = "gossiprec"
-"""The ``--rdzv-backend`` name (and the entry point's name)."""
 IDENTICAL_VAR = "TORCH_ELASTIC_WORKER_IDENTICAL"
 EXIT_BARRIER_DONE = "torchelastic/agent/terminal_state/last_member"
 """The key torchrun's exit barrier waits for (``_TERMINAL_STATE_SYNC_ID`` + ``_LAST_MEMBER_CHECKIN``)."""
@@ -91,28 +89,6 @@ STOP_TIMEOUT_S = 30.0
 """How long :meth:`AgentThread.stop` waits for the agent to leave and its thread to end."""
 
 T = TypeVar("T")
-
-
-def register() -> None:
-    """Register the backend in this process's torchrun (what the entry point does); idempotent."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(BACKEND, create_handler)
-
-
-def launch(argv: Sequence[str]) -> int:
-    """Run torchrun on ``argv`` in this process with the backend registered (``gossiprec torchrun``);
-    returns its exit status: 1 when a worker failed (torchrun's report on standard error)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main
-
-    register()
-    try:
-        main(list(argv))
-    except ChildFailedError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    return 0
 
 
 def make_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -281,10 +257,10 @@ def export_coordinates(agent: Agent, environ: MutableMapping[str, str]) -> dict[
     what was set. Runs on the agent's loop: it reads the agent's view."""
     env = child_environment(agent, environ)
     if agent.settings.keyring is not None:
-        env[ENV["keyring"]] = agent.settings.keyring
+        env[KEYRING_ENV] = agent.settings.keyring
     env[IDENTICAL_VAR] = "1"
-    if ENV["rank"] not in env:
-        environ.pop(ENV["rank"], None)
+    if RANK_ENV not in env:
+        environ.pop(RANK_ENV, None)
     changed = {k: v for k, v in env.items() if environ.get(k) != v}
     environ.update(changed)
     return changed

@@ -23,15 +23,14 @@ Only ``--nproc-per-node 1 --max-restarts 0`` works (see :func:`check_torchrun_ar
 every local worker when one fails and restarts them all on a re-rendezvous, which would throw away
 the in-place recovery gossiprec does instead.
 
-``gossiprec torchrun ARGS`` (:func:`add_cli`) is torchrun with the backend registered in-process, for
-an install whose metadata lacks the ``torchrun.handlers`` entry point: it checks ``ARGS`` as above,
-adds ``--rdzv-backend gossiprec`` when they name no backend and refuses another one
-(:func:`wrapper_argv`).
+``gossiprec torchrun ARGS`` (:mod:`gossiprec.agent.torchrun_cli`) is torchrun with the backend
+registered in-process, for an install whose metadata lacks the ``torchrun.handlers`` entry point: it
+checks ``ARGS`` as above, adds ``--rdzv-backend gossiprec`` when they name no backend and refuses
+another one (:func:`wrapper_argv`).
 """
 
 from __future__ import annotations
 
-import argparse
 import socket
 import tomllib
 from dataclasses import dataclass
@@ -44,6 +43,8 @@ from gossiprec.agent.settings import ENV, AgentSettings, load_settings, split_ho
 from gossiprec.agent.spec import DEFAULT_BASE_PORT, expand_hostlist, layout, resolver, to_toml
 from gossiprec.errors import ConfigError
 
+BACKEND = "gossiprec"
+"""The ``--rdzv-backend`` name (and the entry point's name)."""
 CONF_KEYS = {
     "spec": "job spec file (TOML), as `gossiprec spec` writes it",
     "hosts": "the job's hosts in Slurm's hostlist syntax, ';' for ','",
@@ -269,35 +270,9 @@ def wrapper_argv(argv: Sequence[str]) -> list[str]:
         raise ConfigError("gossiprec torchrun: --standalone makes torchrun use its c10d backend; drop it")
     out = list(argv)
     if args.rdzv_backend is None:
-        out = ["--rdzv-backend", "gossiprec", *out]
-    elif args.rdzv_backend != "gossiprec":
+        out = ["--rdzv-backend", BACKEND, *out]
+    elif args.rdzv_backend != BACKEND:
         raise ConfigError(f"gossiprec torchrun runs the gossiprec backend, not --rdzv-backend {args.rdzv_backend}:"
                           " drop the option, or run plain torchrun for another backend")
     check_torchrun_argv(["torchrun", *out])
     return out
-
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    # every argument is torchrun's: no option of ours, so that argparse passes them all through
-    p = subparsers.add_parser(
-        "torchrun", prefix_chars="\0", add_help=False,
-        help="torchrun with the gossiprec rendezvous backend registered (--rdzv-backend gossiprec)",
-        description="torchrun with the gossiprec rendezvous backend (no etcd, no c10d store host).")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cmd)
-    return p  # type: ignore[no-any-return]
-
-
-def _cmd(args: argparse.Namespace) -> int:
-    argv = list(args.args)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: gossiprec torchrun [TORCHRUN OPTIONS] SCRIPT [ARGS]\n\n"
-              "torchrun with --rdzv-backend gossiprec registered in-process; every option is torchrun's, "
-              "--rdzv-conf takes the gossiprec keys below, --nproc-per-node must be 1 and --max-restarts 0.\n")
-        for key, what in CONF_KEYS.items():
-            print(f"  {key:15} {what}")
-        print("\ntorchrun --help lists torchrun's options.")
-        return 0 if argv else 2
-    from gossiprec.agent.torchrun import launch
-
-    return launch(wrapper_argv(argv))

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from typing import Any, Mapping
 
+from gossiprec.local.launch import control_path_from_env
 from gossiprec.local.protocol import (
     CONTROL_VERSION, DISCONNECTING, LENGTH_PREFIX, MAX_REPLY_FRAME, ControlError, check_reply, decode_body,
     encode_frame, frame_length,
@@ -57,7 +58,6 @@ class ControlClient:
     @classmethod
     def from_env(cls, **kwargs: Any) -> ControlClient:
         """Connect to the socket named by ``GOSSIPREC_CONTROL`` (set by ``gossiprec run``)."""
-        from gossiprec.agent.settings import control_path_from_env
         return cls(control_path_from_env(), **kwargs)
 
     def __enter__(self) -> ControlClient:

@@ -140,7 +140,7 @@ def cmd_public(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def add_public_cli(add: Callable[..., Any]) -> None:
-    """Register ``keys public`` through the keyring CLI's ``add(name, handler, help)``."""
+    """Register ``keys public`` through the ``gossiprec keys`` CLI's ``add(name, handler, help)``."""
     p: argparse.ArgumentParser = add(
         "public", cmd_public, "print this node's public signing key, as the line to pin in the job spec's "
         "[public_keys] table (creates the key file, mode 0600, when absent)")

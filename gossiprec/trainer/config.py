@@ -10,12 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gossiprec.errors import ConfigError
+from gossiprec.local.launch import DONOR_OFFSET, STORE_OFFSET
 from gossiprec.trainer.groups import BACKENDS
-
-STORE_OFFSET = 1
-"""Default port offset of every trainer's TCPStore server from its agent's port."""
-DONOR_OFFSET = 2
-"""Default port offset of every trainer's :class:`~gossiprec.trainer.donor.DonorServer` from its agent's port."""
 
 
 @dataclass(frozen=True, slots=True)

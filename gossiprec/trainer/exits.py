@@ -19,12 +19,12 @@ same process until the partition heals (:mod:`gossiprec.trainer.recovery`). None
 
 from __future__ import annotations
 
+from gossiprec.local.launch import EXIT_STOPPED as EXIT_STOPPED  # the job stopped in good order (EX_TEMPFAIL)
+
 EXIT_FINISHED = 0
 """Training finished on this rank."""
 EXIT_NOT_NEEDED = 0
 """A spare the job did not need, or a rank a shrink released."""
-EXIT_STOPPED = 75
-"""The job stopped in good order: restart it from a checkpoint (EX_TEMPFAIL)."""
 EXIT_ERROR = 1
 """Anything else."""
 

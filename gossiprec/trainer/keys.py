@@ -17,9 +17,9 @@ started after a full rotation (install, use, remove) is served by survivors star
 **The descriptor** is for a trainer that cannot read the file (another user, another mount namespace, a
 container): the launcher, which reads the file, writes the keyring down a pipe whose read end only its
 child inherits, and writes it again whenever its agent reloads a changed keyring (a file descriptor of
-the keyring itself could not follow a rotation: the file is replaced by a rename). Each message is a
-4-byte big-endian length and the keyring's JSON (:func:`keyring_message`); :meth:`TransferKeys.from_fd`
-reads the first one at once and the later ones in a thread of its own, swapping the keys in one
+the keyring itself could not follow a rotation: the file is replaced by a rename). The messages are
+the launch contract's (:mod:`gossiprec.local.launch`); :meth:`TransferKeys.from_fd` reads the first one
+at once and the later ones in a thread of its own, swapping the keys in one
 assignment. The descriptor is made non-inheritable on arrival, so the trainer's own children get nothing.
 
 An ``--insecure`` cluster has no keyring: :meth:`TransferKeys.insecure` derives a key from the cluster
@@ -38,14 +38,12 @@ peer address reaches gloo. ``add`` counters cannot be sealed; gloo's rendezvous 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
-import select
 import threading
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -53,9 +51,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gossiprec.errors import ConfigError, SecurityError
-
-if TYPE_CHECKING:
-    from gossiprec.security.keyring import Keyring
+from gossiprec.local.launch import FIRST_KEYS_TIMEOUT, KEYRING_FD_ENV, read_keyring_message
+from gossiprec.security.keyring import Keyring
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +60,6 @@ KEY_SIZE = 32
 KID_SIZE = 8
 TAG_SIZE = 16
 STORE_INFO = b"gossiprec-store-v1\x00"
-KEYRING_FD_ENV = "GOSSIPREC_KEYRING_FD"
-"""The variable naming the descriptor the keyring arrives on (``gossiprec run --keyring-fd``)."""
-FIRST_KEYS_TIMEOUT = 30.0
-"""How long :meth:`TransferKeys.from_fd` waits for the first keyring (the launcher writes it before it
-starts the trainer, so it is there at once unless the descriptor is not the launcher's)."""
-MAX_MESSAGE = 64 * 1024
-"""Largest keyring message accepted (a keyring file is at most as large)."""
 
 
 def _kid(key: bytes) -> bytes:
@@ -115,7 +105,7 @@ class TransferKeys:
         except OSError as exc:
             raise ConfigError(f"{KEYRING_FD_ENV}={fd} is not an open descriptor ({exc.strerror}): {hint}") from None
         try:
-            ring = _read_ring(fd, time.monotonic() + FIRST_KEYS_TIMEOUT)
+            ring = read_keyring_message(fd, time.monotonic() + FIRST_KEYS_TIMEOUT)
         except (OSError, SecurityError, ValueError) as exc:
             raise ConfigError(f"no keyring on descriptor {fd} ({KEYRING_FD_ENV}): {exc}; {hint}") from None
         if ring is None:
@@ -131,7 +121,7 @@ class TransferKeys:
         assert self._ring is not None
         while True:
             try:
-                ring = _read_ring(fd, None)
+                ring = read_keyring_message(fd, None)
             except SecurityError as exc:  # a well-framed message with a bad keyring: wait for the next
                 log.warning("a keyring from descriptor %d was refused, keeping the current keys: %s", fd, exc)
                 continue
@@ -150,8 +140,6 @@ class TransferKeys:
     @classmethod
     def from_file(cls, path: str) -> TransferKeys:
         """The keyring at ``path``; :class:`~gossiprec.errors.SecurityError` if it cannot be read."""
-        from gossiprec.security.keyring import Keyring
-
         ring = Keyring.load(path)
         if ring.primary is None:
             raise ConfigError(f"keyring {path} has no primary key; run `gossiprec keys use KEY`")
@@ -199,50 +187,6 @@ class TransferKeys:
     def by_id(self, kid: bytes) -> bytes | None:
         """The accepted key with id ``kid`` (first 8 bytes of its SHA-256), if any."""
         return next((k for k in self.accepted() if _kid(k) == kid), None)
-
-
-def keyring_message(ring: Keyring) -> bytes:
-    """``ring`` as one message down the keyring descriptor: 4-byte big-endian length, compact JSON."""
-    body = json.dumps(ring.to_json(), separators=(",", ":")).encode()
-    return len(body).to_bytes(4, "big") + body
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
-    """``n`` bytes from ``fd``; None at end of file before the first byte; ValueError if it ends half
-    way, TimeoutError after ``deadline``."""
-    out = b""
-    while len(out) < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError(f"nothing arrived within {FIRST_KEYS_TIMEOUT:.0f} s")
-        chunk = os.read(fd, n - len(out))
-        if not chunk:
-            if out:
-                raise ValueError("the descriptor closed in the middle of a keyring")
-            return None
-        out += chunk
-    return out
-
-
-def _read_ring(fd: int, deadline: float | None) -> Keyring | None:
-    """The next keyring message on ``fd`` (None at end of file)."""
-    from gossiprec.security.keyring import Keyring
-
-    head = _read_exact(fd, 4, deadline)
-    if head is None:
-        return None
-    n = int.from_bytes(head, "big")
-    if not 0 < n <= MAX_MESSAGE:
-        raise ValueError(f"a keyring message of {n} bytes (at most {MAX_MESSAGE})")
-    body = _read_exact(fd, n, deadline)
-    if body is None:
-        raise ValueError("the descriptor closed in the middle of a keyring")
-    try:
-        doc = json.loads(body)
-    except ValueError as exc:
-        raise SecurityError(f"the keyring from descriptor {fd} is not JSON ({exc})") from None
-    return Keyring.from_json(doc, where=f"the keyring from descriptor {fd}")
 
 
 def _store_aead(key: bytes) -> AESGCM:

@@ -1,8 +1,9 @@
 """Where the trainer finds its agent and its key: the one place the trainer reads ``GOSSIPREC_*`` variables.
 
 ``gossiprec run`` hands its training process the agent's coordinates in ``GOSSIPREC_*`` variables
-(see :mod:`gossiprec.agent.launcher`); :meth:`TrainerSettings.from_env` reads the ones the trainer
-uses, and ``ResilientTrainer`` calls it only when its caller passes no control client or no key.
+(the launch contract, :mod:`gossiprec.local.launch`); :meth:`TrainerSettings.from_env` reads the ones
+the trainer uses through it, and ``ResilientTrainer`` calls it only when its caller passes no control
+client or no key.
 Everything else in the trainer takes these values as arguments. (The one other variable the trainer
 looks at is torch's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which NCCL reads itself: building an NCCL
 group checks it, see :mod:`gossiprec.trainer.groups`.)
@@ -17,23 +18,19 @@ agent says the cluster is keyed.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.keys import KEYRING_FD_ENV, TransferKeys
-
-if TYPE_CHECKING:
-    from gossiprec.local.client import ControlClient
+from gossiprec.local.client import ControlClient
+from gossiprec.local.launch import CONTROL_MISSING, DEFAULT_CLUSTER, read_launch_env
+from gossiprec.trainer.keys import TransferKeys
 
 CONTROL_TIMEOUT = 30.0
 """Seconds a trainer waits for its agent's reply to a request (the state and report messages of every
 step are not requests: they never wait). Generous: when a whole job starts at once on few cores, an
 agent may take many seconds to answer its first request; a dead agent closes the socket, which fails
 at once."""
-DEFAULT_CLUSTER = "gossiprec"
-"""The cluster name when ``GOSSIPREC_CLUSTER`` is not set (the agent's default too)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,26 +48,15 @@ class TrainerSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerSettings:
-        """The settings ``environ`` (default :data:`os.environ`) holds; unset variables stay None."""
-        from gossiprec.agent.settings import ENV
-
-        env = os.environ if environ is None else environ
-        fd_text = env.get(KEYRING_FD_ENV) or None
-        if fd_text is not None and not fd_text.isdigit():
-            raise ConfigError(f"{KEYRING_FD_ENV}={fd_text!r} is not a descriptor number; `gossiprec run "
-                              "--keyring-fd` sets it")
-        return cls(control_path=env.get(ENV["control_socket"]) or None,
-                   cluster=env.get(ENV["cluster"], DEFAULT_CLUSTER),
-                   keyring=env.get(ENV["keyring"]) or None,
-                   keyring_fd=None if fd_text is None else int(fd_text))
+        """The settings ``environ`` (default :data:`os.environ`) holds; unset variables stay None.
+        :class:`~gossiprec.errors.ConfigError` for a malformed one."""
+        env = read_launch_env(environ)
+        return cls(control_path=env.control, cluster=env.cluster, keyring=env.keyring, keyring_fd=env.keyring_fd)
 
     def connect(self, *, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
         """A client connected to the agent's control socket (requests wait ``timeout`` seconds)."""
-        from gossiprec.local.client import ControlClient
-
         if not self.control_path:
-            raise ConfigError("GOSSIPREC_CONTROL is not set: start the training process with "
-                              "`gossiprec run ... -- python train.py`, or pass the agent's control socket path")
+            raise ConfigError(CONTROL_MISSING)
         return ControlClient(self.control_path, timeout=timeout)
 
     def transfer_keys(self) -> TransferKeys:

@@ -1,0 +1,77 @@
+"""The launch contract: what the launcher writes, the trainer reads back, and each side refuses."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gossiprec.core.config import Config
+from gossiprec.errors import ConfigError
+from gossiprec.local.launch import (
+    CLUSTER_ENV, CONTROL_ENV, DEFAULT_CLUSTER, DONOR_OFFSET, KEYRING_ENV, KEYRING_FD_ENV, NODE_ENV,
+    PORTS_PER_AGENT, RANK_ENV, ROLE_ENV, LaunchEnv, keyring_message, read_keyring_message, read_launch_env,
+    trainer_environment,
+)
+from gossiprec.security.keyring import Keyring, decode_key, generate_key
+
+
+def test_what_the_launcher_writes_the_trainer_reads_back() -> None:
+    stale = {RANK_ENV: "7", KEYRING_FD_ENV: "9", KEYRING_ENV: "/old.json", "PATH": "/bin"}
+    env = trainer_environment(stale, control="/run/a.sock", node="n1", role="spare", rank=None, cluster="c1",
+                              keyring="/k.json")
+    assert env[CONTROL_ENV] == "/run/a.sock" and env[NODE_ENV] == "n1" and env[ROLE_ENV] == "spare"
+    assert RANK_ENV not in env and KEYRING_FD_ENV not in env and env["PATH"] == "/bin"
+    assert read_launch_env(env) == LaunchEnv(control="/run/a.sock", cluster="c1", keyring="/k.json")
+    env = trainer_environment(stale, control="/run/a.sock", node="n1", role="trainer", rank=3, cluster="c1",
+                              keyring_fd=5)
+    assert env[RANK_ENV] == "3" and KEYRING_ENV not in env
+    assert read_launch_env(env) == LaunchEnv(control="/run/a.sock", cluster="c1", keyring_fd=5)
+    assert read_launch_env({}) == LaunchEnv(cluster=DEFAULT_CLUSTER)
+    assert read_launch_env({CLUSTER_ENV: "x"}).cluster == "x"
+
+
+@pytest.mark.parametrize("bad", [
+    {"role": "boss"}, {"rank": -1}, {"control": ""}, {"keyring": "/k.json", "keyring_fd": 3}, {"keyring_fd": -2},
+])
+def test_the_launcher_refuses_what_the_trainer_could_not_read(bad: dict[str, object]) -> None:
+    kwargs: dict[str, object] = {"control": "/s", "node": "n", "role": "trainer", "rank": 0, "cluster": "c", **bad}
+    with pytest.raises(ConfigError):
+        trainer_environment({}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_the_trainer_refuses_a_descriptor_that_is_no_number() -> None:
+    with pytest.raises(ConfigError, match=KEYRING_FD_ENV):
+        read_launch_env({KEYRING_FD_ENV: "keys.json"})
+
+
+def test_defaults_are_the_protocols_and_the_ports_fit_the_layout() -> None:
+    assert DEFAULT_CLUSTER == Config().cluster
+    assert DONOR_OFFSET < PORTS_PER_AGENT
+
+
+def test_keyring_messages_round_trip_and_end_at_end_of_file() -> None:
+    k1, k2 = decode_key(generate_key()), decode_key(generate_key())
+    r, w = os.pipe()
+    try:
+        os.write(w, keyring_message(Keyring([k1, k2], primary=k2)))
+        os.close(w)
+        w = -1
+        ring = read_keyring_message(r, None)
+        assert ring is not None and ring.primary == k2 and len(ring) == 2
+        assert read_keyring_message(r, None) is None
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+def test_a_broken_keyring_stream_is_refused() -> None:
+    r, w = os.pipe()
+    try:
+        os.write(w, (10**6).to_bytes(4, "big"))
+        with pytest.raises(ValueError, match="at most"):
+            read_keyring_message(r, None)
+    finally:
+        os.close(r)
+        os.close(w)
