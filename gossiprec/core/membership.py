@@ -200,6 +200,16 @@ class Membership:
         self._first_acked.pop(name, None)
 
     @property
+    def my_progress(self) -> Progress:
+        """This node's own progress record (see :meth:`set_progress`)."""
+        return self._my_progress
+
+    def read_progress_of(self, names: frozenset[str]) -> None:
+        """The members whose gossiped progress this node reads (checked as it arrives: see
+        :attr:`~gossiprec.core.progress.ProgressBook.read`)."""
+        self._book.read = names
+
+    @property
     def progress_since(self) -> float:
         """When this node's own (step, phase) became current (see :meth:`set_progress`)."""
         return self._my_since

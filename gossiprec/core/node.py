@@ -33,8 +33,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterable, MutableMapping
 
-from gossiprec.core import fencing, timers
-from gossiprec.core.fencing import RESTART_FENCE
+from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
 from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
 from gossiprec.core.bundles import MERGED
@@ -43,9 +42,9 @@ from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import Consensus, change_rows, keeps_quorum, removes_majority
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.election import Plan
+from gossiprec.core.fencing import RESTART_FENCE, Fencing
 from gossiprec.core.events import (
-    CoreEvent, Fenced, JobFinished, JobSpecMismatch, MemberFailed, MemberJoined, MemberLeft, MemberSuspected,
-    ProbeResult, Unfenced, ViewInstalled,
+    CoreEvent, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, ViewInstalled,
 )
 from gossiprec.core.hangs import RECOVERING, HangCheck
 from gossiprec.core.membership import Membership
@@ -62,7 +61,6 @@ from gossiprec.errors import ProtocolError
 
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
-SPEC_FENCE = "job spec mismatch"
 WATCH_EARLY = 0.1
 """The watchdog (fencing, hang checks; every ``AgreementConfig.watch_interval``) runs up to this much early
 in a tick that happens anyway (the probe timer's), so it seldom needs a wake-up of its own."""
@@ -107,22 +105,17 @@ class Node:
         self._events: list[CoreEvent] = []
         self._timers: list[tuple[float, int, int, int]] = []
         self._tok = 0
-        self._now = now
-        self._installed_at = now
-        self.fenced: str = ""
-        self.spec_conflict: str = ""
-        """Set when a member of view 0 holds another view 0: fenced for good, out of agreement."""
-        self._spec_seen: set[tuple[str, str, bool]] = set()
+        self.now = now
+        """The time of the latest input."""
+        self.installed_at = now
+        """When the current view was installed."""
         self.view: View | None = None
-        self.plan: Plan | None = None
         self.finished: int | None = None
         """The step at which the job's trainers finished (JobDone), once known."""
-        self._state: tuple[int, int | None, int] = (0, None, 0)
+        self.trainer_state: tuple[int, int | None, int] = (0, None, 0)
         """What the trainer could serve (committed step, in-flight step, bytes): see :meth:`set_state`."""
-        self._my_progress: tuple[int, int, int] = (-1, 0, 0)
+        self.my_progress: tuple[int, int, int] = (-1, 0, 0)
         """The trainer's (step, phase, step time in ms): see :meth:`set_progress`."""
-        self._trouble_since: float | None = None
-        """Since when this member waits for a change it cannot get decided (see the watchdog)."""
         self._early: list[Message] = []
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
@@ -136,36 +129,33 @@ class Node:
             swim.auth = auth
             if auth.claims:
                 self._claim(now)
-        self.observer = Observer(self, swim, acfg)
-        self.hangs = HangCheck(self, self.observer, swim, acfg)
-        self.aggregates = Aggregates(self, swim, acfg)
-        self.catchup = CatchUp(self, swim, acfg)
-        self.hello_until = now + acfg.hello_for
-        """Until then this process says hello to its observers (see :meth:`CatchUp.hello`)."""
         self.start_incarnation = incarnation
         """The incarnation this process started at (its Hello says so: refuting suspicion raises the
         current one, and an observer comparing with that would take a healthy process for a new one)."""
-        self._fenced_at = now
-        self._healthy_since: float | None = None
-        """Since when this fenced member (still in its view) reaches a majority with nothing pending."""
+        self.observer: Observer = Observer(self, swim, acfg)
+        obs = self.observer
+        self.hangs: HangCheck = HangCheck(self, obs, swim, acfg)
+        self.aggregates: Aggregates = Aggregates(self, swim, obs, acfg)
+        self.catchup: CatchUp = CatchUp(self, swim, obs, acfg, now)
+        self.fencing: Fencing = Fencing(self, swim, obs, self.catchup, acfg, now)
         if view is not None:
-            self._install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
+            self.install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
         else:
             for addr_ in seeds:
                 swim.send_addr(addr_, ViewRequest(0, "", name, addr), reliable=True)
             swim.join(seeds, now)
-            self._at(now + acfg.join_retry, timers.JOIN)
-        self._at(now + acfg.watch_first, timers.WATCH)
+            self.set_timer(now + acfg.join_retry, timers.JOIN)
+        self.set_timer(now + acfg.watch_first, timers.WATCH)
         self.catchup.hello(now, seeds if view is not None else ())
 
     # ------------------------------------------------------------------ machine interface
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
-        self._now = now
+        self.now = now
         self.swim.receive(data, now, reliable)
         self._drain_swim(now)
 
     def tick(self, now: float) -> None:
-        self._now = now
+        self.now = now
         self.swim.tick(now)
         self._drain_swim(now)
         heap = self._timers
@@ -205,7 +195,28 @@ class Node:
         """See :meth:`Membership.has_heard`."""
         return self.swim.has_heard(name)
 
-    def _at(self, when: float, kind: int) -> None:
+    @property
+    def fenced(self) -> str:
+        """Why this member is fenced ("" when it is not): see :class:`~gossiprec.core.fencing.Fencing`."""
+        return self.fencing.reason
+
+    @property
+    def spec_conflict(self) -> str:
+        """Set when a member of view 0 holds another view 0: fenced for good, out of agreement."""
+        return self.fencing.spec_conflict
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current view's recovery plan, once computed (see :mod:`~gossiprec.core.aggregate`)."""
+        return self.aggregates.plan
+
+    def emit(self, event: CoreEvent) -> None:
+        self._events.append(event)
+
+    def alerts_about(self, subject: str) -> int:
+        return self.cut.count(subject)
+
+    def set_timer(self, when: float, kind: int) -> None:
         """Arm a timer (a kind of :mod:`gossiprec.core.timers`); agreement timers belong to the epoch they
         were armed in."""
         self._tok += 1
@@ -217,7 +228,7 @@ class Node:
         """The trainer's progress (``coll``: collectives entered in ``step``); a report that jumps further
         ahead of the previous one than synchronous training can go in the time between them (see
         ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError`, nothing kept."""
-        prev, prev_phase, prev_ms = self._my_progress
+        prev, prev_phase, prev_ms = self.my_progress
         if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
             # (out of recovering a rank may land at any step: the state it received)
             elapsed = max(0.0, now - self.swim.progress_since)
@@ -226,19 +237,19 @@ class Node:
                 raise ProtocolError(f"step jumped from {prev} to {step} in {elapsed:.3f} s, more than synchronous "
                                     "training can do: report each step as it begins (a step counter gone wrong?)")
         self.swim.set_progress(step, phase, step_ms, now, coll)  # validates: raises before anything is kept
-        self._my_progress = (step, phase, step_ms)
+        self.my_progress = (step, phase, step_ms)
         if self.aggregates.held_until is not None:
-            self._at(self._now, timers.REPORT)  # on the next tick: a state written with this progress lands first
+            self.set_timer(self.now, timers.REPORT)  # on the next tick: a state written with this progress lands first
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         """What this member could serve to a replacement (reported to the plan of each new view)."""
-        self._state = (committed_step, inflight_step, state_bytes)
+        self.trainer_state = (committed_step, inflight_step, state_bytes)
         if self.aggregates.held_until is not None:
-            self._at(self._now, timers.REPORT)
+            self.set_timer(self.now, timers.REPORT)
 
     def finish(self, step: int, now: float) -> None:
         """This member's trainer finished training at ``step``: tell every member the job is done."""
-        self._now = now
+        self.now = now
         epoch = self.view.epoch if self.view is not None else 0
         msg = JobDone(epoch, step, self.name)
         self._on_job_done(self.auth.sign(msg) if self.auth is not None else msg, now)  # type: ignore[arg-type]
@@ -249,7 +260,7 @@ class Node:
     # ------------------------------------------------------------------ the agent's view of the table
     def join(self, seed_addrs: Iterable[str], now: float) -> None:
         """Join through seeds: SWIM push-pull, and ask them for the current view."""
-        self._now = now
+        self.now = now
         seed_addrs = tuple(seed_addrs)
         self.swim.join(seed_addrs, now)
         if self.view is None or self.name not in self.view:
@@ -267,14 +278,14 @@ class Node:
         return self.swim.health()
 
     # ------------------------------------------------------------------ memoised pure functions
-    def _overlay(self, view: View) -> Overlay:
+    def overlay(self, view: View) -> Overlay:
         key = ("overlay", view.config_id, self.acfg.k)
         ov = self.memo.get(key)
         if ov is None:
             ov = self.memo[key] = Overlay.build(view.config_id, view.nodes, self.acfg.k)
         return ov
 
-    def _next_view(self, view: View, digest: bytes, changes: list[Change]) -> View:
+    def next_view(self, view: View, digest: bytes, changes: list[Change]) -> View:
         key = ("next", view.config_id, digest)
         nv = self.memo.get(key)
         if nv is None:
@@ -282,26 +293,24 @@ class Node:
         return nv
 
     # ------------------------------------------------------------------ views
-    def _install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple[str, ...],
+    def install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple[str, ...],
                  joined: tuple[str, ...], initial: bool = False) -> None:
         old = self.view
         self.view = view
-        self._installed_at = now
+        self.installed_at = now
         self.catchup.start_view()
-        self.plan = None
         self.aggregates.start_view(now)
-        self._trouble_since = None
-        self._healthy_since = None
+        self.fencing.start_view()
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
         if self.auth is not None and old is not None:
             # a removed member's key goes with it: a new process of that name (a new key) can rejoin
             self.auth.forget(set(old.nodes) - set(view.nodes))
-        ov = self._overlay(view)
+        ov = self.overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
-        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed,
+        self.cut: CutDetector = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed,
                                doubt_timeout=self.acfg.unstable_timeout)
         if self.name in view:
             for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
@@ -313,13 +322,13 @@ class Node:
         def allowed(changes: list[Change]) -> bool:
             return keeps_quorum(view, changes, me)
 
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth,
+        self.consensus: Consensus = Consensus(view, self.name, self.broadcast, self.send_to, allowed, auth=self.auth,
                                    chunk=self.aggregates.chunk)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
         self._eval_due: float | None = None
-        self._withheld = False
+        self.withheld = False
         """The cut is ready but removes a majority of the view: it is not proposed (trouble, as a vote
         that no quorum answers is)."""
         if self.name in view:
@@ -329,9 +338,7 @@ class Node:
                 rec = self.swim.member(node)
                 if node in view and node != self.name and rec is not None and rec.status == LEFT:
                     self._observe_departure(node, now)
-            if self.fenced and not self.spec_conflict:
-                self.fenced = ""
-                self._events.append(Unfenced(view.epoch, now))
+            self.fencing.member_again(view.epoch, now)
         else:
             self.swim.set_probe_targets(None)
         if not initial or old is not None:
@@ -339,18 +346,18 @@ class Node:
                                               decided_here, now, view.stopped))
         if self.name not in view:
             if old is not None and self.name in old:
-                self._fence("removed from the view", now)
-                if now < self.hello_until:
+                self.fencing.fence("removed from the view", now)
+                if now < self.catchup.hello_until:
                     # a new process (restarted, say): its trainer is new too, nothing to stop first
-                    self.hello_until = now
-                    self._at(now, timers.JOIN)
+                    self.catchup.hello_until = now
+                    self.set_timer(now, timers.JOIN)
                 else:
                     # not at once, and not before the trainer dropped its state (see catchup): a trainer
                     # removed as hung is killed by the launcher, and this agent leaves
                     self.catchup.after_removal = True
-                    self._at(now + self.acfg.rejoin_after, timers.JOIN)
+                    self.set_timer(now + self.acfg.rejoin_after, timers.JOIN)
             else:
-                self._at(now, timers.JOIN)
+                self.set_timer(now, timers.JOIN)
             return
         self.aggregates.report_or_hold(view, now)
         early, self._early = self._early, []
@@ -363,65 +370,37 @@ class Node:
     def _decided(self, now: float) -> None:
         d = self.consensus.decided
         assert d is not None and self.view is not None
-        nv = self._next_view(self.view, d.digest, d.changes)
+        nv = self.next_view(self.view, d.digest, d.changes)
         self.catchup.remember(self.view, nv, change_rows(d.changes))
         removed = tuple(c.node for c in d.changes if c.kind == REMOVE)
         joined = tuple(c.node for c in d.changes if c.kind == JOIN)
-        self._install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
+        self.install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
                       joined=joined)
 
     def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
-        """Another view 0 than ours (``other``, when it arrived): fence for good and take no part in
-        agreement from here on (neither side may decide a view that the other would not)."""
-        v = self.view
-        assert v is not None
-        key = (peer, theirs, other is not None)
-        if key in self._spec_seen:
-            return
-        self._spec_seen.add(key)
-        only_ours: tuple[str, ...] = ()
-        only_theirs: tuple[str, ...] = ()
-        differ: tuple[str, ...] = ()
-        if other is not None:
-            mine = {m.node: (m.addr, m.role, m.rank) for m in v.members}
-            them = {m.node: (m.addr, m.role, m.rank) for m in other.members}
-            only_ours = tuple(sorted(set(mine) - set(them)))
-            only_theirs = tuple(sorted(set(them) - set(mine)))
-            differ = tuple(sorted(n for n in set(mine) & set(them) if mine[n] != them[n]))
-        self.counters["spec_mismatch"] = self.counters.get("spec_mismatch", 0) + 1
-        self._events.append(JobSpecMismatch(peer, v.config_id, theirs, only_ours, only_theirs, differ, now))
-        if not self.spec_conflict:
-            self.spec_conflict = (f"{SPEC_FENCE}: this node's view 0 is {v.config_id}, "
-                                  f"{peer or 'another member'}'s is {theirs}")
-            self.fenced = ""  # this reason replaces any other
-            self._fence(self.spec_conflict, now)
-
-    def _fence(self, reason: str, now: float) -> None:
-        if not self.fenced:
-            self.fenced = reason
-            self._fenced_at = now
-            self._events.append(Fenced(self.view.epoch if self.view else -1, reason, now))
+        """See :meth:`Fencing.spec_mismatch`."""
+        self.fencing.spec_mismatch(peer, theirs, other, now)
 
     # ------------------------------------------------------------------ sending helpers
-    def _bcast(self, key: str, msg: Message) -> None:
+    def broadcast(self, key: str, msg: Message) -> None:
         # bitmap aggregates and signed bundles grow by merging: keep their transmit count
         t = type(msg)
         if self.spec_conflict and t in _THIS_VIEW:
             return
-        self.swim.broadcast(key, msg, self._now, merge=t in MERGED)
+        self.swim.broadcast(key, msg, self.now, merge=t in MERGED)
 
-    def _send_to(self, node: str, msg: Message) -> None:
+    def send_to(self, node: str, msg: Message) -> None:
         if self.spec_conflict and type(msg) in _THIS_VIEW:
             return
         if node == self.name:
-            self._on_message(msg, self._now)
+            self._on_message(msg, self.now)
             return
-        if not self.swim.send_to(node, msg, self._now) and self.view is not None:
+        if not self.swim.send_to(node, msg, self.now) and self.view is not None:
             m = self.view.member(node)
             if m is not None:
                 self.swim.send_addr(m.addr, msg)
 
-    def _one_hop_to_all(self, msg: Message, extra: tuple[Message, ...] = (), skip: str = "") -> None:
+    def one_hop_to_all(self, msg: Message, extra: tuple[Message, ...] = (), skip: str = "") -> None:
         """Views of up to ``direct_votes_max`` members: ``msg`` (and ``extra``) straight to every other
         member but ``skip``, one unicast each, so it arrives in one network hop instead of a few gossip
         rounds. Larger views leave it to gossip (N unicasts per member would be O(N^2))."""
@@ -433,7 +412,7 @@ class Node:
         first, more = msgs[0], msgs[1:]
         for m in v.members:
             if m.node != self.name and m.node != skip:
-                self.swim.send_to(m.node, first, self._now, extra=more)
+                self.swim.send_to(m.node, first, self.now, extra=more)
 
     # ------------------------------------------------------------------ SWIM events -> observations
     def _drain_swim(self, now: float) -> None:
@@ -461,8 +440,7 @@ class Node:
         our subject."""
         v = self.view
         if v is not None and self.name in v and self.cut.departed(subject, now):
-            if self._trouble_since is None:
-                self._trouble_since = now
+            self.fencing.trouble(now)
             self._eval_at(now + self.cut.settle_departed)
         self.observer.departed(subject, now)
 
@@ -500,7 +478,7 @@ class Node:
         if entry is not None and (entry[1] or self.name in v):
             entry[0](self, msg, now)
 
-    def _on_alert(self, msg: Alert, now: float) -> None:
+    def count_alert(self, msg: Alert, now: float) -> None:
         if self.auth is not None and not self.auth.check(msg.observer, msg):
             return  # not the observer's own word (counted by the key book; a forgery may name us)
         if not self.cut.fresh(msg.observer, msg.subject, msg.kind, msg.seq):
@@ -512,14 +490,13 @@ class Node:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
                 # removed; this process's trainer must not take it over meanwhile
-                self._fence(RESTART_FENCE, now)
+                self.fencing.fence(RESTART_FENCE, now)
             self.observer.on_alert(msg, now)
         if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
                           msg.rack):
             if msg.observer != self.name:  # spread it on (epidemic), once per change
-                self._bcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
-            if self._trouble_since is None:
-                self._trouble_since = now
+                self.broadcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
+            self.fencing.trouble(now)
             self._eval_at(now + self.acfg.settle)
 
     def _on_votes(self, msg: Votes, now: float) -> None:
@@ -562,10 +539,10 @@ class Node:
         if not self._early_round and self._hopeless_fast_coordinator() == self.name:
             # The fast round cannot succeed: start the classic round now instead of after the timeout.
             self._early_round = True
-            self._at(now, timers.FALLBACK)
+            self.set_timer(now, timers.FALLBACK)
         elif not self._fallback_armed:
             self._fallback_armed = True
-            self._at(now + self.acfg.fallback_timeout + self.rng.random() * self.acfg.fallback_jitter,
+            self.set_timer(now + self.acfg.fallback_timeout + self.rng.random() * self.acfg.fallback_jitter,
                      timers.FALLBACK)
 
     def _hopeless_fast_coordinator(self) -> str | None:
@@ -591,7 +568,7 @@ class Node:
         if due is not None and due <= when:
             return
         self._eval_due = when
-        self._at(when, timers.EVAL)
+        self.set_timer(when, timers.EVAL)
 
     def _on_eval_timer(self, now: float) -> None:
         due = self._eval_due
@@ -610,7 +587,7 @@ class Node:
             # no such change is ever proposed: it waits for the alerts to change (retractions re-evaluate)
             # and, if nothing does, the watchdog fences (see :func:`keeps_quorum`).
             self.counters["cut_withheld_majority"] = self.counters.get("cut_withheld_majority", 0) + 1
-            self._withheld = True
+            self.withheld = True
         elif changes and not self._keeps_reachable_majority(changes):
             # The members the cut keeps that look reachable (SWIM holds them alive and they have fewer
             # than L alerts) are no majority: a side of a partition whose cut dropped the other side's
@@ -618,9 +595,9 @@ class Node:
             # be decided the moment the partition heals, removing the healthy other side. It waits, as
             # above.
             self.counters["cut_withheld_unreachable"] = self.counters.get("cut_withheld_unreachable", 0) + 1
-            self._withheld = True
+            self.withheld = True
         elif changes:
-            self._withheld = False
+            self.withheld = False
             c = self.consensus
             voted = c.my_vote
             c.propose(changes)
@@ -630,7 +607,7 @@ class Node:
         elif wake is not None:
             self._eval_at(wake)
         else:
-            self._withheld = False  # nothing stable left (the accusations were retracted)
+            self.withheld = False  # nothing stable left (the accusations were retracted)
 
     def _keeps_reachable_majority(self, changes: list[Change]) -> bool:
         v = self.view
@@ -650,7 +627,7 @@ class Node:
         return reachable >= v.majority()
 
     def _send_vote_to_all(self, digest: bytes) -> None:
-        """Our vote (with its proposal) to every member of a small view (see :meth:`_one_hop_to_all`), so
+        """Our vote (with its proposal) to every member of a small view (see :meth:`one_hop_to_all`), so
         the fast round takes one hop. Merged bitmaps stay on gossip."""
         v, c = self.view, self.consensus
         assert v is not None
@@ -658,10 +635,10 @@ class Node:
         changes = c.proposals[digest]
         proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
         if c.my_vote_msg is not None:
-            self._one_hop_to_all(proposal, extra=(c.my_vote_msg,))
+            self.one_hop_to_all(proposal, extra=(c.my_vote_msg,))
             return
         votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
-        self._one_hop_to_all(proposal, extra=(votes,))
+        self.one_hop_to_all(proposal, extra=(votes,))
 
     def _fallback(self, now: float) -> None:
         self._fallback_armed = False
@@ -672,16 +649,16 @@ class Node:
         self.consensus.start_round()
         if not self._resend_armed:  # one retry chain per epoch, however many rounds we start
             self._resend_armed = True
-            self._at(now + self.acfg.retry_interval, timers.RESEND)
+            self.set_timer(now + self.acfg.retry_interval, timers.RESEND)
         self._fallback_armed = True
-        self._at(now + self.acfg.fallback_timeout * 2 + self.rng.random() * self.acfg.fallback_jitter,
+        self.set_timer(now + self.acfg.fallback_timeout * 2 + self.rng.random() * self.acfg.fallback_jitter,
                  timers.FALLBACK)
 
     def _resend(self, now: float) -> None:
         c = self.consensus
         if c.decided is None and c.my_round is not None and c.my_round[1] == self.name:
             c.resend()
-            self._at(now + self.acfg.retry_interval, timers.RESEND)
+            self.set_timer(now + self.acfg.retry_interval, timers.RESEND)
         else:
             self._resend_armed = False
 
@@ -702,8 +679,8 @@ class Node:
         self.aggregates.held_until = None
         self._events.append(JobFinished(msg.epoch, msg.step, msg.src, now))
         if msg.src == self.name and self.view is not None:
-            self._one_hop_to_all(msg)
-        self._bcast("done", msg)
+            self.one_hop_to_all(msg)
+        self.broadcast("done", msg)
 
     def _claim(self, now: float) -> None:
         """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
@@ -723,7 +700,7 @@ class Node:
 
     def _watch(self, now: float) -> None:
         acfg = self.acfg
-        self._at(now + acfg.watch_interval, timers.WATCH)
+        self.set_timer(now + acfg.watch_interval, timers.WATCH)
         if self.auth is not None and self.auth.claims and now >= self._claim_at:
             self._claim(now)
         v = self.view
@@ -736,13 +713,13 @@ class Node:
             # realert_interval until the view changes.
             self._last_realert = now
             for key, msg in obs.my_alerts.items():
-                self._bcast(key, msg)
-        if self._withheld and self.consensus.decided is None:
+                self.broadcast(key, msg)
+        if self.withheld and self.consensus.decided is None:
             self._evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
         agg = self.aggregates
-        if now >= agg.next_reagg and now - self._installed_at <= acfg.reaggregate_for:
+        if now >= agg.next_reagg and now - self.installed_at <= acfg.reaggregate_for:
             agg.reaggregate(v, now)
-        fencing.watch(self, v, now)
+        self.fencing.watch(v, now)
         self.hangs.run(now)
 
 
@@ -760,7 +737,7 @@ _ANY_VIEW: dict[type, Handler] = {
 """Messages handled whatever view they name."""
 
 _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
-    Alert: (Node._on_alert, True),
+    Alert: (Node.count_alert, True),
     Report: (lambda n, m, now: n.aggregates.on_report(m, now), True),
     StateClaim: (lambda n, m, now: n.aggregates.on_state_claim(m, now), True),
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
