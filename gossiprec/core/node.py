@@ -14,15 +14,17 @@ Flow of one failure:
    left, or when its training stalled behind the cluster's frontier (a hang); a later success retracts.
 2. Alerts are gossiped; every member tallies them in its :class:`~gossiprec.core.cut.CutDetector`, which
    emits the same change set everywhere once the alerts have settled.
-3. Every member votes for its change set (fast round); a fast quorum decides at once, otherwise classic
-   Paxos rounds (:mod:`gossiprec.core.consensus`) with majority quorums decide.
+3. Every member votes for its change set (fast round; :mod:`~gossiprec.core.decide`); a fast quorum
+   decides at once, otherwise classic Paxos rounds (:mod:`gossiprec.core.consensus`) with majority
+   quorums decide.
 4. Every member applies the decision to its view (:meth:`View.next`): epoch + 1, spares promoted. One
    that missed decisions catches up from its peers (:mod:`~gossiprec.core.catchup`).
 5. Holders report their state, aggregated in bitmaps; once all holders of the view have reported, every
    member computes the same plan and publishes its digest (:mod:`~gossiprec.core.aggregate`).
 
-This module is the composition: the machine interface, installing a view, deciding, fencing, the
-watchdog, and the dispatch of each agreement message type to its handler.
+This module is the composition: the machine interface, installing a view, the watchdog, and the
+dispatch of each agreement message type to its handler. Its parts see it through its port
+(:class:`~gossiprec.core.port.NodePort`) and keep their own state.
 
 Fencing (:mod:`~gossiprec.core.fencing`): a member that cannot be part of a decision emits
 :class:`Fenced`: its trainer must stop sending collectives and state.
@@ -39,8 +41,9 @@ from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook
 from gossiprec.core.bundles import MERGED
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.consensus import Consensus, change_rows, keeps_quorum, removes_majority
+from gossiprec.core.consensus import Consensus, change_rows
 from gossiprec.core.cut import CutDetector
+from gossiprec.core.decide import Decider
 from gossiprec.core.election import Plan
 from gossiprec.core.fencing import RESTART_FENCE, Fencing
 from gossiprec.core.events import (
@@ -70,8 +73,9 @@ class Node:
     """One member's complete protocol core. ``memo`` may be shared by nodes of a simulation: it caches
     pure functions of views (overlays, transitions, plans), never anything node-specific.
 
-    Its parts (:attr:`observer`, :attr:`hangs`, :attr:`aggregates`, :attr:`catchup`) read the node's
-    view, clock and trainer state and send through it; the node owns the timers and the event list."""
+    Its parts (:attr:`observer`, :attr:`hangs`, :attr:`aggregates`, :attr:`catchup`, :attr:`fencing`,
+    :attr:`decider`) read the node's view, clock and trainer state and send through its port; the node
+    owns the timers and the event list."""
 
     def __init__(
         self,
@@ -138,6 +142,7 @@ class Node:
         self.aggregates: Aggregates = Aggregates(self, swim, obs, acfg)
         self.catchup: CatchUp = CatchUp(self, swim, obs, acfg, now)
         self.fencing: Fencing = Fencing(self, swim, obs, self.catchup, acfg, now)
+        self.decider: Decider = Decider(self, swim, acfg)
         if view is not None:
             self.install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
         else:
@@ -209,6 +214,15 @@ class Node:
     def plan(self) -> Plan | None:
         """The current view's recovery plan, once computed (see :mod:`~gossiprec.core.aggregate`)."""
         return self.aggregates.plan
+
+    @property
+    def consensus(self) -> Consensus:
+        """The current view's agreement (see :class:`~gossiprec.core.decide.Decider`)."""
+        return self.decider.consensus
+
+    @property
+    def withheld(self) -> bool:
+        return self.decider.withheld
 
     def emit(self, event: CoreEvent) -> None:
         self._events.append(event)
@@ -310,27 +324,15 @@ class Node:
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
-        self.cut: CutDetector = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed,
-                               doubt_timeout=self.acfg.unstable_timeout)
+        acfg = self.acfg
+        self.cut: CutDetector = CutDetector(ov, acfg.settle, acfg.unstable_timeout, acfg.settle_departed,
+                                            doubt_timeout=acfg.unstable_timeout)
         if self.name in view:
             for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
                 rec = self.swim.member(node)
                 if rec is not None and rec.status != ALIVE and node != self.name:
                     self.cut.doubt(node, now)
-        me = self.name
-
-        def allowed(changes: list[Change]) -> bool:
-            return keeps_quorum(view, changes, me)
-
-        self.consensus: Consensus = Consensus(view, self.name, self.broadcast, self.send_to, allowed, auth=self.auth,
-                                   chunk=self.aggregates.chunk)
-        self._fallback_armed = False
-        self._early_round = False
-        self._resend_armed = False
-        self._eval_due: float | None = None
-        self.withheld = False
-        """The cut is ready but removes a majority of the view: it is not proposed (trouble, as a vote
-        that no quorum answers is)."""
+        self.decider.start_view(view, self.cut, self.aggregates.chunk)
         if self.name in view:
             obs.watch(ov, now)
             # departures announced before this view was installed still count in it
@@ -355,7 +357,7 @@ class Node:
                     # not at once, and not before the trainer dropped its state (see catchup): a trainer
                     # removed as hung is killed by the launcher, and this agent leaves
                     self.catchup.after_removal = True
-                    self.set_timer(now + self.acfg.rejoin_after, timers.JOIN)
+                    self.set_timer(now + acfg.rejoin_after, timers.JOIN)
             else:
                 self.set_timer(now, timers.JOIN)
             return
@@ -367,7 +369,8 @@ class Node:
             if getattr(msg, "epoch", None) == view.epoch:
                 self._on_message(msg, now)
 
-    def _decided(self, now: float) -> None:
+    def install_decided(self, now: float) -> None:
+        """Install the view the current view's consensus decided."""
         d = self.consensus.decided
         assert d is not None and self.view is not None
         nv = self.next_view(self.view, d.digest, d.changes)
@@ -441,7 +444,7 @@ class Node:
         v = self.view
         if v is not None and self.name in v and self.cut.departed(subject, now):
             self.fencing.trouble(now)
-            self._eval_at(now + self.cut.settle_departed)
+            self.decider.eval_at(now + self.cut.settle_departed)
         self.observer.departed(subject, now)
 
     # ------------------------------------------------------------------ agreement messages
@@ -497,170 +500,7 @@ class Node:
             if msg.observer != self.name:  # spread it on (epidemic), once per change
                 self.broadcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
             self.fencing.trouble(now)
-            self._eval_at(now + self.acfg.settle)
-
-    def _on_votes(self, msg: Votes, now: float) -> None:
-        if self.auth is not None:
-            self.counters["rx_votes_unsigned"] = self.counters.get("rx_votes_unsigned", 0) + 1
-        self.consensus.on_votes(msg)
-        self._after_consensus(now)
-
-    def _on_vote(self, msg: Vote, now: float) -> None:
-        self.consensus.on_vote(msg)
-        self._after_consensus(now)
-
-    def _on_vote_bundle(self, msg: VoteBundle, now: float) -> None:
-        if not self.consensus.on_vote_bundle(msg):
-            self.counters["rx_bundle_malformed"] = self.counters.get("rx_bundle_malformed", 0) + 1
-        self._after_consensus(now)
-
-    def _on_proposal(self, msg: Proposal, now: float) -> None:
-        self.consensus.on_proposal(msg)
-        self._after_consensus(now)
-
-    def _on_decided(self, msg: Decided, now: float) -> None:
-        self.consensus.on_decided(msg)
-        if self.auth is not None and self.consensus.decided is None:
-            # no signed quorum behind it (yet): a hint only, nothing decided
-            self.counters["rx_decided_unproven"] = self.counters.get("rx_decided_unproven", 0) + 1
-        self._after_consensus(now)
-
-    def _on_accepted(self, msg: Accepted, now: float) -> None:
-        self.consensus.on_accepted(msg)
-        self._after_consensus(now)
-
-    # ------------------------------------------------------------------ consensus
-    def _after_consensus(self, now: float) -> None:
-        if self.consensus.decided is not None:
-            self._decided(now)
-            return
-        if not self.consensus.votes or self.name not in (self.view or ()):
-            return
-        if not self._early_round and self._hopeless_fast_coordinator() == self.name:
-            # The fast round cannot succeed: start the classic round now instead of after the timeout.
-            self._early_round = True
-            self.set_timer(now, timers.FALLBACK)
-        elif not self._fallback_armed:
-            self._fallback_armed = True
-            self.set_timer(now + self.acfg.fallback_timeout + self.rng.random() * self.acfg.fallback_jitter,
-                     timers.FALLBACK)
-
-    def _hopeless_fast_coordinator(self) -> str | None:
-        """When our own vote removes so many members that the rest cannot form a fast quorum (any
-        failure in a view of 4 or fewer, or several at once in a small view), the fast round can never
-        decide. Then the first member of the view that our cut keeps is the coordinator of an immediate
-        classic round; every member with the same cut computes the same one. None: the fast round may
-        still decide (or we have not voted)."""
-        c, v = self.consensus, self.view
-        if v is None or c.my_vote is None:
-            return None
-        changes = c.proposals.get(c.my_vote) or []
-        removed = {ch.node for ch in changes if ch.kind == REMOVE}
-        if len(v) - len(removed) >= v.fast_quorum():
-            return None
-        return next((m.node for m in v.members if m.node not in removed), None)
-
-    def _eval_at(self, when: float) -> None:
-        """Evaluate the cut at ``when``, or sooner if an evaluation is armed already: one armed at a time.
-        Every alert would otherwise arm its own, and each evaluation reads every tally (quadratic in the
-        alerts of a partition or a hang storm); the settle window it finds still open re-arms it."""
-        due = self._eval_due
-        if due is not None and due <= when:
-            return
-        self._eval_due = when
-        self.set_timer(when, timers.EVAL)
-
-    def _on_eval_timer(self, now: float) -> None:
-        due = self._eval_due
-        if due is None or now < due:
-            return  # superseded by a sooner evaluation (which re-armed what it still needed)
-        self._eval_due = None
-        self._evaluate(now)
-
-    def _evaluate(self, now: float) -> None:
-        if self.view is None or self.consensus.decided is not None or self.name not in self.view \
-                or self.finished is not None:  # the job is over: its members leave, nothing to agree on
-            return
-        changes, wake = self.cut.evaluate(now)
-        if changes and removes_majority(self.view, changes):
-            # Alerts gathered across a flapping partition (or a heal) can accuse most of the view at once;
-            # no such change is ever proposed: it waits for the alerts to change (retractions re-evaluate)
-            # and, if nothing does, the watchdog fences (see :func:`keeps_quorum`).
-            self.counters["cut_withheld_majority"] = self.counters.get("cut_withheld_majority", 0) + 1
-            self.withheld = True
-        elif changes and not self._keeps_reachable_majority(changes):
-            # The members the cut keeps that look reachable (SWIM holds them alive and they have fewer
-            # than L alerts) are no majority: a side of a partition whose cut dropped the other side's
-            # members that stayed unstable too long. No quorum can answer, and a vote left standing would
-            # be decided the moment the partition heals, removing the healthy other side. It waits, as
-            # above.
-            self.counters["cut_withheld_unreachable"] = self.counters.get("cut_withheld_unreachable", 0) + 1
-            self.withheld = True
-        elif changes:
-            self.withheld = False
-            c = self.consensus
-            voted = c.my_vote
-            c.propose(changes)
-            if voted is None and c.my_vote is not None:
-                self._send_vote_to_all(c.my_vote)
-            self._after_consensus(now)
-        elif wake is not None:
-            self._eval_at(wake)
-        else:
-            self.withheld = False  # nothing stable left (the accusations were retracted)
-
-    def _keeps_reachable_majority(self, changes: list[Change]) -> bool:
-        v = self.view
-        assert v is not None
-        removed = {c.node for c in changes if c.kind == REMOVE}
-        reachable = 0
-        cut = self.cut
-        for m in v.members:
-            if m.node not in removed:
-                rec = self.swim.member(m.node)
-                # alerts raised by the members this cut removes do not count: a node stopped (or cut off)
-                # right after it accused a live one can never retract, and would keep that one
-                # "unreachable" here for good, so the healthy side fenced instead of removing it
-                if m.node == self.name or (rec is not None and rec.status == ALIVE
-                                           and not cut.unstable(m.node, but=removed)):
-                    reachable += 1
-        return reachable >= v.majority()
-
-    def _send_vote_to_all(self, digest: bytes) -> None:
-        """Our vote (with its proposal) to every member of a small view (see :meth:`one_hop_to_all`), so
-        the fast round takes one hop. Merged bitmaps stay on gossip."""
-        v, c = self.view, self.consensus
-        assert v is not None
-        nbytes = (len(v) + 7) // 8
-        changes = c.proposals[digest]
-        proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
-        if c.my_vote_msg is not None:
-            self.one_hop_to_all(proposal, extra=(c.my_vote_msg,))
-            return
-        votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
-        self.one_hop_to_all(proposal, extra=(votes,))
-
-    def _fallback(self, now: float) -> None:
-        self._fallback_armed = False
-        if self.consensus.decided is not None or self.view is None or self.name not in self.view:
-            return
-        if not self.consensus.votes and not self.consensus.proposals:
-            return  # nothing to agree on in this epoch
-        self.consensus.start_round()
-        if not self._resend_armed:  # one retry chain per epoch, however many rounds we start
-            self._resend_armed = True
-            self.set_timer(now + self.acfg.retry_interval, timers.RESEND)
-        self._fallback_armed = True
-        self.set_timer(now + self.acfg.fallback_timeout * 2 + self.rng.random() * self.acfg.fallback_jitter,
-                 timers.FALLBACK)
-
-    def _resend(self, now: float) -> None:
-        c = self.consensus
-        if c.decided is None and c.my_round is not None and c.my_round[1] == self.name:
-            c.resend()
-            self.set_timer(now + self.acfg.retry_interval, timers.RESEND)
-        else:
-            self._resend_armed = False
+            self.decider.eval_at(now + self.acfg.settle)
 
     # ------------------------------------------------------------------ the job's end, the watchdog
     def _on_job_done(self, msg: JobDone, now: float) -> None:
@@ -715,7 +555,7 @@ class Node:
             for key, msg in obs.my_alerts.items():
                 self.broadcast(key, msg)
         if self.withheld and self.consensus.decided is None:
-            self._evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
+            self.decider.evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
         agg = self.aggregates
         if now >= agg.next_reagg and now - self.installed_at <= acfg.reaggregate_for:
             agg.reaggregate(v, now)
@@ -744,22 +584,22 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     PlanConfirm: (lambda n, m, now: n.aggregates.on_plan_confirm(m, now), True),
     ClaimBundle: (lambda n, m, now: n.aggregates.on_claim_bundle(m, now), True),
     ConfirmBundle: (lambda n, m, now: n.aggregates.on_confirm_bundle(m, now), True),
-    Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
-    Votes: (Node._on_votes, False),
-    Vote: (Node._on_vote, False),
-    VoteBundle: (Node._on_vote_bundle, False),
-    Proposal: (Node._on_proposal, False),
+    Decided: (lambda n, m, now: n.decider.on_decided(m, now), True),  # (then a member outside asks to join)
+    Votes: (lambda n, m, now: n.decider.on_votes(m, now), False),
+    Vote: (lambda n, m, now: n.decider.on_vote(m, now), False),
+    VoteBundle: (lambda n, m, now: n.decider.on_vote_bundle(m, now), False),
+    Proposal: (lambda n, m, now: n.decider.on_proposal(m, now), False),
     Prepare: (lambda n, m, now: n.consensus.on_prepare(m), False),
     Promise: (lambda n, m, now: n.consensus.on_promise(m), False),
     Accept: (lambda n, m, now: n.consensus.on_accept(m), False),
-    Accepted: (Node._on_accepted, False),
+    Accepted: (lambda n, m, now: n.decider.on_accepted(m, now), False),
 }
 """Messages of the current view: (handler, whether a member outside that view handles it too)."""
 
 _TIMER_HANDLERS: dict[int, Callable[[Node, float], None]] = {
-    timers.EVAL: lambda n, now: n._on_eval_timer(now),
-    timers.FALLBACK: lambda n, now: n._fallback(now),
-    timers.RESEND: lambda n, now: n._resend(now),
+    timers.EVAL: lambda n, now: n.decider.on_eval_timer(now),
+    timers.FALLBACK: lambda n, now: n.decider.fallback(now),
+    timers.RESEND: lambda n, now: n.decider.resend(now),
     timers.WATCH: lambda n, now: n._watch(now),
     timers.HANG: lambda n, now: n.hangs.on_timer(now),
     timers.JOIN: lambda n, now: n.catchup.join_retry(now),

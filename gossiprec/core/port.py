@@ -1,9 +1,9 @@
 """The node's port: what a :class:`~gossiprec.core.node.Node` offers the parts it is made of.
 
-The observer, the hang check, the aggregates, the catch-up and the fencing each keep their own state
-and see their node only through :class:`NodePort`: its identity, clock, current view and trainer state
-(read), and its services (timers, events, sending, installing a view). Membership they use through
-:class:`~gossiprec.core.membership.Membership`'s own public interface.
+The observer, the hang check, the aggregates, the catch-up, the fencing and the decider each keep their
+own state and see their node only through :class:`NodePort`: its identity, clock, current view and
+trainer state (read), and its services (timers, events, sending, installing a view). Membership they use
+through :class:`~gossiprec.core.membership.Membership`'s own public interface.
 """
 
 from __future__ import annotations
@@ -98,5 +98,7 @@ class NodePort(Protocol):
     def install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple[str, ...],
                 joined: tuple[str, ...]) -> None:
         """Install ``view`` (decided here, or learnt from a peer)."""
+    def install_decided(self, now: float) -> None:
+        """Install the view that the current view's consensus decided."""
     def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
         """Another view 0 than ours was seen: fence for good."""
