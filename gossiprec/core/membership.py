@@ -40,9 +40,10 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
 
 Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
 base), the probe schedule and records (:mod:`~gossiprec.core.probing`), one suspicion's timer
-(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), our own signed
-words (:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`) and
-push-pull (:mod:`~gossiprec.core.antientropy`); this class is the protocol between them.
+(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), our own progress
+and signed words (:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`)
+and push-pull (:mod:`~gossiprec.core.antientropy`); this class is the protocol between them. Its parts see
+it through its port (:class:`~gossiprec.core.member_port.MembershipPort`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import math
 from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from gossiprec.core import antientropy, own_words
+from gossiprec.core import antientropy
 from gossiprec.core.auth import KeyBook, sign_if
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
@@ -61,12 +62,13 @@ from gossiprec.core.events import (
     MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, SelfRefuted,
 )
 from gossiprec.core.members import GONE, MemberTable
-from gossiprec.core.probing import MAX_MS, Probe, ProbeSchedule, Relay, age_ms
+from gossiprec.core.own_words import OwnWords
+from gossiprec.core.probing import Probe, ProbeSchedule, Relay, age_ms
 from gossiprec.core.progress import ProgressBook
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.suspicion import Suspicion
 from gossiprec.core.wire import (
-    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
+    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, ROLES, SUSPECT, Ack, Alive, Dead,
     IndirectPing, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet,
     encode_parts,
 )
@@ -111,9 +113,8 @@ class Membership:
                                           member_order, members_live)
         self.member = table.member
         self._book = ProgressBook()  # others' progress
-        self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
-        self._my_since = now
-        """When our own (step, phase) became current (its age goes out on our acks, ``stall_ms``)."""
+        self.words = OwnWords(self, now)
+        """Our progress record and key book."""
         # protocol state
         self._queue = BroadcastQueue()
         self._suspicions: dict[str, Suspicion] = {}
@@ -127,7 +128,6 @@ class Membership:
         self._first_acked: dict[str, int] = {}
         """The lowest incarnation each member answered one of our probes at (a process only refutes upwards:
         an answer below a member's current incarnation came from an older process of it)."""
-        self._auth: KeyBook | None = None  # see the auth property
         self._alives: dict[str, Alive] = {}  # each member's own signed Alive, latest (push-pull rows carry it)
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
@@ -145,17 +145,17 @@ class Membership:
         sched.token = self._at(sched.next_at, _PROBE, None)
         known = table.base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
-            self._broadcast(name, own_words.alive(self))
+            self._broadcast(name, self.words.alive())
         self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
 
     @property
     def auth(self) -> KeyBook | None:
         """Per-member signatures (set by the node; None: nothing signed or checked)."""
-        return self._auth
+        return self.words.book
 
     @auth.setter
     def auth(self, book: KeyBook | None) -> None:
-        own_words.use_book(self, book)
+        self.words.use_book(book)
 
     # ------------------------------------------------------------------ table access
     member: Callable[[str], MemberInfo | None]
@@ -202,7 +202,39 @@ class Membership:
     @property
     def my_progress(self) -> Progress:
         """This node's own progress record (see :meth:`set_progress`)."""
-        return self._my_progress
+        return self.words.progress
+
+    def signed_progress(self) -> Progress:
+        """Our progress record as it goes out (see :meth:`OwnWords.signed_progress`)."""
+        return self.words.signed_progress()
+
+    @property
+    def now(self) -> float:
+        """The time of this machine's latest input."""
+        return self._now
+
+    def random_peers(self, n: int) -> list[str]:
+        """Up to ``n`` random live members other than this one."""
+        return self._table.random_live(self.rng, n, self.name, None)
+
+    def signed_alive(self, name: str) -> Alive | None:
+        """The latest Alive of ``name`` kept (push-pull rows carry its signature)."""
+        return self._alives.get(name)
+
+    def keep_alive(self, alive: Alive) -> None:
+        self._alives[alive.name] = alive
+
+    def said(self, name: str) -> Progress | None:
+        """``name``'s latest progress as its owner said it (what is relayed)."""
+        return self._book.said.get(name)
+
+    def pending(self, key: str) -> Message | None:
+        """The broadcast queued under ``key``, if any."""
+        return self._queue.pending(key)
+
+    def set_progress_check(self, check: Callable[[Progress], bool] | None) -> None:
+        """Whether a gossiped progress record is its owner's own word (see :class:`ProgressBook`)."""
+        self._book.vouch = check
 
     def read_progress_of(self, names: frozenset[str]) -> None:
         """The members whose gossiped progress this node reads (checked as it arrives: see
@@ -212,7 +244,7 @@ class Membership:
     @property
     def progress_since(self) -> float:
         """When this node's own (step, phase) became current (see :meth:`set_progress`)."""
-        return self._my_since
+        return self.words.since
 
     # ------------------------------------------------------------------ outputs
     def take_sends(self) -> list[Send]:
@@ -265,17 +297,7 @@ class Membership:
 
     def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
         """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
-        if not (isinstance(step, int) and -1 <= step <= 2**62):
-            raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
-        if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
-            raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
-        if not isinstance(step_ms, int) or step_ms < 0 or not isinstance(coll, int) or coll < 0:
-            raise ProtocolError(f"step_ms must be a non-negative integer, and coll too; got {step_ms!r}, {coll!r}")
-        step_ms, coll = min(step_ms, MAX_MS), min(coll, 2**32 - 1)  # (coll: a u32 on the wire)
-        p = self._my_progress
-        if (step, phase, coll) != (p.step, p.phase, p.coll):
-            self._my_since = now
-        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms, coll)
+        self.words.set_progress(step, phase, step_ms, now, coll)
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
@@ -440,12 +462,12 @@ class Membership:
         self._probes[seq] = Probe(target, rec.addr, now, verify, rec.incarnation)
         msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
         if rec.status == SUSPECT:  # buddy system: tell the suspect at once
-            msgs.append(sign_if(self._auth, Suspect(target, rec.incarnation, self.name)))
+            msgs.append(sign_if(self.words.book, Suspect(target, rec.incarnation, self.name)))
         elif rec.status == DEAD:
             # only probed when the agreement layer watches it closely (a subject that may come back): if it
             # answers, it learns it was declared dead and refutes; a healed partition's members, declared
             # dead longer than gossip_to_dead ago, would otherwise never hear it
-            msgs.append(sign_if(self._auth, Dead(target, rec.incarnation, self.name)))
+            msgs.append(sign_if(self.words.book, Dead(target, rec.incarnation, self.name)))
         self._send(rec.addr, msgs, piggyback=True, dest=target)
         if verify:
             self._send_indirect(seq, now)
@@ -512,7 +534,7 @@ class Membership:
         if self.awareness.score >= self.config.accuse_health_limit:
             self._count("accusations_withheld")
             return
-        self._on_suspect(sign_if(self._auth, Suspect(probe.target, rec.incarnation, self.name)), now)
+        self.on_suspect(sign_if(self.words.book, Suspect(probe.target, rec.incarnation, self.name)), now)
 
     def _on_ping(self, msg: Ping, now: float) -> None:
         if msg.target != self.name:
@@ -520,7 +542,7 @@ class Membership:
             return
         if self._heard is not None:
             self._heard.add(msg.src)
-        p, age = self._my_progress, age_ms(now - self._my_since)
+        p, age = self.words.progress, age_ms(now - self.words.since)
         ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
         self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
@@ -552,7 +574,7 @@ class Membership:
         rec = self.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:
             # The ack proves a newer incarnation: as good as its Alive (here; others need the signed one).
-            self._on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now, proven=True)
+            self.on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now, proven=True)
         elif probe.verify:
             self._rearm_suspicion(probe.target, now)
 
@@ -574,8 +596,8 @@ class Membership:
             self._send(relay.requester_addr, [Nack(relay.orig_seq, self.name)], piggyback=False)
 
     # ------------------------------------------------------------------ dissemination of state
-    def _on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
-        auth = None if proven else self._auth  # proven: from an ack to our probe (taken unsigned, not relayed)
+    def on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
+        auth = None if proven else self.words.book  # proven: from an ack to our probe (taken unsigned, not relayed)
         if msg.name == self.name:
             if msg.incarnation > self.incarnation and not self.left:
                 if auth is not None and not auth.check(msg.name, msg):
@@ -600,14 +622,14 @@ class Membership:
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
         self._table.set(rec, now)
         self._suspicions.pop(msg.name, None)
-        if auth is not None or self._auth is None:
+        if auth is not None or self.words.book is None:
             self._broadcast(msg.name, msg)
         if cur is None or cur.status >= DEAD:
             self._events.append(MemberJoined(msg.name, msg.addr, msg.incarnation, ROLES[msg.role], now))
         elif cur.status == SUSPECT:
             self._events.append(MemberAlive(msg.name, msg.incarnation, now))
 
-    def _on_suspect(self, msg: Suspect, now: float) -> None:
+    def on_suspect(self, msg: Suspect, now: float) -> None:
         if msg.name == self.name:
             if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg):
                 self._refute(msg.incarnation, msg.src, now)  # (older rumours: already refuted)
@@ -676,27 +698,27 @@ class Membership:
         self._arm(name, susp)
 
     def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
-        self._on_dead(sign_if(self._auth, Dead(name, incarnation, self.name)), now)
+        self.on_dead(sign_if(self.words.book, Dead(name, incarnation, self.name)), now)
 
     def _refused(self, msg: Suspect | Dead) -> bool:
-        auth = self._auth  # signed: the accuser's own word (see KeyBook.accusation)
+        auth = self.words.book  # signed: the accuser's own word (see KeyBook.accusation)
         return auth is not None and not auth.accusation(msg, msg.src)
 
-    def _on_dead(self, msg: Dead, now: float) -> None:
+    def on_dead(self, msg: Dead, now: float) -> None:
         if msg.name == self.name:
             if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg):
                 self._refute(msg.incarnation, msg.src, now)
             return
         if self._heard is not None and msg.src != self.name:
-            self._heard.add(msg.name)  # as in _on_suspect: another member judged it
+            self._heard.add(msg.name)  # as in on_suspect: another member judged it
         table = self._table
-        cur = table.own.get(msg.name)  # member() and MemberInfo.live, inlined as in _on_suspect
+        cur = table.own.get(msg.name)  # member() and MemberInfo.live, inlined as in on_suspect
         if cur is None:
             cur = table.base.get(msg.name)
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
-        if leaving and self._auth is not None and not self._auth.check(msg.name, msg):
+        if leaving and self.words.book is not None and not self.words.book.check(msg.name, msg):
             return self._count("rx_leave_unsigned")  # a departure is the member's own signed word or nothing
         if not leaving and self._refused(msg):
             return
@@ -722,9 +744,8 @@ class Membership:
             return
         self.incarnation = max(self.incarnation, accused_inc) + 1
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
-        p = self._my_progress
-        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
-        alive = own_words.alive(self)
+        self.words.renew()
+        alive = self.words.alive()
         self._broadcast(self.name, alive)
         self.awareness.apply(+1)
         self._events.append(SelfRefuted(self.incarnation, accuser, now))
@@ -732,7 +753,7 @@ class Membership:
         if acc is not None and acc.name != self.name:
             self._send(acc.addr, [alive], piggyback=True, dest=acc.name)
 
-    def _on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
+    def on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
         if msg.name != self.name:
             self._book.heard(msg, now, direct, stall_ms)
 
@@ -768,10 +789,10 @@ class Membership:
     def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
-            book, mine = self._book, self._my_progress
+            book, mine = self._book, self.words.progress
             if book.names or mine.version:  # ours, then others' in turn
                 if mine.version > 0:
-                    parts.append(encode_message(own_words.progress(self)))
+                    parts.append(encode_message(self.words.signed_progress()))
                 parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
             if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
@@ -797,8 +818,8 @@ class Membership:
 
 
 _HANDLERS: dict[type, Callable[[Membership, Any, float], None]] = {
-    Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership._on_alive,
-    Suspect: Membership._on_suspect, Dead: Membership._on_dead, Progress: Membership._on_progress,
+    Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership.on_alive,
+    Suspect: Membership.on_suspect, Dead: Membership.on_dead, Progress: Membership.on_progress,
     IndirectPing: Membership._on_indirect, Nack: Membership._on_nack, PushPull: antientropy.on_pushpull,
 }
 """SWIM's message handlers (:meth:`Membership.handle`), by message type."""
