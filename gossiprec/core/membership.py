@@ -39,18 +39,18 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
    when it is news (:mod:`~gossiprec.core.progress`): a forged one would mislead the hang rule.
 
 Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
-base), the probe schedule and records (:mod:`~gossiprec.core.probing`), one suspicion's timer
-(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), our own progress
-and signed words (:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`)
-and push-pull (:mod:`~gossiprec.core.antientropy`); this class is the protocol between them. Its parts see
-it through its port (:class:`~gossiprec.core.member_port.MembershipPort`).
+base), the probe schedule and records (:mod:`~gossiprec.core.probing`), the probe protocol
+(:mod:`~gossiprec.core.prober`), one suspicion's timer (:mod:`~gossiprec.core.suspicion`), others'
+progress (:mod:`~gossiprec.core.progress`), our own progress and signed words
+(:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`) and push-pull
+(:mod:`~gossiprec.core.antientropy`); this class is the protocol between them. Its parts see it through
+its port (:class:`~gossiprec.core.member_port.MembershipPort`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
 from gossiprec.core import antientropy
@@ -59,11 +59,12 @@ from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config
 from gossiprec.core.events import (
-    MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, SelfRefuted,
+    MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, SelfRefuted,
 )
+from gossiprec.core.member_port import DIRECT, GOSSIP, INDIRECT_END, PROBE, PUSHPULL, REAP, RELAY_NACK, SUSPICION
 from gossiprec.core.members import GONE, MemberTable
 from gossiprec.core.own_words import OwnWords
-from gossiprec.core.probing import Probe, ProbeSchedule, Relay, age_ms
+from gossiprec.core.prober import Prober
 from gossiprec.core.progress import ProgressBook
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.suspicion import Suspicion
@@ -74,8 +75,6 @@ from gossiprec.core.wire import (
 )
 from gossiprec.errors import DecodeError, ProtocolError
 
-# timer kinds
-_PROBE, _DIRECT, _INDIRECT_END, _GOSSIP, _PUSHPULL, _SUSPICION, _RELAY_NACK, _REAP = range(8)
 
 
 class Membership:
@@ -118,16 +117,9 @@ class Membership:
         # protocol state
         self._queue = BroadcastQueue()
         self._suspicions: dict[str, Suspicion] = {}
-        self._probes: dict[int, Probe] = {}
-        self._relays: dict[int, Relay] = {}
-        self._seq = rng.randrange(1, 2**31)
         self._token = 0
         self._timers: list[tuple[float, int, int, object]] = []
         self._cancelled: set[int] = set()
-        self._direct: deque[tuple[float, int]] = deque()
-        self._first_acked: dict[str, int] = {}
-        """The lowest incarnation each member answered one of our probes at (a process only refutes upwards:
-        an answer below a member's current incarnation came from an older process of it)."""
         self._alives: dict[str, Alive] = {}  # each member's own signed Alive, latest (push-pull rows carry it)
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
@@ -141,12 +133,11 @@ class Membership:
         self._grace_until = now + config.startup_grace
         self._heard: set[str] | None = set() if config.startup_grace > 0 else None
         """Members heard from directly or by an Alive of theirs, while the startup grace lasts (else None)."""
-        self._schedule = sched = ProbeSchedule(now + rng.random() * config.probe_interval)
-        sched.token = self._at(sched.next_at, _PROBE, None)
+        self.prober = Prober(self, now)  # (draws from rng: its place among the draws is fixed)
         known = table.base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
             self._broadcast(name, self.words.alive())
-        self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
+        self.set_timer(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), PUSHPULL, None)
 
     @property
     def auth(self) -> KeyBook | None:
@@ -193,11 +184,21 @@ class Membership:
 
     def first_acked(self, name: str) -> int | None:
         """The lowest incarnation at which ``name`` answered one of our probes (None: never, or forgotten)."""
-        return self._first_acked.get(name)
+        return self.prober.first_acked.get(name)
+
+    @property
+    def table(self) -> MemberTable:
+        return self._table
+
+    def cancel_timer(self, token: int) -> None:
+        self._cancelled.add(token)
+
+    def emit(self, event: MemberEvent) -> None:
+        self._events.append(event)
 
     def forget_acked(self, name: str) -> None:
         """Forget ``name``'s answers (its old process's place in the view is settled)."""
-        self._first_acked.pop(name, None)
+        self.prober.first_acked.pop(name, None)
 
     @property
     def my_progress(self) -> Progress:
@@ -264,14 +265,9 @@ class Membership:
         if cancelled:
             while timers and timers[0][1] in cancelled:
                 cancelled.discard(heapq.heappop(timers)[1])
-        direct = self._direct
-        if direct:
-            probes = self._probes
-            while direct and direct[0][1] not in probes:  # answered already
-                direct.popleft()
+        d = self.prober.next_direct()
         t = timers[0][0] if timers else math.inf
-        if direct:
-            d = direct[0][0]
+        if d is not None:
             return d if d < t else t  # min(t, d), which returns t on a tie
         return t
 
@@ -293,7 +289,7 @@ class Membership:
         for target in self._table.random_live(self.rng, max(32, self.config.gossip_nodes * 2), self.name, None):
             rec = self.member(target)
             if rec is not None:
-                self._send(rec.addr, [dead], piggyback=True, dest=target)
+                self.send_packet(rec.addr, [dead], piggyback=True, dest=target)
 
     def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
         """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
@@ -301,7 +297,7 @@ class Membership:
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
-        self._schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))
+        self.prober.schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))
 
     # ------------------------------------------------------------------ network input
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
@@ -344,7 +340,7 @@ class Membership:
             self._count("rx_unexpected")
 
     # ------------------------------------------------------------------ timers
-    def _at(self, when: float, kind: int, arg: object) -> int:
+    def set_timer(self, when: float, kind: int, arg: object) -> int:
         self._token += 1
         heapq.heappush(self._timers, (when, self._token, kind, arg))
         return self._token
@@ -354,16 +350,12 @@ class Membership:
         self._queue.queue(key, msg, merge)
         if not self._gossip_armed:
             self._gossip_armed = True
-            self._at(self._now + self.rng.random() * self.config.gossip_interval, _GOSSIP, None)
+            self.set_timer(self._now + self.rng.random() * self.config.gossip_interval, GOSSIP, None)
 
     def tick(self, now: float) -> None:
         """Run every timer whose deadline is at or before ``now``."""
         self._now = now
-        direct = self._direct
-        while direct and direct[0][0] <= now:
-            when, seq = direct.popleft()
-            if not self.left:
-                self._direct_timeout(seq, now, now - when > self.config.starve_slack)
+        self.prober.tick(now, self.left)
         timers, cancelled = self._timers, self._cancelled
         while timers and timers[0][0] <= now:
             when, token, kind, arg = heapq.heappop(timers)
@@ -373,47 +365,25 @@ class Membership:
             late = now - when > self.config.starve_slack
             if late:
                 self._count("timers_late")
-            if self.left and kind not in (_GOSSIP,):
+            if self.left and kind not in (GOSSIP,):
                 continue
-            if kind == _PROBE:
-                self._start_probe(now, late)
-            elif kind == _DIRECT:
-                self._direct_timeout(arg, now, late)  # type: ignore[arg-type]
-            elif kind == _INDIRECT_END:
-                self._probe_end(arg, now, late)  # type: ignore[arg-type]
-            elif kind == _GOSSIP:
+            if kind == PROBE:
+                self.prober.start_round(now, late)
+            elif kind == DIRECT:
+                self.prober.direct_timeout(arg, now, late)  # type: ignore[arg-type]
+            elif kind == INDIRECT_END:
+                self.prober.probe_end(arg, now, late)  # type: ignore[arg-type]
+            elif kind == GOSSIP:
                 self._gossip(now)
-            elif kind == _PUSHPULL:
-                self._at(now + self.config.pushpull_period(self.n_live), _PUSHPULL, None)
+            elif kind == PUSHPULL:
+                self.set_timer(now + self.config.pushpull_period(self.n_live), PUSHPULL, None)
                 antientropy.pushpull_round(self)
-            elif kind == _SUSPICION:
+            elif kind == SUSPICION:
                 self._suspicion_timer(arg, now, late)  # type: ignore[arg-type]
-            elif kind == _RELAY_NACK:
-                self._relay_nack(arg)  # type: ignore[arg-type]
-            elif kind == _REAP:
+            elif kind == RELAY_NACK:
+                self.prober.relay_nack(arg)  # type: ignore[arg-type]
+            elif kind == REAP:
                 self._reap(arg, now)  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------------ probing
-    def _start_probe(self, now: float, late: bool) -> None:
-        cfg, sched, table = self.config, self._schedule, self._table
-        batch = sched.batch(cfg.probe_batch)
-        if late:
-            self.awareness.apply(+2)
-        target = sched.next_target(table, self.rng, self.name)
-        probed = [] if target is None else [target]
-        while probed and len(probed) < batch:
-            extra = sched.next_target(table, self.rng, self.name)
-            if extra is None or extra in probed:
-                break  # fewer targets than probe_batch: a shorter round, the same rate for each
-            probed.append(extra)
-        for name in probed:
-            self._probe(name, now, verify=False)
-        sched.round_at = now
-        sched.next_at = now + self.awareness.scale(cfg.probe_interval) * max(1, len(probed))
-        sched.token = self._at(sched.next_at, _PROBE, None)
-        for name in sched.extras(target):
-            if self.member(name) is not None:
-                self._probe(name, now, verify=False)
 
     def set_focus(self, names: Iterable[str], turns: Iterable[str] = (), now: float | None = None) -> None:
         """Members probed every round in addition to the round robin (``names``: subjects that may have
@@ -423,13 +393,7 @@ class Membership:
         the caller's input (default: this machine's latest)."""
         if now is not None and now > self._now:
             self._now = now
-        sched = self._schedule
-        if sched.set_focus(set(names) - {self.name}, set(turns) - {self.name}):
-            soon = max(self._now, sched.round_at + self.awareness.scale(self.config.probe_interval))
-            if soon < sched.next_at:
-                self._cancelled.add(sched.token)
-                sched.next_at = soon
-                sched.token = self._at(soon, _PROBE, None)
+        self.prober.set_focus(names, turns, self._now)
 
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None:
         """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it
@@ -444,156 +408,24 @@ class Membership:
         if rec is None:
             return False
         self._now = now
-        self._send(rec.addr, [msg, *extra], piggyback=True, dest=name)
+        self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name)
         return True
 
     def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
         if reliable:
             self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
-            self._send(addr, [msg], piggyback=True)
+            self.send_packet(addr, [msg], piggyback=True)
 
-    def _probe(self, target: str, now: float, verify: bool) -> None:
-        rec = self.member(target)
-        if rec is None or rec.status == LEFT:
-            return
-        self._seq += 1
-        seq = self._seq
-        self._probes[seq] = Probe(target, rec.addr, now, verify, rec.incarnation)
-        msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
-        if rec.status == SUSPECT:  # buddy system: tell the suspect at once
-            msgs.append(sign_if(self.words.book, Suspect(target, rec.incarnation, self.name)))
-        elif rec.status == DEAD:
-            # only probed when the agreement layer watches it closely (a subject that may come back): if it
-            # answers, it learns it was declared dead and refutes; a healed partition's members, declared
-            # dead longer than gossip_to_dead ago, would otherwise never hear it
-            msgs.append(sign_if(self.words.book, Dead(target, rec.incarnation, self.name)))
-        self._send(rec.addr, msgs, piggyback=True, dest=target)
-        if verify:
-            self._send_indirect(seq, now)
-            self._at(now + self.awareness.scale(self.config.verify_timeout), _INDIRECT_END, seq)
-        else:
-            # Ack deadlines of successive probes are (nearly always) increasing: a FIFO instead of the
-            # timer heap, so an answered probe costs no heap work (it is skipped when reached).
-            deadline = now + self.awareness.scale(self.config.probe_timeout)
-            if not self._direct or deadline >= self._direct[-1][0]:
-                self._direct.append((deadline, seq))
-            else:
-                self._probes[seq].timer = self._at(deadline, _DIRECT, seq)
-
-    def _send_indirect(self, seq: int, now: float) -> None:
-        probe = self._probes[seq]
-        probe.indirect_sent = True
-        helpers = self._table.random_live(self.rng, self.config.indirect_checks, self.name, probe.target)
-        probe.expected_nacks = len(helpers)
-        for helper in helpers:
-            rec = self.member(helper)
-            if rec is not None:
-                msg = IndirectPing(seq, probe.target, probe.addr, self.name, self.addr, True)
-                self._send(rec.addr, [msg], piggyback=True, dest=helper)
-
-    def _unproven(self, target: str, now: float) -> bool:
+    def unproven(self, target: str, now: float) -> bool:
         """True while the startup grace lasts for a member never heard from: its silence is not judged."""
         if self._heard is not None and now >= self._grace_until:
             self._heard = None  # grace over: every silence counts from now on
         return not self.has_heard(target)
 
-    def _direct_timeout(self, seq: int, now: float, late: bool) -> None:
-        probe = self._probes.get(seq)
-        if probe is None or probe.acked:
-            return
-        if self._unproven(probe.target, now):
-            # a view-0 member whose agent may not be up yet: probed (an answer proves it is up), but its
-            # silence is neither reported nor suspected, nor held against our own health
-            del self._probes[seq]
-            self._count("probes_unanswered_in_grace")
-            return
-        self._send_indirect(seq, now)
-        self._at(now + self.awareness.scale(self.config.indirect_timeout), _INDIRECT_END, seq)
-
-    def _probe_end(self, seq: int, now: float, late: bool) -> None:
-        probe = self._probes.pop(seq, None)
-        if probe is None or probe.acked:
-            return
-        self._events.append(ProbeResult(probe.target, False, now))
-        missing = max(0, probe.expected_nacks - probe.nacks)
-        if late:
-            # We were not running while the answers came in: our fault, not the target's.
-            self.awareness.apply(+2)
-            if probe.verify:
-                self._rearm_suspicion(probe.target, now)
-            return
-        # Lifeguard: blame ourselves only for nacks that never came (or when no helper was asked).
-        self.awareness.apply(missing if probe.expected_nacks else 1)
-        rec = self.member(probe.target)
-        if rec is None or not rec.live or rec.incarnation != probe.incarnation:
-            return
-        if probe.verify:
-            self._declare_dead(probe.target, rec.incarnation, now)
-            return
-        if self.awareness.score >= self.config.accuse_health_limit:
-            self._count("accusations_withheld")
-            return
-        self.on_suspect(sign_if(self.words.book, Suspect(probe.target, rec.incarnation, self.name)), now)
-
-    def _on_ping(self, msg: Ping, now: float) -> None:
-        if msg.target != self.name:
-            self._count("rx_misdirected_ping")
-            return
+    def heard_from(self, name: str) -> None:
         if self._heard is not None:
-            self._heard.add(msg.src)
-        p, age = self.words.progress, age_ms(now - self.words.since)
-        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
-        self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
-
-    def _on_ack(self, msg: Ack, now: float) -> None:
-        if self._heard is not None:
-            self._heard.add(msg.src)
-        relay = self._relays.get(msg.seq)
-        if relay is not None:
-            if not relay.done:
-                relay.done = True
-                fwd = Ack(relay.orig_seq, *(getattr(msg, f) for f in Ack.FIELDS[1:]))  # the answer as it came
-                self._send(relay.requester_addr, [fwd], piggyback=False)
-            return
-        probe = self._probes.get(msg.seq)
-        if probe is None or probe.acked or msg.src != probe.target:
-            return
-        probe.acked = True
-        del self._probes[msg.seq]
-        first = self._first_acked.get(msg.src)
-        if first is None or msg.incarnation < first:
-            self._first_acked[msg.src] = msg.incarnation
-        if probe.timer:
-            self._cancelled.add(probe.timer)
-        self.awareness.apply(-1)
-        self._events.append(ProbeResult(probe.target, True, now))
-        if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
-            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now,
-                             True, msg.stall_ms)
-        rec = self.member(msg.src)
-        if rec is not None and msg.incarnation > rec.incarnation:
-            # The ack proves a newer incarnation: as good as its Alive (here; others need the signed one).
-            self.on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now, proven=True)
-        elif probe.verify:
-            self._rearm_suspicion(probe.target, now)
-
-    def _on_indirect(self, msg: IndirectPing, now: float) -> None:
-        self._seq += 1
-        seq = self._seq
-        self._relays[seq] = Relay(msg.src_addr, msg.seq, msg.nack)
-        self._send(msg.target_addr, [Ping(seq, msg.target, self.name, self.addr)], piggyback=False)
-        self._at(now + self.config.nack_fraction * self.config.probe_timeout, _RELAY_NACK, seq)
-
-    def _on_nack(self, msg: Nack, now: float) -> None:
-        probe = self._probes.get(msg.seq)
-        if probe is not None:
-            probe.nacks += 1
-
-    def _relay_nack(self, seq: int) -> None:
-        relay = self._relays.pop(seq, None)
-        if relay is not None and not relay.done and relay.nack:
-            self._send(relay.requester_addr, [Nack(relay.orig_seq, self.name)], piggyback=False)
+            self._heard.add(name)
 
     # ------------------------------------------------------------------ dissemination of state
     def on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
@@ -666,7 +498,7 @@ class Membership:
     def _arm(self, name: str, susp: Suspicion) -> None:
         self._token += 1
         susp.token = self._token
-        heapq.heappush(self._timers, (susp.deadline(), self._token, _SUSPICION, (name, self._token)))
+        heapq.heappush(self._timers, (susp.deadline(), self._token, SUSPICION, (name, self._token)))
 
     def _suspicion_timer(self, arg: tuple[str, int], now: float, late: bool) -> None:
         name, token = arg
@@ -679,25 +511,25 @@ class Membership:
         if late:
             # We slept through the refutation window: give the network time to tell us.
             self.awareness.apply(+2)
-            self._rearm_suspicion(name, now)
+            self.rearm_suspicion(name, now)
             return
         if susp.defer(self.config, self.name):
             self._arm(name, susp)
             return
         if self.config.verify_timeout > 0:
             susp.verifying = True
-            self._probe(name, now, verify=True)
+            self.prober.probe(name, now, verify=True)
         else:
-            self._declare_dead(name, rec.incarnation, now)
+            self.declare_dead(name, rec.incarnation, now)
 
-    def _rearm_suspicion(self, name: str, now: float) -> None:
+    def rearm_suspicion(self, name: str, now: float) -> None:
         susp = self._suspicions.get(name)
         if susp is None:
             return
         susp.restart(now)
         self._arm(name, susp)
 
-    def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
+    def declare_dead(self, name: str, incarnation: int, now: float) -> None:
         self.on_dead(sign_if(self.words.book, Dead(name, incarnation, self.name)), now)
 
     def _refused(self, msg: Suspect | Dead) -> bool:
@@ -729,14 +561,14 @@ class Membership:
             self._events.append(MemberLeft(msg.name, msg.incarnation, now))
         else:
             self._events.append(MemberFailed(msg.name, msg.incarnation, msg.src, now))
-        self._at(now + self.config.dead_reap, _REAP, (msg.name, msg.incarnation))
+        self.set_timer(now + self.config.dead_reap, REAP, (msg.name, msg.incarnation))
 
     def _reap(self, arg: tuple[str, int], now: float) -> None:
         name, inc = arg
         if self._table.forget(name, inc):
             self._book.forget(name)
             self._alives.pop(name, None)
-            self._first_acked.pop(name, None)
+            self.prober.first_acked.pop(name, None)
 
     def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
         if accused_inc >= MAX_INCARNATION:
@@ -751,7 +583,7 @@ class Membership:
         self._events.append(SelfRefuted(self.incarnation, accuser, now))
         acc = self.member(accuser)
         if acc is not None and acc.name != self.name:
-            self._send(acc.addr, [alive], piggyback=True, dest=acc.name)
+            self.send_packet(acc.addr, [alive], piggyback=True, dest=acc.name)
 
     def on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
         if msg.name != self.name:
@@ -763,7 +595,7 @@ class Membership:
         if not len(self._queue):
             self._gossip_armed = False
             return
-        self._at(now + cfg.gossip_interval, _GOSSIP, None)
+        self.set_timer(now + cfg.gossip_interval, GOSSIP, None)
         targets = self._table.random_live(self.rng, cfg.gossip_nodes, self.name, None)
         # Recently dead members still hear gossip, so a falsely declared node learns and refutes.
         changed_at = self._table.changed_at
@@ -786,7 +618,7 @@ class Membership:
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
     # ------------------------------------------------------------------ sending
-    def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
+    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             book, mine = self._book, self.words.progress
@@ -818,8 +650,9 @@ class Membership:
 
 
 _HANDLERS: dict[type, Callable[[Membership, Any, float], None]] = {
-    Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership.on_alive,
-    Suspect: Membership.on_suspect, Dead: Membership.on_dead, Progress: Membership.on_progress,
-    IndirectPing: Membership._on_indirect, Nack: Membership._on_nack, PushPull: antientropy.on_pushpull,
+    Ping: lambda m, msg, now: m.prober.on_ping(msg, now), Ack: lambda m, msg, now: m.prober.on_ack(msg, now),
+    Alive: Membership.on_alive, Suspect: Membership.on_suspect, Dead: Membership.on_dead,
+    Progress: Membership.on_progress, IndirectPing: lambda m, msg, now: m.prober.on_indirect(msg, now),
+    Nack: lambda m, msg, now: m.prober.on_nack(msg, now), PushPull: antientropy.on_pushpull,
 }
 """SWIM's message handlers (:meth:`Membership.handle`), by message type."""
