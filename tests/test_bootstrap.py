@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from unittest import mock
 
 import pytest
 
+import gossiprec
 from gossiprec.core.bootstrap import (
     BootParams, Booting, Bootstrap, Candidate, choose, rank_order, view_zero,
 )
@@ -108,6 +114,24 @@ def test_the_checker_catches_a_view_zero_without_a_seed_majority() -> None:
             r = run_bootstrap(BootSimParams(nodes=10, expected=8, spares=2, seeds=3, dead_seeds=0, seed=seed))
             found += bool(r["invariant_violations"])
     assert found >= 2
+
+
+def test_the_bootstrap_simulation_does_not_depend_on_the_hash_seed() -> None:
+    """The same seed gives the same figures in every process: nothing is sent in a set's order (string
+    hashing, and so a set's iteration order, changes with PYTHONHASHSEED)."""
+    script = ("import json; from gossiprec.sim.boot import BootSimParams, run_bootstrap; print(json.dumps(["
+              "{k: v for k, v in run_bootstrap(BootSimParams(nodes=10, expected=8, spares=2, seeds=3, dead_seeds=0,"
+              " seed=s)).items() if k != 'wall_s'} for s in (1, 2)], sort_keys=True))")
+    root = str(Path(gossiprec.__file__).resolve().parents[1])
+    outs = []
+    for hash_seed in ("0", "1"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed,
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                              check=True)
+        outs.append(json.loads(done.stdout))
+    assert outs[0] == outs[1]
+    assert all(r["agree_s"] is not None for r in outs[0])
 
 
 def test_booting_hands_over_to_the_node_and_keeps_the_trainers_inputs() -> None:

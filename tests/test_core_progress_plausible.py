@@ -72,13 +72,13 @@ def test_a_report_that_jumps_further_than_training_can_go_is_refused() -> None:
     node.set_progress(10, COMPUTE, 300, 1.0)
     with pytest.raises(ProtocolError, match="jumped from 10 to"):
         node.set_progress(2**62, COMPUTE, 300, 1.1)
-    assert node._my_progress[0] == 10  # nothing kept
+    assert node.my_progress[0] == 10  # nothing kept
     node.set_progress(11, COMPUTE, 300, 1.4)  # the next step
     node.set_progress(20, COMPUTE, 1, 1.5)  # a burst the agent saw late: fast steps in 0.1 s are plausible
     node.set_progress(5, COMPUTE, 300, 1.6)  # back to a checkpoint: allowed
     node.set_progress(5, PHASES.index("recovering"), 300, 1.7)
     node.set_progress(9000, COMPUTE, 300, 1.71)  # out of recovery, at the state it received
-    assert node._my_progress[0] == 9000
+    assert node.my_progress[0] == 9000
 
 
 def test_one_rank_ahead_of_a_single_lagging_other_is_not_the_anomaly() -> None:

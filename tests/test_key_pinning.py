@@ -185,7 +185,7 @@ async def test_a_forged_restart_of_a_pinned_member_evicts_nothing(workdir: str) 
         epoch, config, _ = view
         victim = agents[3]
         node = agents[0].machine
-        observers = set(node._overlay(node.view).observers(victim.name))  # type: ignore[union-attr]
+        observers = set(node.overlay(node.view).observers(victim.name))  # type: ignore[union-attr]
         watchers = [a for a in agents if a.name in observers]
         assert watchers
         subs = [a.subscribe() for a in agents]

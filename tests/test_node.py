@@ -21,7 +21,6 @@ import pytest
 
 from gossiprec.core.config import Config
 from gossiprec.core.events import AlertRaised
-from gossiprec.core.fencing import maybe_unfence
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.overlay import Overlay
@@ -794,14 +793,14 @@ def test_a_fenced_member_unfences_only_after_asking_for_news_in_its_healthy_wind
     node = make_node()
     v = node.view
     assert v is not None
-    node._fence("no decision within fence_after", 0.0)
+    node.fencing.fence("no decision within fence_after", 0.0)
     node.catchup.catch_up(0.0)
     node.take_sends()
-    maybe_unfence(node, v, 0.1)  # rate-limited: nothing asked
-    maybe_unfence(node, v, 0.1 + node.acfg.unfence_after + 0.05)
+    node.fencing.maybe_unfence(v, 0.1)  # rate-limited: nothing asked
+    node.fencing.maybe_unfence(v, 0.1 + node.acfg.unfence_after + 0.05)
     assert node.fenced, "unfenced without having asked for news"
     assert [m for _, m in sent_messages(node) if isinstance(m, ViewRequest)] != []
-    maybe_unfence(node, v, 0.2 + 2 * node.acfg.unfence_after)
+    node.fencing.maybe_unfence(v, 0.2 + 2 * node.acfg.unfence_after)
     assert not node.fenced
 
 

@@ -145,14 +145,14 @@ async def test_agent_reads_the_trainers_page(tmpdir_: str) -> None:
                 me = [r for r in await c.members() if r["self"]][0]
                 assert (me["step"], me["phase"], me["step_ms"]) == (41, "optimizer", 13)
                 assert agent.machine is not None
-                mine = agent.machine.swim._my_progress  # what the acks carry
+                mine = agent.machine.swim.my_progress  # what the acks carry
                 assert (mine.step, mine.phase) == (41, PHASES.index("optimizer"))
                 page.report(42, PHASES.index("compute"), 14)
-                await agent.wait_until(lambda: agent.machine.swim._my_progress.step == 42, 5)  # a timer's tick
+                await agent.wait_until(lambda: agent.machine.swim.my_progress.step == 42, 5)  # a timer's tick
                 page.report(-5, 99, 1)  # out of range: counted and ignored, the last good progress stays
                 await c.status()
                 assert agent.counters.get("progress_page_invalid", 0) == 1
-                assert agent.machine.swim._my_progress.step == 42
+                assert agent.machine.swim.my_progress.step == 42
                 page.report(43, PHASES.index("compute"), 14)
                 page.set_state(41, None, 4096, 70000)  # not a port: the state message's rules apply
                 status = await c.status()

@@ -38,7 +38,7 @@ async def test_state_op_reaches_the_machine_and_status(sockdir: str) -> None:
             assert status["trainer_state"] == {"committed_step": 7, "inflight_step": None,
                                                "state_bytes": 4096, "transfer_port": 4242}
             if hasattr(agent.machine, "set_state"):
-                assert agent.machine._state == (7, None, 4096)  # type: ignore[union-attr]
+                assert agent.machine.trainer_state == (7, None, 4096)  # type: ignore[union-attr]
             for bad in ({"committed_step": -1, "state_bytes": 1}, {"committed_step": 3, "state_bytes": 1,
                                                                    "inflight_step": 3},
                         {"committed_step": 3, "state_bytes": 1, "transfer_port": 70000}):

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import pytest
 
-from gossiprec.core.node import RESTART_FENCE
+from gossiprec.core.fencing import RESTART_FENCE
 from gossiprec.core.view import REMOVE
 from gossiprec.core.wire import RESTARTED, Alert
 from gossiprec.errors import InvariantViolation
@@ -138,11 +138,11 @@ def test_one_restarted_alert_that_makes_no_change_does_not_fence_for_good(monkey
     def one_alert(cluster: Any) -> None:
         m = cluster.nodes[3].machine
         v = m.view
-        observer = m._overlay(v).observers(m.name)[0]
+        observer = m.overlay(v).observers(m.name)[0]
         signer = next(n.machine for n in cluster.nodes if n.name == observer)  # the observer's own word
         alert = signer.auth.sign(Alert(v.epoch, v.config_id, observer, m.name, REMOVE, RESTARTED, False, m.addr,
                                        "", ""))
-        m._on_alert(alert, cluster.now)
+        m.count_alert(alert, cluster.now)
         assert m.fenced == RESTART_FENCE
 
     r = _quiet_with(monkeypatch, 2.5, one_alert)

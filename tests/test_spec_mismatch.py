@@ -9,7 +9,8 @@ import pytest
 
 from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.events import Fenced, JobSpecMismatch, ViewInstalled
-from gossiprec.core.node import SPEC_FENCE, Node
+from gossiprec.core.fencing import SPEC_FENCE
+from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import View, ViewMember

@@ -39,21 +39,20 @@ reports directly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gossiprec.core import bundles, timers
 from gossiprec.core.auth import sign_if
 from gossiprec.core.config import AgreementConfig
-from gossiprec.core.election import StateReport
+from gossiprec.core.election import Plan, StateReport
 from gossiprec.core.events import PlanMismatch, PlanReady
 from gossiprec.core.membership import Membership
+from gossiprec.core.observer import Observer
+from gossiprec.core.port import NodePort
 from gossiprec.core.view import View
 from gossiprec.core.wire import (
     PHASES, ClaimBundle, ConfirmBundle, Message, PlanConfirm, PlanDigest, Report, StateClaim, encode_message,
 )
-
-if TYPE_CHECKING:
-    from gossiprec.core.node import Node
 
 FINISHING = frozenset(PHASES.index(p) for p in ("communicate", "waiting", "optimizer"))
 """Phases in which a trainer may still commit the step it is in (its collective may complete, or has)."""
@@ -65,13 +64,16 @@ StateValues = tuple[int, int | None, int]
 class Aggregates:
     """The reports and plan digests of one :class:`~gossiprec.core.node.Node`'s current view."""
 
-    __slots__ = ("node", "swim", "acfg", "reports", "have", "need", "holders", "plan_hex", "next_reagg",
-                 "reagg_gap", "digests", "held_until", "claims", "confirms", "chunk")
+    __slots__ = ("node", "swim", "observer", "acfg", "plan", "reports", "have", "need", "holders", "plan_hex",
+                 "next_reagg", "reagg_gap", "digests", "held_until", "claims", "confirms", "chunk")
 
-    def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
+    def __init__(self, node: NodePort, swim: Membership, observer: Observer, acfg: AgreementConfig) -> None:
         self.node = node
         self.swim = swim
+        self.observer = observer
         self.acfg = acfg
+        self.plan: Plan | None = None
+        """The view's recovery plan, once every holder has reported."""
         self.reports: dict[StateValues, int] = {}
         """Report values -> bitmap of the members that reported them."""
         self.have = 0
@@ -94,6 +96,7 @@ class Aggregates:
         """Members per signed bundle (see :mod:`~gossiprec.core.bundles`)."""
 
     def start_view(self, now: float) -> None:
+        self.plan = None
         self.held_until = None  # a report held for the last view is moot
         self.reports = {}
         self.claims = {}
@@ -110,7 +113,7 @@ class Aggregates:
         if view.basis is not None and view.is_holder(self.node.name):
             if self.trainer_finishing() and self.acfg.report_hold > 0:
                 self.held_until = now + self.acfg.report_hold
-                self.node._at(now + min(self.acfg.report_poll, self.acfg.report_hold), timers.REPORT)
+                self.node.set_timer(now + min(self.acfg.report_poll, self.acfg.report_hold), timers.REPORT)
             else:
                 self.report_state(view, now)
         self.maybe_plan(now)
@@ -119,8 +122,8 @@ class Aggregates:
     def trainer_finishing(self) -> bool:
         """The trainer is in a step it may still commit (see ``report_hold``)."""
         node = self.node
-        step, phase, _ = node._my_progress
-        return phase in FINISHING and step > node._state[0]
+        step, phase, _ = node.my_progress
+        return phase in FINISHING and step > node.trainer_state[0]
 
     def maybe_report(self, now: float) -> None:
         """The held report goes out once the trainer committed its step or stopped, or at the deadline."""
@@ -130,7 +133,7 @@ class Aggregates:
             return
         if self.trainer_finishing() and now < until:
             # the pump reads the trainer before each tick
-            self.node._at(min(until, now + self.acfg.report_poll), timers.REPORT)
+            self.node.set_timer(min(until, now + self.acfg.report_poll), timers.REPORT)
             return
         self.held_until = None
         if self.trainer_finishing():
@@ -142,17 +145,17 @@ class Aggregates:
         node = self.node
         idx = v.index(node.name)
         assert idx is not None
-        committed, inflight, size = node._state
+        committed, inflight, size = node.trainer_state
         if node.auth is not None:  # our own signed word, straight to every member of a small view (below)
             claim = sign_if(node.auth, StateClaim(v.epoch, v.config_id, node.name, committed, inflight, size))
-            node._one_hop_to_all(claim)
+            node.one_hop_to_all(claim)
             self.on_state_claim(claim, now)
             return
         # our own report straight to every member of a small view (once per view): the plan waits for the
         # last report, and one held for the trainer would otherwise wait for the next gossip round
         bits = (1 << idx).to_bytes((len(v) + 7) // 8, "little")
-        node._one_hop_to_all(Report(v.epoch, v.config_id, committed, inflight, size, bits))
-        self.merge_report(node._state, 1 << idx, now)
+        node.one_hop_to_all(Report(v.epoch, v.config_id, committed, inflight, size, bits))
+        self.merge_report(node.trainer_state, 1 << idx, now)
 
     # ------------------------------------------------------------------ everyone's reports
     def _add(self, values: StateValues, bits: int) -> int:
@@ -173,7 +176,7 @@ class Aggregates:
         assert v is not None
         committed, inflight, size = values
         nbytes = (len(v) + 7) // 8
-        self.node._bcast(f"r|{committed}|{inflight}|{size}",
+        self.node.broadcast(f"r|{committed}|{inflight}|{size}",
                          Report(v.epoch, v.config_id, committed, inflight, size, new.to_bytes(nbytes, "little")))
         self.maybe_plan(now)
 
@@ -236,7 +239,7 @@ class Aggregates:
 
     def _claims_counted(self, values: StateValues, bits: int, now: float) -> None:
         for c in bundles.chunks(bits, self.chunk):
-            self.node._bcast(self._claim_key(values, c), self._claim_bundle(values, c))
+            self.node.broadcast(self._claim_key(values, c), self._claim_bundle(values, c))
         if self._add(values, bits):
             self.maybe_plan(now)
 
@@ -262,7 +265,7 @@ class Aggregates:
     def maybe_plan(self, now: float) -> None:
         node = self.node
         v = node.view
-        if v is None or v.basis is None or node.plan is not None or v.stopped or node.finished is not None:
+        if v is None or v.basis is None or self.plan is not None or v.stopped or node.finished is not None:
             return
         memo = node.memo
         need = self.need
@@ -297,9 +300,9 @@ class Aggregates:
             plan = v.plan(reports)
             got = memo[key] = (plan, plan.digest())
         plan, self.plan_hex = got
-        node.plan = plan
+        self.plan = plan
         digest = bytes.fromhex(self.plan_hex)
-        node._events.append(PlanReady(v.epoch, self.plan_hex, plan, now))
+        node.emit(PlanReady(v.epoch, self.plan_hex, plan, now))
         idx = v.index(node.name)
         if idx is not None and node.auth is not None:
             self.on_plan_confirm(sign_if(node.auth, PlanConfirm(v.epoch, v.config_id, node.name, digest)), now)
@@ -318,10 +321,10 @@ class Aggregates:
         v = node.view
         assert v is not None
         if not signed:
-            node._bcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
+            node.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
                                                         new.to_bytes((len(v) + 7) // 8, "little")))
-        if node.plan is not None and digest.hex() != self.plan_hex:
-            node._events.append(PlanMismatch(v.epoch, self.plan_hex, digest.hex(), now))
+        if self.plan is not None and digest.hex() != self.plan_hex:
+            node.emit(PlanMismatch(v.epoch, self.plan_hex, digest.hex(), now))
 
     def on_plan_digest(self, msg: PlanDigest, now: float) -> None:
         if self.node.auth is not None:
@@ -370,7 +373,7 @@ class Aggregates:
 
     def _confirms_counted(self, digest: bytes, bits: int, now: float) -> None:
         for c in bundles.chunks(bits, self.chunk):
-            self.node._bcast(f"G|{digest.hex()}|{c}", self._confirm_bundle(digest, c))
+            self.node.broadcast(f"G|{digest.hex()}|{c}", self._confirm_bundle(digest, c))
         self.merge_digest(digest, bits, now, signed=True)
 
     def _confirm_bundle(self, digest: bytes, chunk: int) -> ConfirmBundle:
@@ -392,7 +395,7 @@ class Aggregates:
         merged aggregate is sent a bounded number of times, so a late bit can miss someone)."""
         node = self.node
         full = (1 << len(v)) - 1
-        if node.plan is not None and all(bits == full for bits in self.digests.values()):
+        if self.plan is not None and all(bits == full for bits in self.digests.values()):
             return
         self.reagg_gap = min(self.acfg.reaggregate_gap_max, self.reagg_gap * 2)
         self.next_reagg = now + self.reagg_gap
@@ -414,19 +417,19 @@ class Aggregates:
             for digest, bits in self.digests.items():
                 self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
                                                                     bits.to_bytes(nbytes, "little")), now)
-        if node.plan is not None and v.basis is not None:
+        if self.plan is not None and v.basis is not None:
             # A subject of ours that has not confirmed our plan's digest may lack a report: the rounds
             # above reach it only by chance (each re-broadcast goes to a few random members). Its K
             # observers send it the reports directly, so a member that missed a bit gets it within a
             # round instead of waiting, perhaps for good, for a lucky re-broadcast.
             confirmed = self.digests.get(bytes.fromhex(self.plan_hex), 0)
-            for s in node.observer.subjects:
+            for s in self.observer.subjects:
                 idx = v.index(s)
                 if idx is not None and not confirmed >> idx & 1 and signed:
                     self._send_claims(s)
                 elif idx is not None and not confirmed >> idx & 1:
                     for (committed, inflight, size), bits in self.reports.items():
-                        node._send_to(s, Report(v.epoch, v.config_id, committed, inflight, size,
+                        node.send_to(s, Report(v.epoch, v.config_id, committed, inflight, size,
                                                 bits.to_bytes(nbytes, "little")))
 
     def _send_claims(self, to: str) -> None:
@@ -448,7 +451,7 @@ class Aggregates:
 
     def _send_batch(self, to: str, batch: list[Message]) -> None:
         if self.node.spec_conflict:
-            return  # (as Node._send_to: nothing of this view goes out)
-        if not self.swim.send_to(to, batch[0], self.node._now, extra=tuple(batch[1:])):
+            return  # (as NodePort.send_to: nothing of this view goes out)
+        if not self.swim.send_to(to, batch[0], self.node.now, extra=tuple(batch[1:])):
             for claim in batch:
-                self.node._send_to(to, claim)
+                self.node.send_to(to, claim)

@@ -24,26 +24,22 @@ or the member's own leave, by its status.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
-from gossiprec.core import own_words
 from gossiprec.core.auth import claims_of
-from gossiprec.core.records import MemberInfo, Send
-from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, KeyClaim, Progress, PushPull, Suspect, encode_packet
-
-if TYPE_CHECKING:
-    from gossiprec.core.membership import Membership
+from gossiprec.core.member_port import MembershipPort
+from gossiprec.core.records import MemberInfo
+from gossiprec.core.wire import DEAD, SUSPECT, Alive, Dead, KeyClaim, Progress, PushPull, Suspect
 
 
-def pushpull(m: Membership, join: bool, reply: bool) -> PushPull:
+def pushpull(m: MembershipPort, join: bool, reply: bool) -> PushPull:
     rows = []
-    alives, said = m._alives, m._book.said
     for r in m.members():
         if r.name == m.name:
-            p: Progress | None = own_words.progress(m) if m._my_progress.version > 0 else None
+            p: Progress | None = m.signed_progress() if m.my_progress.version > 0 else None
         else:
-            p = said.get(r.name)
-        a = alives.get(r.name)
+            p = m.said(r.name)
+        a = m.signed_alive(r.name)
         sig = a.sig if a is not None and a.incarnation == r.incarnation else b""
         if p is None or p.incarnation != r.incarnation:
             # (a row's progress is at the row's incarnation: an older one, signed at its own, is left out)
@@ -54,37 +50,37 @@ def pushpull(m: Membership, join: bool, reply: bool) -> PushPull:
     return PushPull(m.name, m.addr, join, reply, tuple(rows))
 
 
-def join(m: Membership, seed_addrs: Iterable[str]) -> None:
+def join(m: MembershipPort, seed_addrs: Iterable[str]) -> None:
     msg = pushpull(m, join=True, reply=False)
     for addr in seed_addrs:
         if addr != m.addr:
-            m._sends.append(Send(addr, encode_packet([*claims_of(m.auth), msg]), reliable=True))
+            m.send_addr(addr, msg, reliable=True, before=claims_of(m.auth))
 
 
-def pushpull_round(m: Membership) -> None:
-    peers = m._table.random_live(m.rng, 1, m.name, None)
+def pushpull_round(m: MembershipPort) -> None:
+    peers = m.random_peers(1)
     if peers:
         rec = m.member(peers[0])
         if rec is not None:
-            m._sends.append(Send(rec.addr, encode_packet([pushpull(m, False, False)]), True))
+            m.send_addr(rec.addr, pushpull(m, False, False), reliable=True)
 
 
-def keep_signed(m: Membership, alive: Alive, rec: MemberInfo) -> None:
+def keep_signed(m: MembershipPort, alive: Alive, rec: MemberInfo) -> None:
     """Keep the signature of an Alive that told ``m`` nothing new (``rec`` is its record, at the same
     incarnation) where ``m`` holds that incarnation unsigned: from view 0, or an ack to its own probe.
     Its push-pull rows then carry it, and a joiner learns the member from them."""
-    a = m._alives.get(alive.name)
+    a = m.signed_alive(alive.name)
     if (a is None or not a.sig or a.incarnation < alive.incarnation) and alive.addr == rec.addr \
             and alive.role == rec.role and m.auth is not None and m.auth.check(alive.name, alive):
-        m._alives[alive.name] = alive
+        m.keep_alive(alive)
 
 
-def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
+def on_pushpull(m: MembershipPort, msg: PushPull, now: float) -> None:
     if not msg.reply:
         auth = m.auth  # a joiner gets the keys we bound ahead of the rows, so that it can check them at once
         keys = () if auth is None or not msg.join else tuple(
             KeyClaim(n, k) for n, k in auth.keys.items() if m.member(n) is not None)
-        m._sends.append(Send(msg.src_addr, encode_packet([*keys, pushpull(m, msg.join, True)]), True))
+        m.send_addr(msg.src_addr, pushpull(m, msg.join, True), reliable=True, before=keys)
     auth = m.auth
     signed = auth is not None
     for name, addr, inc, status, role, pver, step, phase, step_ms, coll, sig, psig in msg.members:
@@ -93,17 +89,17 @@ def on_pushpull(m: Membership, msg: PushPull, now: float) -> None:
             if auth is not None and m.member(name) is None and not (sig and auth.check(name, alive)):
                 # unknown here, and not provably its word (no signature kept, or its key not yet bound):
                 # known at incarnation 0, which any word of its own outranks
-                m._on_alive(Alive(name, addr, 0, role), now, proven=True)
+                m.on_alive(Alive(name, addr, 0, role), now, proven=True)
             else:
-                m._on_alive(alive, now)
+                m.on_alive(alive, now)
             if status == SUSPECT and not signed:
-                m._on_suspect(Suspect(name, inc, msg.src), now)
+                m.on_suspect(Suspect(name, inc, msg.src), now)
         elif signed:
             pass  # a table's row is nobody's signed word for a suspicion, a death or a leave
         elif status == DEAD:
             if m.member(name) is not None:
-                m._on_dead(Dead(name, inc, msg.src), now)
+                m.on_dead(Dead(name, inc, msg.src), now)
         else:
-            m._on_dead(Dead(name, inc, name), now)
+            m.on_dead(Dead(name, inc, name), now)
         if pver > 0:
-            m._on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, psig), now)  # checked as gossip
+            m.on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, psig), now)  # checked as gossip

@@ -517,7 +517,8 @@ class Bootstrap:
             proof = tuple(self._accepts.values()) if self.book is not None else ()
             decision = BootDecided(_rows(self._value), *self._ballot, proof)
             self._decide(self._value, decision, now)
-            for addr in {*self.params.seeds, *(c.addr for c in self.known.values())}:
+            # sorted: the same sends in the same order whatever the hash seed (a simulation is replayable)
+            for addr in sorted({*self.params.seeds, *(c.addr for c in self.known.values())}):
                 self._send(addr, decision, True)
 
     def _beaten(self, msg: BootPromise | BootAccepted, now: float) -> None:

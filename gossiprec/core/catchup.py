@@ -26,31 +26,34 @@ of an older epoch (their sender missed a decision).
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gossiprec.core import timers
 from gossiprec.core.auth import sign_if
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.consensus import ChangeRow, changes_from_rows
 from gossiprec.core.membership import Membership
+from gossiprec.core.observer import Observer
+from gossiprec.core.port import NodePort
 from gossiprec.core.view import JOIN, REMOVE, View, changes_digest
 from gossiprec.core.wire import ALIVE, MAX_DELTA_STEPS, Hello, JoinRequest, ViewDelta, ViewRequest, ViewState
 from gossiprec.errors import ConfigError, ProtocolError
-
-if TYPE_CHECKING:
-    from gossiprec.core.node import Node
 
 
 class CatchUp:
     """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
 
-    __slots__ = ("node", "swim", "acfg", "history", "last_catchup", "pushed_view", "outsider_window", "_state",
-                 "after_removal")
+    __slots__ = ("node", "swim", "observer", "acfg", "hello_until", "history", "last_catchup", "pushed_view",
+                 "outsider_window", "_state", "after_removal")
 
-    def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
+    def __init__(self, node: NodePort, swim: Membership, observer: Observer, acfg: AgreementConfig,
+                 now: float) -> None:
         self.node = node
         self.swim = swim
+        self.observer = observer
         self.acfg = acfg
+        self.hello_until = now + acfg.hello_for
+        """Until then this process says hello to its observers (see :meth:`hello`)."""
         self.history: dict[tuple[int, str], tuple[str, tuple[ChangeRow, ...]]] = {}
         """(epoch, config id) of a view we held -> (config id of its successor, the agreed change rows):
         what a :class:`ViewDelta` replays for a member still holding that view (last few only)."""
@@ -151,7 +154,7 @@ class CatchUp:
         return st
 
     def send_news(self, addr: str, msg: ViewDelta | ViewState) -> None:
-        """View news on the stream, our key claim ahead of it (see :meth:`Node.key_claim`)."""
+        """View news on the stream, our key claim ahead of it (see :meth:`NodePort.key_claim`)."""
         self.swim.send_addr(addr, msg, reliable=True, before=self.node.key_claim())
 
     def trusted(self, msg: ViewDelta | ViewState, offered: View | None) -> bool:
@@ -218,7 +221,7 @@ class CatchUp:
             changes = changes_from_rows(rows)
             nv: View | None
             try:
-                nv = node._next_view(prev, changes_digest(prev.epoch, prev.config_id, changes), changes)
+                nv = node.next_view(prev, changes_digest(prev.epoch, prev.config_id, changes), changes)
             except (ProtocolError, ConfigError, ValueError):
                 nv = None
             if nv is None or nv.config_id != config:
@@ -227,7 +230,7 @@ class CatchUp:
             views.append(nv)
         for (_, rows), old, new in zip(msg.steps, views, views[1:]):
             self.remember(old, new, rows)
-        node._install(views[-1], now, fast=False, decided_here=False,  # changes: the last step's
+        node.install(views[-1], now, fast=False, decided_here=False,  # changes: the last step's
                       removed=tuple(c.node for c in changes if c.kind == REMOVE),
                       joined=tuple(c.node for c in changes if c.kind == JOIN))
 
@@ -253,7 +256,7 @@ class CatchUp:
             counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
             return
         if (node.view is None or view.epoch > node.view.epoch) and self.trusted(msg, view):
-            node._install(view, now, fast=False, decided_here=False, removed=(), joined=())
+            node.install(view, now, fast=False, decided_here=False, removed=(), joined=())
 
     # ------------------------------------------------------------------ joining
     def join_retry(self, now: float) -> None:
@@ -261,16 +264,16 @@ class CatchUp:
         v = node.view
         if v is not None and node.name in v:
             return
-        node._at(now + self.acfg.join_retry, timers.JOIN)
+        node.set_timer(now + self.acfg.join_retry, timers.JOIN)
         if v is None:
             return
         if self.after_removal:
-            committed, _, size = node._state
+            committed, _, size = node.trainer_state
             if committed > 0 and size > 0:  # the trainer has not answered its removal (yet)
                 node.counters["join_held_for_trainer"] = node.counters.get("join_held_for_trainer", 0) + 1
                 return
             self.after_removal = False
-        for obs in node._overlay(v).joiner_observers(node.name):
+        for obs in node.overlay(v).joiner_observers(node.name):
             m = v.member(obs)
             if m is not None:
                 self.swim.send_addr(m.addr, JoinRequest(node.name, node.addr, node.host, node.rack, v.epoch))
@@ -283,25 +286,25 @@ class CatchUp:
         if msg.epoch != v.epoch or msg.node in v:
             self.send_news(msg.addr, self.view_state())  # a joiner: all of it
             return
-        node.observer.joining(msg, node._overlay(v), now)
+        self.observer.joining(msg, node.overlay(v), now)
 
     # ------------------------------------------------------------------ a new process
     def hello(self, now: float, seeds: tuple[str, ...] = ()) -> None:
         """Within ``hello_for`` of this process's start, and while it holds a view that lists it: tell its
         observers in that view (and ``seeds``) that this process started; again every ``join_retry``."""
         node = self.node
-        if now >= node.hello_until:
+        if now >= self.hello_until:
             return
-        node._at(now + self.acfg.join_retry, timers.HELLO)
+        node.set_timer(now + self.acfg.join_retry, timers.HELLO)
         v = node.view
         if v is None or node.name not in v:
             return
-        if now > node.hello_until - self.acfg.hello_for:
+        if now > self.hello_until - self.acfg.hello_for:
             # no news came back from the first Hellos: also ask two members SWIM holds alive (the
             # observers this view names may all be gone, for a restart from the job spec holds view 0, or
             # every Hello was lost); a job's first start, all on view 0, asks nobody at once
             self.catch_up(now)
-        ov = node._overlay(v)
+        ov = node.overlay(v)
         msg = sign_if(node.auth, Hello(node.name, node.addr, node.start_incarnation, v.epoch, v.config_id))
         for name in dict.fromkeys(ov.observers(node.name) + ov.joiner_observers(node.name)):
             m = v.member(name)
@@ -332,7 +335,7 @@ class CatchUp:
                 self.send_news(msg.addr, self.view_news(msg.epoch, msg.config))
         elif msg.epoch > v.epoch:
             self.catch_up(now)
-        if node.name in v and msg.node in v and node.name in node._overlay(v).observers(msg.node):
+        if node.name in v and msg.node in v and node.name in node.overlay(v).observers(msg.node):
             first = self.swim.first_acked(msg.node)
             auth = node.auth  # a pinned member's restart is its own signed word (another's Hello evicts it)
             if auth is not None and msg.node in auth.pinned and not auth.check(msg.node, msg):
@@ -341,4 +344,4 @@ class CatchUp:
                 # we had answers from an older process of it (the Hello names the incarnation its process
                 # started at, not the current one, which rises with every refutation): that process (and
                 # its trainer's state) is gone, and its place in the view with it; the new one joins as a spare
-                node.observer.restarted(msg.node, now)
+                self.observer.restarted(msg.node, now)

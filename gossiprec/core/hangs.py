@@ -42,7 +42,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from gossiprec.core import timers
 from gossiprec.core.config import AgreementConfig
@@ -50,11 +50,9 @@ from gossiprec.core.events import Straggler
 from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
+from gossiprec.core.port import NodePort
 from gossiprec.core.view import REMOVE, View
 from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES
-
-if TYPE_CHECKING:
-    from gossiprec.core.node import Node
 
 RECOVERING = PHASES.index("recovering")
 CHECKPOINT = PHASES.index("checkpoint")
@@ -72,7 +70,7 @@ class HangCheck:
 
     __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at")
 
-    def __init__(self, node: Node, observer: Observer, swim: Membership, acfg: AgreementConfig) -> None:
+    def __init__(self, node: NodePort, observer: Observer, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
         self.observer = observer
         self.swim = swim
@@ -88,7 +86,7 @@ class HangCheck:
         me = self.node.name
         sample = sorted({me} | self.observer.subject_set | set(ov.observers(me))) if me in view else []
         self.sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
-        self.swim._book.read = frozenset(self.sample)  # the records checked as they come (see progress)
+        self.swim.read_progress_of(frozenset(self.sample))  # the records checked as they come (see progress)
 
     def on_timer(self, now: float) -> None:
         """The extra check's timer."""
@@ -115,10 +113,10 @@ class HangCheck:
         """name -> (when its record was heard, when its position began): for the plausibility check"""
         for name in self.sample:
             if name == node.name:
-                step, phase, ms = node._my_progress
-                coll = self.swim._my_progress.coll
+                step, phase, ms = node.my_progress
+                coll = self.swim.my_progress.coll
                 # (never judged: only the frontier, and when it was reached, count)
-                since = max(self.swim.progress_since, node._installed_at)
+                since = max(self.swim.progress_since, node.installed_at)
                 seen_at, began = now, self.swim.progress_since
             else:
                 p = self.swim.progress(name)
@@ -127,7 +125,7 @@ class HangCheck:
                 # the stall clock starts when this position began (its age came on the wire), not at this
                 # check; and never before this view was installed
                 step, phase, ms, coll = p.step, p.phase, p.step_ms, p.coll
-                since = max(p.since, node._installed_at)
+                since = max(p.since, node.installed_at)
                 seen_at, began = p.seen_at, p.since
             if step < 0:
                 continue
@@ -202,12 +200,12 @@ class HangCheck:
                 due = min(due, limit)
                 if moved_on is None and frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
                     alerted[f"straggler:{s}"] = HUNG
-                    node._events.append(Straggler(s, frontier[0] - step, now))
+                    node.emit(Straggler(s, frontier[0] - step, now))
         # a subject behind the frontier is judged the moment its threshold passes, not at the next
         # watchdog round (up to ``watch_interval`` later): one extra wake-up, only while someone lags
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
-            node._at(due, timers.HANG)
+            node.set_timer(due, timers.HANG)
 
 
 def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, tuple[float, float]],

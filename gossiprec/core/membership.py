@@ -39,41 +39,42 @@ Protocol (SWIM, Das et al. 2002; Lifeguard, Dadgar et al. 2018):
    when it is news (:mod:`~gossiprec.core.progress`): a forged one would mislead the hang rule.
 
 Parts: the member table (:mod:`~gossiprec.core.members`, layered so that a simulated cluster shares one
-base), the probe schedule and records (:mod:`~gossiprec.core.probing`), one suspicion's timer
-(:mod:`~gossiprec.core.suspicion`), others' progress (:mod:`~gossiprec.core.progress`), our own signed
-words (:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`) and
-push-pull (:mod:`~gossiprec.core.antientropy`); this class is the protocol between them.
+base), the probe schedule and records (:mod:`~gossiprec.core.probing`), the probe protocol
+(:mod:`~gossiprec.core.prober`), one suspicion's timer (:mod:`~gossiprec.core.suspicion`), others'
+progress (:mod:`~gossiprec.core.progress`), our own progress and signed words
+(:mod:`~gossiprec.core.own_words`), the broadcast queue (:mod:`~gossiprec.core.broadcast`) and push-pull
+(:mod:`~gossiprec.core.antientropy`); this class is the protocol between them. Its parts see it through
+its port (:class:`~gossiprec.core.member_port.MembershipPort`).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from typing import Any, Callable, Iterable, Mapping
 
-from gossiprec.core import antientropy, own_words
+from gossiprec.core import antientropy
 from gossiprec.core.auth import KeyBook, sign_if
 from gossiprec.core.awareness import Awareness
 from gossiprec.core.broadcast import BroadcastQueue
 from gossiprec.core.config import Config
 from gossiprec.core.events import (
-    MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, SelfRefuted,
+    MemberAlive, MemberEvent, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, SelfRefuted,
 )
+from gossiprec.core.member_port import DIRECT, GOSSIP, INDIRECT_END, PROBE, PUSHPULL, REAP, RELAY_NACK, SUSPICION
 from gossiprec.core.members import GONE, MemberTable
-from gossiprec.core.probing import MAX_MS, Probe, ProbeSchedule, Relay, age_ms
+from gossiprec.core.own_words import OwnWords
+from gossiprec.core.prober import Prober
 from gossiprec.core.progress import ProgressBook
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.suspicion import Suspicion
 from gossiprec.core.wire import (
-    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, PHASES, ROLES, SUSPECT, Ack, Alive, Dead,
+    ALIVE, DEAD, LEFT, MAX_ADDR, MAX_INCARNATION, PACKET_OVERHEAD, ROLES, SUSPECT, Ack, Alive, Dead,
     IndirectPing, Message, Nack, Ping, Progress, PushPull, Suspect, decode_packet, encode_message, encode_packet,
     encode_parts,
 )
 from gossiprec.errors import DecodeError, ProtocolError
 
-# timer kinds
-_PROBE, _DIRECT, _INDIRECT_END, _GOSSIP, _PUSHPULL, _SUSPICION, _RELAY_NACK, _REAP = range(8)
 
 
 class Membership:
@@ -111,23 +112,14 @@ class Membership:
                                           member_order, members_live)
         self.member = table.member
         self._book = ProgressBook()  # others' progress
-        self._my_progress = Progress(name, incarnation, 0, -1, 0, 0)
-        self._my_since = now
-        """When our own (step, phase) became current (its age goes out on our acks, ``stall_ms``)."""
+        self.words = OwnWords(self, now)
+        """Our progress record and key book."""
         # protocol state
         self._queue = BroadcastQueue()
         self._suspicions: dict[str, Suspicion] = {}
-        self._probes: dict[int, Probe] = {}
-        self._relays: dict[int, Relay] = {}
-        self._seq = rng.randrange(1, 2**31)
         self._token = 0
         self._timers: list[tuple[float, int, int, object]] = []
         self._cancelled: set[int] = set()
-        self._direct: deque[tuple[float, int]] = deque()
-        self._first_acked: dict[str, int] = {}
-        """The lowest incarnation each member answered one of our probes at (a process only refutes upwards:
-        an answer below a member's current incarnation came from an older process of it)."""
-        self._auth: KeyBook | None = None  # see the auth property
         self._alives: dict[str, Alive] = {}  # each member's own signed Alive, latest (push-pull rows carry it)
         self.on_other: Callable[[Message, float], None] | None = None
         """Receives every decoded message that is not SWIM's own (the agreement layer's)."""
@@ -141,21 +133,20 @@ class Membership:
         self._grace_until = now + config.startup_grace
         self._heard: set[str] | None = set() if config.startup_grace > 0 else None
         """Members heard from directly or by an Alive of theirs, while the startup grace lasts (else None)."""
-        self._schedule = sched = ProbeSchedule(now + rng.random() * config.probe_interval)
-        sched.token = self._at(sched.next_at, _PROBE, None)
+        self.prober = Prober(self, now)  # (draws from rng: its place among the draws is fixed)
         known = table.base.get(name)
         if known is None or known.incarnation != incarnation or known.addr != addr:
-            self._broadcast(name, own_words.alive(self))
-        self._at(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), _PUSHPULL, None)
+            self._broadcast(name, self.words.alive())
+        self.set_timer(now + (0.5 + rng.random()) * config.pushpull_period(self.n_live), PUSHPULL, None)
 
     @property
     def auth(self) -> KeyBook | None:
         """Per-member signatures (set by the node; None: nothing signed or checked)."""
-        return self._auth
+        return self.words.book
 
     @auth.setter
     def auth(self, book: KeyBook | None) -> None:
-        own_words.use_book(self, book)
+        self.words.use_book(book)
 
     # ------------------------------------------------------------------ table access
     member: Callable[[str], MemberInfo | None]
@@ -193,16 +184,68 @@ class Membership:
 
     def first_acked(self, name: str) -> int | None:
         """The lowest incarnation at which ``name`` answered one of our probes (None: never, or forgotten)."""
-        return self._first_acked.get(name)
+        return self.prober.first_acked.get(name)
+
+    @property
+    def table(self) -> MemberTable:
+        return self._table
+
+    def cancel_timer(self, token: int) -> None:
+        self._cancelled.add(token)
+
+    def emit(self, event: MemberEvent) -> None:
+        self._events.append(event)
 
     def forget_acked(self, name: str) -> None:
         """Forget ``name``'s answers (its old process's place in the view is settled)."""
-        self._first_acked.pop(name, None)
+        self.prober.first_acked.pop(name, None)
+
+    @property
+    def my_progress(self) -> Progress:
+        """This node's own progress record (see :meth:`set_progress`)."""
+        return self.words.progress
+
+    def signed_progress(self) -> Progress:
+        """Our progress record as it goes out (see :meth:`OwnWords.signed_progress`)."""
+        return self.words.signed_progress()
+
+    @property
+    def now(self) -> float:
+        """The time of this machine's latest input."""
+        return self._now
+
+    def random_peers(self, n: int) -> list[str]:
+        """Up to ``n`` random live members other than this one."""
+        return self._table.random_live(self.rng, n, self.name, None)
+
+    def signed_alive(self, name: str) -> Alive | None:
+        """The latest Alive of ``name`` kept (push-pull rows carry its signature)."""
+        return self._alives.get(name)
+
+    def keep_alive(self, alive: Alive) -> None:
+        self._alives[alive.name] = alive
+
+    def said(self, name: str) -> Progress | None:
+        """``name``'s latest progress as its owner said it (what is relayed)."""
+        return self._book.said.get(name)
+
+    def pending(self, key: str) -> Message | None:
+        """The broadcast queued under ``key``, if any."""
+        return self._queue.pending(key)
+
+    def set_progress_check(self, check: Callable[[Progress], bool] | None) -> None:
+        """Whether a gossiped progress record is its owner's own word (see :class:`ProgressBook`)."""
+        self._book.vouch = check
+
+    def read_progress_of(self, names: frozenset[str]) -> None:
+        """The members whose gossiped progress this node reads (checked as it arrives: see
+        :attr:`~gossiprec.core.progress.ProgressBook.read`)."""
+        self._book.read = names
 
     @property
     def progress_since(self) -> float:
         """When this node's own (step, phase) became current (see :meth:`set_progress`)."""
-        return self._my_since
+        return self.words.since
 
     # ------------------------------------------------------------------ outputs
     def take_sends(self) -> list[Send]:
@@ -222,14 +265,9 @@ class Membership:
         if cancelled:
             while timers and timers[0][1] in cancelled:
                 cancelled.discard(heapq.heappop(timers)[1])
-        direct = self._direct
-        if direct:
-            probes = self._probes
-            while direct and direct[0][1] not in probes:  # answered already
-                direct.popleft()
+        d = self.prober.next_direct()
         t = timers[0][0] if timers else math.inf
-        if direct:
-            d = direct[0][0]
+        if d is not None:
             return d if d < t else t  # min(t, d), which returns t on a tie
         return t
 
@@ -251,25 +289,15 @@ class Membership:
         for target in self._table.random_live(self.rng, max(32, self.config.gossip_nodes * 2), self.name, None):
             rec = self.member(target)
             if rec is not None:
-                self._send(rec.addr, [dead], piggyback=True, dest=target)
+                self.send_packet(rec.addr, [dead], piggyback=True, dest=target)
 
     def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
         """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
-        if not (isinstance(step, int) and -1 <= step <= 2**62):
-            raise ProtocolError(f"step must be an integer -1..2**62, got {step!r}")
-        if not (isinstance(phase, int) and 0 <= phase < len(PHASES)):
-            raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
-        if not isinstance(step_ms, int) or step_ms < 0 or not isinstance(coll, int) or coll < 0:
-            raise ProtocolError(f"step_ms must be a non-negative integer, and coll too; got {step_ms!r}, {coll!r}")
-        step_ms, coll = min(step_ms, MAX_MS), min(coll, 2**32 - 1)  # (coll: a u32 on the wire)
-        p = self._my_progress
-        if (step, phase, coll) != (p.step, p.phase, p.coll):
-            self._my_since = now
-        self._my_progress = Progress(self.name, self.incarnation, p.version + 1, step, phase, step_ms, coll)
+        self.words.set_progress(step, phase, step_ms, now, coll)
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
-        self._schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))
+        self.prober.schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))
 
     # ------------------------------------------------------------------ network input
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
@@ -312,7 +340,7 @@ class Membership:
             self._count("rx_unexpected")
 
     # ------------------------------------------------------------------ timers
-    def _at(self, when: float, kind: int, arg: object) -> int:
+    def set_timer(self, when: float, kind: int, arg: object) -> int:
         self._token += 1
         heapq.heappush(self._timers, (when, self._token, kind, arg))
         return self._token
@@ -322,16 +350,12 @@ class Membership:
         self._queue.queue(key, msg, merge)
         if not self._gossip_armed:
             self._gossip_armed = True
-            self._at(self._now + self.rng.random() * self.config.gossip_interval, _GOSSIP, None)
+            self.set_timer(self._now + self.rng.random() * self.config.gossip_interval, GOSSIP, None)
 
     def tick(self, now: float) -> None:
         """Run every timer whose deadline is at or before ``now``."""
         self._now = now
-        direct = self._direct
-        while direct and direct[0][0] <= now:
-            when, seq = direct.popleft()
-            if not self.left:
-                self._direct_timeout(seq, now, now - when > self.config.starve_slack)
+        self.prober.tick(now, self.left)
         timers, cancelled = self._timers, self._cancelled
         while timers and timers[0][0] <= now:
             when, token, kind, arg = heapq.heappop(timers)
@@ -341,47 +365,25 @@ class Membership:
             late = now - when > self.config.starve_slack
             if late:
                 self._count("timers_late")
-            if self.left and kind not in (_GOSSIP,):
+            if self.left and kind not in (GOSSIP,):
                 continue
-            if kind == _PROBE:
-                self._start_probe(now, late)
-            elif kind == _DIRECT:
-                self._direct_timeout(arg, now, late)  # type: ignore[arg-type]
-            elif kind == _INDIRECT_END:
-                self._probe_end(arg, now, late)  # type: ignore[arg-type]
-            elif kind == _GOSSIP:
+            if kind == PROBE:
+                self.prober.start_round(now, late)
+            elif kind == DIRECT:
+                self.prober.direct_timeout(arg, now, late)  # type: ignore[arg-type]
+            elif kind == INDIRECT_END:
+                self.prober.probe_end(arg, now, late)  # type: ignore[arg-type]
+            elif kind == GOSSIP:
                 self._gossip(now)
-            elif kind == _PUSHPULL:
-                self._at(now + self.config.pushpull_period(self.n_live), _PUSHPULL, None)
+            elif kind == PUSHPULL:
+                self.set_timer(now + self.config.pushpull_period(self.n_live), PUSHPULL, None)
                 antientropy.pushpull_round(self)
-            elif kind == _SUSPICION:
+            elif kind == SUSPICION:
                 self._suspicion_timer(arg, now, late)  # type: ignore[arg-type]
-            elif kind == _RELAY_NACK:
-                self._relay_nack(arg)  # type: ignore[arg-type]
-            elif kind == _REAP:
+            elif kind == RELAY_NACK:
+                self.prober.relay_nack(arg)  # type: ignore[arg-type]
+            elif kind == REAP:
                 self._reap(arg, now)  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------------ probing
-    def _start_probe(self, now: float, late: bool) -> None:
-        cfg, sched, table = self.config, self._schedule, self._table
-        batch = sched.batch(cfg.probe_batch)
-        if late:
-            self.awareness.apply(+2)
-        target = sched.next_target(table, self.rng, self.name)
-        probed = [] if target is None else [target]
-        while probed and len(probed) < batch:
-            extra = sched.next_target(table, self.rng, self.name)
-            if extra is None or extra in probed:
-                break  # fewer targets than probe_batch: a shorter round, the same rate for each
-            probed.append(extra)
-        for name in probed:
-            self._probe(name, now, verify=False)
-        sched.round_at = now
-        sched.next_at = now + self.awareness.scale(cfg.probe_interval) * max(1, len(probed))
-        sched.token = self._at(sched.next_at, _PROBE, None)
-        for name in sched.extras(target):
-            if self.member(name) is not None:
-                self._probe(name, now, verify=False)
 
     def set_focus(self, names: Iterable[str], turns: Iterable[str] = (), now: float | None = None) -> None:
         """Members probed every round in addition to the round robin (``names``: subjects that may have
@@ -391,13 +393,7 @@ class Membership:
         the caller's input (default: this machine's latest)."""
         if now is not None and now > self._now:
             self._now = now
-        sched = self._schedule
-        if sched.set_focus(set(names) - {self.name}, set(turns) - {self.name}):
-            soon = max(self._now, sched.round_at + self.awareness.scale(self.config.probe_interval))
-            if soon < sched.next_at:
-                self._cancelled.add(sched.token)
-                sched.next_at = soon
-                sched.token = self._at(soon, _PROBE, None)
+        self.prober.set_focus(names, turns, self._now)
 
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None:
         """Disseminate ``msg`` (piggyback + gossip); a later broadcast with the same key replaces it
@@ -412,160 +408,28 @@ class Membership:
         if rec is None:
             return False
         self._now = now
-        self._send(rec.addr, [msg, *extra], piggyback=True, dest=name)
+        self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name)
         return True
 
     def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
         if reliable:
             self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
-            self._send(addr, [msg], piggyback=True)
+            self.send_packet(addr, [msg], piggyback=True)
 
-    def _probe(self, target: str, now: float, verify: bool) -> None:
-        rec = self.member(target)
-        if rec is None or rec.status == LEFT:
-            return
-        self._seq += 1
-        seq = self._seq
-        self._probes[seq] = Probe(target, rec.addr, now, verify, rec.incarnation)
-        msgs: list[Message] = [Ping(seq, target, self.name, self.addr)]
-        if rec.status == SUSPECT:  # buddy system: tell the suspect at once
-            msgs.append(sign_if(self._auth, Suspect(target, rec.incarnation, self.name)))
-        elif rec.status == DEAD:
-            # only probed when the agreement layer watches it closely (a subject that may come back): if it
-            # answers, it learns it was declared dead and refutes; a healed partition's members, declared
-            # dead longer than gossip_to_dead ago, would otherwise never hear it
-            msgs.append(sign_if(self._auth, Dead(target, rec.incarnation, self.name)))
-        self._send(rec.addr, msgs, piggyback=True, dest=target)
-        if verify:
-            self._send_indirect(seq, now)
-            self._at(now + self.awareness.scale(self.config.verify_timeout), _INDIRECT_END, seq)
-        else:
-            # Ack deadlines of successive probes are (nearly always) increasing: a FIFO instead of the
-            # timer heap, so an answered probe costs no heap work (it is skipped when reached).
-            deadline = now + self.awareness.scale(self.config.probe_timeout)
-            if not self._direct or deadline >= self._direct[-1][0]:
-                self._direct.append((deadline, seq))
-            else:
-                self._probes[seq].timer = self._at(deadline, _DIRECT, seq)
-
-    def _send_indirect(self, seq: int, now: float) -> None:
-        probe = self._probes[seq]
-        probe.indirect_sent = True
-        helpers = self._table.random_live(self.rng, self.config.indirect_checks, self.name, probe.target)
-        probe.expected_nacks = len(helpers)
-        for helper in helpers:
-            rec = self.member(helper)
-            if rec is not None:
-                msg = IndirectPing(seq, probe.target, probe.addr, self.name, self.addr, True)
-                self._send(rec.addr, [msg], piggyback=True, dest=helper)
-
-    def _unproven(self, target: str, now: float) -> bool:
+    def unproven(self, target: str, now: float) -> bool:
         """True while the startup grace lasts for a member never heard from: its silence is not judged."""
         if self._heard is not None and now >= self._grace_until:
             self._heard = None  # grace over: every silence counts from now on
         return not self.has_heard(target)
 
-    def _direct_timeout(self, seq: int, now: float, late: bool) -> None:
-        probe = self._probes.get(seq)
-        if probe is None or probe.acked:
-            return
-        if self._unproven(probe.target, now):
-            # a view-0 member whose agent may not be up yet: probed (an answer proves it is up), but its
-            # silence is neither reported nor suspected, nor held against our own health
-            del self._probes[seq]
-            self._count("probes_unanswered_in_grace")
-            return
-        self._send_indirect(seq, now)
-        self._at(now + self.awareness.scale(self.config.indirect_timeout), _INDIRECT_END, seq)
-
-    def _probe_end(self, seq: int, now: float, late: bool) -> None:
-        probe = self._probes.pop(seq, None)
-        if probe is None or probe.acked:
-            return
-        self._events.append(ProbeResult(probe.target, False, now))
-        missing = max(0, probe.expected_nacks - probe.nacks)
-        if late:
-            # We were not running while the answers came in: our fault, not the target's.
-            self.awareness.apply(+2)
-            if probe.verify:
-                self._rearm_suspicion(probe.target, now)
-            return
-        # Lifeguard: blame ourselves only for nacks that never came (or when no helper was asked).
-        self.awareness.apply(missing if probe.expected_nacks else 1)
-        rec = self.member(probe.target)
-        if rec is None or not rec.live or rec.incarnation != probe.incarnation:
-            return
-        if probe.verify:
-            self._declare_dead(probe.target, rec.incarnation, now)
-            return
-        if self.awareness.score >= self.config.accuse_health_limit:
-            self._count("accusations_withheld")
-            return
-        self._on_suspect(sign_if(self._auth, Suspect(probe.target, rec.incarnation, self.name)), now)
-
-    def _on_ping(self, msg: Ping, now: float) -> None:
-        if msg.target != self.name:
-            self._count("rx_misdirected_ping")
-            return
+    def heard_from(self, name: str) -> None:
         if self._heard is not None:
-            self._heard.add(msg.src)
-        p, age = self._my_progress, age_ms(now - self._my_since)
-        ack = Ack(msg.seq, self.name, self.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
-        self._send(msg.src_addr, [ack], piggyback=True, dest=msg.src)
-
-    def _on_ack(self, msg: Ack, now: float) -> None:
-        if self._heard is not None:
-            self._heard.add(msg.src)
-        relay = self._relays.get(msg.seq)
-        if relay is not None:
-            if not relay.done:
-                relay.done = True
-                fwd = Ack(relay.orig_seq, *(getattr(msg, f) for f in Ack.FIELDS[1:]))  # the answer as it came
-                self._send(relay.requester_addr, [fwd], piggyback=False)
-            return
-        probe = self._probes.get(msg.seq)
-        if probe is None or probe.acked or msg.src != probe.target:
-            return
-        probe.acked = True
-        del self._probes[msg.seq]
-        first = self._first_acked.get(msg.src)
-        if first is None or msg.incarnation < first:
-            self._first_acked[msg.src] = msg.incarnation
-        if probe.timer:
-            self._cancelled.add(probe.timer)
-        self.awareness.apply(-1)
-        self._events.append(ProbeResult(probe.target, True, now))
-        if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
-            self._book.heard(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now,
-                             True, msg.stall_ms)
-        rec = self.member(msg.src)
-        if rec is not None and msg.incarnation > rec.incarnation:
-            # The ack proves a newer incarnation: as good as its Alive (here; others need the signed one).
-            self._on_alive(Alive(rec.name, rec.addr, msg.incarnation, rec.role), now, proven=True)
-        elif probe.verify:
-            self._rearm_suspicion(probe.target, now)
-
-    def _on_indirect(self, msg: IndirectPing, now: float) -> None:
-        self._seq += 1
-        seq = self._seq
-        self._relays[seq] = Relay(msg.src_addr, msg.seq, msg.nack)
-        self._send(msg.target_addr, [Ping(seq, msg.target, self.name, self.addr)], piggyback=False)
-        self._at(now + self.config.nack_fraction * self.config.probe_timeout, _RELAY_NACK, seq)
-
-    def _on_nack(self, msg: Nack, now: float) -> None:
-        probe = self._probes.get(msg.seq)
-        if probe is not None:
-            probe.nacks += 1
-
-    def _relay_nack(self, seq: int) -> None:
-        relay = self._relays.pop(seq, None)
-        if relay is not None and not relay.done and relay.nack:
-            self._send(relay.requester_addr, [Nack(relay.orig_seq, self.name)], piggyback=False)
+            self._heard.add(name)
 
     # ------------------------------------------------------------------ dissemination of state
-    def _on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
-        auth = None if proven else self._auth  # proven: from an ack to our probe (taken unsigned, not relayed)
+    def on_alive(self, msg: Alive, now: float, proven: bool = False) -> None:
+        auth = None if proven else self.words.book  # proven: from an ack to our probe (taken unsigned, not relayed)
         if msg.name == self.name:
             if msg.incarnation > self.incarnation and not self.left:
                 if auth is not None and not auth.check(msg.name, msg):
@@ -590,14 +454,14 @@ class Membership:
         rec = MemberInfo(msg.name, msg.addr, msg.incarnation, ALIVE, msg.role)
         self._table.set(rec, now)
         self._suspicions.pop(msg.name, None)
-        if auth is not None or self._auth is None:
+        if auth is not None or self.words.book is None:
             self._broadcast(msg.name, msg)
         if cur is None or cur.status >= DEAD:
             self._events.append(MemberJoined(msg.name, msg.addr, msg.incarnation, ROLES[msg.role], now))
         elif cur.status == SUSPECT:
             self._events.append(MemberAlive(msg.name, msg.incarnation, now))
 
-    def _on_suspect(self, msg: Suspect, now: float) -> None:
+    def on_suspect(self, msg: Suspect, now: float) -> None:
         if msg.name == self.name:
             if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg):
                 self._refute(msg.incarnation, msg.src, now)  # (older rumours: already refuted)
@@ -634,7 +498,7 @@ class Membership:
     def _arm(self, name: str, susp: Suspicion) -> None:
         self._token += 1
         susp.token = self._token
-        heapq.heappush(self._timers, (susp.deadline(), self._token, _SUSPICION, (name, self._token)))
+        heapq.heappush(self._timers, (susp.deadline(), self._token, SUSPICION, (name, self._token)))
 
     def _suspicion_timer(self, arg: tuple[str, int], now: float, late: bool) -> None:
         name, token = arg
@@ -647,46 +511,46 @@ class Membership:
         if late:
             # We slept through the refutation window: give the network time to tell us.
             self.awareness.apply(+2)
-            self._rearm_suspicion(name, now)
+            self.rearm_suspicion(name, now)
             return
         if susp.defer(self.config, self.name):
             self._arm(name, susp)
             return
         if self.config.verify_timeout > 0:
             susp.verifying = True
-            self._probe(name, now, verify=True)
+            self.prober.probe(name, now, verify=True)
         else:
-            self._declare_dead(name, rec.incarnation, now)
+            self.declare_dead(name, rec.incarnation, now)
 
-    def _rearm_suspicion(self, name: str, now: float) -> None:
+    def rearm_suspicion(self, name: str, now: float) -> None:
         susp = self._suspicions.get(name)
         if susp is None:
             return
         susp.restart(now)
         self._arm(name, susp)
 
-    def _declare_dead(self, name: str, incarnation: int, now: float) -> None:
-        self._on_dead(sign_if(self._auth, Dead(name, incarnation, self.name)), now)
+    def declare_dead(self, name: str, incarnation: int, now: float) -> None:
+        self.on_dead(sign_if(self.words.book, Dead(name, incarnation, self.name)), now)
 
     def _refused(self, msg: Suspect | Dead) -> bool:
-        auth = self._auth  # signed: the accuser's own word (see KeyBook.accusation)
+        auth = self.words.book  # signed: the accuser's own word (see KeyBook.accusation)
         return auth is not None and not auth.accusation(msg, msg.src)
 
-    def _on_dead(self, msg: Dead, now: float) -> None:
+    def on_dead(self, msg: Dead, now: float) -> None:
         if msg.name == self.name:
             if not self.left and msg.incarnation >= self.incarnation and not self._refused(msg):
                 self._refute(msg.incarnation, msg.src, now)
             return
         if self._heard is not None and msg.src != self.name:
-            self._heard.add(msg.name)  # as in _on_suspect: another member judged it
+            self._heard.add(msg.name)  # as in on_suspect: another member judged it
         table = self._table
-        cur = table.own.get(msg.name)  # member() and MemberInfo.live, inlined as in _on_suspect
+        cur = table.own.get(msg.name)  # member() and MemberInfo.live, inlined as in on_suspect
         if cur is None:
             cur = table.base.get(msg.name)
         if cur is None or cur.status > SUSPECT or msg.incarnation < cur.incarnation:
             return
         leaving = msg.src == msg.name
-        if leaving and self._auth is not None and not self._auth.check(msg.name, msg):
+        if leaving and self.words.book is not None and not self.words.book.check(msg.name, msg):
             return self._count("rx_leave_unsigned")  # a departure is the member's own signed word or nothing
         if not leaving and self._refused(msg):
             return
@@ -697,14 +561,14 @@ class Membership:
             self._events.append(MemberLeft(msg.name, msg.incarnation, now))
         else:
             self._events.append(MemberFailed(msg.name, msg.incarnation, msg.src, now))
-        self._at(now + self.config.dead_reap, _REAP, (msg.name, msg.incarnation))
+        self.set_timer(now + self.config.dead_reap, REAP, (msg.name, msg.incarnation))
 
     def _reap(self, arg: tuple[str, int], now: float) -> None:
         name, inc = arg
         if self._table.forget(name, inc):
             self._book.forget(name)
             self._alives.pop(name, None)
-            self._first_acked.pop(name, None)
+            self.prober.first_acked.pop(name, None)
 
     def _refute(self, accused_inc: int, accuser: str, now: float) -> None:
         if accused_inc >= MAX_INCARNATION:
@@ -712,17 +576,16 @@ class Membership:
             return
         self.incarnation = max(self.incarnation, accused_inc) + 1
         self._table.set(MemberInfo(self.name, self.addr, self.incarnation, ALIVE, self.role), now)
-        p = self._my_progress
-        self._my_progress = Progress(self.name, self.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
-        alive = own_words.alive(self)
+        self.words.renew()
+        alive = self.words.alive()
         self._broadcast(self.name, alive)
         self.awareness.apply(+1)
         self._events.append(SelfRefuted(self.incarnation, accuser, now))
         acc = self.member(accuser)
         if acc is not None and acc.name != self.name:
-            self._send(acc.addr, [alive], piggyback=True, dest=acc.name)
+            self.send_packet(acc.addr, [alive], piggyback=True, dest=acc.name)
 
-    def _on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
+    def on_progress(self, msg: Progress, now: float, direct: bool = False, stall_ms: int = 0) -> None:
         if msg.name != self.name:
             self._book.heard(msg, now, direct, stall_ms)
 
@@ -732,7 +595,7 @@ class Membership:
         if not len(self._queue):
             self._gossip_armed = False
             return
-        self._at(now + cfg.gossip_interval, _GOSSIP, None)
+        self.set_timer(now + cfg.gossip_interval, GOSSIP, None)
         targets = self._table.random_live(self.rng, cfg.gossip_nodes, self.name, None)
         # Recently dead members still hear gossip, so a falsely declared node learns and refutes.
         changed_at = self._table.changed_at
@@ -755,13 +618,13 @@ class Membership:
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
     # ------------------------------------------------------------------ sending
-    def _send(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
+    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
-            book, mine = self._book, self._my_progress
+            book, mine = self._book, self.words.progress
             if book.names or mine.version:  # ours, then others' in turn
                 if mine.version > 0:
-                    parts.append(encode_message(own_words.progress(self)))
+                    parts.append(encode_message(self.words.signed_progress()))
                 parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
             if len(self._queue):
                 budget = self.config.mtu - PACKET_OVERHEAD - sum(len(p) for p in parts)
@@ -787,8 +650,9 @@ class Membership:
 
 
 _HANDLERS: dict[type, Callable[[Membership, Any, float], None]] = {
-    Ping: Membership._on_ping, Ack: Membership._on_ack, Alive: Membership._on_alive,
-    Suspect: Membership._on_suspect, Dead: Membership._on_dead, Progress: Membership._on_progress,
-    IndirectPing: Membership._on_indirect, Nack: Membership._on_nack, PushPull: antientropy.on_pushpull,
+    Ping: lambda m, msg, now: m.prober.on_ping(msg, now), Ack: lambda m, msg, now: m.prober.on_ack(msg, now),
+    Alive: Membership.on_alive, Suspect: Membership.on_suspect, Dead: Membership.on_dead,
+    Progress: Membership.on_progress, IndirectPing: lambda m, msg, now: m.prober.on_indirect(msg, now),
+    Nack: lambda m, msg, now: m.prober.on_nack(msg, now), PushPull: antientropy.on_pushpull,
 }
 """SWIM's message handlers (:meth:`Membership.handle`), by message type."""

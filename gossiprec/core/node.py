@@ -14,15 +14,17 @@ Flow of one failure:
    left, or when its training stalled behind the cluster's frontier (a hang); a later success retracts.
 2. Alerts are gossiped; every member tallies them in its :class:`~gossiprec.core.cut.CutDetector`, which
    emits the same change set everywhere once the alerts have settled.
-3. Every member votes for its change set (fast round); a fast quorum decides at once, otherwise classic
-   Paxos rounds (:mod:`gossiprec.core.consensus`) with majority quorums decide.
+3. Every member votes for its change set (fast round; :mod:`~gossiprec.core.decide`); a fast quorum
+   decides at once, otherwise classic Paxos rounds (:mod:`gossiprec.core.consensus`) with majority
+   quorums decide.
 4. Every member applies the decision to its view (:meth:`View.next`): epoch + 1, spares promoted. One
    that missed decisions catches up from its peers (:mod:`~gossiprec.core.catchup`).
 5. Holders report their state, aggregated in bitmaps; once all holders of the view have reported, every
    member computes the same plan and publishes its digest (:mod:`~gossiprec.core.aggregate`).
 
-This module is the composition: the machine interface, installing a view, deciding, fencing, the
-watchdog, and the dispatch of each agreement message type to its handler.
+This module is the composition: the machine interface, installing a view, the watchdog, and the
+dispatch of each agreement message type to its handler. Its parts see it through its port
+(:class:`~gossiprec.core.port.NodePort`) and keep their own state.
 
 Fencing (:mod:`~gossiprec.core.fencing`): a member that cannot be part of a decision emits
 :class:`Fenced`: its trainer must stop sending collectives and state.
@@ -33,19 +35,19 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Iterable, MutableMapping
 
-from gossiprec.core import fencing, timers
-from gossiprec.core.fencing import RESTART_FENCE
+from gossiprec.core import timers
 from gossiprec.core.aggregate import Aggregates
 from gossiprec.core.auth import CLAIM_EVERY, CLAIM_SOON, CLAIM_SOON_FOR, KeyBook, claims_of
 from gossiprec.core.bundles import MERGED
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.consensus import Consensus, change_rows, keeps_quorum, removes_majority
+from gossiprec.core.consensus import Consensus, change_rows
 from gossiprec.core.cut import CutDetector
+from gossiprec.core.decide import Decider
 from gossiprec.core.election import Plan
+from gossiprec.core.fencing import RESTART_FENCE, Fencing
 from gossiprec.core.events import (
-    CoreEvent, Fenced, JobFinished, JobSpecMismatch, MemberFailed, MemberJoined, MemberLeft, MemberSuspected,
-    ProbeResult, Unfenced, ViewInstalled,
+    CoreEvent, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, ViewInstalled,
 )
 from gossiprec.core.hangs import RECOVERING, HangCheck
 from gossiprec.core.membership import Membership
@@ -62,7 +64,6 @@ from gossiprec.errors import ProtocolError
 
 MAX_EARLY = 4096
 """Messages of the next epoch kept until its view is installed (bounded: a flood cannot grow memory)."""
-SPEC_FENCE = "job spec mismatch"
 WATCH_EARLY = 0.1
 """The watchdog (fencing, hang checks; every ``AgreementConfig.watch_interval``) runs up to this much early
 in a tick that happens anyway (the probe timer's), so it seldom needs a wake-up of its own."""
@@ -72,8 +73,9 @@ class Node:
     """One member's complete protocol core. ``memo`` may be shared by nodes of a simulation: it caches
     pure functions of views (overlays, transitions, plans), never anything node-specific.
 
-    Its parts (:attr:`observer`, :attr:`hangs`, :attr:`aggregates`, :attr:`catchup`) read the node's
-    view, clock and trainer state and send through it; the node owns the timers and the event list."""
+    Its parts (:attr:`observer`, :attr:`hangs`, :attr:`aggregates`, :attr:`catchup`, :attr:`fencing`,
+    :attr:`decider`) read the node's view, clock and trainer state and send through its port; the node
+    owns the timers and the event list."""
 
     def __init__(
         self,
@@ -107,22 +109,17 @@ class Node:
         self._events: list[CoreEvent] = []
         self._timers: list[tuple[float, int, int, int]] = []
         self._tok = 0
-        self._now = now
-        self._installed_at = now
-        self.fenced: str = ""
-        self.spec_conflict: str = ""
-        """Set when a member of view 0 holds another view 0: fenced for good, out of agreement."""
-        self._spec_seen: set[tuple[str, str, bool]] = set()
+        self.now = now
+        """The time of the latest input."""
+        self.installed_at = now
+        """When the current view was installed."""
         self.view: View | None = None
-        self.plan: Plan | None = None
         self.finished: int | None = None
         """The step at which the job's trainers finished (JobDone), once known."""
-        self._state: tuple[int, int | None, int] = (0, None, 0)
+        self.trainer_state: tuple[int, int | None, int] = (0, None, 0)
         """What the trainer could serve (committed step, in-flight step, bytes): see :meth:`set_state`."""
-        self._my_progress: tuple[int, int, int] = (-1, 0, 0)
+        self.my_progress: tuple[int, int, int] = (-1, 0, 0)
         """The trainer's (step, phase, step time in ms): see :meth:`set_progress`."""
-        self._trouble_since: float | None = None
-        """Since when this member waits for a change it cannot get decided (see the watchdog)."""
         self._early: list[Message] = []
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
@@ -136,36 +133,34 @@ class Node:
             swim.auth = auth
             if auth.claims:
                 self._claim(now)
-        self.observer = Observer(self, swim, acfg)
-        self.hangs = HangCheck(self, self.observer, swim, acfg)
-        self.aggregates = Aggregates(self, swim, acfg)
-        self.catchup = CatchUp(self, swim, acfg)
-        self.hello_until = now + acfg.hello_for
-        """Until then this process says hello to its observers (see :meth:`CatchUp.hello`)."""
         self.start_incarnation = incarnation
         """The incarnation this process started at (its Hello says so: refuting suspicion raises the
         current one, and an observer comparing with that would take a healthy process for a new one)."""
-        self._fenced_at = now
-        self._healthy_since: float | None = None
-        """Since when this fenced member (still in its view) reaches a majority with nothing pending."""
+        self.observer: Observer = Observer(self, swim, acfg)
+        obs = self.observer
+        self.hangs: HangCheck = HangCheck(self, obs, swim, acfg)
+        self.aggregates: Aggregates = Aggregates(self, swim, obs, acfg)
+        self.catchup: CatchUp = CatchUp(self, swim, obs, acfg, now)
+        self.fencing: Fencing = Fencing(self, swim, obs, self.catchup, acfg, now)
+        self.decider: Decider = Decider(self, swim, acfg)
         if view is not None:
-            self._install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
+            self.install(view, now, fast=False, decided_here=False, removed=(), joined=(), initial=True)
         else:
             for addr_ in seeds:
                 swim.send_addr(addr_, ViewRequest(0, "", name, addr), reliable=True)
             swim.join(seeds, now)
-            self._at(now + acfg.join_retry, timers.JOIN)
-        self._at(now + acfg.watch_first, timers.WATCH)
+            self.set_timer(now + acfg.join_retry, timers.JOIN)
+        self.set_timer(now + acfg.watch_first, timers.WATCH)
         self.catchup.hello(now, seeds if view is not None else ())
 
     # ------------------------------------------------------------------ machine interface
     def receive(self, data: bytes, now: float, reliable: bool = False) -> None:
-        self._now = now
+        self.now = now
         self.swim.receive(data, now, reliable)
         self._drain_swim(now)
 
     def tick(self, now: float) -> None:
-        self._now = now
+        self.now = now
         self.swim.tick(now)
         self._drain_swim(now)
         heap = self._timers
@@ -205,7 +200,37 @@ class Node:
         """See :meth:`Membership.has_heard`."""
         return self.swim.has_heard(name)
 
-    def _at(self, when: float, kind: int) -> None:
+    @property
+    def fenced(self) -> str:
+        """Why this member is fenced ("" when it is not): see :class:`~gossiprec.core.fencing.Fencing`."""
+        return self.fencing.reason
+
+    @property
+    def spec_conflict(self) -> str:
+        """Set when a member of view 0 holds another view 0: fenced for good, out of agreement."""
+        return self.fencing.spec_conflict
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current view's recovery plan, once computed (see :mod:`~gossiprec.core.aggregate`)."""
+        return self.aggregates.plan
+
+    @property
+    def consensus(self) -> Consensus:
+        """The current view's agreement (see :class:`~gossiprec.core.decide.Decider`)."""
+        return self.decider.consensus
+
+    @property
+    def withheld(self) -> bool:
+        return self.decider.withheld
+
+    def emit(self, event: CoreEvent) -> None:
+        self._events.append(event)
+
+    def alerts_about(self, subject: str) -> int:
+        return self.cut.count(subject)
+
+    def set_timer(self, when: float, kind: int) -> None:
         """Arm a timer (a kind of :mod:`gossiprec.core.timers`); agreement timers belong to the epoch they
         were armed in."""
         self._tok += 1
@@ -217,7 +242,7 @@ class Node:
         """The trainer's progress (``coll``: collectives entered in ``step``); a report that jumps further
         ahead of the previous one than synchronous training can go in the time between them (see
         ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError`, nothing kept."""
-        prev, prev_phase, prev_ms = self._my_progress
+        prev, prev_phase, prev_ms = self.my_progress
         if prev >= 0 and prev_phase != RECOVERING and isinstance(step, int) and step > prev + 2:
             # (out of recovering a rank may land at any step: the state it received)
             elapsed = max(0.0, now - self.swim.progress_since)
@@ -226,19 +251,19 @@ class Node:
                 raise ProtocolError(f"step jumped from {prev} to {step} in {elapsed:.3f} s, more than synchronous "
                                     "training can do: report each step as it begins (a step counter gone wrong?)")
         self.swim.set_progress(step, phase, step_ms, now, coll)  # validates: raises before anything is kept
-        self._my_progress = (step, phase, step_ms)
+        self.my_progress = (step, phase, step_ms)
         if self.aggregates.held_until is not None:
-            self._at(self._now, timers.REPORT)  # on the next tick: a state written with this progress lands first
+            self.set_timer(self.now, timers.REPORT)  # on the next tick: a state written with this progress lands first
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         """What this member could serve to a replacement (reported to the plan of each new view)."""
-        self._state = (committed_step, inflight_step, state_bytes)
+        self.trainer_state = (committed_step, inflight_step, state_bytes)
         if self.aggregates.held_until is not None:
-            self._at(self._now, timers.REPORT)
+            self.set_timer(self.now, timers.REPORT)
 
     def finish(self, step: int, now: float) -> None:
         """This member's trainer finished training at ``step``: tell every member the job is done."""
-        self._now = now
+        self.now = now
         epoch = self.view.epoch if self.view is not None else 0
         msg = JobDone(epoch, step, self.name)
         self._on_job_done(self.auth.sign(msg) if self.auth is not None else msg, now)  # type: ignore[arg-type]
@@ -249,7 +274,7 @@ class Node:
     # ------------------------------------------------------------------ the agent's view of the table
     def join(self, seed_addrs: Iterable[str], now: float) -> None:
         """Join through seeds: SWIM push-pull, and ask them for the current view."""
-        self._now = now
+        self.now = now
         seed_addrs = tuple(seed_addrs)
         self.swim.join(seed_addrs, now)
         if self.view is None or self.name not in self.view:
@@ -267,14 +292,14 @@ class Node:
         return self.swim.health()
 
     # ------------------------------------------------------------------ memoised pure functions
-    def _overlay(self, view: View) -> Overlay:
+    def overlay(self, view: View) -> Overlay:
         key = ("overlay", view.config_id, self.acfg.k)
         ov = self.memo.get(key)
         if ov is None:
             ov = self.memo[key] = Overlay.build(view.config_id, view.nodes, self.acfg.k)
         return ov
 
-    def _next_view(self, view: View, digest: bytes, changes: list[Change]) -> View:
+    def next_view(self, view: View, digest: bytes, changes: list[Change]) -> View:
         key = ("next", view.config_id, digest)
         nv = self.memo.get(key)
         if nv is None:
@@ -282,46 +307,32 @@ class Node:
         return nv
 
     # ------------------------------------------------------------------ views
-    def _install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple[str, ...],
+    def install(self, view: View, now: float, fast: bool, decided_here: bool, removed: tuple[str, ...],
                  joined: tuple[str, ...], initial: bool = False) -> None:
         old = self.view
         self.view = view
-        self._installed_at = now
+        self.installed_at = now
         self.catchup.start_view()
-        self.plan = None
         self.aggregates.start_view(now)
-        self._trouble_since = None
-        self._healthy_since = None
+        self.fencing.start_view()
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
         if self.auth is not None and old is not None:
             # a removed member's key goes with it: a new process of that name (a new key) can rejoin
             self.auth.forget(set(old.nodes) - set(view.nodes))
-        ov = self._overlay(view)
+        ov = self.overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
         self.hangs.start_view(view, ov)
-        self.cut = CutDetector(ov, self.acfg.settle, self.acfg.unstable_timeout, self.acfg.settle_departed,
-                               doubt_timeout=self.acfg.unstable_timeout)
+        acfg = self.acfg
+        self.cut: CutDetector = CutDetector(ov, acfg.settle, acfg.unstable_timeout, acfg.settle_departed,
+                                            doubt_timeout=acfg.unstable_timeout)
         if self.name in view:
             for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
                 rec = self.swim.member(node)
                 if rec is not None and rec.status != ALIVE and node != self.name:
                     self.cut.doubt(node, now)
-        me = self.name
-
-        def allowed(changes: list[Change]) -> bool:
-            return keeps_quorum(view, changes, me)
-
-        self.consensus = Consensus(view, self.name, self._bcast, self._send_to, allowed, auth=self.auth,
-                                   chunk=self.aggregates.chunk)
-        self._fallback_armed = False
-        self._early_round = False
-        self._resend_armed = False
-        self._eval_due: float | None = None
-        self._withheld = False
-        """The cut is ready but removes a majority of the view: it is not proposed (trouble, as a vote
-        that no quorum answers is)."""
+        self.decider.start_view(view, self.cut, self.aggregates.chunk)
         if self.name in view:
             obs.watch(ov, now)
             # departures announced before this view was installed still count in it
@@ -329,9 +340,7 @@ class Node:
                 rec = self.swim.member(node)
                 if node in view and node != self.name and rec is not None and rec.status == LEFT:
                     self._observe_departure(node, now)
-            if self.fenced and not self.spec_conflict:
-                self.fenced = ""
-                self._events.append(Unfenced(view.epoch, now))
+            self.fencing.member_again(view.epoch, now)
         else:
             self.swim.set_probe_targets(None)
         if not initial or old is not None:
@@ -339,18 +348,18 @@ class Node:
                                               decided_here, now, view.stopped))
         if self.name not in view:
             if old is not None and self.name in old:
-                self._fence("removed from the view", now)
-                if now < self.hello_until:
+                self.fencing.fence("removed from the view", now)
+                if now < self.catchup.hello_until:
                     # a new process (restarted, say): its trainer is new too, nothing to stop first
-                    self.hello_until = now
-                    self._at(now, timers.JOIN)
+                    self.catchup.hello_until = now
+                    self.set_timer(now, timers.JOIN)
                 else:
                     # not at once, and not before the trainer dropped its state (see catchup): a trainer
                     # removed as hung is killed by the launcher, and this agent leaves
                     self.catchup.after_removal = True
-                    self._at(now + self.acfg.rejoin_after, timers.JOIN)
+                    self.set_timer(now + acfg.rejoin_after, timers.JOIN)
             else:
-                self._at(now, timers.JOIN)
+                self.set_timer(now, timers.JOIN)
             return
         self.aggregates.report_or_hold(view, now)
         early, self._early = self._early, []
@@ -360,68 +369,41 @@ class Node:
             if getattr(msg, "epoch", None) == view.epoch:
                 self._on_message(msg, now)
 
-    def _decided(self, now: float) -> None:
+    def install_decided(self, now: float) -> None:
+        """Install the view the current view's consensus decided."""
         d = self.consensus.decided
         assert d is not None and self.view is not None
-        nv = self._next_view(self.view, d.digest, d.changes)
+        nv = self.next_view(self.view, d.digest, d.changes)
         self.catchup.remember(self.view, nv, change_rows(d.changes))
         removed = tuple(c.node for c in d.changes if c.kind == REMOVE)
         joined = tuple(c.node for c in d.changes if c.kind == JOIN)
-        self._install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
+        self.install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
                       joined=joined)
 
     def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
-        """Another view 0 than ours (``other``, when it arrived): fence for good and take no part in
-        agreement from here on (neither side may decide a view that the other would not)."""
-        v = self.view
-        assert v is not None
-        key = (peer, theirs, other is not None)
-        if key in self._spec_seen:
-            return
-        self._spec_seen.add(key)
-        only_ours: tuple[str, ...] = ()
-        only_theirs: tuple[str, ...] = ()
-        differ: tuple[str, ...] = ()
-        if other is not None:
-            mine = {m.node: (m.addr, m.role, m.rank) for m in v.members}
-            them = {m.node: (m.addr, m.role, m.rank) for m in other.members}
-            only_ours = tuple(sorted(set(mine) - set(them)))
-            only_theirs = tuple(sorted(set(them) - set(mine)))
-            differ = tuple(sorted(n for n in set(mine) & set(them) if mine[n] != them[n]))
-        self.counters["spec_mismatch"] = self.counters.get("spec_mismatch", 0) + 1
-        self._events.append(JobSpecMismatch(peer, v.config_id, theirs, only_ours, only_theirs, differ, now))
-        if not self.spec_conflict:
-            self.spec_conflict = (f"{SPEC_FENCE}: this node's view 0 is {v.config_id}, "
-                                  f"{peer or 'another member'}'s is {theirs}")
-            self.fenced = ""  # this reason replaces any other
-            self._fence(self.spec_conflict, now)
-
-    def _fence(self, reason: str, now: float) -> None:
-        if not self.fenced:
-            self.fenced = reason
-            self._fenced_at = now
-            self._events.append(Fenced(self.view.epoch if self.view else -1, reason, now))
+        """See :meth:`Fencing.spec_mismatch`."""
+        self.fencing.spec_mismatch(peer, theirs, other, now)
 
     # ------------------------------------------------------------------ sending helpers
-    def _bcast(self, key: str, msg: Message) -> None:
+    def broadcast(self, key: str, msg: Message) -> None:
         # bitmap aggregates and signed bundles grow by merging: keep their transmit count
         t = type(msg)
         if self.spec_conflict and t in _THIS_VIEW:
             return
-        self.swim.broadcast(key, msg, self._now, merge=t in MERGED)
+        self.swim.broadcast(key, msg, self.now, merge=t in MERGED)
 
-    def _send_to(self, node: str, msg: Message) -> None:
+    def send_to(self, node: str, msg: Message) -> None:
         if self.spec_conflict and type(msg) in _THIS_VIEW:
             return
         if node == self.name:
-            self._on_message(msg, self._now)
+            self._on_message(msg, self.now)
             return
-        if not self.swim.send_to(node, msg, self._now) and self.view is not None:
+        if not self.swim.send_to(node, msg, self.now) and self.view is not None:
             m = self.view.member(node)
             if m is not None:
                 self.swim.send_addr(m.addr, msg)
 
-    def _one_hop_to_all(self, msg: Message, extra: tuple[Message, ...] = (), skip: str = "") -> None:
+    def one_hop_to_all(self, msg: Message, extra: tuple[Message, ...] = (), skip: str = "") -> None:
         """Views of up to ``direct_votes_max`` members: ``msg`` (and ``extra``) straight to every other
         member but ``skip``, one unicast each, so it arrives in one network hop instead of a few gossip
         rounds. Larger views leave it to gossip (N unicasts per member would be O(N^2))."""
@@ -433,7 +415,7 @@ class Node:
         first, more = msgs[0], msgs[1:]
         for m in v.members:
             if m.node != self.name and m.node != skip:
-                self.swim.send_to(m.node, first, self._now, extra=more)
+                self.swim.send_to(m.node, first, self.now, extra=more)
 
     # ------------------------------------------------------------------ SWIM events -> observations
     def _drain_swim(self, now: float) -> None:
@@ -461,9 +443,8 @@ class Node:
         our subject."""
         v = self.view
         if v is not None and self.name in v and self.cut.departed(subject, now):
-            if self._trouble_since is None:
-                self._trouble_since = now
-            self._eval_at(now + self.cut.settle_departed)
+            self.fencing.trouble(now)
+            self.decider.eval_at(now + self.cut.settle_departed)
         self.observer.departed(subject, now)
 
     # ------------------------------------------------------------------ agreement messages
@@ -500,7 +481,7 @@ class Node:
         if entry is not None and (entry[1] or self.name in v):
             entry[0](self, msg, now)
 
-    def _on_alert(self, msg: Alert, now: float) -> None:
+    def count_alert(self, msg: Alert, now: float) -> None:
         if self.auth is not None and not self.auth.check(msg.observer, msg):
             return  # not the observer's own word (counted by the key book; a forgery may name us)
         if not self.cut.fresh(msg.observer, msg.subject, msg.kind, msg.seq):
@@ -512,178 +493,14 @@ class Node:
             if msg.subject == self.name and msg.reason == RESTARTED:
                 # our observers knew an older process of ours: its place (and its trainer's rank) is being
                 # removed; this process's trainer must not take it over meanwhile
-                self._fence(RESTART_FENCE, now)
+                self.fencing.fence(RESTART_FENCE, now)
             self.observer.on_alert(msg, now)
         if self.cut.alert(msg.observer, msg.subject, msg.kind, msg.retract, now, msg.addr, msg.host,
                           msg.rack):
             if msg.observer != self.name:  # spread it on (epidemic), once per change
-                self._bcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
-            if self._trouble_since is None:
-                self._trouble_since = now
-            self._eval_at(now + self.acfg.settle)
-
-    def _on_votes(self, msg: Votes, now: float) -> None:
-        if self.auth is not None:
-            self.counters["rx_votes_unsigned"] = self.counters.get("rx_votes_unsigned", 0) + 1
-        self.consensus.on_votes(msg)
-        self._after_consensus(now)
-
-    def _on_vote(self, msg: Vote, now: float) -> None:
-        self.consensus.on_vote(msg)
-        self._after_consensus(now)
-
-    def _on_vote_bundle(self, msg: VoteBundle, now: float) -> None:
-        if not self.consensus.on_vote_bundle(msg):
-            self.counters["rx_bundle_malformed"] = self.counters.get("rx_bundle_malformed", 0) + 1
-        self._after_consensus(now)
-
-    def _on_proposal(self, msg: Proposal, now: float) -> None:
-        self.consensus.on_proposal(msg)
-        self._after_consensus(now)
-
-    def _on_decided(self, msg: Decided, now: float) -> None:
-        self.consensus.on_decided(msg)
-        if self.auth is not None and self.consensus.decided is None:
-            # no signed quorum behind it (yet): a hint only, nothing decided
-            self.counters["rx_decided_unproven"] = self.counters.get("rx_decided_unproven", 0) + 1
-        self._after_consensus(now)
-
-    def _on_accepted(self, msg: Accepted, now: float) -> None:
-        self.consensus.on_accepted(msg)
-        self._after_consensus(now)
-
-    # ------------------------------------------------------------------ consensus
-    def _after_consensus(self, now: float) -> None:
-        if self.consensus.decided is not None:
-            self._decided(now)
-            return
-        if not self.consensus.votes or self.name not in (self.view or ()):
-            return
-        if not self._early_round and self._hopeless_fast_coordinator() == self.name:
-            # The fast round cannot succeed: start the classic round now instead of after the timeout.
-            self._early_round = True
-            self._at(now, timers.FALLBACK)
-        elif not self._fallback_armed:
-            self._fallback_armed = True
-            self._at(now + self.acfg.fallback_timeout + self.rng.random() * self.acfg.fallback_jitter,
-                     timers.FALLBACK)
-
-    def _hopeless_fast_coordinator(self) -> str | None:
-        """When our own vote removes so many members that the rest cannot form a fast quorum (any
-        failure in a view of 4 or fewer, or several at once in a small view), the fast round can never
-        decide. Then the first member of the view that our cut keeps is the coordinator of an immediate
-        classic round; every member with the same cut computes the same one. None: the fast round may
-        still decide (or we have not voted)."""
-        c, v = self.consensus, self.view
-        if v is None or c.my_vote is None:
-            return None
-        changes = c.proposals.get(c.my_vote) or []
-        removed = {ch.node for ch in changes if ch.kind == REMOVE}
-        if len(v) - len(removed) >= v.fast_quorum():
-            return None
-        return next((m.node for m in v.members if m.node not in removed), None)
-
-    def _eval_at(self, when: float) -> None:
-        """Evaluate the cut at ``when``, or sooner if an evaluation is armed already: one armed at a time.
-        Every alert would otherwise arm its own, and each evaluation reads every tally (quadratic in the
-        alerts of a partition or a hang storm); the settle window it finds still open re-arms it."""
-        due = self._eval_due
-        if due is not None and due <= when:
-            return
-        self._eval_due = when
-        self._at(when, timers.EVAL)
-
-    def _on_eval_timer(self, now: float) -> None:
-        due = self._eval_due
-        if due is None or now < due:
-            return  # superseded by a sooner evaluation (which re-armed what it still needed)
-        self._eval_due = None
-        self._evaluate(now)
-
-    def _evaluate(self, now: float) -> None:
-        if self.view is None or self.consensus.decided is not None or self.name not in self.view \
-                or self.finished is not None:  # the job is over: its members leave, nothing to agree on
-            return
-        changes, wake = self.cut.evaluate(now)
-        if changes and removes_majority(self.view, changes):
-            # Alerts gathered across a flapping partition (or a heal) can accuse most of the view at once;
-            # no such change is ever proposed: it waits for the alerts to change (retractions re-evaluate)
-            # and, if nothing does, the watchdog fences (see :func:`keeps_quorum`).
-            self.counters["cut_withheld_majority"] = self.counters.get("cut_withheld_majority", 0) + 1
-            self._withheld = True
-        elif changes and not self._keeps_reachable_majority(changes):
-            # The members the cut keeps that look reachable (SWIM holds them alive and they have fewer
-            # than L alerts) are no majority: a side of a partition whose cut dropped the other side's
-            # members that stayed unstable too long. No quorum can answer, and a vote left standing would
-            # be decided the moment the partition heals, removing the healthy other side. It waits, as
-            # above.
-            self.counters["cut_withheld_unreachable"] = self.counters.get("cut_withheld_unreachable", 0) + 1
-            self._withheld = True
-        elif changes:
-            self._withheld = False
-            c = self.consensus
-            voted = c.my_vote
-            c.propose(changes)
-            if voted is None and c.my_vote is not None:
-                self._send_vote_to_all(c.my_vote)
-            self._after_consensus(now)
-        elif wake is not None:
-            self._eval_at(wake)
-        else:
-            self._withheld = False  # nothing stable left (the accusations were retracted)
-
-    def _keeps_reachable_majority(self, changes: list[Change]) -> bool:
-        v = self.view
-        assert v is not None
-        removed = {c.node for c in changes if c.kind == REMOVE}
-        reachable = 0
-        cut = self.cut
-        for m in v.members:
-            if m.node not in removed:
-                rec = self.swim.member(m.node)
-                # alerts raised by the members this cut removes do not count: a node stopped (or cut off)
-                # right after it accused a live one can never retract, and would keep that one
-                # "unreachable" here for good, so the healthy side fenced instead of removing it
-                if m.node == self.name or (rec is not None and rec.status == ALIVE
-                                           and not cut.unstable(m.node, but=removed)):
-                    reachable += 1
-        return reachable >= v.majority()
-
-    def _send_vote_to_all(self, digest: bytes) -> None:
-        """Our vote (with its proposal) to every member of a small view (see :meth:`_one_hop_to_all`), so
-        the fast round takes one hop. Merged bitmaps stay on gossip."""
-        v, c = self.view, self.consensus
-        assert v is not None
-        nbytes = (len(v) + 7) // 8
-        changes = c.proposals[digest]
-        proposal = Proposal(v.epoch, v.config_id, digest, change_rows(changes))
-        if c.my_vote_msg is not None:
-            self._one_hop_to_all(proposal, extra=(c.my_vote_msg,))
-            return
-        votes = Votes(v.epoch, v.config_id, digest, c.votes.get(digest, 0).to_bytes(nbytes, "little"))
-        self._one_hop_to_all(proposal, extra=(votes,))
-
-    def _fallback(self, now: float) -> None:
-        self._fallback_armed = False
-        if self.consensus.decided is not None or self.view is None or self.name not in self.view:
-            return
-        if not self.consensus.votes and not self.consensus.proposals:
-            return  # nothing to agree on in this epoch
-        self.consensus.start_round()
-        if not self._resend_armed:  # one retry chain per epoch, however many rounds we start
-            self._resend_armed = True
-            self._at(now + self.acfg.retry_interval, timers.RESEND)
-        self._fallback_armed = True
-        self._at(now + self.acfg.fallback_timeout * 2 + self.rng.random() * self.acfg.fallback_jitter,
-                 timers.FALLBACK)
-
-    def _resend(self, now: float) -> None:
-        c = self.consensus
-        if c.decided is None and c.my_round is not None and c.my_round[1] == self.name:
-            c.resend()
-            self._at(now + self.acfg.retry_interval, timers.RESEND)
-        else:
-            self._resend_armed = False
+                self.broadcast(f"a|{msg.observer}|{msg.subject}|{msg.kind}", msg)
+            self.fencing.trouble(now)
+            self.decider.eval_at(now + self.acfg.settle)
 
     # ------------------------------------------------------------------ the job's end, the watchdog
     def _on_job_done(self, msg: JobDone, now: float) -> None:
@@ -702,8 +519,8 @@ class Node:
         self.aggregates.held_until = None
         self._events.append(JobFinished(msg.epoch, msg.step, msg.src, now))
         if msg.src == self.name and self.view is not None:
-            self._one_hop_to_all(msg)
-        self._bcast("done", msg)
+            self.one_hop_to_all(msg)
+        self.broadcast("done", msg)
 
     def _claim(self, now: float) -> None:
         """Gossip our signing key (see :mod:`gossiprec.core.auth`), again every ``CLAIM_EVERY``."""
@@ -723,7 +540,7 @@ class Node:
 
     def _watch(self, now: float) -> None:
         acfg = self.acfg
-        self._at(now + acfg.watch_interval, timers.WATCH)
+        self.set_timer(now + acfg.watch_interval, timers.WATCH)
         if self.auth is not None and self.auth.claims and now >= self._claim_at:
             self._claim(now)
         v = self.view
@@ -736,13 +553,13 @@ class Node:
             # realert_interval until the view changes.
             self._last_realert = now
             for key, msg in obs.my_alerts.items():
-                self._bcast(key, msg)
-        if self._withheld and self.consensus.decided is None:
-            self._evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
+                self.broadcast(key, msg)
+        if self.withheld and self.consensus.decided is None:
+            self.decider.evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
         agg = self.aggregates
-        if now >= agg.next_reagg and now - self._installed_at <= acfg.reaggregate_for:
+        if now >= agg.next_reagg and now - self.installed_at <= acfg.reaggregate_for:
             agg.reaggregate(v, now)
-        fencing.watch(self, v, now)
+        self.fencing.watch(v, now)
         self.hangs.run(now)
 
 
@@ -760,29 +577,29 @@ _ANY_VIEW: dict[type, Handler] = {
 """Messages handled whatever view they name."""
 
 _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
-    Alert: (Node._on_alert, True),
+    Alert: (Node.count_alert, True),
     Report: (lambda n, m, now: n.aggregates.on_report(m, now), True),
     StateClaim: (lambda n, m, now: n.aggregates.on_state_claim(m, now), True),
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     PlanConfirm: (lambda n, m, now: n.aggregates.on_plan_confirm(m, now), True),
     ClaimBundle: (lambda n, m, now: n.aggregates.on_claim_bundle(m, now), True),
     ConfirmBundle: (lambda n, m, now: n.aggregates.on_confirm_bundle(m, now), True),
-    Decided: (Node._on_decided, True),  # a member outside the view learns it too (then asks to join)
-    Votes: (Node._on_votes, False),
-    Vote: (Node._on_vote, False),
-    VoteBundle: (Node._on_vote_bundle, False),
-    Proposal: (Node._on_proposal, False),
+    Decided: (lambda n, m, now: n.decider.on_decided(m, now), True),  # (then a member outside asks to join)
+    Votes: (lambda n, m, now: n.decider.on_votes(m, now), False),
+    Vote: (lambda n, m, now: n.decider.on_vote(m, now), False),
+    VoteBundle: (lambda n, m, now: n.decider.on_vote_bundle(m, now), False),
+    Proposal: (lambda n, m, now: n.decider.on_proposal(m, now), False),
     Prepare: (lambda n, m, now: n.consensus.on_prepare(m), False),
     Promise: (lambda n, m, now: n.consensus.on_promise(m), False),
     Accept: (lambda n, m, now: n.consensus.on_accept(m), False),
-    Accepted: (Node._on_accepted, False),
+    Accepted: (lambda n, m, now: n.decider.on_accepted(m, now), False),
 }
 """Messages of the current view: (handler, whether a member outside that view handles it too)."""
 
 _TIMER_HANDLERS: dict[int, Callable[[Node, float], None]] = {
-    timers.EVAL: lambda n, now: n._on_eval_timer(now),
-    timers.FALLBACK: lambda n, now: n._fallback(now),
-    timers.RESEND: lambda n, now: n._resend(now),
+    timers.EVAL: lambda n, now: n.decider.on_eval_timer(now),
+    timers.FALLBACK: lambda n, now: n.decider.fallback(now),
+    timers.RESEND: lambda n, now: n.decider.resend(now),
     timers.WATCH: lambda n, now: n._watch(now),
     timers.HANG: lambda n, now: n.hangs.on_timer(now),
     timers.JOIN: lambda n, now: n.catchup.join_retry(now),

@@ -20,23 +20,19 @@ Rules:
 - A subject that announced its departure is alerted as departed at once; one whose new process said hello
   while we had answers from an older one, as restarted (see :mod:`~gossiprec.core.catchup`).
 
-Every alert of ours goes to the node (:meth:`~gossiprec.core.node.Node._on_alert`), which tallies it in
+Every alert of ours goes to the node (:meth:`~gossiprec.core.port.NodePort.count_alert`), which tallies it in
 the cut detector like anyone else's, and to the other members (one hop in a small view, and gossip).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.events import AlertRaised, ProbeResult
 from gossiprec.core.membership import Membership
 from gossiprec.core.overlay import Overlay
+from gossiprec.core.port import NodePort
 from gossiprec.core.view import JOIN, REMOVE, View
 from gossiprec.core.wire import ALERT_REASONS, DEPARTED, JOINING, RESTARTED, UNREACHABLE, Alert, JoinRequest
-
-if TYPE_CHECKING:
-    from gossiprec.core.node import Node
 
 _INF = float("inf")
 
@@ -47,7 +43,7 @@ class Observer:
     __slots__ = ("node", "swim", "acfg", "subjects", "subject_set", "streak", "refresh", "ready", "alerted",
                  "answered", "ok_since", "my_alerts", "knocking", "alert_seq")
 
-    def __init__(self, node: Node, swim: Membership, acfg: AgreementConfig) -> None:
+    def __init__(self, node: NodePort, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
         self.swim = swim
         self.acfg = acfg
@@ -123,7 +119,7 @@ class Observer:
         # subjects that may have failed are probed every round (each failed probe is evidence towards
         # an alert, and the alerts' spread is the view change's tail); progress refreshes take turns
         focus = self.streak.keys() | self.knocking.keys() if self.knocking else self.streak
-        self.swim.set_focus(focus, self.refresh, self.node._now)
+        self.swim.set_focus(focus, self.refresh, self.node.now)
 
     # ------------------------------------------------------------------ evidence
     def on_probe(self, ev: ProbeResult, now: float) -> None:
@@ -169,11 +165,11 @@ class Observer:
             # soon after a view change is confirmed as fast as any other (the first accusation
             # still needs alert_after of failed probes)
             node = self.node
-            quiet = now - self.answered.get(subject, node._installed_at)
+            quiet = now - self.answered.get(subject, node.installed_at)
             if quiet >= self.acfg.confirm_after:
                 self.ready.add(subject)
             if now - start >= self.acfg.alert_after or (
-                    quiet >= self.acfg.confirm_after and node.cut.count(subject) > 0):
+                    quiet >= self.acfg.confirm_after and node.alerts_about(subject) > 0):
                 alerted[subject] = UNREACHABLE
                 self.alert(subject, REMOVE, UNREACHABLE, now)
 
@@ -242,14 +238,14 @@ class Observer:
         if node.auth is not None:
             node.auth.sign(msg)
         if not retract:
-            node._events.append(AlertRaised(subject, ALERT_REASONS[reason], now))
+            node.emit(AlertRaised(subject, ALERT_REASONS[reason], now))
         # the other observers check the subject at once and every member counts the H-th alert at about
         # the same moment; sent before it is queued for gossip, so these packets do not carry it twice
-        node._one_hop_to_all(msg, skip=subject)
+        node.one_hop_to_all(msg, skip=subject)
         key = f"a|{node.name}|{subject}|{kind}"
-        node._bcast(key, msg)
+        node.broadcast(key, msg)
         if retract:
             self.my_alerts.pop(key, None)
         else:
             self.my_alerts[key] = msg
-        node._on_alert(msg, now)
+        node.count_alert(msg, now)

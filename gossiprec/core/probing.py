@@ -8,7 +8,7 @@ intervals apart (fewer wake-ups, the same rate per member); members in *focus* (
 probed every round besides, and members to *refresh* one per round in turn. A first member in focus
 brings the next round forward to one interval after the last. The interval is ``probe_interval`` scaled
 by this node's health. The probe protocol itself (direct, indirect, verification, Lifeguard's
-self-blame) is :class:`~gossiprec.core.membership.Membership`'s.
+self-blame) is :class:`~gossiprec.core.prober.Prober`'s.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The agreement machine's timer kinds.
 
 :class:`~gossiprec.core.node.Node` keeps one heap of ``(deadline, token, kind, epoch)``; its parts arm
-timers through ``Node._at(when, kind)`` and the node's ``tick`` runs each kind's handler. Agreement timers
-(``EVAL``, ``FALLBACK``, ``RESEND``) belong to the epoch they were armed in and are dropped once the view
-has changed; the others run whatever the view.
+timers through its port (``NodePort.set_timer(when, kind)``) and the node's ``tick`` runs each kind's
+handler. Agreement timers (``EVAL``, ``FALLBACK``, ``RESEND``) belong to the epoch they were armed in and
+are dropped once the view has changed; the others run whatever the view.
 """
 
 from __future__ import annotations
