@@ -22,7 +22,7 @@ from gossiprec.core.election import StateReport, elect
 from gossiprec.core.topology import Member
 from gossiprec.errors import ConfigError
 from gossiprec.harness.faults import Fault
-from gossiprec.trainer.sharded import MeshSpec
+from gossiprec.trainer.collectives.sharded import MeshSpec
 from tests.support.sharded import STEPS, check_job as _check, reference as _reference
 
 FULL = bool(os.environ.get("GOSSIPREC_SHARDED_FULL"))
@@ -74,9 +74,9 @@ def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None
 def test_the_mesh_groups_bind_and_seal_as_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The managed world gets the trainer's address (gloo binds there: on hosts of their own the host
     name's address reached no peer, and epoch 0 never formed) and its keys (the store's values sealed)."""
-    import gossiprec.trainer.managed as managed
+    import gossiprec.trainer.collectives.managed as managed
     from gossiprec.trainer.keys import TransferKeys
-    from gossiprec.trainer.sharded import ShardedWorld
+    from gossiprec.trainer.collectives.sharded import ShardedWorld
 
     seen: dict[str, Any] = {}
 
@@ -98,8 +98,8 @@ _NEVER_FORWARDED = """
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from gossiprec.trainer.managed import init_managed_world
-from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
+from gossiprec.trainer.collectives.managed import init_managed_world
+from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
 
 init_managed_world(0, 1, timeout=10)
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))

@@ -16,15 +16,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     np = None
 
 from gossiprec.errors import ConfigError, DecodeError, TransferError
-from gossiprec.trainer import rng as rng_mod
-from gossiprec.trainer.capture import capture_deferred, capture_state
+from gossiprec.trainer.state import rng as rng_mod
+from gossiprec.trainer.state.capture import capture_deferred, capture_state
 from gossiprec.trainer.config import TrainerConfig
-from gossiprec.trainer.header import StateHeader, pack_header, tensor_bytes, unpack_header
+from gossiprec.trainer.state.header import StateHeader, pack_header, tensor_bytes, unpack_header
 from gossiprec.trainer.objects import training_state
-from gossiprec.trainer.receive import (
+from gossiprec.trainer.state.receive import (
     ChecksumMismatch, LayoutMismatch, ReceiveTarget, materialize_optimizer_state, restore_state,
 )
-from gossiprec.trainer.rng import RNGState
+from gossiprec.trainer.state.rng import RNGState
 
 
 class DataPosition:
@@ -185,7 +185,7 @@ def test_raw_rng_readers_read_what_the_public_apis_return() -> None:
 
 
 def test_rng_state_without_raw_readers_uses_only_the_public_apis(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gossiprec.trainer import rng_raw
+    from gossiprec.trainer.state import rng_raw
 
     random.seed(12)
     random.gauss(0, 1)
@@ -244,7 +244,7 @@ def test_header_is_plain_msgpack_and_round_trips() -> None:
 
 
 def test_module_metadata_is_reused_only_while_it_is_unchanged() -> None:
-    from gossiprec.trainer.header import _META_CACHE, decode_tree
+    from gossiprec.trainer.state.header import _META_CACHE, decode_tree
 
     model, opt, sched, data = build()
     objects = training_state(model, opt, sched, data)
@@ -509,7 +509,7 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
 
 def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer import snapshots
+    from gossiprec.trainer.state import snapshots
     from gossiprec.trainer.loop import ResilientTrainer
 
     monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
@@ -540,7 +540,7 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
 def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_to_need_it() -> None:
     from gossiprec.errors import RecoveryError
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.snapshots import BACKGROUND_MIN_BYTES
+    from gossiprec.trainer.state.snapshots import BACKGROUND_MIN_BYTES
 
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
@@ -608,7 +608,7 @@ class _Job:
 
 def test_copier_leaves_submitted_jobs_to_its_thread_and_reports_an_error_once() -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer.copier import Copier
+    from gossiprec.trainer.state.copier import Copier
 
     copier = Copier()
     for _ in range(20):  # a submitted job (large, or from a GPU) is never taken by the all-reduce's run_held
@@ -706,7 +706,7 @@ def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
 def test_written_tensors_are_marked_one_by_one_where_torch_takes_no_list(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.autograd.graph as graph
 
-    from gossiprec.trainer.receive import mark_written
+    from gossiprec.trainer.state.receive import mark_written
 
     real = graph.increment_version
 

@@ -83,11 +83,11 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
           say: Any) -> tuple[list[float], int, bool | None, int]:
     import torch
 
-    from gossiprec.trainer.capture import capture_state
-    from gossiprec.trainer.header import tensor_bytes
+    from gossiprec.trainer.state.capture import capture_state
+    from gossiprec.trainer.state.header import tensor_bytes
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.rng import RNGState
+    from gossiprec.trainer.state.rng import RNGState
 
     model, opt, x, y = _build(device, nbytes, batch)
     params = list(model.parameters())

@@ -19,7 +19,7 @@ from the same initial state; after ``--warmup`` steps each, the loops take turns
     the same all-reduce path without ``commit()``: what the commit costs, separately.
 
 The trainer runs without an agent (a stub takes its reports); its group is an
-:class:`~gossiprec.trainer.groups.EpochGroups` group as a recovery builds it. ``--copies`` is
+:class:`~gossiprec.trainer.collectives.groups.EpochGroups` group as a recovery builds it. ``--copies`` is
 ``TrainerConfig.snapshot_copies``. Report (rank 0's clock): per loop the median, p10 and p90 step
 time and the overhead against ``plain`` (ratio of medians minus one; ``paired_overhead_pct``: the
 median of each turn's ratio to the ``plain`` step just before it, which cancels slow load drift), the
@@ -62,7 +62,7 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
     import torch.distributed as dist
 
     from gossiprec.trainer.config import TrainerConfig
-    from gossiprec.trainer.groups import EpochGroups, connect_store, start_store_server
+    from gossiprec.trainer.collectives.groups import EpochGroups, connect_store, start_store_server
     from gossiprec.trainer.loop import ResilientTrainer
 
     torch.set_num_threads(args["threads"])

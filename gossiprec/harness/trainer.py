@@ -44,7 +44,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     """One rank (or a spare) under ``gossiprec run``."""
     import torch
 
-    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.state.capture import capture_state
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.exits import exit_code
     from gossiprec.trainer.loop import ResilientTrainer

@@ -3,22 +3,22 @@
 Importing this package does not import torch; torch is loaded when a function that needs it runs.
 """
 
-from gossiprec.trainer.capture import capture_state
+from gossiprec.trainer.state.capture import capture_state
 from gossiprec.trainer.config import TrainerConfig
-from gossiprec.trainer.digest import ReplicaMismatch
-from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.state.digest import ReplicaMismatch
+from gossiprec.trainer.transfer.donor import DonorServer
 from gossiprec.trainer.exits import EXIT_FINISHED, EXIT_NOT_NEEDED, EXIT_STOPPED, exit_code
-from gossiprec.trainer.fetch import fetch_state
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups
-from gossiprec.trainer.buckets import rank_ordered_mean
+from gossiprec.trainer.transfer.fetch import fetch_state
+from gossiprec.trainer.collectives.groups import CollectiveAborted, EpochGroup, EpochGroups
+from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 from gossiprec.trainer.loop import ResilientTrainer
 from gossiprec.trainer.objects import Stateful, training_state
-from gossiprec.trainer.receive import materialize_optimizer_state, restore_state
+from gossiprec.trainer.state.receive import materialize_optimizer_state, restore_state
 from gossiprec.trainer.recovery import JobFinished, JobStopped, MeshShrinkRefused, NoReplica, RecoveryRecord, Released
-from gossiprec.trainer.rng import RNGState
+from gossiprec.trainer.state.rng import RNGState
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.settings import TrainerSettings, transfer_key
-from gossiprec.trainer.sharded import MeshSpec
+from gossiprec.trainer.collectives.sharded import MeshSpec
 from gossiprec.trainer.steps import StepResult
 
 __all__ = [

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.groups import BACKENDS
+from gossiprec.trainer.collectives.groups import BACKENDS
 
 STORE_OFFSET = 1
 """Default port offset of every trainer's TCPStore server from its agent's port."""
 DONOR_OFFSET = 2
-"""Default port offset of every trainer's :class:`~gossiprec.trainer.donor.DonorServer` from its agent's port."""
+"""Default port offset of every trainer's :class:`~gossiprec.trainer.transfer.donor.DonorServer` from its agent's
+port."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ class TrainerConfig:
     """Copy a commit's parameters and optimizer state while the next step computes (only the optimizer
     step may change them in between); False copies everything inside ``commit()``."""
     snapshot_copies: int | None = None
-    """Host copies of parameters and optimizer state kept for recovery (:mod:`gossiprec.trainer.snapshots`):
+    """Host copies of parameters and optimizer state kept for recovery (:mod:`gossiprec.trainer.state.snapshots`):
     1 (the last commit, overwritten in place; 1x the state in host memory), 2 (the last two commits, so
     that a second plan may still name a step the first one rolled back: 2x) or 0 (none: a commit is the
     live tensors until the next optimizer step; only buffers, RNG and data position are copied). None
@@ -75,7 +76,7 @@ class TrainerConfig:
     verify_replicas: bool = True
     """Compare a digest of the state across each replica group at the start, after the first step,
     after every recovery and every :attr:`verify_every` steps; a mismatch raises
-    :class:`~gossiprec.trainer.digest.ReplicaMismatch`."""
+    :class:`~gossiprec.trainer.state.digest.ReplicaMismatch`."""
     verify_every: int = 0
     """Steps between two periodic replica checks (0: none beyond those above). >= 0."""
     verify_exclude: tuple[str, ...] = ()

@@ -4,7 +4,7 @@ A failure inside a sharded step can leave one replica group a commit ahead of an
 dp x tp job dies after its tensor-parallel all-reduce of backward, before its data-parallel one; ranks
 0 and 2 (the other shard) finish their all-reduce and step their optimizer, rank 1 cannot. Shard tp1
 then exists only at ``s - 1``, so the job resumes at ``s - 1``, and ranks 0 and 2 must still hold it.
-How, depends on the snapshot copies (:mod:`gossiprec.trainer.snapshots`):
+How, depends on the snapshot copies (:mod:`gossiprec.trainer.state.snapshots`):
 
 - **one copy** (``hold_live``): each commit holds its step as the live tensors beside the copy of the
   one before. The *commit barrier*, a one-element all-reduce over every rank issued at the start of the

@@ -15,14 +15,14 @@
     rt.finish()
 
 **Commit point.** Step ``s`` is committed on a rank when its optimizer step has finished and
-:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.snapshots`).
+:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.state.snapshots`).
 Before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Every commit
 and phase change reaches the agent through its progress page (:mod:`gossiprec.local.progress`), or
 as non-blocking messages on the control socket.
 
 **Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current
 group, so a waiting collective raises within a poll slice, and the trainer recovers in place
-(:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.checks`).
+(:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.state.checks`).
 
 **Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``,
 ``communicate`` with the collective in flight, ``optimizer``, ``committed``) and, during a recovery,
@@ -44,7 +44,7 @@ in good order, with the codes of :mod:`gossiprec.trainer.exits`.
 objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
 rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
 ``build(mesh)`` (a spare does it when a plan gives it a rank), and every epoch gives all of the mesh's
-groups that epoch's backend (:mod:`gossiprec.trainer.sharded`). The state is each rank's local shard;
+groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`). The state is each rank's local shard;
 its donor is the same coordinate in another replica. The step runs inside
 :meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
 
@@ -73,33 +73,35 @@ from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
 from gossiprec.local.progress import ProgressPage
-from gossiprec.trainer.checks import ReplicaChecks
-from gossiprec.trainer.buckets import rank_ordered_mean
+from gossiprec.trainer.state.checks import ReplicaChecks
+from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 from gossiprec.trainer.config import TrainerConfig
-from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.transfer.donor import DonorServer
 from gossiprec.trainer.exits import exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server
+from gossiprec.trainer.collectives.groups import (
+    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server,
+)
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
-from gossiprec.trainer.receive import materialize_optimizers
+from gossiprec.trainer.state.receive import materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
 from gossiprec.trainer.recovery import (
     JobStopped, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
 )
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
-from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
-from gossiprec.trainer.snapshots import Snapshots
+from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
+from gossiprec.trainer.state.snapshots import Snapshots
 from gossiprec.trainer.steps import StepResult
 
 if TYPE_CHECKING:
     import torch
 
-    from gossiprec.trainer.buckets import GradientBuckets
-    from gossiprec.trainer.capture import StateSnapshot
-    from gossiprec.trainer.groups import PendingCollective
+    from gossiprec.trainer.collectives.buckets import GradientBuckets
+    from gossiprec.trainer.state.capture import StateSnapshot
+    from gossiprec.trainer.collectives.groups import PendingCollective
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -392,11 +394,11 @@ class ResilientTrainer:
     def overlap_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False,
                           bucket_mb: float = 25.0) -> None:
         """All-reduce the gradients of ``params`` in buckets while backward produces them
-        (:mod:`gossiprec.trainer.buckets`); ``allreduce_gradients`` then waits for them. Call once,
+        (:mod:`gossiprec.trainer.collectives.buckets`); ``allreduce_gradients`` then waits for them. Call once,
         before the first backward; ``exact`` must be what ``allreduce_gradients`` is called with.
         Gradients are taken when backward produces them: accumulate over several backward passes, or
         change ``.grad`` before ``allreduce_gradients()``, only without this."""
-        from gossiprec.trainer.buckets import GradientBuckets
+        from gossiprec.trainer.collectives.buckets import GradientBuckets
 
         if self._buckets is not None:
             self._buckets.remove()
@@ -470,8 +472,9 @@ class ResilientTrainer:
                 ...
 
         Begins step ``s`` (:meth:`begin_step`) and commits it when the block ends. When a collective
-        inside fails or is interrupted by a view change (:class:`~gossiprec.trainer.groups.CollectiveAborted`,
-        or any error raised while this epoch's groups are aborted), the trainer recovers and the block's
+        inside fails or is interrupted by a view change
+        (:class:`~gossiprec.trainer.collectives.groups.CollectiveAborted`, or any error raised while this
+        epoch's groups are aborted), the trainer recovers and the block's
         exception is swallowed: the loop goes on from :attr:`step`, the last committed step.
         """
         while True:  # the replicas' comparison runs first; a recovery during it begins the step again

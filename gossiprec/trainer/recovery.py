@@ -1,7 +1,7 @@
 """Recovery in place: wait for the agreed plan, move the state it names, build the new epoch's group.
 
 This rank's new rank is the plan's assignment. A rank named as a receiver fetches the target step from
-the plan's donors, striped exactly as the plan says (:func:`~gossiprec.trainer.fetch.fetch_state`:
+the plan's donors, striped exactly as the plan says (:func:`~gossiprec.trainer.transfer.fetch.fetch_state`:
 bytes land in the local tensors); a rank at the target reloads its own snapshot; then the new epoch's
 group is built on the TCPStore of the plan's ``store_node`` and training continues from
 ``target_step``. A hot spare blocks in its first recovery until a plan gives it a rank. A survivor may
@@ -48,23 +48,23 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.local.protocol import ControlError
-from gossiprec.trainer.fetch import fetch_state
-from gossiprec.trainer.groups import CollectiveAborted
-from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget
+from gossiprec.trainer.transfer.fetch import fetch_state
+from gossiprec.trainer.collectives.groups import CollectiveAborted
+from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget
 
 if TYPE_CHECKING:
     from gossiprec.core.election import Plan, Transfer
     from gossiprec.local.client import ControlClient
-    from gossiprec.trainer.checks import ReplicaChecks
+    from gossiprec.trainer.state.checks import ReplicaChecks
     from gossiprec.trainer.config import TrainerConfig
-    from gossiprec.trainer.donor import DonorServer
+    from gossiprec.trainer.transfer.donor import DonorServer
     from gossiprec.trainer.follower import Follower
-    from gossiprec.trainer.groups import EpochGroup, EpochGroups
+    from gossiprec.trainer.collectives.groups import EpochGroup, EpochGroups
     from gossiprec.trainer.keys import TransferKeys
     from gossiprec.trainer.objects import JobState, Stateful
     from gossiprec.trainer.peers import Peers
-    from gossiprec.trainer.sharded import ShardedWorld
-    from gossiprec.trainer.snapshots import Snapshots
+    from gossiprec.trainer.collectives.sharded import ShardedWorld
+    from gossiprec.trainer.state.snapshots import Snapshots
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ all-reduce is issued only when every bucket before it has been issued (bucket ``
 so every rank issues the same collectives in the same order whatever the order gradients arrived in.
 :meth:`GradientBuckets.finish` (from ``allreduce_gradients``) issues the buckets backward did not
 complete (a parameter that got no gradient counts as zero), waits for each (interruptibly: the wait
-raises :class:`~gossiprec.trainer.groups.CollectiveAborted` when the agent aborts the group) and copies
+raises :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted` when the agent aborts the group) and copies
 the averages back into ``.grad``. A hook never raises into backward: a collective that cannot be
 issued (the group was aborted) is remembered and raised by ``finish``.
 
@@ -22,7 +22,7 @@ backend's average, whose order for a given buffer size and world size does not c
 Nothing depends on timing, so a run with failures reduces exactly as the failure-free run does.
 
 After a failed step the buffers are dropped, not reused: an aborted collective may still write into
-its buffer later (:mod:`gossiprec.trainer.groups`).
+its buffer later (:mod:`gossiprec.trainer.collectives.groups`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.groups import CollectiveAborted
+from gossiprec.trainer.collectives.groups import CollectiveAborted
 
 if TYPE_CHECKING:
     import torch
