@@ -290,7 +290,8 @@ def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:
     from types import SimpleNamespace
 
     from gossiprec.core.topology import JobTopology
-    from gossiprec.trainer.recovery import JobStopped, MeshShrinkRefused, Recovery, _Pending
+    from gossiprec.trainer.exits import JobStopped, MeshShrinkRefused
+    from gossiprec.trainer.recovery import Recovery, _Pending
 
     topo = JobTopology.grid(2, 2, allow_shrink=True)  # what a job spec written by hand might say
     members = [Member(f"n{r}", "trainer", r, f"h{r}", "r0") for r in range(3)]

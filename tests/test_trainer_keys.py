@@ -22,7 +22,7 @@ from gossiprec.trainer.collectives.groups import connect_store, start_store_serv
 from gossiprec.trainer.keys import TransferKeys, insecure_key, open_value, seal_value, sealed_store
 from gossiprec.trainer.objects import training_state
 from gossiprec.trainer.state.receive import ReceiveTarget, materialize_optimizer_state
-from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+from gossiprec.trainer.exits import JobFinished, JobStopped, Released
 from gossiprec.trainer.settings import TrainerSettings
 from gossiprec.trainer.transfer.wire import REQ_PREFIX, TAG_SIZE, TransferRequest
 

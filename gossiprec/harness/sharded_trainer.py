@@ -128,7 +128,7 @@ def trainer_main(args: argparse.Namespace) -> int:
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.exits import exit_code
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+    from gossiprec.trainer.exits import JobFinished, JobStopped, Released
     from gossiprec.harness.workload import state_bytes
 
     torch.set_num_threads(1)

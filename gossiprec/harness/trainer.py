@@ -48,7 +48,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.exits import exit_code
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, Released
+    from gossiprec.trainer.exits import JobFinished, JobStopped, Released
+    from gossiprec.trainer.recovery import NoReplica
 
     torch.set_num_threads(1)
     out = Path(args.out)

@@ -55,7 +55,7 @@ its donor is the same coordinate in another replica. The step runs inside
             loss_of(model, batch(rt.mesh, s)).backward(); opt.step(); opt.zero_grad()
 
 **The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
-waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.recovery.JobFinished`.
+waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ from gossiprec.trainer.state.checks import ReplicaChecks
 from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.transfer.donor import DonorServer
-from gossiprec.trainer.exits import exit_code
+from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
 from gossiprec.trainer.collectives.groups import (
@@ -89,7 +89,7 @@ from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.state.receive import materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
 from gossiprec.trainer.recovery import (
-    JobStopped, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
+    NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
 )
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
 from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
@@ -551,7 +551,7 @@ class ResilientTrainer:
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
         """End of training: a last barrier (errors ignored), tell the agents the job is done (unused
-        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.recovery.JobFinished`),
+        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.exits.JobFinished`),
         stop following the agent.
 
         ``exit_code``: end the process with ``os._exit`` (no interpreter teardown): a retired group
@@ -578,13 +578,11 @@ class ResilientTrainer:
 
     def leave(self, outcome: BaseException) -> NoReturn:
         """End this process after ``outcome``, one of the trainer's ends that are not crashes
-        (:class:`~gossiprec.trainer.recovery.JobFinished`, :class:`~gossiprec.trainer.recovery.Released`,
-        :class:`~gossiprec.trainer.recovery.JobStopped`): say why on stderr, stop serving and following the
-        agent, and exit with its code (:func:`gossiprec.trainer.exits.exit_code`: 0, 0, 75) without
-        interpreter teardown (see :meth:`finish`). Anything else is raised again."""
-        from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
-
-        if not isinstance(outcome, (JobFinished, Released, JobStopped)):
+        (a :class:`~gossiprec.trainer.exits.TrainingEnded`: ``JobFinished``, ``Released``, ``JobStopped``):
+        say why on stderr, stop serving and following the agent, and exit with its code
+        (:func:`gossiprec.trainer.exits.exit_code`: 0, 0, 75) without interpreter teardown (see
+        :meth:`finish`). Anything else is raised again."""
+        if not isinstance(outcome, TrainingEnded):
             raise outcome
         code = exit_code(outcome)
         print(f"gossiprec: node {self.node}: {type(outcome).__name__}: {outcome} (exit {code})", file=sys.stderr,

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.local.protocol import ControlError
+from gossiprec.trainer.exits import JobFinished, JobStopped, MeshShrinkRefused, Released
 from gossiprec.trainer.transfer.fetch import fetch_state
 from gossiprec.trainer.collectives.groups import CollectiveAborted
 from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget
@@ -67,24 +68,6 @@ if TYPE_CHECKING:
     from gossiprec.trainer.state.snapshots import Snapshots
 
 log = logging.getLogger(__name__)
-
-
-class Released(RecoveryError):
-    """A shrink dropped this rank from the world: leave the job (exit 0); the others go on without it."""
-
-
-class JobStopped(RecoveryError):
-    """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
-    ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
-
-
-class MeshShrinkRefused(JobStopped):
-    """A plan would shrink (or renumber) a job trained on a fixed device mesh: give it spares, or restart it
-    from a checkpoint."""
-
-
-class JobFinished(GossiprecError):
-    """The job's trainers finished training while this process was a spare: nothing left to do (exit 0)."""
 
 
 @dataclass(frozen=True, slots=True)

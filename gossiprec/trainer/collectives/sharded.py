@@ -16,7 +16,7 @@ order in every process (the managed groups' store keys depend on it); then each 
 code) raise :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted`.
 
 The mesh has a fixed shape: a replacement takes the lost rank's coordinate, and a plan that shrinks
-the job (drops replicas) is refused (:class:`~gossiprec.trainer.recovery.MeshShrinkRefused`): torch's
+the job (drops replicas) is refused (:class:`~gossiprec.trainer.exits.MeshShrinkRefused`): torch's
 groups keep the sizes they were made with.
 
 Importing this module does not import torch; :class:`ShardedWorld` does when it builds.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.recovery import MeshShrinkRefused
+from gossiprec.trainer.exits import MeshShrinkRefused
 
 if TYPE_CHECKING:
     from gossiprec.core.topology import JobTopology
