@@ -203,22 +203,22 @@ def test_a_commit_that_keeps_the_previous_step_reports_both_to_the_election() ->
     rt._commit_snapshot(0)
     for _ in range(2):
         _backward(model, opt, cursor)
-        rt._snaps.settle()
-        rt._snaps.update_late(list(model.parameters()))
+        rt.snapshots.settle()
+        rt.snapshots.update_late(list(model.parameters()))
         opt.step()
         rt.commit()
     assert control.states == [(0, None), (1, None), (2, None)]
     _backward(model, opt, cursor)
-    rt._snaps.settle()
+    rt.snapshots.settle()
     opt.step()
     rt._follower.newest_view = 1  # a newer view is known when step 3 commits
     rt.commit()
-    assert control.states[-1] == (2, 3) and rt.step == 3 and rt._snaps.steps() == [2, 3]
-    rt._snaps.begin_recovery()
-    snap = rt._snaps.at(2)
+    assert control.states[-1] == (2, 3) and rt.step == 3 and rt.snapshots.steps() == [2, 3]
+    rt.snapshots.begin_recovery()
+    snap = rt.snapshots.at(2)
     assert snap is not None
-    rt._snaps.restore(snap)  # the plan resumes at 2: step 3 is gone, and the agent is told
-    assert control.states[-1] == (2, None) and rt._snaps.steps() == [2]
+    rt.snapshots.restore(snap)  # the plan resumes at 2: step 3 is gone, and the agent is told
+    assert control.states[-1] == (2, None) and rt.snapshots.steps() == [2]
     rt.close()
 
 

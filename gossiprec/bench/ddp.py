@@ -139,8 +139,8 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
         row: dict[str, Any] = {"times": lp["times"], "cpu": lp["cpu"], "digest": digest}
         rt = lp["rt"]
         if rt is not None:
-            rt._snaps.settle()
-            row["host_bytes"] = rt._snaps.host_bytes()
+            rt.snapshots.settle()
+            row["host_bytes"] = rt.snapshots.host_bytes()
             row["state_bytes"] = sum(p.nbytes * 3 for p in lp["model"].parameters())
             rt.close()
         report["loops"][name] = row

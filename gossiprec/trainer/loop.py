@@ -232,6 +232,11 @@ class ResilientTrainer:
                                   on_drop=on_drop)
 
     @property
+    def snapshots(self) -> Snapshots:
+        """The committed snapshots kept for recovery (the trainer owns them; read them, do not replace them)."""
+        return self._snaps
+
+    @property
     def snapshot_bytes(self) -> int:
         """Host memory the snapshots kept for recovery hold now (bytes; live tensors held are not counted)."""
         return self._snaps.host_bytes()
