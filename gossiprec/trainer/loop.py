@@ -214,7 +214,6 @@ class ResilientTrainer:
         copies = config.snapshot_copies if config.snapshot_copies is not None else 1
         self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=copies)
         self._snaps.hold_live = self.sharded is not None and copies == 1
-        self._gate = OptimizerGate(self)
         self._redo = RedoGuard()
         self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
@@ -226,6 +225,10 @@ class ResilientTrainer:
             control.path, self._closed, abort=self._abort,
             abort_older=self._abort_older,
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
+        self._gate = OptimizerGate(self, snapshots=self._snaps, follower=self._follower, announce=self._announce,
+                                   report=self._report, interrupted=self._interrupted,
+                                   poll=lambda epoch: self._follower.poll_status(self.control, epoch),
+                                   recovery_timeout=config.recovery_timeout)
         self._recovery = Recovery(self, job=self._job, follower=self._follower, snaps=self._snaps,
                                   checks=self._checks, peers=self._peers, closed=self._closed,
                                   report=self._report, commit=self._commit_snapshot, announce=self._announce,
