@@ -300,7 +300,7 @@ def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:
     assert plan.action == "shrink"
     trainer = SimpleNamespace(node="n0", sharded=SimpleNamespace(spec=MeshSpec((2, 2), ("dp", "tp"))))
     recovery = Recovery(trainer, job=None, follower=None, snaps=None, checks=None, peers=None,  # type: ignore[arg-type]
-                        closed=None, report=lambda s, p: None, commit=lambda s: None)  # type: ignore[arg-type]
+                        closed=None, link=SimpleNamespace(report=lambda s, p: None), commit=lambda s: None)  # type: ignore[arg-type]
     with pytest.raises(MeshShrinkRefused, match="fixed") as exc:
         recovery._apply_plan(plan, _Pending("test", 0.0))
     assert isinstance(exc.value, JobStopped)  # ends the process with the stopped exit code, no retry

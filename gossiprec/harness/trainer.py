@@ -141,7 +141,7 @@ def trainer_main(args: argparse.Namespace) -> int:
                     and rt.step % args.checkpoint_every == 0:
                 save_checkpoint(ckpt, rt.objects, rt.step)
             if args.verbose and rt.step % 10 == 0:
-                print(f"{rt.node} step {rt.step} at {time.monotonic():.3f} ({rt._step_ms} ms)", file=sys.stderr,
+                print(f"{rt.node} step {rt.step} at {time.monotonic():.3f} ({rt.step_ms} ms)", file=sys.stderr,
                       flush=True)
             left = args.step_ms / 1000.0 - (time.monotonic() - t0)
             if left > 0:

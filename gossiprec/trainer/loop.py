@@ -68,15 +68,14 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn, TypeVar
 
-from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
-from gossiprec.local.progress import ProgressPage
 from gossiprec.trainer.state.checks import ReplicaChecks
 from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.transfer.donor import DonorServer
+from gossiprec.trainer.agent_link import AgentLink
 from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
@@ -105,11 +104,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
-WAITING = "waiting"
-"""The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
-
 
 class ResilientTrainer:
     """Wraps one rank's training loop; see the module docstring for the calls and their contract.
@@ -160,7 +154,7 @@ class ResilientTrainer:
                                   f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
                                         slow_after=config.wait_report_after, on_slow=self._on_slow,
-                                        on_resume=self._on_resume, on_issue=self._entered)
+                                        on_resume=lambda: self._link.resumed(), on_issue=self._entered)
         else:
             check_objects(objects, config)
         if config.backend == "nccl":
@@ -194,18 +188,7 @@ class ResilientTrainer:
         self.mesh: Any = None
         """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
         self._step_t0 = time.monotonic()
-        self._step_ms = 0
-        self._at: tuple[int, str] = (-1, "idle")
-        """The (step, phase) last reported."""
-        self._resume_phase = "idle"
-        """The phase last reported other than ``waiting`` (what a slow collective's end reports again)."""
-        self._coll = 0
-        """Collectives entered in the reported step, on every group: this rank's position in the step,
-        which the agents compare across ranks to find the one the others wait for."""
         self._last_commit_at: float | None = None
-        self._page: ProgressPage | None = None
-        """The agent's progress page (:mod:`gossiprec.local.progress`): reports and state go there, without
-        a system call or a wake-up of the agent; None: they go through the control socket."""
         self._donor: DonorServer | None = None
         self._buckets: GradientBuckets | None = None
         self._closed = threading.Event()
@@ -225,19 +208,26 @@ class ResilientTrainer:
             control.path, self._closed, abort=self._abort,
             abort_older=self._abort_older,
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
+        # a failed socket only marks the agent lost: the loop's next look at the follower recovers
+        self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
         self._gate = OptimizerGate(self, snapshots=self._snaps, follower=self._follower, announce=self._announce,
-                                   report=self._report, interrupted=self._interrupted,
+                                   report=self._link.report, interrupted=self._interrupted,
                                    poll=lambda epoch: self._follower.poll_status(self.control, epoch),
                                    recovery_timeout=config.recovery_timeout)
         self._recovery = Recovery(self, job=self._job, follower=self._follower, snaps=self._snaps,
                                   checks=self._checks, peers=self._peers, closed=self._closed,
-                                  report=self._report, commit=self._commit_snapshot, announce=self._announce,
+                                  link=self._link, commit=self._commit_snapshot, announce=self._announce,
                                   on_drop=on_drop)
 
     @property
     def snapshots(self) -> Snapshots:
         """The committed snapshots kept for recovery (the trainer owns them; read them, do not replace them)."""
         return self._snaps
+
+    @property
+    def step_ms(self) -> int:
+        """The last step time reported to the agent (ms): the period between the last two commits."""
+        return self._link.step_ms
 
     @property
     def snapshot_bytes(self) -> int:
@@ -266,14 +256,7 @@ class ResilientTrainer:
                 "the cluster is keyed (its agent seals its traffic with a keyring) but this trainer has no "
                 "keyring, so its state transfers would be signed with a key anyone can compute: start it with "
                 "`gossiprec run` (it passes the keyring's path in GOSSIPREC_KEYRING), or pass key=")
-        if status.get("progress_page"):
-            try:
-                self._page = page = ProgressPage.open(str(status["progress_page"]))
-                # the agent hears of this process's death from the kernel, before its memory is torn down
-                log.debug("exit bell %s", "armed" if page.arm_bell() else "not armed (not the main thread, "
-                          "another trainer in this process holds it, or no robust mutexes here)")
-            except ConfigError as exc:
-                log.warning("progress goes through the control socket: %s", exc)
+        self._link.open_page(status)
         deadline = time.monotonic() + config.start_timeout
         view, me = self._admitted(status, deadline)
         self._peers.refresh()
@@ -332,7 +315,7 @@ class ResilientTrainer:
             else:
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
-            self._report(0, "idle")
+            self._link.report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
 
@@ -361,7 +344,7 @@ class ResilientTrainer:
         spares = {m.node for m in view.members if m.role == "spare"}
         if not spares or self.config.wait_for_spares <= 0:
             return
-        self._report(0, "idle")
+        self._link.report(0, "idle")
         deadline = time.monotonic() + self.config.wait_for_spares
         cold = spares
         while time.monotonic() < deadline:
@@ -384,8 +367,8 @@ class ResilientTrainer:
             self._recover("view change")
         while True:
             self._step_t0 = time.monotonic()
-            self._coll = 0  # (a step redone after a recovery starts its count again)
-            self._report(self.step + 1, "compute")
+            self._link.restart_count()  # (a step redone after a recovery starts its count again)
+            self._link.report(self.step + 1, "compute")
             try:
                 self._gate.begin_step()
                 break
@@ -429,7 +412,7 @@ class ResilientTrainer:
         import torch
 
         plist = [p for p in params if p.requires_grad]
-        self._report(self.step + 1, "communicate")
+        self._link.report(self.step + 1, "communicate")
         if self._buckets is not None:
             if exact != self._buckets.exact:
                 raise ConfigError(f"allreduce_gradients(exact={exact}) but overlap_gradients(exact="
@@ -464,7 +447,7 @@ class ResilientTrainer:
             self._snaps.update_late(plist)
         if self._checks.pending and not self._checks.run(self._check_collective, self.rank, self.world_size):
             return False
-        self._report(self.step + 1, "optimizer")
+        self._link.report(self.step + 1, "optimizer")
         self._hook(self.step + 1, "optimizer")
         return True
 
@@ -530,7 +513,7 @@ class ResilientTrainer:
         self._commit_snapshot(step, verify=self._checks.checks_commit(step))
         now = time.monotonic()
         if self._last_commit_at is not None:
-            self._step_ms = int((now - self._last_commit_at) * 1000)
+            self._link.step_ms = int((now - self._last_commit_at) * 1000)
         self._last_commit_at = now
         record = self._recovery.first_step()
         if record is not None:
@@ -550,12 +533,12 @@ class ResilientTrainer:
         The agents judge a rank in phase ``checkpoint`` hung only after ``checkpoint_timeout`` (600 s by
         default, ``[protocol]``), not max(1 s, 3 x step time). A view change meanwhile waits for the next step.
         """
-        self._report(self.step, "checkpoint")
+        self._link.report(self.step, "checkpoint")
         self._hook(self.step, "checkpoint")
         try:
             yield
         finally:
-            self._report(self.step, "idle")
+            self._link.report(self.step, "idle")
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
         """End of training: a last barrier (errors ignored), tell the agents the job is done (unused
@@ -565,7 +548,7 @@ class ResilientTrainer:
         ``exit_code``: end the process with ``os._exit`` (no interpreter teardown): a retired group
         hung in the graveyard would block in its destructor otherwise.
         """
-        self._report(self.step, "idle")
+        self._link.report(self.step, "idle")
         if barrier and self.groups is not None and self.groups.current is not None:
             try:
                 self.groups.current.barrier(timeout=self.config.finish_timeout)
@@ -604,9 +587,7 @@ class ResilientTrainer:
         self._closed.set()
         if self._donor is not None:
             self._donor.close(timeout=0.5)
-        page, self._page = self._page, None
-        if page is not None:
-            page.close()
+        self._link.close()
 
     # ------------------------------------------------------------------ what the calls share
     def _collective(self, tensor: torch.Tensor, op: str, hook: bool) -> bool:
@@ -622,9 +603,8 @@ class ResilientTrainer:
             step = self.step + 1
             if hook:
                 self._hook(step, "communicate")  # the collective is in flight
-            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
-            pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
-            self._on_resume()
+            pending.wait(slow_after=self.config.wait_report_after, on_slow=self._link.on_slow(step))
+            self._link.resumed()
             return True
         except CollectiveAborted as exc:
             self._recover(f"{exc.reason}: {exc}")
@@ -640,7 +620,7 @@ class ResilientTrainer:
 
     def _bucket_issued(self) -> None:
         """The first bucket of a step is on the wire (from a gradient hook, inside backward)."""
-        self._report(self.step + 1, "communicate")
+        self._link.report(self.step + 1, "communicate")
         self._hook(self.step + 1, "communicate")
 
     def _wait_buckets(self, plist: list[torch.Tensor]) -> bool:
@@ -653,9 +633,8 @@ class ResilientTrainer:
             if first[0]:
                 first[0] = False
                 self._snaps.copier.run_held()  # copies the thread has not begun, while the buckets are on the wire
-            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
-            pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
-            self._on_resume()
+            pending.wait(slow_after=self.config.wait_report_after, on_slow=self._link.on_slow(step))
+            self._link.resumed()
 
         try:
             if self._buckets.finish(plist, wait):
@@ -708,14 +687,7 @@ class ResilientTrainer:
             # one group a commit ahead of another: offer the step before too (it is still held), so the
             # election finds a step every group can serve instead of none.
             committed, inflight = step - 1, step
-        page = self._page
-        if page is not None:
-            page.set_state(committed, inflight, nbytes, port)
-            return
-        try:
-            self.control.set_state(committed, inflight, nbytes, port, wait=False)
-        except ControlError as exc:
-            self._follower.lost = str(exc)
+        self._link.set_state(committed, inflight, nbytes, port)
 
     def _serve(self, epoch: int, step: int) -> StateSnapshot | None:
         self._hook(step, "serve")
@@ -735,14 +707,9 @@ class ResilientTrainer:
 
     def _on_slow(self) -> None:
         """A managed collective waits on peers: say so (the agents tell this rank from a frozen one)."""
-        if WAITING in PHASES:
-            self._report(self.step + 1, WAITING)
-
-    def _on_resume(self) -> None:
-        """A slow collective completed: this rank no longer reads as waiting (a later stall must not)."""
-        step, phase = self._at
-        if phase == WAITING:
-            self._report(step, self._resume_phase)
+        on_slow = self._link.on_slow(self.step + 1)
+        if on_slow is not None:
+            on_slow()
 
     def _entered(self, guard: bool = True) -> None:
         """A collective is entered (on any group): the position the agents compare moves on (on the page
@@ -750,18 +717,11 @@ class ResilientTrainer:
         into backward)."""
         if guard and self._redo.watching:
             self._redo.check()
-        self._coll += 1
-        step, phase = self._at
-        if self.sharded is not None and phase == "compute" and step >= 0:
-            # In a sharded step any collective may be the step's last, after which this rank commits
-            # without another word: from the first one on it reads as communicating, so that its
-            # agent holds the state report of a view installed meanwhile until the commit (or the
-            # recovery), instead of reporting a step this rank is about to commit as in flight.
-            self._report(step, "communicate")
-            return
-        page = self._page
-        if page is not None and step >= 0:
-            page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
+        # In a sharded step any collective may be the step's last, after which this rank commits
+        # without another word: from the first one on it reads as communicating, so that its
+        # agent holds the state report of a view installed meanwhile until the commit (or the
+        # recovery), instead of reporting a step this rank is about to commit as in flight.
+        self._link.entered(communicating=self.sharded is not None)
 
     # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
     def prepare_rank(self, rank: int) -> None:
@@ -790,19 +750,3 @@ class ResilientTrainer:
     def _hook(self, step: int, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(step, phase)
-
-    def _report(self, step: int, phase: str) -> None:
-        if step != self._at[0]:
-            self._coll = 0  # the count is per step
-        self._at = (step, phase)
-        if phase != WAITING:
-            self._resume_phase = phase
-        page = self._page
-        if page is not None:
-            page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
-            return
-        try:
-            self.control.report(step, phase, self._step_ms, wait=False)
-        except ControlError as exc:
-            self._follower.lost = str(exc)
-

@@ -47,13 +47,13 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
-from gossiprec.local.protocol import ControlError
 from gossiprec.trainer.exits import JobFinished, JobStopped, MeshShrinkRefused, Released
 from gossiprec.trainer.transfer.fetch import fetch_state
 from gossiprec.trainer.collectives.groups import CollectiveAborted
 from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget
 
 if TYPE_CHECKING:
+    from gossiprec.trainer.agent_link import AgentLink
     from gossiprec.core.election import Plan, Transfer
     from gossiprec.local.client import ControlClient
     from gossiprec.trainer.state.checks import ReplicaChecks
@@ -172,14 +172,14 @@ class Trainer(Protocol):
 class Recovery:
     """Recovers ``trainer`` in place (see the module docstring), with the trainer's parts.
 
-    ``report(step, phase)`` tells the agent this rank's progress; ``commit(step)`` commits the objects as
+    ``link`` tells the agent this rank's progress and what it holds; ``commit(step)`` commits the objects as
     ``step`` (a snapshot this rank can donate, announced to the agent); ``announce(step, nbytes)`` tells
     the agent what this rank holds (0 bytes: nothing); ``closed`` is set when the trainer closes.
     """
 
     def __init__(self, trainer: Trainer, *, job: JobState, follower: Follower, snaps: Snapshots,
                  checks: ReplicaChecks, peers: Peers, closed: threading.Event,
-                 report: Callable[[int, str], None], commit: Callable[[int], None],
+                 link: AgentLink, commit: Callable[[int], None],
                  announce: Callable[[int, int], None] = lambda step, nbytes: None,
                  on_drop: Callable[[str], None] | None = None) -> None:
         self._t = trainer
@@ -189,7 +189,7 @@ class Recovery:
         self._checks = checks
         self._peers = peers
         self._closed = closed
-        self._report = report
+        self._link = link
         self._commit = commit
         self._announce = announce
         self._on_drop = on_drop
@@ -213,7 +213,7 @@ class Recovery:
         self._pending = pending
         self._snaps.settle()  # before anything (a fetch, a checkpoint load) writes into the live tensors
         self._snaps.begin_recovery()
-        self._report(t.step, "recovering")
+        self._link.report(t.step, "recovering")
         deadline = time.monotonic() + t.config.recovery_timeout
         while True:
             plan = self._wait_plan(spare, deadline, pending)
@@ -322,7 +322,7 @@ class Recovery:
         self._snaps.drop_all()
         t.role, t.rank, t.world_size, t.step = "spare", -1, 0, 0
         self._job.world_size = 0
-        self._report(0, "idle")
+        self._link.report(0, "idle")
         self._announce(0, 0)
         if self._on_drop is not None:
             self._on_drop(why)
@@ -382,16 +382,13 @@ class Recovery:
         # A new (step, phase) restarts the agents' stall clock for this rank: every rank sat at
         # (target, recovering) during the recovery, and the first to start the next step would
         # otherwise make the others look hung at once (their value unchanged for the whole recovery).
-        self._report(target, "idle")
+        self._link.report(target, "idle")
         pending.fields["group_at"] = time.monotonic()
         t.epoch, t.rank, t.world_size, t.role = epoch, my_rank, world, "trainer"
         t.step = target
         if not mine and action != "checkpoint":
-            try:
-                snap = self._snaps.at(target)
-                t.control.set_state(target, None, snap.header.total_nbytes if snap else 0, None, wait=False)
-            except ControlError:
-                pass
+            snap = self._snaps.at(target)
+            self._link.set_state(target, None, snap.header.total_nbytes if snap else 0, None, quiet=True)
         old_world = self._job.world_size
         pending.fields["previous_world_size"] = old_world
         if old_world and old_world != world and t.on_resize is not None:
@@ -427,7 +424,7 @@ class Recovery:
         plan's transfers to this node), or reloaded from this rank's own snapshot."""
         t = self._t
         pending.fields.update(target_step=target, lost_steps=max(0, t.step - target) if t.role == "trainer" else 0)
-        self._report(target, "recovering")
+        self._link.report(target, "recovering")
         nbytes, xfer_s = 0, 0.0
         if mine:
             pending.fields["role"] = "receiver"
