@@ -150,6 +150,7 @@ def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[
 
     from gossiprec.local.progress import ProgressPage, page_path_for
     from gossiprec.trainer.agent_link import AgentLink
+    from gossiprec.trainer.identity import RankIdentity
     from gossiprec.trainer.loop import ResilientTrainer
     from gossiprec.trainer.redo import RedoGuard
 
@@ -160,7 +161,8 @@ def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[
             rt = object.__new__(ResilientTrainer)
             rt._link = AgentLink(None, on_lost=print)  # type: ignore[arg-type]
             rt._link._page, rt._link.step_ms = page, 100
-            rt.step, rt.sharded = 4, (object() if sharded else None)
+            rt.install(RankIdentity(step=4))
+            rt.sharded = object() if sharded else None
             rt._redo = RedoGuard()  # unarmed: no recovery happened, so no step is being redone
 
             def seen() -> tuple[int, int, str]:

@@ -497,7 +497,7 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
     phases: list[tuple[int, str]] = []
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=control,  # type: ignore[arg-type]
                           on_phase=lambda step, phase: phases.append((step, phase)))
-    rt.step = 7
+    rt.install(rt.identity.but(step=7))
     with pytest.raises(OSError):
         with rt.checkpointing():
             assert control.reports == [(7, "checkpoint")]

@@ -91,7 +91,8 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
             config = TrainerConfig(stateless_data=True, snapshot_copies=args["copies"], verify_replicas=False)
             rt = ResilientTrainer({"model": model, "optimizer": opt}, config, control=_StubControl(),  # type: ignore[arg-type]
                                   key=bytes(32))
-            rt.groups, rt.rank, rt.world_size, rt.epoch = groups, rank, 2, 0
+            rt.groups = groups
+            rt.install(rt.identity.but(rank=rank, world_size=2, epoch=0))
             rt._commit_snapshot(0)
             if name.startswith("buckets"):
                 rt.overlap_gradients(model.parameters(), bucket_mb=25.0)

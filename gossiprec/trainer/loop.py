@@ -76,6 +76,7 @@ from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.transfer.donor import DonorServer
 from gossiprec.trainer.agent_link import AgentLink
+from gossiprec.trainer.identity import RankIdentity
 from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
@@ -177,12 +178,7 @@ class ResilientTrainer:
             assert settings is not None
             key = settings.transfer_keys()
         self.keys: TransferKeys = key if isinstance(key, TransferKeys) else TransferKeys.fixed(key)
-        self.rank: int = -1
-        self.world_size: int = 0
-        self.epoch: int = -1
-        self.step: int = 0
-        """The last committed step (0: the initial state)."""
-        self.role = "trainer"
+        self._identity = RankIdentity()
         self.records: list[RecoveryRecord] = []
         self.groups: EpochGroups | None = None
         self.mesh: Any = None
@@ -218,6 +214,36 @@ class ResilientTrainer:
                                   checks=self._checks, peers=self._peers, closed=self._closed,
                                   link=self._link, commit=self._commit_snapshot, announce=self._announce,
                                   on_drop=on_drop)
+
+    @property
+    def identity(self) -> RankIdentity:
+        """Who this rank is now (epoch, rank, world size, role, last committed step)."""
+        return self._identity
+
+    def install(self, identity: RankIdentity) -> None:
+        """Make ``identity`` this rank's: the one place it changes (the start, commits, recoveries)."""
+        self._identity = identity
+
+    @property
+    def epoch(self) -> int:
+        return self._identity.epoch
+
+    @property
+    def rank(self) -> int:
+        return self._identity.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._identity.world_size
+
+    @property
+    def role(self) -> str:
+        return self._identity.role
+
+    @property
+    def step(self) -> int:
+        """The last committed step (0: the initial state)."""
+        return self._identity.step
 
     @property
     def snapshots(self) -> Snapshots:
@@ -267,7 +293,7 @@ class ResilientTrainer:
         self._donor = DonorServer(self._serve, self.keys, bind, my_port + config.donor_offset).start()
         self._follower.newest_view = view.epoch
         self._follower.start()
-        self.role = me.role
+        self.install(self.identity.but(role=me.role))
         if view.stopped:
             raise JobStopped(f"the job stopped in view {view.epoch} ({view.stopped})")
         if self.sharded is not None:
@@ -275,7 +301,7 @@ class ResilientTrainer:
             self.sharded.host, self.sharded.keys = bind, self.keys  # its groups bind and seal as the trainer's
         if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
             self.prepare_rank(me.rank)
-            self.rank, self.world_size, self.epoch = me.rank, view.world_size, 0
+            self.install(self.identity.but(rank=me.rank, world_size=view.world_size, epoch=0))
             self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
             self._job.world_size = self.world_size
             self._commit_snapshot(0)
@@ -304,7 +330,7 @@ class ResilientTrainer:
         else:
             # No group yet: this process still has to apply the current view's plan. A spare whose trainer
             # comes up after the view that promoted it must take that plan, not wait for a newer one.
-            self.epoch = view.epoch - 1
+            self.install(self.identity.but(epoch=view.epoch - 1))
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
             if self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan may
@@ -669,7 +695,7 @@ class ResilientTrainer:
         snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
         if verify:
             self._checks.committed(step, snap)
-        self.step = step
+        self.install(self.identity.but(step=step))
         self._gate.committed(step)
         older = self._snaps.kept_previous()
         if older is not None:  # both servable: the election picks the newest every replica group holds

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
+from gossiprec.trainer.identity import RankIdentity
 from gossiprec.trainer.exits import JobFinished, JobStopped, MeshShrinkRefused, Released
 from gossiprec.trainer.transfer.fetch import fetch_state
 from gossiprec.trainer.collectives.groups import CollectiveAborted
@@ -154,15 +155,24 @@ class Trainer(Protocol):
     keys: TransferKeys
     control: ControlClient
     groups: EpochGroups | None
-    epoch: int
-    rank: int
-    world_size: int
-    role: str
-    step: int
+    @property
+    def identity(self) -> RankIdentity: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def step(self) -> int: ...
     on_resize: Callable[[int, int], None] | None
     on_no_replica: Callable[[NoReplica], int] | None
     on_phase: Callable[[int, str], None] | None
     sharded: ShardedWorld | None
+
+    def install(self, identity: RankIdentity) -> None: ...
 
     def prepare_rank(self, rank: int) -> None: ...
 
@@ -235,7 +245,7 @@ class Recovery:
                             plan.epoch, exc)
                 pending.attempts.append((plan.epoch, int(pending.fields.get("target_step", -1)),
                                          f"{type(exc).__name__}: {exc}"[:300]))
-                t.epoch = max(t.epoch, plan.epoch)
+                t.install(t.identity.but(epoch=max(t.epoch, plan.epoch)))
                 if plan.store_node is not None:
                     self._peers.forget(plan.store_node)  # a client of a store host that died is no use again
                 deadline = time.monotonic() + t.config.recovery_timeout
@@ -320,7 +330,7 @@ class Recovery:
         if t.groups is not None:
             t.groups.retire(why)
         self._snaps.drop_all()
-        t.role, t.rank, t.world_size, t.step = "spare", -1, 0, 0
+        t.install(RankIdentity(epoch=t.epoch, role="spare"))
         self._job.world_size = 0
         self._link.report(0, "idle")
         self._announce(0, 0)
@@ -338,7 +348,7 @@ class Recovery:
         if my_rank is None:
             if any(x.donor_node == t.node for x in plan.transfers):
                 self._closed.wait(t.config.linger)  # released: serve the receivers for a while
-            t.epoch = epoch
+            t.install(t.identity.but(epoch=epoch))
             if t.role == "trainer" and t.node in plan.released:
                 raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.reason}); "
                                "leave the job (exit 0): the others go on without it")
@@ -384,8 +394,7 @@ class Recovery:
         # otherwise make the others look hung at once (their value unchanged for the whole recovery).
         self._link.report(target, "idle")
         pending.fields["group_at"] = time.monotonic()
-        t.epoch, t.rank, t.world_size, t.role = epoch, my_rank, world, "trainer"
-        t.step = target
+        t.install(RankIdentity(epoch=epoch, rank=my_rank, world_size=world, role="trainer", step=target))
         if not mine and action != "checkpoint":
             snap = self._snaps.at(target)
             self._link.set_state(target, None, snap.header.total_nbytes if snap else 0, None, quiet=True)
