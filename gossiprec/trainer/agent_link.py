@@ -14,12 +14,13 @@ the committed step it could serve (and a newer one held in flight), its size and
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError
 from gossiprec.local.progress import ProgressPage
-from gossiprec.local.protocol import ControlError
+from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
 
 if TYPE_CHECKING:
     from gossiprec.local.client import ControlClient
@@ -63,6 +64,51 @@ class AgentLink:
                       "another trainer in this process holds it, or no robust mutexes here)")
         except ConfigError as exc:
             log.warning("progress goes through the control socket: %s", exc)
+
+    def admitted(self, status: Mapping[str, Any], deadline: float, *,
+                 start_timeout: float) -> tuple[ViewBrief, MemberBrief]:
+        """The agent's view and this node in it, once the agent is admitted (from ``status``, then polled
+        until ``deadline``; ``start_timeout`` is named in the error)."""
+        node = str(self.control.node)
+        said = False
+        while True:
+            view = ViewBrief.from_wire(status["view"]) if status.get("view") else None
+            me = view.member(node) if view is not None else None
+            if view is not None and me is not None:
+                return view, me
+            if time.monotonic() >= deadline:
+                where = f"it holds view {view.epoch} without this node" if view is not None else "it has no view"
+                raise ConfigError(f"node {node}'s agent was not admitted to the job within "
+                                  f"{start_timeout:.0f} s ({where}): check its --seeds and --job, and "
+                                  "that the job's agents are up")
+            if not said:
+                log.info("waiting for node %s's agent to be admitted to the job (%s)", node,
+                         "no view yet" if view is None else f"view {view.epoch} does not hold it yet")
+                said = True
+            time.sleep(0.2)
+            status = self.control.status()
+
+    def wait_for_spares(self, view: ViewBrief, wait: float, trouble: Callable[[], bool]) -> None:
+        """Up to ``wait`` seconds, until every spare of ``view`` has reported (is warm); ``trouble()``: the
+        rank must recover first (stop waiting)."""
+        spares = {m.node for m in view.members if m.role == "spare"}
+        if not spares or wait <= 0:
+            return
+        self.report(0, "idle")
+        deadline = time.monotonic() + wait
+        cold = spares
+        while time.monotonic() < deadline:
+            try:
+                rows = self.control.members()
+            except ControlError:
+                return
+            cold = spares - {str(r["name"]) for r in rows if int(r.get("step", -1) or 0) >= 0
+                             and r.get("phase") is not None}
+            if not cold or trouble():
+                return
+            time.sleep(0.05)
+        log.warning("spares %s not up after %.0f s (wait_for_spares): training starts without them",
+                    sorted(cold), wait)
 
     def report(self, step: int, phase: str) -> None:
         """Progress: ``step`` in ``phase`` (the collective count starts again with a new step)."""

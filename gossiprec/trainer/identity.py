@@ -8,7 +8,9 @@ thread, a report) sees a rank of one epoch with the world size of another.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, NoReturn, TypeVar, overload
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +31,23 @@ class RankIdentity:
         changes: dict[str, Any] = {k: v for k, v in (("epoch", epoch), ("rank", rank), ("world_size", world_size),
                                      ("role", role), ("step", step)) if v is not None}
         return replace(self, **changes)
+
+
+class IdentityField(Generic[_T]):
+    """A read-only attribute of the holder of a ``_identity`` (a :class:`RankIdentity`): the field of
+    the same name. Assigning it raises; the holder installs a new identity instead."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> IdentityField[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> _T: ...
+    def __get__(self, obj: object, owner: type) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj._identity, self._name)  # type: ignore[attr-defined]
+
+    def __set__(self, obj: object, value: NoReturn) -> None:
+        raise AttributeError(f"{self._name} is read-only: install() a new RankIdentity")

@@ -70,13 +70,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, No
 
 from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
-from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
+from gossiprec.local.protocol import ControlError
 from gossiprec.trainer.state.checks import ReplicaChecks
-from gossiprec.trainer.collectives.buckets import rank_ordered_mean
+from gossiprec.trainer.collectives.buckets import allreduce_flat
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.transfer.donor import DonorServer
 from gossiprec.trainer.agent_link import AgentLink
-from gossiprec.trainer.identity import RankIdentity
+from gossiprec.trainer.identity import IdentityField, RankIdentity
 from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
@@ -92,7 +92,7 @@ from gossiprec.trainer.recovery import (
     NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
 )
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
-from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
+from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld, check_sharded_args
 from gossiprec.trainer.state.snapshots import Snapshots
 from gossiprec.trainer.steps import StepResult
 
@@ -133,6 +133,13 @@ class ResilientTrainer:
     is part of the recovery record's). :attr:`records`: the :class:`RecoveryRecord` of each recovery.
     """
 
+    epoch: IdentityField[int] = IdentityField()
+    rank: IdentityField[int] = IdentityField()
+    world_size: IdentityField[int] = IdentityField()
+    role: IdentityField[str] = IdentityField()
+    step: IdentityField[int] = IdentityField()
+    """The last committed step (0: the initial state)."""
+
     def __init__(self, objects: Mapping[str, Stateful] | None, config: TrainerConfig | None = None, *,
                  settings: TrainerSettings | None = None, control: ControlClient | None = None,
                  key: bytes | TransferKeys | None = None,
@@ -147,12 +154,8 @@ class ResilientTrainer:
             raise ConfigError(f"config must be a TrainerConfig, got {type(config).__name__}")
         self.sharded: ShardedWorld | None = None
         if mesh is not None or build is not None:
-            if not isinstance(mesh, MeshSpec) or build is None or objects is not None:
-                raise ConfigError("a sharded job passes mesh=MeshSpec(...) and build=callable(mesh) -> objects, and "
-                                  "objects=None (the objects are built once the mesh exists)")
-            if config.backend != mesh.backend:
-                raise ConfigError(f"a mesh on {mesh.device!r} runs on {mesh.backend}: pass TrainerConfig(backend="
-                                  f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
+            mesh = check_sharded_args(mesh, build, objects, config.backend)
+            assert build is not None
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
                                         slow_after=config.wait_report_after, on_slow=self._on_slow,
                                         on_resume=lambda: self._link.resumed(), on_issue=self._entered)
@@ -225,27 +228,6 @@ class ResilientTrainer:
         self._identity = identity
 
     @property
-    def epoch(self) -> int:
-        return self._identity.epoch
-
-    @property
-    def rank(self) -> int:
-        return self._identity.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._identity.world_size
-
-    @property
-    def role(self) -> str:
-        return self._identity.role
-
-    @property
-    def step(self) -> int:
-        """The last committed step (0: the initial state)."""
-        return self._identity.step
-
-    @property
     def snapshots(self) -> Snapshots:
         """The committed snapshots kept for recovery (the trainer owns them; read them, do not replace them)."""
         return self._snaps
@@ -284,7 +266,7 @@ class ResilientTrainer:
                 "`gossiprec run` (it passes the keyring's path in GOSSIPREC_KEYRING), or pass key=")
         self._link.open_page(status)
         deadline = time.monotonic() + config.start_timeout
-        view, me = self._admitted(status, deadline)
+        view, me = self._link.admitted(status, deadline, start_timeout=config.start_timeout)
         self._peers.refresh()
         host, my_port = self._peers.agent_of(self.node)
         bind = config.bind_host or host
@@ -326,7 +308,7 @@ class ResilientTrainer:
                 self._recover(f"epoch 0 group failed: {exc}")
             else:
                 self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
-                self._wait_for_spares(view)
+                self._link.wait_for_spares(view, config.wait_for_spares, lambda: self._follower.trouble(self.epoch))
         else:
             # No group yet: this process still has to apply the current view's plan. A spare whose trainer
             # comes up after the view that promoted it must take that plan, not wait for a newer one.
@@ -344,47 +326,6 @@ class ResilientTrainer:
             self._link.report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
-
-    def _admitted(self, status: dict[str, object], deadline: float) -> tuple[ViewBrief, MemberBrief]:
-        """The agent's view and this node in it, once the agent is admitted (polls until ``deadline``)."""
-        said = False
-        while True:
-            view = ViewBrief.from_wire(status["view"]) if status.get("view") else None
-            me = view.member(self.node) if view is not None else None
-            if view is not None and me is not None:
-                return view, me
-            if time.monotonic() >= deadline:
-                where = f"it holds view {view.epoch} without this node" if view is not None else "it has no view"
-                raise ConfigError(f"node {self.node}'s agent was not admitted to the job within "
-                                  f"{self.config.start_timeout:.0f} s ({where}): check its --seeds and --job, and "
-                                  "that the job's agents are up")
-            if not said:
-                log.info("waiting for node %s's agent to be admitted to the job (%s)", self.node,
-                         "no view yet" if view is None else f"view {view.epoch} does not hold it yet")
-                said = True
-            time.sleep(0.2)
-            status = self.control.status()
-
-    def _wait_for_spares(self, view: ViewBrief) -> None:
-        """Up to ``wait_for_spares`` seconds, until every spare of ``view`` has reported (is warm)."""
-        spares = {m.node for m in view.members if m.role == "spare"}
-        if not spares or self.config.wait_for_spares <= 0:
-            return
-        self._link.report(0, "idle")
-        deadline = time.monotonic() + self.config.wait_for_spares
-        cold = spares
-        while time.monotonic() < deadline:
-            try:
-                rows = self.control.members()
-            except ControlError:
-                return
-            cold = spares - {str(r["name"]) for r in rows if int(r.get("step", -1) or 0) >= 0
-                             and r.get("phase") is not None}
-            if not cold or self._follower.trouble(self.epoch):
-                return
-            time.sleep(0.05)
-        log.warning("spares %s not up after %.0f s (wait_for_spares): training starts without them",
-                    sorted(cold), self.config.wait_for_spares)
 
     # ------------------------------------------------------------------ the loop's calls
     def begin_step(self) -> int:
@@ -432,11 +373,9 @@ class ResilientTrainer:
         must start the step again (``continue``). A parameter without a gradient counts as zero.
         ``exact``: reduce in rank order (each rank's gradients travel in their own row of a
         ``world_size`` x n buffer, then rows are added 0, 1, 2, ...): the result no longer depends on
-        the collective's algorithm, so it is reproducible bit for bit (see :func:`rank_ordered_mean`),
-        at ``world_size`` times the bytes.
+        the collective's algorithm, so it is reproducible bit for bit (see
+        :func:`~gossiprec.trainer.collectives.buckets.rank_ordered_mean`), at ``world_size`` times the bytes.
         """
-        import torch
-
         plist = [p for p in params if p.requires_grad]
         self._link.report(self.step + 1, "communicate")
         if self._buckets is not None:
@@ -446,25 +385,8 @@ class ResilientTrainer:
             if not self._wait_buckets(plist):
                 return False
             return self._after_allreduce(plist)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plist]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # a fresh buffer: an aborted one may be written later
-        if exact:
-            rows = flat.new_zeros((self.world_size, flat.numel()))
-            rows[self.rank] = flat
-            if not self.allreduce(rows, "sum"):
-                return False
-            flat = rank_ordered_mean(list(rows.unbind(0)))
-        elif not self.allreduce(flat, "avg"):
+        if not allreduce_flat(plist, self.allreduce, self.rank, self.world_size, exact=exact):
             return False
-        offset = 0
-        for p, g in zip(plist, grads, strict=True):
-            n = g.numel()
-            chunk = flat[offset:offset + n].view_as(g)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += n
         return self._after_allreduce(plist)
 
     def _after_allreduce(self, plist: list[torch.Tensor]) -> bool:

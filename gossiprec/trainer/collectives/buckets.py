@@ -52,6 +52,36 @@ def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
     return total.div_(len(rows))
 
 
+def allreduce_flat(plist: list[torch.Tensor], allreduce: Callable[[torch.Tensor, str], bool], rank: int,
+                   world_size: int, *, exact: bool) -> bool:
+    """Average the gradients of ``plist`` with one flat all-reduce (``allreduce(tensor, op)``; False when
+    it was interrupted, and then nothing is written back). A parameter without a gradient counts as
+    zero; ``exact``: each rank's gradients in their own row, added in rank order
+    (:func:`rank_ordered_mean`)."""
+    import torch
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plist]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # a fresh buffer: an aborted one may be written later
+    if exact:
+        rows = flat.new_zeros((world_size, flat.numel()))
+        rows[rank] = flat
+        if not allreduce(rows, "sum"):
+            return False
+        flat = rank_ordered_mean(list(rows.unbind(0)))
+    elif not allreduce(flat, "avg"):
+        return False
+    offset = 0
+    for p, g in zip(plist, grads, strict=True):
+        n = g.numel()
+        chunk = flat[offset:offset + n].view_as(g)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n
+    return True
+
+
 class GradientBuckets:
     """The buckets of ``params`` (trainable parameters, in the model's order) and their hooks.
 

@@ -113,6 +113,18 @@ class MeshSpec:
                 f"(MeshSpec.job_toml()):\n{self.job_toml() if _grid_ok(self) else '(no grid expresses it)'}")
 
 
+def check_sharded_args(mesh: object, build: object, objects: object, backend: str) -> MeshSpec:
+    """The trainer's ``mesh``, once its arguments make a sharded job: ``mesh`` a :class:`MeshSpec`, a
+    ``build``, no ``objects``, and the mesh's ``backend``; ConfigError otherwise."""
+    if not isinstance(mesh, MeshSpec) or build is None or objects is not None:
+        raise ConfigError("a sharded job passes mesh=MeshSpec(...) and build=callable(mesh) -> objects, and "
+                          "objects=None (the objects are built once the mesh exists)")
+    if backend != mesh.backend:
+        raise ConfigError(f"a mesh on {mesh.device!r} runs on {mesh.backend}: pass TrainerConfig(backend="
+                          f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
+    return mesh
+
+
 def _grid_ok(spec: MeshSpec) -> bool:
     try:
         spec.job_toml()
