@@ -12,7 +12,11 @@ Map of the package:
 - :mod:`.recovery`: recovery in place: wait for the agreed plan, move the state it names, build the new group.
 - :mod:`.gate`: the optimizer steps of one training step, all or none.
 - :mod:`.redo`: the guard that a step redone after a recovery starts from clean gradients.
-- :mod:`.follower`, :mod:`.peers`, :mod:`.steps`: how a rank follows and talks to its agent.
+- :mod:`.identity`: who the rank is now (epoch, rank, world size, role, step), one frozen value.
+- :mod:`.agent_link`: how the rank talks to its agent (progress page or control socket).
+- :mod:`.follower`: what the agent says (its event stream: views, plans, fences, the end of the job).
+- :mod:`.peers`: where the other members' stores and donors listen.
+- :mod:`.steps`: what a step of :meth:`ResilientTrainer.run_step` returns.
 - :mod:`.exits`: the clean ends and the exit code of each outcome.
 - :mod:`.config`, :mod:`.settings`, :mod:`.keys`, :mod:`.objects`: configuration, the environment, the
   transfer keys, and the registered objects.
@@ -32,6 +36,7 @@ from gossiprec.trainer.exits import (
     EXIT_FINISHED, EXIT_NOT_NEEDED, EXIT_STOPPED, JobFinished, JobStopped, MeshShrinkRefused, Released, TrainingEnded,
     exit_code,
 )
+from gossiprec.trainer.identity import RankIdentity
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.loop import ResilientTrainer
 from gossiprec.trainer.objects import Stateful, training_state
@@ -48,7 +53,7 @@ from gossiprec.trainer.transfer.fetch import fetch_state
 __all__ = [
     # the loop and its configuration
     "ResilientTrainer", "TrainerConfig", "TrainerSettings", "TransferKeys", "MeshSpec", "StepResult",
-    "RecoveryRecord", "NoReplica", "transfer_key",
+    "RankIdentity", "RecoveryRecord", "NoReplica", "transfer_key",
     # the state a rank registers
     "Stateful", "training_state", "RNGState",
     # how training ends, and the errors a script may catch
