@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.buckets import GradientBuckets
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroup, EpochGroups, connect_store, start_store_server
-from gossiprec.trainer.buckets import rank_ordered_mean
+from gossiprec.trainer.collectives.buckets import GradientBuckets
+from gossiprec.trainer.collectives.groups import (
+    CollectiveAborted, EpochGroup, EpochGroups, connect_store, start_store_server,
+)
+from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 
 HOST = "127.0.0.1"
 

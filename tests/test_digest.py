@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from gossiprec.trainer.capture import capture_state
-from gossiprec.trainer.digest import (
+from gossiprec.trainer.state.capture import capture_state
+from gossiprec.trainer.state.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
     tree_entries,
 )
@@ -117,8 +117,8 @@ class _World:
 def _run_checks(objects_per_rank: list[dict], groups: tuple[tuple[int, ...], ...]) -> list[BaseException | None]:
     import threading
 
-    from gossiprec.trainer.checks import ReplicaChecks
-    from gossiprec.trainer.snapshots import Snapshots
+    from gossiprec.trainer.state.checks import ReplicaChecks
+    from gossiprec.trainer.state.snapshots import Snapshots
 
     world = _World(len(objects_per_rank))
     out: list[BaseException | None] = [None] * world.n

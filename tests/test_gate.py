@@ -15,7 +15,8 @@ from gossiprec.trainer.gate import OptimizerGate
 
 
 def _gate(optimizers: int) -> OptimizerGate:
-    gate = OptimizerGate(SimpleNamespace())  # type: ignore[arg-type]
+    gate = OptimizerGate(SimpleNamespace(), snapshots=None, follower=None,  # type: ignore[arg-type]
+                         announce=print, report=print, interrupted=bool, poll=print, recovery_timeout=1.0)
     gate.optimizers = optimizers
     return gate
 

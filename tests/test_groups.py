@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gossiprec.errors import ConfigError, RecoveryError
-from gossiprec.trainer.groups import (
+from gossiprec.trainer.collectives.groups import (
     Alarm,
     CollectiveAborted,
     EpochGroups,
@@ -400,7 +400,7 @@ class Cluster:
     def __init__(self, mode: str) -> None:
         self.store, self.port = start_store_server(HOST, timeout=30)
         ctx = mp.get_context("forkserver")  # imports torch once, then forks each rank in ms
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "gossiprec.trainer.groups"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "gossiprec.trainer.collectives.groups"])
         roles = [(0, "survivor"), (1, "survivor"), (2, "victim"), (2, "spare")]
         self.procs = {role if role != "survivor" else f"r{rank}":
                       ctx.Process(target=_worker, args=(self.port, rank, role, mode), daemon=True)

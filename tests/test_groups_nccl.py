@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 from gossiprec.errors import ConfigError  # noqa: E402
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, start_store_server  # noqa: E402
+from gossiprec.trainer.collectives.groups import CollectiveAborted, EpochGroups, start_store_server  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def test_default_async_error_handling_is_refused(monkeypatch: pytest.MonkeyPatch
 
 def _two_rank_worker(rank: int, port: int, out: object) -> None:
     os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-    from gossiprec.trainer.groups import EpochGroups, connect_store, start_store_server
+    from gossiprec.trainer.collectives.groups import EpochGroups, connect_store, start_store_server
 
     store = start_store_server("127.0.0.1", port)[0] if rank == 0 else connect_store("127.0.0.1", port)
     groups = EpochGroups(store, backend="nccl", timeout=60.0, device=rank)

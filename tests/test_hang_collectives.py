@@ -149,6 +149,8 @@ def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[
     import tempfile
 
     from gossiprec.local.progress import ProgressPage, page_path_for
+    from gossiprec.trainer.agent_link import AgentLink
+    from gossiprec.trainer.identity import RankIdentity
     from gossiprec.trainer.loop import ResilientTrainer
     from gossiprec.trainer.redo import RedoGuard
 
@@ -157,8 +159,10 @@ def _reporting_trainer(sharded: bool) -> Iterator[tuple[Any, Callable[[], tuple[
         path = page_path_for(f"{d}/a.sock")
         with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as page:
             rt = object.__new__(ResilientTrainer)
-            rt._page, rt._step_ms, rt._at, rt._resume_phase, rt._coll = page, 100, (-1, "idle"), "idle", 0
-            rt.step, rt.sharded = 4, (object() if sharded else None)
+            rt._link = AgentLink(None, on_lost=print)  # type: ignore[arg-type]
+            rt._link._page, rt._link.step_ms = page, 100
+            rt.install(RankIdentity(step=4))
+            rt.sharded = object() if sharded else None
             rt._redo = RedoGuard()  # unarmed: no recovery happened, so no step is being redone
 
             def seen() -> tuple[int, int, str]:
@@ -177,20 +181,20 @@ def test_the_trainer_counts_collectives_per_step_and_stops_waiting_when_one_comp
     in the step, outside any collective, must not read as waiting)."""
     with _reporting_trainer(sharded=False) as (rt, seen):
         rt._entered()  # before any report: counted, nothing written
-        rt._report(5, "compute")
+        rt._link.report(5, "compute")
         assert seen() == (5, 0, "compute")  # a new step: the count starts again
         rt._entered()
         rt._entered()
         assert seen() == (5, 2, "compute")
         rt._on_slow()
         assert seen() == (5, 2, "waiting")
-        rt._on_resume()
+        rt._link.resumed()
         assert seen() == (5, 2, "compute")
-        rt._on_resume()  # (not waiting: nothing changes)
+        rt._link.resumed()  # (not waiting: nothing changes)
         assert seen() == (5, 2, "compute")
-        rt._report(5, "optimizer")
+        rt._link.report(5, "optimizer")
         assert seen() == (5, 2, "optimizer")  # the same step keeps its count
-        rt._report(6, "compute")
+        rt._link.report(6, "compute")
         assert seen() == (6, 0, "compute")
 
 
@@ -202,13 +206,13 @@ def test_a_sharded_rank_reads_as_communicating_from_its_first_collective_on() ->
     from gossiprec.core.aggregate import FINISHING
 
     with _reporting_trainer(sharded=True) as (rt, seen):
-        rt._report(5, "compute")
+        rt._link.report(5, "compute")
         assert seen() == (5, 0, "compute") and PHASES.index("compute") not in FINISHING
         rt._entered()
         assert seen() == (5, 1, "communicate") and PHASES.index("communicate") in FINISHING
         rt._entered()
         rt._on_slow()
-        rt._on_resume()  # a slow collective's end goes back to communicating, not to compute
+        rt._link.resumed()  # a slow collective's end goes back to communicating, not to compute
         assert seen() == (5, 2, "communicate")
-        rt._report(6, "compute")
+        rt._link.report(6, "compute")
         assert seen() == (6, 0, "compute")

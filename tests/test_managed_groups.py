@@ -102,8 +102,8 @@ def _worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from gossiprec.trainer.groups import connect_store
-    from gossiprec.trainer.managed import init_managed_world, mesh_topology
+    from gossiprec.trainer.collectives.groups import connect_store
+    from gossiprec.trainer.collectives.managed import init_managed_world, mesh_topology
 
     rank, mode, role, out = cfg["rank"], cfg["mode"], cfg["role"], Path(cfg["out"])
     store = connect_store("127.0.0.1", cfg["port"], timeout=60)
@@ -163,7 +163,7 @@ def _stop_worker(cfg: dict[str, Any], world: Any, store: Any, control: Any, mesh
     """Blocked collectives on a SIGSTOPped peer return after an abort from another thread."""
     import torch.distributed as dist
 
-    from gossiprec.trainer.groups import CollectiveAborted
+    from gossiprec.trainer.collectives.groups import CollectiveAborted
 
     rank, role = cfg["rank"], cfg["role"]
     results: dict[str, Any] = {"rank": rank, "role": role}
@@ -290,7 +290,7 @@ class _Proc:
 
 @pytest.fixture
 def job(tmp_path: Path) -> Any:
-    from gossiprec.trainer.groups import start_store_server
+    from gossiprec.trainer.collectives.groups import start_store_server
 
     store, port = start_store_server("127.0.0.1")
     procs: list[_Proc] = []
@@ -401,8 +401,8 @@ def test_standalone_group_changes_rank_and_size_per_epoch_and_aborts_promptly() 
     import torch.distributed as dist
 
     from gossiprec.errors import ConfigError
-    from gossiprec.trainer.groups import CollectiveAborted
-    from gossiprec.trainer.managed import ManagedGroup
+    from gossiprec.trainer.collectives.groups import CollectiveAborted
+    from gossiprec.trainer.collectives.managed import ManagedGroup
 
     store = dist.HashStore()
     a, b = ManagedGroup.standalone("user"), ManagedGroup.standalone("user")
@@ -445,7 +445,7 @@ def test_mesh_topology_takes_replica_groups_from_the_replicate_dimension() -> No
 
     from gossiprec.core.topology import JobTopology
     from gossiprec.errors import ConfigError
-    from gossiprec.trainer.managed import mesh_topology
+    from gossiprec.trainer.collectives.managed import mesh_topology
 
     hsdp = SimpleNamespace(mesh=torch.arange(4).reshape(2, 2), mesh_dim_names=("replicate", "shard"))
     assert mesh_topology(hsdp, "replicate") == JobTopology.grid(2, 2)

@@ -38,7 +38,7 @@ def _in_threads(*fns: Callable[[], Any]) -> list[BaseException | None]:
 def test_managed_groups_bind_the_given_address_and_seal_every_store_value() -> None:
     import torch.distributed as dist
 
-    from gossiprec.trainer.managed import KEY_PREFIX, ManagedGroup
+    from gossiprec.trainer.collectives.managed import KEY_PREFIX, ManagedGroup
 
     keys = TransferKeys.fixed(os.urandom(32))
     store = dist.HashStore()
@@ -61,7 +61,7 @@ def test_managed_groups_bind_the_given_address_and_seal_every_store_value() -> N
 def test_a_value_copied_from_another_managed_group_of_the_epoch_is_refused() -> None:
     import torch.distributed as dist
 
-    from gossiprec.trainer.managed import KEY_PREFIX, ManagedGroup
+    from gossiprec.trainer.collectives.managed import KEY_PREFIX, ManagedGroup
 
     keys = TransferKeys.fixed(os.urandom(32))
     store = dist.HashStore()
@@ -83,8 +83,8 @@ def test_a_value_copied_from_another_managed_group_of_the_epoch_is_refused() -> 
 def test_a_managed_group_with_other_keys_cannot_join() -> None:
     import torch.distributed as dist
 
-    from gossiprec.trainer.groups import CollectiveAborted
-    from gossiprec.trainer.managed import ManagedGroup
+    from gossiprec.trainer.collectives.groups import CollectiveAborted
+    from gossiprec.trainer.collectives.managed import ManagedGroup
 
     store = dist.HashStore()
     a = ManagedGroup.standalone("user", timeout=5.0, host="127.0.0.1", keys=TransferKeys.fixed(os.urandom(32)))

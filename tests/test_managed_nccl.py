@@ -42,8 +42,8 @@ def _case_one() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gossiprec.trainer.groups import CollectiveAborted, start_store_server
-    from gossiprec.trainer.managed import init_managed_world
+    from gossiprec.trainer.collectives.groups import CollectiveAborted, start_store_server
+    from gossiprec.trainer.collectives.managed import init_managed_world
 
     torch.cuda.set_device(0)
     world = init_managed_world(0, 1, backend="nccl", timeout=60.0)
@@ -78,8 +78,8 @@ def _two_worker(rank: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from gossiprec.trainer.groups import CollectiveAborted, connect_store, start_store_server
-    from gossiprec.trainer.managed import init_managed_world
+    from gossiprec.trainer.collectives.groups import CollectiveAborted, connect_store, start_store_server
+    from gossiprec.trainer.collectives.managed import init_managed_world
 
     torch.cuda.set_device(rank)
     world = init_managed_world(rank, 2, backend="nccl", timeout=60.0)
@@ -129,7 +129,7 @@ def test_a_managed_world_on_nccl_refuses_a_machine_without_cuda_or_a_killing_err
     """Runs everywhere: a clear error at once, never a silent hang or a process NCCL's watchdog kills."""
     torch = pytest.importorskip("torch")
     from gossiprec.errors import ConfigError
-    from gossiprec.trainer.managed import ManagedWorld, init_managed_world
+    from gossiprec.trainer.collectives.managed import ManagedWorld, init_managed_world
 
     with pytest.raises(ConfigError, match="backend must be"):
         ManagedWorld(0, 1, backend="mpi")

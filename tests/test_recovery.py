@@ -51,7 +51,7 @@ async def test_state_op_reaches_the_machine_and_status(sockdir: str) -> None:
 def test_rank_ordered_mean_matches_the_exact_allreduce_rows() -> None:
     import torch
 
-    from gossiprec.trainer.buckets import rank_ordered_mean
+    from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 
     g = torch.Generator().manual_seed(3)
     rows = [torch.randn(1000, generator=g) for _ in range(4)]

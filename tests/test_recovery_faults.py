@@ -28,7 +28,7 @@ from tests.support.second_plan import second_plan_run
 from gossiprec.harness.scenario import run_scenario
 from gossiprec.harness.workload import build, load_checkpoint, objects_of, reference_state, save_checkpoint
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, start_store_server, wait_interruptible
+from gossiprec.trainer.collectives.groups import CollectiveAborted, EpochGroups, start_store_server, wait_interruptible
 
 
 # --------------------------------------------------------------------------------------------------

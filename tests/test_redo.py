@@ -82,9 +82,9 @@ _FSDP_ABORTED = """
 import json, torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from gossiprec.trainer.managed import init_managed_world
+from gossiprec.trainer.collectives.managed import init_managed_world
 from gossiprec.trainer.redo import RedoGuard, clear_gradients, grad_slots
-from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
+from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
 
 init_managed_world(0, 1, timeout=10)
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))

@@ -22,7 +22,7 @@ from gossiprec.core.election import StateReport, elect
 from gossiprec.core.topology import Member
 from gossiprec.errors import ConfigError
 from gossiprec.harness.faults import Fault
-from gossiprec.trainer.sharded import MeshSpec
+from gossiprec.trainer.collectives.sharded import MeshSpec
 from tests.support.sharded import STEPS, check_job as _check, reference as _reference
 
 FULL = bool(os.environ.get("GOSSIPREC_SHARDED_FULL"))
@@ -74,9 +74,9 @@ def test_a_sharded_trainer_takes_a_mesh_and_a_build_instead_of_objects() -> None
 def test_the_mesh_groups_bind_and_seal_as_the_trainer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The managed world gets the trainer's address (gloo binds there: on hosts of their own the host
     name's address reached no peer, and epoch 0 never formed) and its keys (the store's values sealed)."""
-    import gossiprec.trainer.managed as managed
+    import gossiprec.trainer.collectives.managed as managed
     from gossiprec.trainer.keys import TransferKeys
-    from gossiprec.trainer.sharded import ShardedWorld
+    from gossiprec.trainer.collectives.sharded import ShardedWorld
 
     seen: dict[str, Any] = {}
 
@@ -98,8 +98,8 @@ _NEVER_FORWARDED = """
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from gossiprec.trainer.managed import init_managed_world
-from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
+from gossiprec.trainer.collectives.managed import init_managed_world
+from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
 
 init_managed_world(0, 1, timeout=10)
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
@@ -290,7 +290,8 @@ def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:
     from types import SimpleNamespace
 
     from gossiprec.core.topology import JobTopology
-    from gossiprec.trainer.recovery import JobStopped, MeshShrinkRefused, Recovery, _Pending
+    from gossiprec.trainer.exits import JobStopped, MeshShrinkRefused
+    from gossiprec.trainer.recovery import Recovery, _Pending
 
     topo = JobTopology.grid(2, 2, allow_shrink=True)  # what a job spec written by hand might say
     members = [Member(f"n{r}", "trainer", r, f"h{r}", "r0") for r in range(3)]
@@ -299,7 +300,7 @@ def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:
     assert plan.action == "shrink"
     trainer = SimpleNamespace(node="n0", sharded=SimpleNamespace(spec=MeshSpec((2, 2), ("dp", "tp"))))
     recovery = Recovery(trainer, job=None, follower=None, snaps=None, checks=None, peers=None,  # type: ignore[arg-type]
-                        closed=None, report=lambda s, p: None, commit=lambda s: None)  # type: ignore[arg-type]
+                        closed=None, link=SimpleNamespace(report=lambda s, p: None), commit=lambda s: None)  # type: ignore[arg-type]
     with pytest.raises(MeshShrinkRefused, match="fixed") as exc:
         recovery._apply_plan(plan, _Pending("test", 0.0))
     assert isinstance(exc.value, JobStopped)  # ends the process with the stopped exit code, no retry

@@ -1,6 +1,6 @@
 """The host memory of commits: two copies, one copy in place, or none (live views), and what each serves.
 
-Each test drives :class:`~gossiprec.trainer.snapshots.Snapshots` as the training loop does (commit, the
+Each test drives :class:`~gossiprec.trainer.state.snapshots.Snapshots` as the training loop does (commit, the
 next step's forward and backward, the settle before the optimizer step) and checks which steps can be
 served or reloaded at every moment, bit for bit against a full copy, and the host bytes each mode keeps.
 """
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from gossiprec.errors import ConfigError, RecoveryError
-from gossiprec.trainer.capture import capture_state
+from gossiprec.trainer.state.capture import capture_state
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.objects import training_state
-from gossiprec.trainer.snapshots import Snapshots
+from gossiprec.trainer.state.snapshots import Snapshots
 
 
 class Cursor:
@@ -203,22 +203,22 @@ def test_a_commit_that_keeps_the_previous_step_reports_both_to_the_election() ->
     rt._commit_snapshot(0)
     for _ in range(2):
         _backward(model, opt, cursor)
-        rt._snaps.settle()
-        rt._snaps.update_late(list(model.parameters()))
+        rt.snapshots.settle()
+        rt.snapshots.update_late(list(model.parameters()))
         opt.step()
         rt.commit()
     assert control.states == [(0, None), (1, None), (2, None)]
     _backward(model, opt, cursor)
-    rt._snaps.settle()
+    rt.snapshots.settle()
     opt.step()
     rt._follower.newest_view = 1  # a newer view is known when step 3 commits
     rt.commit()
-    assert control.states[-1] == (2, 3) and rt.step == 3 and rt._snaps.steps() == [2, 3]
-    rt._snaps.begin_recovery()
-    snap = rt._snaps.at(2)
+    assert control.states[-1] == (2, 3) and rt.step == 3 and rt.snapshots.steps() == [2, 3]
+    rt.snapshots.begin_recovery()
+    snap = rt.snapshots.at(2)
     assert snap is not None
-    rt._snaps.restore(snap)  # the plan resumes at 2: step 3 is gone, and the agent is told
-    assert control.states[-1] == (2, None) and rt._snaps.steps() == [2]
+    rt.snapshots.restore(snap)  # the plan resumes at 2: step 3 is gone, and the agent is told
+    assert control.states[-1] == (2, None) and rt.snapshots.steps() == [2]
     rt.close()
 
 
@@ -227,7 +227,7 @@ def test_one_copy_being_written_is_served_only_once_complete(monkeypatch: pytest
     # it waits for the copy and gets the whole step, never a half-written buffer
     import threading
 
-    from gossiprec.trainer import capture, snapshots
+    from gossiprec.trainer.state import capture, snapshots
 
     model, opt, cursor, objects = _job(hidden=256)
     snaps = Snapshots(objects, background=True, copies=1)
@@ -267,7 +267,7 @@ def test_one_copy_being_written_is_served_only_once_complete(monkeypatch: pytest
 
 def test_one_torn_copy_leaves_nothing_and_the_next_commit_copies_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer import snapshots
+    from gossiprec.trainer.state import snapshots
 
     monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)
     model, opt, cursor, objects = _job()
@@ -294,7 +294,7 @@ def test_a_donor_asking_during_a_reload_of_live_tensors_waits_and_gets_them(monk
     # donor thread asking in that moment must wait for the record to be taken again, not be refused
     import threading
 
-    from gossiprec.trainer import snapshots
+    from gossiprec.trainer.state import snapshots
 
     model, opt, cursor, objects = _job()
     snaps = Snapshots(objects, background=True, copies=0)

@@ -17,9 +17,9 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (run on a GPU machine)", allow_module_level=True)
 
-from gossiprec.trainer.capture import capture_deferred, capture_state  # noqa: E402
-from gossiprec.trainer.header import tensor_bytes  # noqa: E402
-from gossiprec.trainer.rng import RNGState  # noqa: E402
+from gossiprec.trainer.state.capture import capture_deferred, capture_state  # noqa: E402
+from gossiprec.trainer.state.header import tensor_bytes  # noqa: E402
+from gossiprec.trainer.state.rng import RNGState  # noqa: E402
 
 
 def _state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, object]]:

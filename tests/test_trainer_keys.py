@@ -13,18 +13,18 @@ import torch
 
 from gossiprec.errors import SecurityError, TransferError
 from gossiprec.security.keyring import Keyring, decode_key, generate_key
-from gossiprec.trainer import donor as donor_mod
-from gossiprec.trainer.capture import capture_state
-from gossiprec.trainer.donor import DonorServer
+from gossiprec.trainer.transfer import donor as donor_mod
+from gossiprec.trainer.state.capture import capture_state
+from gossiprec.trainer.transfer.donor import DonorServer
 from gossiprec.trainer.exits import EXIT_ERROR, EXIT_FINISHED, EXIT_STOPPED, exit_code
-from gossiprec.trainer.fetch import fetch_state
-from gossiprec.trainer.groups import connect_store, start_store_server
+from gossiprec.trainer.transfer.fetch import fetch_state
+from gossiprec.trainer.collectives.groups import connect_store, start_store_server
 from gossiprec.trainer.keys import TransferKeys, insecure_key, open_value, seal_value, sealed_store
 from gossiprec.trainer.objects import training_state
-from gossiprec.trainer.receive import ReceiveTarget, materialize_optimizer_state
-from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+from gossiprec.trainer.state.receive import ReceiveTarget, materialize_optimizer_state
+from gossiprec.trainer.exits import JobFinished, JobStopped, Released
 from gossiprec.trainer.settings import TrainerSettings
-from gossiprec.trainer.transfer_wire import REQ_PREFIX, TAG_SIZE, TransferRequest
+from gossiprec.trainer.transfer.wire import REQ_PREFIX, TAG_SIZE, TransferRequest
 
 LOCAL = "127.0.0.1"
 CLUSTER = "prod"

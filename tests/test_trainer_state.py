@@ -16,15 +16,15 @@ except ImportError:  # pragma: no cover - depends on the environment
     np = None
 
 from gossiprec.errors import ConfigError, DecodeError, TransferError
-from gossiprec.trainer import rng as rng_mod
-from gossiprec.trainer.capture import capture_deferred, capture_state
+from gossiprec.trainer.state import rng as rng_mod
+from gossiprec.trainer.state.capture import capture_deferred, capture_state
 from gossiprec.trainer.config import TrainerConfig
-from gossiprec.trainer.header import StateHeader, pack_header, tensor_bytes, unpack_header
+from gossiprec.trainer.state.header import StateHeader, pack_header, tensor_bytes, unpack_header
 from gossiprec.trainer.objects import training_state
-from gossiprec.trainer.receive import (
+from gossiprec.trainer.state.receive import (
     ChecksumMismatch, LayoutMismatch, ReceiveTarget, materialize_optimizer_state, restore_state,
 )
-from gossiprec.trainer.rng import RNGState
+from gossiprec.trainer.state.rng import RNGState
 
 
 class DataPosition:
@@ -185,7 +185,7 @@ def test_raw_rng_readers_read_what_the_public_apis_return() -> None:
 
 
 def test_rng_state_without_raw_readers_uses_only_the_public_apis(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gossiprec.trainer import rng_raw
+    from gossiprec.trainer.state import rng_raw
 
     random.seed(12)
     random.gauss(0, 1)
@@ -244,7 +244,7 @@ def test_header_is_plain_msgpack_and_round_trips() -> None:
 
 
 def test_module_metadata_is_reused_only_while_it_is_unchanged() -> None:
-    from gossiprec.trainer.header import _META_CACHE, decode_tree
+    from gossiprec.trainer.state.header import _META_CACHE, decode_tree
 
     model, opt, sched, data = build()
     objects = training_state(model, opt, sched, data)
@@ -497,7 +497,7 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
     phases: list[tuple[int, str]] = []
     rt = ResilientTrainer(training_state(model, opt, sched, data), control=control,  # type: ignore[arg-type]
                           on_phase=lambda step, phase: phases.append((step, phase)))
-    rt.step = 7
+    rt.install(rt.identity.but(step=7))
     with pytest.raises(OSError):
         with rt.checkpointing():
             assert control.reports == [(7, "checkpoint")]
@@ -509,7 +509,7 @@ def test_checkpointing_reports_the_checkpoint_phase_around_the_work() -> None:
 
 def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer import snapshots
+    from gossiprec.trainer.state import snapshots
     from gossiprec.trainer.loop import ResilientTrainer
 
     monkeypatch.setattr(snapshots, "BACKGROUND_MIN_BYTES", 0)  # this small state would be held, not threaded
@@ -519,11 +519,11 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     rt = ResilientTrainer(training_state(model, opt, sched, data), TrainerConfig(snapshot_copies=2),
                           control=control)  # type: ignore[arg-type]  # two copies: the torn one leaves step 2
     rt._commit_snapshot(1)
-    rt._snaps.update_late(list(model.parameters()))  # what allreduce_gradients does
+    rt.snapshots.update_late(list(model.parameters()))  # what allreduce_gradients does
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)  # parameters and moments are copied by the background thread
     expected = capture_state(rt.objects, step=2, checksum=False)
-    snap = rt._snaps.at(2)  # waits for the copy
+    snap = rt.snapshots.at(2)  # waits for the copy
     assert snap is not None and snap.payload() == expected.payload()
     assert control.states == [1, 2]
 
@@ -532,55 +532,55 @@ def test_trainer_commits_in_the_background_and_refuses_a_torn_snapshot(monkeypat
     with torch.no_grad():
         model[0].weight.add_(1.0)  # a loop changing a parameter before the next allreduce_gradients
     with pytest.raises(RecoveryError, match="background_snapshot=False"):
-        rt._snaps.settle()
-    assert [s.step for s in rt._snaps.held] == [2] and not rt._snaps.background
+        rt.snapshots.settle()
+    assert [s.step for s in rt.snapshots.held] == [2] and not rt.snapshots.background
     rt.close()
 
 
 def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_to_need_it() -> None:
     from gossiprec.errors import RecoveryError
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.snapshots import BACKGROUND_MIN_BYTES
+    from gossiprec.trainer.state.snapshots import BACKGROUND_MIN_BYTES
 
     model, opt, sched, data = build()
     train_step(model, opt, sched, data)
     rt = ResilientTrainer(training_state(model, opt, sched, data), TrainerConfig(snapshot_copies=2),
                           control=_StubControl())  # type: ignore[arg-type]  # two copies: the torn one leaves 4
     rt._commit_snapshot(1)
-    rt._snaps.update_late(list(model.parameters()))
-    assert rt._snaps.late  # parameters and moments could be deferred ...
+    rt.snapshots.update_late(list(model.parameters()))
+    assert rt.snapshots.late  # parameters and moments could be deferred ...
     train_step(model, opt, sched, data)
     rt._commit_snapshot(2)
-    assert rt._snaps.held[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
+    assert rt.snapshots.held[-1].header.total_nbytes < BACKGROUND_MIN_BYTES
     # ... and under BACKGROUND_MIN_BYTES commit() holds them: no thread is woken between two steps
-    assert rt._snaps.copier._waits_for == "caller" and rt._snaps.copier._thread is None
+    assert rt.snapshots.copier._waits_for == "caller" and rt.snapshots.copier._thread is None
     expected = capture_state(rt.objects, step=2, checksum=False)
     rt.begin_step()  # hands them to the thread, which copies while the step computes
-    assert rt._snaps.copier._thread is not None and rt._snaps.copier._thread.is_alive()
-    snap = rt._snaps.at(2)
-    assert rt._snaps.copier._waits_for is None
+    assert rt.snapshots.copier._thread is not None and rt.snapshots.copier._thread.is_alive()
+    snap = rt.snapshots.at(2)
+    assert rt.snapshots.copier._waits_for is None
     assert snap is not None and snap.payload() == expected.payload()
-    rt._snaps.settle()
+    rt.snapshots.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(3)  # a loop without begin_step: the main thread copies once the collective is launched
-    assert rt._snaps.copier._waits_for == "caller"
+    assert rt.snapshots.copier._waits_for == "caller"
     expected = capture_state(rt.objects, step=3, checksum=False)
-    rt._snaps.copier.run_held()  # what allreduce() does after issuing the collective
-    assert rt._snaps.copier._waits_for is None and not rt._snaps.copier._running
-    snap = rt._snaps.at(3)
+    rt.snapshots.copier.run_held()  # what allreduce() does after issuing the collective
+    assert rt.snapshots.copier._waits_for is None and not rt.snapshots.copier._running
+    snap = rt.snapshots.at(3)
     assert snap is not None and snap.payload() == expected.payload()
-    rt._snaps.settle()
+    rt.snapshots.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(4)
     expected = capture_state(rt.objects, step=4, checksum=False)
     got: list[object] = []
-    waiter = threading.Thread(target=lambda: got.append(rt._snaps.at(4)))  # a donor thread asking first
+    waiter = threading.Thread(target=lambda: got.append(rt.snapshots.at(4)))  # a donor thread asking first
     waiter.start()
     waiter.join()
-    assert rt._snaps.copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
-    rt._snaps.settle()
+    assert rt.snapshots.copier._waits_for is None and got[0] is not None and got[0].payload() == expected.payload()  # type: ignore[attr-defined]
+    rt.snapshots.settle()
 
     train_step(model, opt, sched, data)
     rt._commit_snapshot(5)
@@ -588,8 +588,8 @@ def test_a_small_state_is_copied_by_the_thread_from_begin_step_or_by_the_first_t
         model[0].weight.add_(1.0)  # against the contract: a parameter changed before the copies were made
     rt.begin_step()
     with pytest.raises(RecoveryError, match="modified in place"):
-        rt._snaps.settle()
-    assert [s.step for s in rt._snaps.held] == [4]  # the torn snapshot is dropped
+        rt.snapshots.settle()
+    assert [s.step for s in rt.snapshots.held] == [4]  # the torn snapshot is dropped
     rt.close()
 
 
@@ -608,7 +608,7 @@ class _Job:
 
 def test_copier_leaves_submitted_jobs_to_its_thread_and_reports_an_error_once() -> None:
     from gossiprec.errors import RecoveryError
-    from gossiprec.trainer.copier import Copier
+    from gossiprec.trainer.state.copier import Copier
 
     copier = Copier()
     for _ in range(20):  # a submitted job (large, or from a GPU) is never taken by the all-reduce's run_held
@@ -687,26 +687,26 @@ def test_late_tensor_set_is_rebuilt_only_when_its_key_moves() -> None:
     rt = ResilientTrainer(training_state(model, opt, rng=False), TrainerConfig(stateless_data=True),
                           control=_StubControl())  # type: ignore[arg-type]
     params = list(model.parameters())
-    rt._snaps.update_late(params)
-    first = rt._snaps.late
+    rt.snapshots.update_late(params)
+    first = rt.snapshots.late
     assert first == {p.data_ptr() for p in params}  # no optimizer state yet
-    rt._snaps.update_late(params)
-    assert rt._snaps.late is first  # same key: not rebuilt on the training step's path
+    rt.snapshots.update_late(params)
+    assert rt.snapshots.late is first  # same key: not rebuilt on the training step's path
     model(torch.randn(3, 4)).sum().backward()
     opt.step()  # creates the moments: the key moves
-    rt._snaps.update_late(params)
+    rt.snapshots.update_late(params)
     moments = {v.data_ptr() for st in opt.state.values() for v in st.values()}
-    assert rt._snaps.late == first | moments and rt._snaps.late is not first
-    rt._snaps.late = frozenset()  # what a recovery does
-    rt._snaps.update_late(params)
-    assert rt._snaps.late == first | moments
+    assert rt.snapshots.late == first | moments and rt.snapshots.late is not first
+    rt.snapshots.late = frozenset()  # what a recovery does
+    rt.snapshots.update_late(params)
+    assert rt.snapshots.late == first | moments
     rt.close()
 
 
 def test_written_tensors_are_marked_one_by_one_where_torch_takes_no_list(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.autograd.graph as graph
 
-    from gossiprec.trainer.receive import mark_written
+    from gossiprec.trainer.state.receive import mark_written
 
     real = graph.increment_version
 

@@ -18,14 +18,14 @@ import torch
 
 from gossiprec.errors import ConfigError, SecurityError, TransferError
 from gossiprec.bench.transfer import benchmark
-from gossiprec.trainer import transfer_wire
-from gossiprec.trainer.capture import StateSnapshot, capture_state
-from gossiprec.trainer.header import TensorSpec
+from gossiprec.trainer.transfer import wire as transfer_wire
+from gossiprec.trainer.state.capture import StateSnapshot, capture_state
+from gossiprec.trainer.state.header import TensorSpec
 from gossiprec.trainer.objects import training_state
-from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state
-from gossiprec.trainer.donor import DonorServer
-from gossiprec.trainer.fetch import fetch_state
-from gossiprec.trainer.transfer_wire import (
+from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state
+from gossiprec.trainer.transfer.donor import DonorServer
+from gossiprec.trainer.transfer.fetch import fetch_state
+from gossiprec.trainer.transfer.wire import (
     TransferAuthError, TransferRequest, encode_request, even_stripes, plan_chunks, seal_state, select_chunks,
 )
 
@@ -253,7 +253,7 @@ def test_benchmark_reports_both_numbers() -> None:
 
 
 def test_no_pickle_anywhere_in_the_state_path() -> None:
-    modules = sorted(Path(transfer_wire.__file__).parent.glob("*.py"))  # every module of the trainer package
+    modules = sorted(Path(transfer_wire.__file__).parent.parent.rglob("*.py"))  # every module of the trainer package
     assert len(modules) > 5
     for path in modules:
         text = path.read_text()
@@ -266,9 +266,9 @@ def test_no_pickle_anywhere_in_the_state_path() -> None:
 
 DONOR_PROGRAM = """
 import sys, torch
-from gossiprec.trainer.capture import capture_state
-from gossiprec.trainer.donor import DonorServer
-from gossiprec.trainer.transfer_wire import seal_state
+from gossiprec.trainer.state.capture import capture_state
+from gossiprec.trainer.transfer.donor import DonorServer
+from gossiprec.trainer.transfer.wire import seal_state
 
 class Blob:
     def __init__(self):

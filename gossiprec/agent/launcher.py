@@ -156,7 +156,7 @@ page faults on large tensors (gradients, snapshots) cheaper."""
 NCCL_VAR = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 """NCCL's error handling: 2 (clean up the communicators only) lets the agent's abort end a collective;
 torch's default, 3, tears the process down on a timeout. The trainer refuses an NCCL group under
-another value than 0 or 2 (:func:`gossiprec.trainer.groups.check_nccl_environment`)."""
+another value than 0 or 2 (:func:`gossiprec.trainer.collectives.groups.check_nccl_environment`)."""
 
 
 def child_environment(agent: Agent, base: Mapping[str, str], *, keyring_fd: int | None = None) -> dict[str, str]:

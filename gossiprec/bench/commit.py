@@ -83,11 +83,11 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
           say: Any) -> tuple[list[float], int, bool | None, int]:
     import torch
 
-    from gossiprec.trainer.capture import capture_state
-    from gossiprec.trainer.header import tensor_bytes
+    from gossiprec.trainer.state.capture import capture_state
+    from gossiprec.trainer.state.header import tensor_bytes
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.rng import RNGState
+    from gossiprec.trainer.state.rng import RNGState
 
     model, opt, x, y = _build(device, nbytes, batch)
     params = list(model.parameters())
@@ -105,9 +105,9 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         opt.zero_grad(set_to_none=False)
         loss.backward()
         if rt is not None:
-            rt._snaps.settle()  # what allreduce_gradients does before it returns
-            if rt._snaps.background:
-                rt._snaps.update_late(params)
+            rt.snapshots.settle()  # what allreduce_gradients does before it returns
+            if rt.snapshots.background:
+                rt.snapshots.update_late(params)
         opt.step()
         if rt is not None:
             rt.commit()
@@ -119,10 +119,10 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
     same: bool | None = None
     state_bytes = kept = 0
     if rt is not None:
-        snap = rt._snaps.at(rt.step)  # settled: the background copies are done
+        snap = rt.snapshots.at(rt.step)  # settled: the background copies are done
         assert snap is not None
         state_bytes = snap.header.total_nbytes
-        kept = rt._snaps.host_bytes()
+        kept = rt.snapshots.host_bytes()
         ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)
         same = [zlib.crc32(tensor_bytes(t)) for t in snap.tensors] == [s.crc32 for s in ref.header.tensors]
         rt.close()

@@ -19,7 +19,7 @@ from the same initial state; after ``--warmup`` steps each, the loops take turns
     the same all-reduce path without ``commit()``: what the commit costs, separately.
 
 The trainer runs without an agent (a stub takes its reports); its group is an
-:class:`~gossiprec.trainer.groups.EpochGroups` group as a recovery builds it. ``--copies`` is
+:class:`~gossiprec.trainer.collectives.groups.EpochGroups` group as a recovery builds it. ``--copies`` is
 ``TrainerConfig.snapshot_copies``. Report (rank 0's clock): per loop the median, p10 and p90 step
 time and the overhead against ``plain`` (ratio of medians minus one; ``paired_overhead_pct``: the
 median of each turn's ratio to the ``plain`` step just before it, which cancels slow load drift), the
@@ -62,7 +62,7 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
     import torch.distributed as dist
 
     from gossiprec.trainer.config import TrainerConfig
-    from gossiprec.trainer.groups import EpochGroups, connect_store, start_store_server
+    from gossiprec.trainer.collectives.groups import EpochGroups, connect_store, start_store_server
     from gossiprec.trainer.loop import ResilientTrainer
 
     torch.set_num_threads(args["threads"])
@@ -91,7 +91,8 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
             config = TrainerConfig(stateless_data=True, snapshot_copies=args["copies"], verify_replicas=False)
             rt = ResilientTrainer({"model": model, "optimizer": opt}, config, control=_StubControl(),  # type: ignore[arg-type]
                                   key=bytes(32))
-            rt.groups, rt.rank, rt.world_size, rt.epoch = groups, rank, 2, 0
+            rt.groups = groups
+            rt.install(rt.identity.but(rank=rank, world_size=2, epoch=0))
             rt._commit_snapshot(0)
             if name.startswith("buckets"):
                 rt.overlap_gradients(model.parameters(), bucket_mb=25.0)
@@ -139,8 +140,8 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
         row: dict[str, Any] = {"times": lp["times"], "cpu": lp["cpu"], "digest": digest}
         rt = lp["rt"]
         if rt is not None:
-            rt._snaps.settle()
-            row["host_bytes"] = rt._snaps.host_bytes()
+            rt.snapshots.settle()
+            row["host_bytes"] = rt.snapshots.host_bytes()
             row["state_bytes"] = sum(p.nbytes * 3 for p in lp["model"].parameters())
             rt.close()
         report["loops"][name] = row

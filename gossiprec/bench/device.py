@@ -49,7 +49,7 @@ def _build(device: str, nbytes: int, seed: int) -> dict[str, Any]:
     (weights are a third: AdamW keeps two moments per weight)."""
     import torch
 
-    from gossiprec.trainer.rng import RNGState
+    from gossiprec.trainer.state.rng import RNGState
 
     dim, layers = layer_shape(nbytes)
     # every generator the RNG entry captures, seeded: donors built with one seed hold identical states
@@ -80,7 +80,7 @@ def sync(device: str) -> None:
 def _pinned_like(snapshot: Any) -> Any:
     import torch
 
-    from gossiprec.trainer.capture import StateSnapshot
+    from gossiprec.trainer.state.capture import StateSnapshot
 
     pin = torch.cuda.is_available()
     return StateSnapshot(snapshot.header, tuple(t.pin_memory() if pin else t.clone() for t in snapshot.tensors))
@@ -89,8 +89,8 @@ def _pinned_like(snapshot: Any) -> Any:
 def _donor_main(conn: Any, device: str, nbytes: int, seed: int, key: bytes, repeats: int) -> None:
     """A donor process: build, commit into pinned buffers (timed), serve until told to stop."""
     try:
-        from gossiprec.trainer.capture import capture_state
-        from gossiprec.trainer.donor import DonorServer
+        from gossiprec.trainer.state.capture import capture_state
+        from gossiprec.trainer.transfer.donor import DonorServer
 
         objects = _build(device, nbytes, seed)
         first = capture_state(objects, step=1, copy=True, checksum=False)
@@ -146,11 +146,11 @@ def run(device: str, nbytes: int, donors: list[int], repeats: int,
 
     import torch
 
-    from gossiprec.trainer.capture import capture_state
-    from gossiprec.trainer.receive import ReceiveTarget
+    from gossiprec.trainer.state.capture import capture_state
+    from gossiprec.trainer.state.receive import ReceiveTarget
     from gossiprec.bench.transfer import loopback_tcp_baseline
-    from gossiprec.trainer.fetch import fetch_state
-    from gossiprec.trainer.transfer_wire import KEY_SIZE
+    from gossiprec.trainer.transfer.fetch import fetch_state
+    from gossiprec.trainer.transfer.wire import KEY_SIZE
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError("--device cuda: torch sees no CUDA device here (use --device cpu)")

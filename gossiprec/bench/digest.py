@@ -59,7 +59,7 @@ def _compare_time(world: int, entries: int, trials: int) -> dict[str, float]:
     """One summary all-reduce per trial on a gloo group of ``world`` ranks (threads), timed on rank 0."""
     import torch.distributed as dist
 
-    from gossiprec.trainer.digest import rows_tensor
+    from gossiprec.trainer.state.digest import rows_tensor
 
     store = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=30), wait_for_workers=False)
     groups: list[Any] = [None] * world
@@ -96,9 +96,9 @@ def run(mb: float, batch: int, trials: int, world: int, say: Any = lambda m: Non
     import torch
 
     from gossiprec.bench.commit import _build
-    from gossiprec.trainer.digest import PendingDigest
-    from gossiprec.trainer.capture import capture_deferred
-    from gossiprec.trainer.header import tensor_bytes
+    from gossiprec.trainer.state.digest import PendingDigest
+    from gossiprec.trainer.state.capture import capture_deferred
+    from gossiprec.trainer.state.header import tensor_bytes
     from gossiprec.trainer.objects import training_state
 
     model, opt, x, y = _build("cpu", int(mb * 1e6), batch)

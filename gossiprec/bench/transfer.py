@@ -12,11 +12,11 @@ import threading
 import time
 
 from gossiprec.errors import TransferError
-from gossiprec.trainer.capture import capture_state
-from gossiprec.trainer.donor import DonorServer
-from gossiprec.trainer.fetch import fetch_state
-from gossiprec.trainer.receive import ReceiveTarget
-from gossiprec.trainer.transfer_wire import DEFAULT_CHUNK, KEY_SIZE, recv_into_exact, seal_state
+from gossiprec.trainer.state.capture import capture_state
+from gossiprec.trainer.transfer.donor import DonorServer
+from gossiprec.trainer.transfer.fetch import fetch_state
+from gossiprec.trainer.state.receive import ReceiveTarget
+from gossiprec.trainer.transfer.wire import DEFAULT_CHUNK, KEY_SIZE, recv_into_exact, seal_state
 
 
 def loopback_tcp_baseline(nbytes: int, chunk_size: int = 4 * 1024 * 1024) -> float:

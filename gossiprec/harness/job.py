@@ -71,7 +71,7 @@ def job_toml(names: Sequence[str], ports: Sequence[int], trainers: int, *, allow
     members are trainers with ranks 0.., the rest spares. ``tp_pp`` > 1 declares a grid of ``trainers
     // tp_pp`` replicas of ``tp_pp`` shards; ``placement`` gives member i host ``h<i>`` and rack ``r<i % 4>``;
     ``job_table`` replaces the ``[job]`` table (e.g. :meth:`MeshSpec.job_toml()
-    <gossiprec.trainer.sharded.MeshSpec.job_toml>`)."""
+    <gossiprec.trainer.collectives.sharded.MeshSpec.job_toml>`)."""
     if tp_pp < 1 or trainers % tp_pp:
         raise ConfigError(f"tp_pp must divide ranks ({trainers}), got {tp_pp}")
     topology = ['topology = "ddp"'] if tp_pp == 1 else ['topology = "grid"', f"dp = {trainers // tp_pp}",

@@ -1,7 +1,7 @@
 """Run a sharded local job (four ranks on a 2 x 2 mesh, plus spares) under faults, and read what it left.
 
 :func:`run_sharded` starts a :class:`~gossiprec.harness.job.LocalJob` whose job spec's ``[job]`` table is
-written from the layout's :class:`~gossiprec.trainer.sharded.MeshSpec` (never typed twice), each node
+written from the layout's :class:`~gossiprec.trainer.collectives.sharded.MeshSpec` (never typed twice), each node
 running :mod:`gossiprec.harness.sharded_trainer`; the faults (each with a phase) are fired by the
 trainers themselves. When every rank of the mesh has written its final report, the processes left
 (unused spares, launchers of removed nodes) have :data:`END_WAIT_S` to end by themselves, then the job

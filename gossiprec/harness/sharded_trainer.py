@@ -36,7 +36,7 @@ from typing import Any
 
 from gossiprec.harness import tiny_lm
 from gossiprec.harness.faults import Fault, FaultInjector
-from gossiprec.trainer.sharded import MeshSpec
+from gossiprec.trainer.collectives.sharded import MeshSpec
 
 LAYOUTS = {"tp": MeshSpec((2, 2), ("dp", "tp")), "hsdp": MeshSpec((2, 2), ("replicate", "shard"))}
 """The meshes of the two layouts; the job spec's ``[job]`` table is written from these."""
@@ -124,11 +124,11 @@ def _arm(objects: dict[str, Any], rt: Any, hook: FaultInjector) -> None:
 def trainer_main(args: argparse.Namespace) -> int:
     import torch
 
-    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.state.capture import capture_state
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.exits import exit_code
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
+    from gossiprec.trainer.exits import JobFinished, JobStopped, Released
     from gossiprec.harness.workload import state_bytes
 
     torch.set_num_threads(1)
@@ -222,7 +222,7 @@ def plain_main(args: argparse.Namespace) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from gossiprec.harness.workload import state_bytes
-    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.state.capture import capture_state
 
     torch.set_num_threads(1)
     spec = LAYOUTS[args.layout]

@@ -44,11 +44,12 @@ def trainer_main(args: argparse.Namespace) -> int:
     """One rank (or a spare) under ``gossiprec run``."""
     import torch
 
-    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.state.capture import capture_state
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.exits import exit_code
     from gossiprec.trainer.loop import ResilientTrainer
-    from gossiprec.trainer.recovery import JobFinished, JobStopped, NoReplica, Released
+    from gossiprec.trainer.exits import JobFinished, JobStopped, Released
+    from gossiprec.trainer.recovery import NoReplica
 
     torch.set_num_threads(1)
     out = Path(args.out)
@@ -140,7 +141,7 @@ def trainer_main(args: argparse.Namespace) -> int:
                     and rt.step % args.checkpoint_every == 0:
                 save_checkpoint(ckpt, rt.objects, rt.step)
             if args.verbose and rt.step % 10 == 0:
-                print(f"{rt.node} step {rt.step} at {time.monotonic():.3f} ({rt._step_ms} ms)", file=sys.stderr,
+                print(f"{rt.node} step {rt.step} at {time.monotonic():.3f} ({rt.step_ms} ms)", file=sys.stderr,
                       flush=True)
             left = args.step_ms / 1000.0 - (time.monotonic() - t0)
             if left > 0:

@@ -6,7 +6,7 @@ seeds them all), and a rank's batch is a function of the data position and the r
 (:func:`batch`): nothing per rank is stored, so a spare that receives a survivor's state continues
 exactly where the rank was. :func:`reference_state` replays the failure-free training in one process;
 because the trainers reduce gradients in rank order (``allreduce_gradients(exact=True)``, the same
-:func:`~gossiprec.trainer.buckets.rank_ordered_mean`), its state equals theirs bit for bit, and a run with
+:func:`~gossiprec.trainer.collectives.buckets.rank_ordered_mean`), its state equals theirs bit for bit, and a run with
 failures must end with exactly that state. ``examples/mlp.py`` is the same workload written for a user
 to copy (it cannot import this package's harness).
 """
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 if TYPE_CHECKING:
     import torch
 
-    from gossiprec.trainer.capture import StateSnapshot
+    from gossiprec.trainer.state.capture import StateSnapshot
 
 SEED = 1234
 DIM = 32
@@ -123,8 +123,8 @@ def reference_state(steps: int, world: int, hidden: int, *, worlds: Sequence[tup
 def _reference(steps: int, world: int, hidden: int, worlds: list[tuple[int, int]], lr_scale: bool) -> bytes:
     import torch
 
-    from gossiprec.trainer.buckets import rank_ordered_mean
-    from gossiprec.trainer.capture import capture_state
+    from gossiprec.trainer.collectives.buckets import rank_ordered_mean
+    from gossiprec.trainer.state.capture import capture_state
 
     model, opt, cursor = build(hidden)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -157,7 +157,7 @@ def set_flat_grads(params: Sequence[Any], flat: torch.Tensor) -> None:
 def state_bytes(snap: StateSnapshot) -> bytes:
     """A captured state as bytes: header (every non-tensor value: optimizer settings, data position,
     RNG) + payload."""
-    from gossiprec.trainer.header import pack_header
+    from gossiprec.trainer.state.header import pack_header
 
     return pack_header(snap.header) + snap.payload()
 
@@ -165,8 +165,8 @@ def state_bytes(snap: StateSnapshot) -> bytes:
 def state_digest(objects: Any, step: int) -> tuple[str, int]:
     """SHA-256 of ``objects``' state at ``step`` (of its :func:`state_bytes`, hashed piece by piece) and
     the size of its payload in bytes."""
-    from gossiprec.trainer.capture import capture_state
-    from gossiprec.trainer.header import pack_header
+    from gossiprec.trainer.state.capture import capture_state
+    from gossiprec.trainer.state.header import pack_header
 
     snap = capture_state(objects, step=step, copy=False, checksum=False)
     digest = hashlib.sha256(pack_header(snap.header))
@@ -177,8 +177,8 @@ def state_digest(objects: Any, step: int) -> tuple[str, int]:
 
 def save_checkpoint(path: Path, objects: Any, step: int) -> None:
     """Write ``objects`` at ``step`` to ``path`` atomically: 8-byte header length, header, payload."""
-    from gossiprec.trainer.capture import capture_state
-    from gossiprec.trainer.header import pack_header
+    from gossiprec.trainer.state.capture import capture_state
+    from gossiprec.trainer.state.header import pack_header
 
     snap = capture_state(objects, step=step, copy=False, checksum=True)
     header = pack_header(snap.header)
@@ -195,8 +195,8 @@ def save_checkpoint(path: Path, objects: Any, step: int) -> None:
 
 def load_checkpoint(path: Path, objects: Any) -> int:
     """Load a :func:`save_checkpoint` file into ``objects`` (crc32-verified); returns its step."""
-    from gossiprec.trainer.header import unpack_header
-    from gossiprec.trainer.receive import restore_state
+    from gossiprec.trainer.state.header import unpack_header
+    from gossiprec.trainer.state.receive import restore_state
 
     data = path.read_bytes()
     n = int.from_bytes(data[:8], "big")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from gossiprec.errors import ConfigError
 from gossiprec.local.launch import DONOR_OFFSET, STORE_OFFSET
-from gossiprec.trainer.groups import BACKENDS
+from gossiprec.trainer.collectives.groups import BACKENDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class TrainerConfig:
     """Copy a commit's parameters and optimizer state while the next step computes (only the optimizer
     step may change them in between); False copies everything inside ``commit()``."""
     snapshot_copies: int | None = None
-    """Host copies of parameters and optimizer state kept for recovery (:mod:`gossiprec.trainer.snapshots`):
+    """Host copies of parameters and optimizer state kept for recovery (:mod:`gossiprec.trainer.state.snapshots`):
     1 (the last commit, overwritten in place; 1x the state in host memory), 2 (the last two commits, so
     that a second plan may still name a step the first one rolled back: 2x) or 0 (none: a commit is the
     live tensors until the next optimizer step; only buffers, RNG and data position are copied). None
@@ -67,11 +67,12 @@ class TrainerConfig:
     waited before its optimizer step), then copies it over the one before; with 0 no rank steps its
     optimizer before every rank is ready to (the same all-reduce, issued and waited there: about one
     all-reduce of latency per step), and a rank interrupted in it rolls forward when the plan resumes
-    at its step (:mod:`gossiprec.trainer.gate`). Which failures each covers: README, "Memory of commits"."""
+    at its step (:mod:`gossiprec.trainer.gate`). Which failures each covers: docs/training-loop.md,
+    "Memory of commits"."""
     verify_replicas: bool = True
     """Compare a digest of the state across each replica group at the start, after the first step,
     after every recovery and every :attr:`verify_every` steps; a mismatch raises
-    :class:`~gossiprec.trainer.digest.ReplicaMismatch`."""
+    :class:`~gossiprec.trainer.state.digest.ReplicaMismatch`."""
     verify_every: int = 0
     """Steps between two periodic replica checks (0: none beyond those above). >= 0."""
     verify_exclude: tuple[str, ...] = ()

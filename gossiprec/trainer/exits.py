@@ -1,4 +1,9 @@
-"""The exit codes a training process under gossiprec ends with, and the mapping from the trainer's outcomes.
+"""How training ends: the clean ends the trainer raises, and the exit code of each outcome.
+
+A clean end (:class:`TrainingEnded`) is not a failure of the recovery: the job finished without this
+spare, a shrink released this rank, or the agreed plan stopped the job. It derives from
+:class:`~gossiprec.errors.GossiprecError`, not from :class:`~gossiprec.errors.RecoveryError`, so that
+``except RecoveryError`` never swallows one.
 
 =====  ==================================================================================================
 code   meaning
@@ -19,7 +24,31 @@ same process until the partition heals (:mod:`gossiprec.trainer.recovery`). None
 
 from __future__ import annotations
 
+from gossiprec.errors import GossiprecError
 from gossiprec.local.launch import EXIT_STOPPED as EXIT_STOPPED  # the job stopped in good order (EX_TEMPFAIL)
+
+
+class TrainingEnded(GossiprecError):
+    """Training ended in good order on this rank (one of the kinds below); :func:`exit_code` maps it."""
+
+
+class Released(TrainingEnded):
+    """A shrink dropped this rank from the world: leave the job (exit 0); the others go on without it."""
+
+
+class JobStopped(TrainingEnded):
+    """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
+    ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
+
+
+class MeshShrinkRefused(JobStopped):
+    """A plan would shrink (or renumber) a job trained on a fixed device mesh: give it spares, or restart it
+    from a checkpoint."""
+
+
+class JobFinished(TrainingEnded):
+    """The job's trainers finished training while this process was a spare: nothing left to do (exit 0)."""
+
 
 EXIT_FINISHED = 0
 """Training finished on this rank."""
@@ -31,8 +60,6 @@ EXIT_ERROR = 1
 
 def exit_code(outcome: BaseException | None) -> int:
     """The exit code for ``outcome``: None (finished), or the exception the trainer raised."""
-    from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
-
     if outcome is None:
         return EXIT_FINISHED
     if isinstance(outcome, (JobFinished, Released)):

@@ -1,7 +1,7 @@
 """The follower: a thread that reads the agent's event stream and keeps what it says for the loop.
 
 A ``ViewInstalled`` for a newer epoch, or ``Fenced``, aborts the current group
-(:class:`~gossiprec.trainer.groups.EpochGroups`): a waiting all-reduce raises within a poll slice and
+(:class:`~gossiprec.trainer.collectives.groups.EpochGroups`): a waiting all-reduce raises within a poll slice and
 the trainer enters its recovery, which waits for the newest ``PlanReady`` kept here (``status`` is
 polled as a fallback: :meth:`Follower.absorb_status`). A lost agent connection aborts the group too.
 ``JobFinished`` ends the wait of a spare; ``Fenced`` holds a recovery until ``Unfenced`` (the node is

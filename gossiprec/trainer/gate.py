@@ -4,7 +4,7 @@ A failure inside a sharded step can leave one replica group a commit ahead of an
 dp x tp job dies after its tensor-parallel all-reduce of backward, before its data-parallel one; ranks
 0 and 2 (the other shard) finish their all-reduce and step their optimizer, rank 1 cannot. Shard tp1
 then exists only at ``s - 1``, so the job resumes at ``s - 1``, and ranks 0 and 2 must still hold it.
-How, depends on the snapshot copies (:mod:`gossiprec.trainer.snapshots`):
+How, depends on the snapshot copies (:mod:`gossiprec.trainer.state.snapshots`):
 
 - **one copy** (``hold_live``): each commit holds its step as the live tensors beside the copy of the
   one before. The *commit barrier*, a one-element all-reduce over every rank issued at the start of the
@@ -35,21 +35,54 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from gossiprec.errors import RecoveryError
 
 if TYPE_CHECKING:
-    from gossiprec.trainer.loop import ResilientTrainer
+    from gossiprec.trainer.collectives.sharded import ShardedWorld
+    from gossiprec.trainer.follower import Follower
+    from gossiprec.trainer.state.snapshots import Snapshots
 
 log = logging.getLogger(__name__)
 
 
-class OptimizerGate:
-    """The gate of ``rt`` (a :class:`~gossiprec.trainer.loop.ResilientTrainer`); see the module docstring."""
+class GatedRank(Protocol):
+    """What the gate reads of its rank, as each recovery leaves it."""
 
-    def __init__(self, rt: ResilientTrainer) -> None:
-        self._rt = rt
+    @property
+    def sharded(self) -> ShardedWorld | None: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def step(self) -> int: ...
+
+
+class OptimizerGate:
+    """The optimizer gate of ``rank``; see the module docstring. ``snapshots``: the rank's committed
+    snapshots; ``follower``: what its agent said; ``announce(step, nbytes, inflight)`` and
+    ``report(step, phase)`` tell the agent; ``interrupted(exc)``: whether ``exc`` comes from an interrupted
+    collective of this epoch; ``poll(epoch)`` asks the agent's status; ``recovery_timeout``: how long a
+    roll-forward waits for the plan."""
+
+    def __init__(self, rank: GatedRank, *, snapshots: Snapshots, follower: Follower,
+                 announce: Callable[[int, int, int | None], None], report: Callable[[int, str], None],
+                 interrupted: Callable[[BaseException], bool], poll: Callable[[int], object],
+                 recovery_timeout: float) -> None:
+        self._me = rank
+        self._snaps = snapshots
+        self._follower = follower
+        self._announce = announce
+        self._report = report
+        self._interrupted = interrupted
+        self._poll = poll
+        self._recovery_timeout = recovery_timeout
         self._passed: tuple[int, int] = (-1, -1)
         """(epoch, step) whose ready barrier this rank passed or decided on (once per step, whatever the
         number of optimizers)."""
@@ -71,57 +104,58 @@ class OptimizerGate:
     def begin_step(self) -> None:
         """A step begins: with one copy, issue its commit barrier (every rank, every step; waited by
         :meth:`before_optimizer`). Raises as any collective of an aborted epoch does."""
-        if self._rt.sharded is not None and self._rt._snaps.hold_live:
-            self._rt.sharded.issue_barrier()
+        sharded = self._me.sharded
+        if sharded is not None and self._snaps.hold_live:
+            sharded.issue_barrier()
 
     def before_optimizer(self) -> None:
         """Every optimizer's step pre-hook (and the end of a step that ran none)."""
-        rt = self._rt
-        sharded = rt.sharded
-        if sharded is None or rt.role != "trainer":  # (a spare's optimizer step at lr 0 makes its state)
+        me = self._me
+        sharded = me.sharded
+        if sharded is None or me.role != "trainer":  # (a spare's optimizer step at lr 0 makes its state)
             return
-        snaps = rt._snaps
+        snaps = self._snaps
         if snaps.copies:
             if sharded.settle_barrier() and (hard := snaps.harden()) is not None:
-                rt._announce(hard, snaps.held[-1].header.total_nbytes)
+                self._announce(hard, snaps.held[-1].header.total_nbytes, None)
             return
-        step = rt.step + 1
-        if self._passed == (rt.epoch, step):
+        step = me.step + 1
+        if self._passed == (me.epoch, step):
             return
-        self._passed = (rt.epoch, step)
+        self._passed = (me.epoch, step)
         try:
             sharded.issue_barrier()
             sharded.settle_barrier()
         except Exception as exc:
-            if not rt._interrupted(exc) or not self._roll_forward(step):
+            if not self._interrupted(exc) or not self._roll_forward(step):
                 raise
             return
-        rt._report(step, "optimizer")  # past it: this rank commits the step (its agent holds the report)
+        self._report(step, "optimizer")  # past it: this rank commits the step (its agent holds the report)
 
     def _roll_forward(self, step: int) -> bool:
         """The ready barrier of ``step`` was interrupted: offer ``step`` too, and whether the plan resumes
         there with this rank keeping its place (then its optimizer step runs)."""
-        rt = self._rt
-        held = rt._snaps.held
+        me = self._me
+        held = self._snaps.held
         if not held or held[-1].step != step - 1 or not held[-1].valid():
             return False
         nbytes = held[-1].header.total_nbytes
-        rt._announce(step - 1, nbytes, inflight=step)  # before the phase: the agent reports both at once
-        rt._report(step, "recovering")
-        f = rt._follower
-        plan = f.plan_after(rt.epoch, time.monotonic() + rt.config.recovery_timeout,
-                            poll=lambda: f.poll_status(rt.control, rt.epoch))
+        self._announce(step - 1, nbytes, step)  # before the phase: the agent reports both at once
+        self._report(step, "recovering")
+        epoch = me.epoch
+        plan = self._follower.plan_after(epoch, time.monotonic() + self._recovery_timeout,
+                                         poll=lambda: self._poll(epoch))
         keeps = (plan is not None and plan.action == "resume" and plan.target_step == step
-                 and plan.rank_of(rt.node) == rt.rank and not any(x.receiver_node == rt.node for x in plan.transfers))
+                 and plan.rank_of(me.node) == me.rank and not any(x.receiver_node == me.node for x in plan.transfers))
         if not keeps:
-            rt._announce(step - 1, nbytes)
+            self._announce(step - 1, nbytes, None)
             return False
         assert plan is not None
         log.info("the plan of epoch %d resumes at step %d, whose gradients this rank holds: it steps its "
                  "optimizer and commits the step before it recovers", plan.epoch, step)
         with self._cond:
             self._rolling, self._stepped = step, 0
-        rt._report(step, "optimizer")
+        self._report(step, "optimizer")
         return True
 
     def after_optimizer(self) -> None:

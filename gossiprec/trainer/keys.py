@@ -1,6 +1,6 @@
 """The keys the trainer's own network traffic is authenticated with, and how they follow a rotation.
 
-Two channels leave a trainer: state transfers (:mod:`gossiprec.trainer.transfer_wire`) and the
+Two channels leave a trainer: state transfers (:mod:`gossiprec.trainer.transfer.wire`) and the
 rendezvous of each epoch's process group on a member's TCPStore (:class:`SealedStore`). Both are
 authenticated with the cluster's keyring, the same file the agent seals its packets with, handed down
 by ``gossiprec run`` as a *path* (``GOSSIPREC_KEYRING``) or, with ``gossiprec run --keyring-fd``, down an
@@ -234,7 +234,7 @@ def sealed_store(inner: Any, keys: TransferKeys, context: str = "") -> Any:
     class SealedStore(dist.Store):
         """Values sealed on ``set``, checked on ``get`` (see the module docstring); everything else passes
         through to the TCPStore. The Python object must outlive every C++ user (a PrefixStore, a process
-        group): :class:`~gossiprec.trainer.groups.EpochGroups` keeps it."""
+        group): :class:`~gossiprec.trainer.collectives.groups.EpochGroups` keeps it."""
 
         def __init__(self) -> None:
             super().__init__()

@@ -15,14 +15,14 @@
     rt.finish()
 
 **Commit point.** Step ``s`` is committed on a rank when its optimizer step has finished and
-:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.snapshots`).
+:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.state.snapshots`).
 Before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Every commit
 and phase change reaches the agent through its progress page (:mod:`gossiprec.local.progress`), or
 as non-blocking messages on the control socket.
 
 **Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current
 group, so a waiting collective raises within a poll slice, and the trainer recovers in place
-(:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.checks`).
+(:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.state.checks`).
 
 **Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``,
 ``communicate`` with the collective in flight, ``optimizer``, ``committed``) and, during a recovery,
@@ -44,7 +44,7 @@ in good order, with the codes of :mod:`gossiprec.trainer.exits`.
 objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
 rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
 ``build(mesh)`` (a spare does it when a plan gives it a rank), and every epoch gives all of the mesh's
-groups that epoch's backend (:mod:`gossiprec.trainer.sharded`). The state is each rank's local shard;
+groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`). The state is each rank's local shard;
 its donor is the same coordinate in another replica. The step runs inside
 :meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
 
@@ -55,7 +55,7 @@ its donor is the same coordinate in another replica. The step runs inside
             loss_of(model, batch(rt.mesh, s)).backward(); opt.step(); opt.zero_grad()
 
 **The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
-waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.recovery.JobFinished`.
+waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`.
 """
 
 from __future__ import annotations
@@ -68,46 +68,43 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, NoReturn, TypeVar
 
-from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
-from gossiprec.local.protocol import ControlError, MemberBrief, ViewBrief
-from gossiprec.local.progress import ProgressPage
-from gossiprec.trainer.checks import ReplicaChecks
-from gossiprec.trainer.buckets import rank_ordered_mean
+from gossiprec.local.protocol import ControlError
+from gossiprec.trainer.state.checks import ReplicaChecks
+from gossiprec.trainer.collectives.buckets import allreduce_flat
 from gossiprec.trainer.config import TrainerConfig
-from gossiprec.trainer.donor import DonorServer
-from gossiprec.trainer.exits import exit_code
+from gossiprec.trainer.transfer.donor import DonorServer
+from gossiprec.trainer.agent_link import AgentLink
+from gossiprec.trainer.identity import IdentityField, RankIdentity
+from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
-from gossiprec.trainer.groups import CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server
+from gossiprec.trainer.collectives.groups import (
+    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server,
+)
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
-from gossiprec.trainer.receive import materialize_optimizers
+from gossiprec.trainer.state.receive import materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
 from gossiprec.trainer.recovery import (
-    JobStopped, NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
+    NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
 )
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
-from gossiprec.trainer.sharded import MeshSpec, ShardedWorld
-from gossiprec.trainer.snapshots import Snapshots
+from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld, check_sharded_args
+from gossiprec.trainer.state.snapshots import Snapshots
 from gossiprec.trainer.steps import StepResult
 
 if TYPE_CHECKING:
     import torch
 
-    from gossiprec.trainer.buckets import GradientBuckets
-    from gossiprec.trainer.capture import StateSnapshot
-    from gossiprec.trainer.groups import PendingCollective
+    from gossiprec.trainer.collectives.buckets import GradientBuckets
+    from gossiprec.trainer.state.capture import StateSnapshot
+    from gossiprec.trainer.collectives.groups import PendingCollective
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-
-_PHASE_INDEX = {name: i for i, name in enumerate(PHASES)}
-WAITING = "waiting"
-"""The phase a rank reports while its collective waits on peers (used when the wire protocol has it)."""
-
 
 class ResilientTrainer:
     """Wraps one rank's training loop; see the module docstring for the calls and their contract.
@@ -136,6 +133,13 @@ class ResilientTrainer:
     is part of the recovery record's). :attr:`records`: the :class:`RecoveryRecord` of each recovery.
     """
 
+    epoch: IdentityField[int] = IdentityField()
+    rank: IdentityField[int] = IdentityField()
+    world_size: IdentityField[int] = IdentityField()
+    role: IdentityField[str] = IdentityField()
+    step: IdentityField[int] = IdentityField()
+    """The last committed step (0: the initial state)."""
+
     def __init__(self, objects: Mapping[str, Stateful] | None, config: TrainerConfig | None = None, *,
                  settings: TrainerSettings | None = None, control: ControlClient | None = None,
                  key: bytes | TransferKeys | None = None,
@@ -150,15 +154,11 @@ class ResilientTrainer:
             raise ConfigError(f"config must be a TrainerConfig, got {type(config).__name__}")
         self.sharded: ShardedWorld | None = None
         if mesh is not None or build is not None:
-            if not isinstance(mesh, MeshSpec) or build is None or objects is not None:
-                raise ConfigError("a sharded job passes mesh=MeshSpec(...) and build=callable(mesh) -> objects, and "
-                                  "objects=None (the objects are built once the mesh exists)")
-            if config.backend != mesh.backend:
-                raise ConfigError(f"a mesh on {mesh.device!r} runs on {mesh.backend}: pass TrainerConfig(backend="
-                                  f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
+            mesh = check_sharded_args(mesh, build, objects, config.backend)
+            assert build is not None
             self.sharded = ShardedWorld(mesh, build, timeout=config.timeout, poll_interval=config.poll_interval,
                                         slow_after=config.wait_report_after, on_slow=self._on_slow,
-                                        on_resume=self._on_resume, on_issue=self._entered)
+                                        on_resume=lambda: self._link.resumed(), on_issue=self._entered)
         else:
             check_objects(objects, config)
         if config.backend == "nccl":
@@ -181,29 +181,13 @@ class ResilientTrainer:
             assert settings is not None
             key = settings.transfer_keys()
         self.keys: TransferKeys = key if isinstance(key, TransferKeys) else TransferKeys.fixed(key)
-        self.rank: int = -1
-        self.world_size: int = 0
-        self.epoch: int = -1
-        self.step: int = 0
-        """The last committed step (0: the initial state)."""
-        self.role = "trainer"
+        self._identity = RankIdentity()
         self.records: list[RecoveryRecord] = []
         self.groups: EpochGroups | None = None
         self.mesh: Any = None
         """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
         self._step_t0 = time.monotonic()
-        self._step_ms = 0
-        self._at: tuple[int, str] = (-1, "idle")
-        """The (step, phase) last reported."""
-        self._resume_phase = "idle"
-        """The phase last reported other than ``waiting`` (what a slow collective's end reports again)."""
-        self._coll = 0
-        """Collectives entered in the reported step, on every group: this rank's position in the step,
-        which the agents compare across ranks to find the one the others wait for."""
         self._last_commit_at: float | None = None
-        self._page: ProgressPage | None = None
-        """The agent's progress page (:mod:`gossiprec.local.progress`): reports and state go there, without
-        a system call or a wake-up of the agent; None: they go through the control socket."""
         self._donor: DonorServer | None = None
         self._buckets: GradientBuckets | None = None
         self._closed = threading.Event()
@@ -212,7 +196,6 @@ class ResilientTrainer:
         copies = config.snapshot_copies if config.snapshot_copies is not None else 1
         self._snaps = Snapshots(self.objects, background=config.background_snapshot, copies=copies)
         self._snaps.hold_live = self.sharded is not None and copies == 1
-        self._gate = OptimizerGate(self)
         self._redo = RedoGuard()
         self._snaps.on_restored = lambda step, nbytes: self._announce(step, nbytes)
         self._checks = ReplicaChecks(self.objects, self._snaps, enabled=config.verify_replicas,
@@ -224,10 +207,35 @@ class ResilientTrainer:
             control.path, self._closed, abort=self._abort,
             abort_older=self._abort_older,
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
+        # a failed socket only marks the agent lost: the loop's next look at the follower recovers
+        self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
+        self._gate = OptimizerGate(self, snapshots=self._snaps, follower=self._follower, announce=self._announce,
+                                   report=self._link.report, interrupted=self._interrupted,
+                                   poll=lambda epoch: self._follower.poll_status(self.control, epoch),
+                                   recovery_timeout=config.recovery_timeout)
         self._recovery = Recovery(self, job=self._job, follower=self._follower, snaps=self._snaps,
                                   checks=self._checks, peers=self._peers, closed=self._closed,
-                                  report=self._report, commit=self._commit_snapshot, announce=self._announce,
+                                  link=self._link, commit=self._commit_snapshot, announce=self._announce,
                                   on_drop=on_drop)
+
+    @property
+    def identity(self) -> RankIdentity:
+        """Who this rank is now (epoch, rank, world size, role, last committed step)."""
+        return self._identity
+
+    def install(self, identity: RankIdentity) -> None:
+        """Make ``identity`` this rank's: the one place it changes (the start, commits, recoveries)."""
+        self._identity = identity
+
+    @property
+    def snapshots(self) -> Snapshots:
+        """The committed snapshots kept for recovery (the trainer owns them; read them, do not replace them)."""
+        return self._snaps
+
+    @property
+    def step_ms(self) -> int:
+        """The last step time reported to the agent (ms): the period between the last two commits."""
+        return self._link.step_ms
 
     @property
     def snapshot_bytes(self) -> int:
@@ -256,16 +264,9 @@ class ResilientTrainer:
                 "the cluster is keyed (its agent seals its traffic with a keyring) but this trainer has no "
                 "keyring, so its state transfers would be signed with a key anyone can compute: start it with "
                 "`gossiprec run` (it passes the keyring's path in GOSSIPREC_KEYRING), or pass key=")
-        if status.get("progress_page"):
-            try:
-                self._page = page = ProgressPage.open(str(status["progress_page"]))
-                # the agent hears of this process's death from the kernel, before its memory is torn down
-                log.debug("exit bell %s", "armed" if page.arm_bell() else "not armed (not the main thread, "
-                          "another trainer in this process holds it, or no robust mutexes here)")
-            except ConfigError as exc:
-                log.warning("progress goes through the control socket: %s", exc)
+        self._link.open_page(status)
         deadline = time.monotonic() + config.start_timeout
-        view, me = self._admitted(status, deadline)
+        view, me = self._link.admitted(status, deadline, start_timeout=config.start_timeout)
         self._peers.refresh()
         host, my_port = self._peers.agent_of(self.node)
         bind = config.bind_host or host
@@ -274,7 +275,7 @@ class ResilientTrainer:
         self._donor = DonorServer(self._serve, self.keys, bind, my_port + config.donor_offset).start()
         self._follower.newest_view = view.epoch
         self._follower.start()
-        self.role = me.role
+        self.install(self.identity.but(role=me.role))
         if view.stopped:
             raise JobStopped(f"the job stopped in view {view.epoch} ({view.stopped})")
         if self.sharded is not None:
@@ -282,7 +283,7 @@ class ResilientTrainer:
             self.sharded.host, self.sharded.keys = bind, self.keys  # its groups bind and seal as the trainer's
         if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
             self.prepare_rank(me.rank)
-            self.rank, self.world_size, self.epoch = me.rank, view.world_size, 0
+            self.install(self.identity.but(rank=me.rank, world_size=view.world_size, epoch=0))
             self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
             self._job.world_size = self.world_size
             self._commit_snapshot(0)
@@ -307,11 +308,11 @@ class ResilientTrainer:
                 self._recover(f"epoch 0 group failed: {exc}")
             else:
                 self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
-                self._wait_for_spares(view)
+                self._link.wait_for_spares(view, config.wait_for_spares, lambda: self._follower.trouble(self.epoch))
         else:
             # No group yet: this process still has to apply the current view's plan. A spare whose trainer
             # comes up after the view that promoted it must take that plan, not wait for a newer one.
-            self.epoch = view.epoch - 1
+            self.install(self.identity.but(epoch=view.epoch - 1))
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
             if self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan may
@@ -322,50 +323,9 @@ class ResilientTrainer:
             else:
                 materialize_optimizers(self.objects)
                 self._snaps.warm_pool()
-            self._report(0, "idle")
+            self._link.report(0, "idle")
             self._recover("spare waiting for a rank", spare=True)
         return self
-
-    def _admitted(self, status: dict[str, object], deadline: float) -> tuple[ViewBrief, MemberBrief]:
-        """The agent's view and this node in it, once the agent is admitted (polls until ``deadline``)."""
-        said = False
-        while True:
-            view = ViewBrief.from_wire(status["view"]) if status.get("view") else None
-            me = view.member(self.node) if view is not None else None
-            if view is not None and me is not None:
-                return view, me
-            if time.monotonic() >= deadline:
-                where = f"it holds view {view.epoch} without this node" if view is not None else "it has no view"
-                raise ConfigError(f"node {self.node}'s agent was not admitted to the job within "
-                                  f"{self.config.start_timeout:.0f} s ({where}): check its --seeds and --job, and "
-                                  "that the job's agents are up")
-            if not said:
-                log.info("waiting for node %s's agent to be admitted to the job (%s)", self.node,
-                         "no view yet" if view is None else f"view {view.epoch} does not hold it yet")
-                said = True
-            time.sleep(0.2)
-            status = self.control.status()
-
-    def _wait_for_spares(self, view: ViewBrief) -> None:
-        """Up to ``wait_for_spares`` seconds, until every spare of ``view`` has reported (is warm)."""
-        spares = {m.node for m in view.members if m.role == "spare"}
-        if not spares or self.config.wait_for_spares <= 0:
-            return
-        self._report(0, "idle")
-        deadline = time.monotonic() + self.config.wait_for_spares
-        cold = spares
-        while time.monotonic() < deadline:
-            try:
-                rows = self.control.members()
-            except ControlError:
-                return
-            cold = spares - {str(r["name"]) for r in rows if int(r.get("step", -1) or 0) >= 0
-                             and r.get("phase") is not None}
-            if not cold or self._follower.trouble(self.epoch):
-                return
-            time.sleep(0.05)
-        log.warning("spares %s not up after %.0f s (wait_for_spares): training starts without them",
-                    sorted(cold), self.config.wait_for_spares)
 
     # ------------------------------------------------------------------ the loop's calls
     def begin_step(self) -> int:
@@ -374,8 +334,8 @@ class ResilientTrainer:
             self._recover("view change")
         while True:
             self._step_t0 = time.monotonic()
-            self._coll = 0  # (a step redone after a recovery starts its count again)
-            self._report(self.step + 1, "compute")
+            self._link.restart_count()  # (a step redone after a recovery starts its count again)
+            self._link.report(self.step + 1, "compute")
             try:
                 self._gate.begin_step()
                 break
@@ -392,11 +352,11 @@ class ResilientTrainer:
     def overlap_gradients(self, params: Iterable[torch.Tensor], *, exact: bool = False,
                           bucket_mb: float = 25.0) -> None:
         """All-reduce the gradients of ``params`` in buckets while backward produces them
-        (:mod:`gossiprec.trainer.buckets`); ``allreduce_gradients`` then waits for them. Call once,
+        (:mod:`gossiprec.trainer.collectives.buckets`); ``allreduce_gradients`` then waits for them. Call once,
         before the first backward; ``exact`` must be what ``allreduce_gradients`` is called with.
         Gradients are taken when backward produces them: accumulate over several backward passes, or
         change ``.grad`` before ``allreduce_gradients()``, only without this."""
-        from gossiprec.trainer.buckets import GradientBuckets
+        from gossiprec.trainer.collectives.buckets import GradientBuckets
 
         if self._buckets is not None:
             self._buckets.remove()
@@ -413,13 +373,11 @@ class ResilientTrainer:
         must start the step again (``continue``). A parameter without a gradient counts as zero.
         ``exact``: reduce in rank order (each rank's gradients travel in their own row of a
         ``world_size`` x n buffer, then rows are added 0, 1, 2, ...): the result no longer depends on
-        the collective's algorithm, so it is reproducible bit for bit (see :func:`rank_ordered_mean`),
-        at ``world_size`` times the bytes.
+        the collective's algorithm, so it is reproducible bit for bit (see
+        :func:`~gossiprec.trainer.collectives.buckets.rank_ordered_mean`), at ``world_size`` times the bytes.
         """
-        import torch
-
         plist = [p for p in params if p.requires_grad]
-        self._report(self.step + 1, "communicate")
+        self._link.report(self.step + 1, "communicate")
         if self._buckets is not None:
             if exact != self._buckets.exact:
                 raise ConfigError(f"allreduce_gradients(exact={exact}) but overlap_gradients(exact="
@@ -427,25 +385,8 @@ class ResilientTrainer:
             if not self._wait_buckets(plist):
                 return False
             return self._after_allreduce(plist)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plist]
-        flat = torch.cat([g.reshape(-1) for g in grads])  # a fresh buffer: an aborted one may be written later
-        if exact:
-            rows = flat.new_zeros((self.world_size, flat.numel()))
-            rows[self.rank] = flat
-            if not self.allreduce(rows, "sum"):
-                return False
-            flat = rank_ordered_mean(list(rows.unbind(0)))
-        elif not self.allreduce(flat, "avg"):
+        if not allreduce_flat(plist, self.allreduce, self.rank, self.world_size, exact=exact):
             return False
-        offset = 0
-        for p, g in zip(plist, grads, strict=True):
-            n = g.numel()
-            chunk = flat[offset:offset + n].view_as(g)
-            if p.grad is None:
-                p.grad = chunk.clone()
-            else:
-                p.grad.copy_(chunk)
-            offset += n
         return self._after_allreduce(plist)
 
     def _after_allreduce(self, plist: list[torch.Tensor]) -> bool:
@@ -454,7 +395,7 @@ class ResilientTrainer:
             self._snaps.update_late(plist)
         if self._checks.pending and not self._checks.run(self._check_collective, self.rank, self.world_size):
             return False
-        self._report(self.step + 1, "optimizer")
+        self._link.report(self.step + 1, "optimizer")
         self._hook(self.step + 1, "optimizer")
         return True
 
@@ -470,8 +411,9 @@ class ResilientTrainer:
                 ...
 
         Begins step ``s`` (:meth:`begin_step`) and commits it when the block ends. When a collective
-        inside fails or is interrupted by a view change (:class:`~gossiprec.trainer.groups.CollectiveAborted`,
-        or any error raised while this epoch's groups are aborted), the trainer recovers and the block's
+        inside fails or is interrupted by a view change
+        (:class:`~gossiprec.trainer.collectives.groups.CollectiveAborted`, or any error raised while this
+        epoch's groups are aborted), the trainer recovers and the block's
         exception is swallowed: the loop goes on from :attr:`step`, the last committed step.
         """
         while True:  # the replicas' comparison runs first; a recovery during it begins the step again
@@ -519,7 +461,7 @@ class ResilientTrainer:
         self._commit_snapshot(step, verify=self._checks.checks_commit(step))
         now = time.monotonic()
         if self._last_commit_at is not None:
-            self._step_ms = int((now - self._last_commit_at) * 1000)
+            self._link.step_ms = int((now - self._last_commit_at) * 1000)
         self._last_commit_at = now
         record = self._recovery.first_step()
         if record is not None:
@@ -539,22 +481,22 @@ class ResilientTrainer:
         The agents judge a rank in phase ``checkpoint`` hung only after ``checkpoint_timeout`` (600 s by
         default, ``[protocol]``), not max(1 s, 3 x step time). A view change meanwhile waits for the next step.
         """
-        self._report(self.step, "checkpoint")
+        self._link.report(self.step, "checkpoint")
         self._hook(self.step, "checkpoint")
         try:
             yield
         finally:
-            self._report(self.step, "idle")
+            self._link.report(self.step, "idle")
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
         """End of training: a last barrier (errors ignored), tell the agents the job is done (unused
-        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.recovery.JobFinished`),
+        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.exits.JobFinished`),
         stop following the agent.
 
         ``exit_code``: end the process with ``os._exit`` (no interpreter teardown): a retired group
         hung in the graveyard would block in its destructor otherwise.
         """
-        self._report(self.step, "idle")
+        self._link.report(self.step, "idle")
         if barrier and self.groups is not None and self.groups.current is not None:
             try:
                 self.groups.current.barrier(timeout=self.config.finish_timeout)
@@ -575,13 +517,11 @@ class ResilientTrainer:
 
     def leave(self, outcome: BaseException) -> NoReturn:
         """End this process after ``outcome``, one of the trainer's ends that are not crashes
-        (:class:`~gossiprec.trainer.recovery.JobFinished`, :class:`~gossiprec.trainer.recovery.Released`,
-        :class:`~gossiprec.trainer.recovery.JobStopped`): say why on stderr, stop serving and following the
-        agent, and exit with its code (:func:`gossiprec.trainer.exits.exit_code`: 0, 0, 75) without
-        interpreter teardown (see :meth:`finish`). Anything else is raised again."""
-        from gossiprec.trainer.recovery import JobFinished, JobStopped, Released
-
-        if not isinstance(outcome, (JobFinished, Released, JobStopped)):
+        (a :class:`~gossiprec.trainer.exits.TrainingEnded`: ``JobFinished``, ``Released``, ``JobStopped``):
+        say why on stderr, stop serving and following the agent, and exit with its code
+        (:func:`gossiprec.trainer.exits.exit_code`: 0, 0, 75) without interpreter teardown (see
+        :meth:`finish`). Anything else is raised again."""
+        if not isinstance(outcome, TrainingEnded):
             raise outcome
         code = exit_code(outcome)
         print(f"gossiprec: node {self.node}: {type(outcome).__name__}: {outcome} (exit {code})", file=sys.stderr,
@@ -595,9 +535,7 @@ class ResilientTrainer:
         self._closed.set()
         if self._donor is not None:
             self._donor.close(timeout=0.5)
-        page, self._page = self._page, None
-        if page is not None:
-            page.close()
+        self._link.close()
 
     # ------------------------------------------------------------------ what the calls share
     def _collective(self, tensor: torch.Tensor, op: str, hook: bool) -> bool:
@@ -613,9 +551,8 @@ class ResilientTrainer:
             step = self.step + 1
             if hook:
                 self._hook(step, "communicate")  # the collective is in flight
-            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
-            pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
-            self._on_resume()
+            pending.wait(slow_after=self.config.wait_report_after, on_slow=self._link.on_slow(step))
+            self._link.resumed()
             return True
         except CollectiveAborted as exc:
             self._recover(f"{exc.reason}: {exc}")
@@ -631,7 +568,7 @@ class ResilientTrainer:
 
     def _bucket_issued(self) -> None:
         """The first bucket of a step is on the wire (from a gradient hook, inside backward)."""
-        self._report(self.step + 1, "communicate")
+        self._link.report(self.step + 1, "communicate")
         self._hook(self.step + 1, "communicate")
 
     def _wait_buckets(self, plist: list[torch.Tensor]) -> bool:
@@ -644,9 +581,8 @@ class ResilientTrainer:
             if first[0]:
                 first[0] = False
                 self._snaps.copier.run_held()  # copies the thread has not begun, while the buckets are on the wire
-            on_slow = (lambda: self._report(step, WAITING)) if WAITING in PHASES else None
-            pending.wait(slow_after=self.config.wait_report_after, on_slow=on_slow)
-            self._on_resume()
+            pending.wait(slow_after=self.config.wait_report_after, on_slow=self._link.on_slow(step))
+            self._link.resumed()
 
         try:
             if self._buckets.finish(plist, wait):
@@ -681,7 +617,7 @@ class ResilientTrainer:
         snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
         if verify:
             self._checks.committed(step, snap)
-        self.step = step
+        self.install(self.identity.but(step=step))
         self._gate.committed(step)
         older = self._snaps.kept_previous()
         if older is not None:  # both servable: the election picks the newest every replica group holds
@@ -699,14 +635,7 @@ class ResilientTrainer:
             # one group a commit ahead of another: offer the step before too (it is still held), so the
             # election finds a step every group can serve instead of none.
             committed, inflight = step - 1, step
-        page = self._page
-        if page is not None:
-            page.set_state(committed, inflight, nbytes, port)
-            return
-        try:
-            self.control.set_state(committed, inflight, nbytes, port, wait=False)
-        except ControlError as exc:
-            self._follower.lost = str(exc)
+        self._link.set_state(committed, inflight, nbytes, port)
 
     def _serve(self, epoch: int, step: int) -> StateSnapshot | None:
         self._hook(step, "serve")
@@ -726,14 +655,9 @@ class ResilientTrainer:
 
     def _on_slow(self) -> None:
         """A managed collective waits on peers: say so (the agents tell this rank from a frozen one)."""
-        if WAITING in PHASES:
-            self._report(self.step + 1, WAITING)
-
-    def _on_resume(self) -> None:
-        """A slow collective completed: this rank no longer reads as waiting (a later stall must not)."""
-        step, phase = self._at
-        if phase == WAITING:
-            self._report(step, self._resume_phase)
+        on_slow = self._link.on_slow(self.step + 1)
+        if on_slow is not None:
+            on_slow()
 
     def _entered(self, guard: bool = True) -> None:
         """A collective is entered (on any group): the position the agents compare moves on (on the page
@@ -741,18 +665,11 @@ class ResilientTrainer:
         into backward)."""
         if guard and self._redo.watching:
             self._redo.check()
-        self._coll += 1
-        step, phase = self._at
-        if self.sharded is not None and phase == "compute" and step >= 0:
-            # In a sharded step any collective may be the step's last, after which this rank commits
-            # without another word: from the first one on it reads as communicating, so that its
-            # agent holds the state report of a view installed meanwhile until the commit (or the
-            # recovery), instead of reporting a step this rank is about to commit as in flight.
-            self._report(step, "communicate")
-            return
-        page = self._page
-        if page is not None and step >= 0:
-            page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
+        # In a sharded step any collective may be the step's last, after which this rank commits
+        # without another word: from the first one on it reads as communicating, so that its
+        # agent holds the state report of a view installed meanwhile until the commit (or the
+        # recovery), instead of reporting a step this rank is about to commit as in flight.
+        self._link.entered(communicating=self.sharded is not None)
 
     # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
     def prepare_rank(self, rank: int) -> None:
@@ -781,19 +698,3 @@ class ResilientTrainer:
     def _hook(self, step: int, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(step, phase)
-
-    def _report(self, step: int, phase: str) -> None:
-        if step != self._at[0]:
-            self._coll = 0  # the count is per step
-        self._at = (step, phase)
-        if phase != WAITING:
-            self._resume_phase = phase
-        page = self._page
-        if page is not None:
-            page.report(step, _PHASE_INDEX[phase], self._step_ms, self._coll)
-            return
-        try:
-            self.control.report(step, phase, self._step_ms, wait=False)
-        except ControlError as exc:
-            self._follower.lost = str(exc)
-

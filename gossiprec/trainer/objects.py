@@ -1,7 +1,7 @@
 """What a training state is made of: named objects with ``state_dict()`` / ``load_state_dict()``.
 
 A rank registers the complete replica state as ``name -> Stateful``: model, optimizer, LR scheduler,
-data position and :class:`~gossiprec.trainer.rng.RNGState`. It must be identical on every replica at
+data position and :class:`~gossiprec.trainer.state.rng.RNGState`. It must be identical on every replica at
 a given step; rank-specific choices are computed from the rank, not stored.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, runtime_checkable
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.rng import RNGState
+from gossiprec.trainer.state.rng import RNGState
 
 if TYPE_CHECKING:
     from gossiprec.trainer.config import TrainerConfig

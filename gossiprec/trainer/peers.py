@@ -1,6 +1,6 @@
 """Where the other members' stores and donors listen: their agent's address plus fixed port offsets.
 
-Every trainer process hosts a TCPStore server and a :class:`~gossiprec.trainer.donor.DonorServer` from
+Every trainer process hosts a TCPStore server and a :class:`~gossiprec.trainer.transfer.donor.DonorServer` from
 the start, on fixed offsets from its agent's port (``agent port + store_offset`` and ``+ donor_offset``,
 default 1 and 2), so the host and port of any member's store and donor follow from the view's member
 address: no address needs to be gossiped, and the store of a new epoch is already listening.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gossiprec.trainer.groups import connect_store
+from gossiprec.trainer.collectives.groups import connect_store
 
 if TYPE_CHECKING:
     from gossiprec.local.client import ControlClient

@@ -1,7 +1,7 @@
 """Recovery in place: wait for the agreed plan, move the state it names, build the new epoch's group.
 
 This rank's new rank is the plan's assignment. A rank named as a receiver fetches the target step from
-the plan's donors, striped exactly as the plan says (:func:`~gossiprec.trainer.fetch.fetch_state`:
+the plan's donors, striped exactly as the plan says (:func:`~gossiprec.trainer.transfer.fetch.fetch_state`:
 bytes land in the local tensors); a rank at the target reloads its own snapshot; then the new epoch's
 group is built on the TCPStore of the plan's ``store_node`` and training continues from
 ``target_step``. A hot spare blocks in its first recovery until a plan gives it a rank. A survivor may
@@ -47,44 +47,28 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
-from gossiprec.local.protocol import ControlError
-from gossiprec.trainer.fetch import fetch_state
-from gossiprec.trainer.groups import CollectiveAborted
-from gossiprec.trainer.receive import LayoutMismatch, ReceiveTarget
+from gossiprec.trainer.identity import RankIdentity
+from gossiprec.trainer.exits import JobFinished, JobStopped, MeshShrinkRefused, Released
+from gossiprec.trainer.transfer.fetch import fetch_state
+from gossiprec.trainer.collectives.groups import CollectiveAborted
+from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget
 
 if TYPE_CHECKING:
+    from gossiprec.trainer.agent_link import AgentLink
     from gossiprec.core.election import Plan, Transfer
     from gossiprec.local.client import ControlClient
-    from gossiprec.trainer.checks import ReplicaChecks
+    from gossiprec.trainer.state.checks import ReplicaChecks
     from gossiprec.trainer.config import TrainerConfig
-    from gossiprec.trainer.donor import DonorServer
+    from gossiprec.trainer.transfer.donor import DonorServer
     from gossiprec.trainer.follower import Follower
-    from gossiprec.trainer.groups import EpochGroup, EpochGroups
+    from gossiprec.trainer.collectives.groups import EpochGroup, EpochGroups
     from gossiprec.trainer.keys import TransferKeys
     from gossiprec.trainer.objects import JobState, Stateful
     from gossiprec.trainer.peers import Peers
-    from gossiprec.trainer.sharded import ShardedWorld
-    from gossiprec.trainer.snapshots import Snapshots
+    from gossiprec.trainer.collectives.sharded import ShardedWorld
+    from gossiprec.trainer.state.snapshots import Snapshots
 
 log = logging.getLogger(__name__)
-
-
-class Released(RecoveryError):
-    """A shrink dropped this rank from the world: leave the job (exit 0); the others go on without it."""
-
-
-class JobStopped(RecoveryError):
-    """The agreed plan stops the job (no spare and no shrink allowed, or no replica of some state and no
-    ``on_no_replica`` callback): restart it from a checkpoint, with more spares or ``allow_shrink``."""
-
-
-class MeshShrinkRefused(JobStopped):
-    """A plan would shrink (or renumber) a job trained on a fixed device mesh: give it spares, or restart it
-    from a checkpoint."""
-
-
-class JobFinished(GossiprecError):
-    """The job's trainers finished training while this process was a spare: nothing left to do (exit 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,15 +155,24 @@ class Trainer(Protocol):
     keys: TransferKeys
     control: ControlClient
     groups: EpochGroups | None
-    epoch: int
-    rank: int
-    world_size: int
-    role: str
-    step: int
+    @property
+    def identity(self) -> RankIdentity: ...
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def step(self) -> int: ...
     on_resize: Callable[[int, int], None] | None
     on_no_replica: Callable[[NoReplica], int] | None
     on_phase: Callable[[int, str], None] | None
     sharded: ShardedWorld | None
+
+    def install(self, identity: RankIdentity) -> None: ...
 
     def prepare_rank(self, rank: int) -> None: ...
 
@@ -189,14 +182,14 @@ class Trainer(Protocol):
 class Recovery:
     """Recovers ``trainer`` in place (see the module docstring), with the trainer's parts.
 
-    ``report(step, phase)`` tells the agent this rank's progress; ``commit(step)`` commits the objects as
+    ``link`` tells the agent this rank's progress and what it holds; ``commit(step)`` commits the objects as
     ``step`` (a snapshot this rank can donate, announced to the agent); ``announce(step, nbytes)`` tells
     the agent what this rank holds (0 bytes: nothing); ``closed`` is set when the trainer closes.
     """
 
     def __init__(self, trainer: Trainer, *, job: JobState, follower: Follower, snaps: Snapshots,
                  checks: ReplicaChecks, peers: Peers, closed: threading.Event,
-                 report: Callable[[int, str], None], commit: Callable[[int], None],
+                 link: AgentLink, commit: Callable[[int], None],
                  announce: Callable[[int, int], None] = lambda step, nbytes: None,
                  on_drop: Callable[[str], None] | None = None) -> None:
         self._t = trainer
@@ -206,7 +199,7 @@ class Recovery:
         self._checks = checks
         self._peers = peers
         self._closed = closed
-        self._report = report
+        self._link = link
         self._commit = commit
         self._announce = announce
         self._on_drop = on_drop
@@ -230,7 +223,7 @@ class Recovery:
         self._pending = pending
         self._snaps.settle()  # before anything (a fetch, a checkpoint load) writes into the live tensors
         self._snaps.begin_recovery()
-        self._report(t.step, "recovering")
+        self._link.report(t.step, "recovering")
         deadline = time.monotonic() + t.config.recovery_timeout
         while True:
             plan = self._wait_plan(spare, deadline, pending)
@@ -252,7 +245,7 @@ class Recovery:
                             plan.epoch, exc)
                 pending.attempts.append((plan.epoch, int(pending.fields.get("target_step", -1)),
                                          f"{type(exc).__name__}: {exc}"[:300]))
-                t.epoch = max(t.epoch, plan.epoch)
+                t.install(t.identity.but(epoch=max(t.epoch, plan.epoch)))
                 if plan.store_node is not None:
                     self._peers.forget(plan.store_node)  # a client of a store host that died is no use again
                 deadline = time.monotonic() + t.config.recovery_timeout
@@ -337,9 +330,9 @@ class Recovery:
         if t.groups is not None:
             t.groups.retire(why)
         self._snaps.drop_all()
-        t.role, t.rank, t.world_size, t.step = "spare", -1, 0, 0
+        t.install(RankIdentity(epoch=t.epoch, role="spare"))
         self._job.world_size = 0
-        self._report(0, "idle")
+        self._link.report(0, "idle")
         self._announce(0, 0)
         if self._on_drop is not None:
             self._on_drop(why)
@@ -355,7 +348,7 @@ class Recovery:
         if my_rank is None:
             if any(x.donor_node == t.node for x in plan.transfers):
                 self._closed.wait(t.config.linger)  # released: serve the receivers for a while
-            t.epoch = epoch
+            t.install(t.identity.but(epoch=epoch))
             if t.role == "trainer" and t.node in plan.released:
                 raise Released(f"this rank was released by the plan of epoch {epoch} ({plan.reason}); "
                                "leave the job (exit 0): the others go on without it")
@@ -399,16 +392,12 @@ class Recovery:
         # A new (step, phase) restarts the agents' stall clock for this rank: every rank sat at
         # (target, recovering) during the recovery, and the first to start the next step would
         # otherwise make the others look hung at once (their value unchanged for the whole recovery).
-        self._report(target, "idle")
+        self._link.report(target, "idle")
         pending.fields["group_at"] = time.monotonic()
-        t.epoch, t.rank, t.world_size, t.role = epoch, my_rank, world, "trainer"
-        t.step = target
+        t.install(RankIdentity(epoch=epoch, rank=my_rank, world_size=world, role="trainer", step=target))
         if not mine and action != "checkpoint":
-            try:
-                snap = self._snaps.at(target)
-                t.control.set_state(target, None, snap.header.total_nbytes if snap else 0, None, wait=False)
-            except ControlError:
-                pass
+            snap = self._snaps.at(target)
+            self._link.set_state(target, None, snap.header.total_nbytes if snap else 0, None, quiet=True)
         old_world = self._job.world_size
         pending.fields["previous_world_size"] = old_world
         if old_world and old_world != world and t.on_resize is not None:
@@ -444,7 +433,7 @@ class Recovery:
         plan's transfers to this node), or reloaded from this rank's own snapshot."""
         t = self._t
         pending.fields.update(target_step=target, lost_steps=max(0, t.step - target) if t.role == "trainer" else 0)
-        self._report(target, "recovering")
+        self._link.report(target, "recovering")
         nbytes, xfer_s = 0, 0.0
         if mine:
             pending.fields["role"] = "receiver"

@@ -6,7 +6,7 @@ the trainer uses through it, and ``ResilientTrainer`` calls it only when its cal
 client or no key.
 Everything else in the trainer takes these values as arguments. (The one other variable the trainer
 looks at is torch's own ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, which NCCL reads itself: building an NCCL
-group checks it, see :mod:`gossiprec.trainer.groups`.)
+group checks it, see :mod:`gossiprec.trainer.collectives.groups`.)
 
 **Keys.** State transfers and the epoch stores are authenticated with the cluster's keyring, whose path
 (never the key) ``gossiprec run`` puts in ``GOSSIPREC_KEYRING``, or which arrives on the descriptor

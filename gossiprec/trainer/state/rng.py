@@ -4,7 +4,7 @@ A replica's state includes where its random streams are: torch's CPU generator, 
 Python's ``random`` and numpy's legacy global generator. The Mersenne Twisters' 625 state words travel
 as one little-endian bytes value, not as 625 ints, because the state is read on every commit. By default
 Python's and numpy's states are read straight from the generators' C structs
-(:mod:`gossiprec.trainer.rng_raw`, probed against the public APIs first); ``RNGState(raw=False)``
+(:mod:`gossiprec.trainer.state.rng_raw`, probed against the public APIs first); ``RNGState(raw=False)``
 uses only ``random.getstate()`` and ``numpy.random.get_state()``. Both give identical dicts.
 """
 
@@ -15,7 +15,7 @@ import struct
 from typing import Any, Mapping, Sequence
 
 from gossiprec.errors import TransferError
-from gossiprec.trainer import rng_raw
+from gossiprec.trainer.state import rng_raw
 
 
 class RNGState:

@@ -1,7 +1,7 @@
 """The state transfer's wire format and its authentication: frames, chunks, stripes, seals, keys.
 
 A receiver opens one TCP connection per donor and asks each for a byte range (a *stripe*) of the same
-flat payload (:mod:`gossiprec.trainer.header`). Wire format (big-endian)::
+flat payload (:mod:`gossiprec.trainer.state.header`). Wire format (big-endian)::
 
     request   "GRXQ" | ver u8 | transfer id (16) | len u32 | msgpack {epoch, step, start, end} | tag
     response  "GRXS" | ver u8 | kind u8 | donor salt (16) | len u32 | msgpack body | tag
@@ -49,8 +49,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from gossiprec.errors import ConfigError, DecodeError, SecurityError, TransferError
-from gossiprec.trainer.capture import StateSnapshot
-from gossiprec.trainer.header import TensorSpec
+from gossiprec.trainer.state.capture import StateSnapshot
+from gossiprec.trainer.state.header import TensorSpec
 
 REQ_MAGIC = b"GRXQ"
 RESP_MAGIC = b"GRXS"

@@ -3,13 +3,13 @@
 Step ``s`` is committed on a rank when its optimizer step has finished and ``commit()`` has captured
 the objects into a snapshot (a copy, into a reused buffer). The bulk of that copy, the parameters
 handed to ``allreduce_gradients`` and the optimizer's state (the *late* tensors), is made by the
-:class:`~gossiprec.trainer.copier.Copier` while step ``s + 1`` computes: only the optimizer step
+:class:`~gossiprec.trainer.state.copier.Copier` while step ``s + 1`` computes: only the optimizer step
 changes those tensors, and the next all-reduce of gradients waits for the copy (:meth:`Snapshots.settle`)
 before it returns. Each source's in-place version counter is checked then, so a loop that changes
 parameters between ``commit()`` and ``allreduce_gradients()`` gets a clear error instead of a torn
 snapshot. Everything else (buffers a forward pass updates, RNG, data position) is copied inside
 ``commit()``. Tensors on a GPU go to pinned host buffers on a side stream that waits for the optimizer
-step's kernels (:class:`~gossiprec.trainer.capture.DeferredCopies`).
+step's kernels (:class:`~gossiprec.trainer.state.capture.DeferredCopies`).
 
 How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
 <gossiprec.trainer.config.TrainerConfig.snapshot_copies>`):
@@ -31,7 +31,7 @@ How many host copies are kept (``copies``, :attr:`TrainerConfig.snapshot_copies
   once every rank has committed ``s`` (the trainer's commit barrier, waited before the step's optimizer
   step), :meth:`harden` copies ``s`` over ``s - 1``, before the optimizer changes the tensors. 1x.
 * **0** (snapshot-free): no copy of parameters and optimizer state; a commit's snapshot *is* the live
-  tensors (:attr:`~gossiprec.trainer.capture.StateSnapshot.live`), valid until the next optimizer step
+  tensors (:attr:`~gossiprec.trainer.state.capture.StateSnapshot.live`), valid until the next optimizer step
   modifies them. Only the small rest (buffers, RNG, data position) is copied, so a step interrupted
   before its optimizer step is undone exactly; a step whose optimizer step ran must be rolled forward
   (every survivor commits it, which the agents' report hold waits for). In a sharded job no rank steps
@@ -48,9 +48,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from gossiprec.errors import ConfigError, RecoveryError
-from gossiprec.trainer.capture import StateSnapshot, capture_deferred
-from gossiprec.trainer.copier import Copier
-from gossiprec.trainer.receive import restore_state
+from gossiprec.trainer.state.capture import StateSnapshot, capture_deferred
+from gossiprec.trainer.state.copier import Copier
+from gossiprec.trainer.state.receive import restore_state
 
 if TYPE_CHECKING:
     import torch

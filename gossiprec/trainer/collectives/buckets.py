@@ -10,7 +10,7 @@ all-reduce is issued only when every bucket before it has been issued (bucket ``
 so every rank issues the same collectives in the same order whatever the order gradients arrived in.
 :meth:`GradientBuckets.finish` (from ``allreduce_gradients``) issues the buckets backward did not
 complete (a parameter that got no gradient counts as zero), waits for each (interruptibly: the wait
-raises :class:`~gossiprec.trainer.groups.CollectiveAborted` when the agent aborts the group) and copies
+raises :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted` when the agent aborts the group) and copies
 the averages back into ``.grad``. A hook never raises into backward: a collective that cannot be
 issued (the group was aborted) is remembered and raised by ``finish``.
 
@@ -22,7 +22,7 @@ backend's average, whose order for a given buffer size and world size does not c
 Nothing depends on timing, so a run with failures reduces exactly as the failure-free run does.
 
 After a failed step the buffers are dropped, not reused: an aborted collective may still write into
-its buffer later (:mod:`gossiprec.trainer.groups`).
+its buffer later (:mod:`gossiprec.trainer.collectives.groups`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.groups import CollectiveAborted
+from gossiprec.trainer.collectives.groups import CollectiveAborted
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,36 @@ def rank_ordered_mean(rows: list[torch.Tensor]) -> torch.Tensor:
     for r in rows[1:]:
         total.add_(r)
     return total.div_(len(rows))
+
+
+def allreduce_flat(plist: list[torch.Tensor], allreduce: Callable[[torch.Tensor, str], bool], rank: int,
+                   world_size: int, *, exact: bool) -> bool:
+    """Average the gradients of ``plist`` with one flat all-reduce (``allreduce(tensor, op)``; False when
+    it was interrupted, and then nothing is written back). A parameter without a gradient counts as
+    zero; ``exact``: each rank's gradients in their own row, added in rank order
+    (:func:`rank_ordered_mean`)."""
+    import torch
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plist]
+    flat = torch.cat([g.reshape(-1) for g in grads])  # a fresh buffer: an aborted one may be written later
+    if exact:
+        rows = flat.new_zeros((world_size, flat.numel()))
+        rows[rank] = flat
+        if not allreduce(rows, "sum"):
+            return False
+        flat = rank_ordered_mean(list(rows.unbind(0)))
+    elif not allreduce(flat, "avg"):
+        return False
+    offset = 0
+    for p, g in zip(plist, grads, strict=True):
+        n = g.numel()
+        chunk = flat[offset:offset + n].view_as(g)
+        if p.grad is None:
+            p.grad = chunk.clone()
+        else:
+            p.grad.copy_(chunk)
+        offset += n
+    return True
 
 
 class GradientBuckets:

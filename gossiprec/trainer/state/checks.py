@@ -1,8 +1,8 @@
 """Replica checks: every replica of a shard must hold the same state; compare them, and the live tensors.
 
-The ranks of each replica group compare a digest of their state (:mod:`gossiprec.trainer.digest`) at
+The ranks of each replica group compare a digest of their state (:mod:`gossiprec.trainer.state.digest`) at
 the first all-reduce of gradients after the start, after the first step, after every recovery and
-every ``verify_every`` steps; a mismatch raises :class:`~gossiprec.trainer.digest.ReplicaMismatch`.
+every ``verify_every`` steps; a mismatch raises :class:`~gossiprec.trainer.state.digest.ReplicaMismatch`.
 The commits that are checked (the first step's, every ``verify_every``-th) are copied and
 checksummed in place, and the next all-reduce hashes the live parameters and optimizer state again:
 a write torch does not track (``.data``) between the two raises :class:`~gossiprec.errors.RecoveryError`,
@@ -15,16 +15,16 @@ import zlib
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from gossiprec.errors import RecoveryError
-from gossiprec.trainer.digest import (
+from gossiprec.trainer.state.digest import (
     PendingDigest, ReplicaMismatch, StateDigest, describe, differing_groups, digest_of_snapshot, rows_tensor,
 )
-from gossiprec.trainer.header import tensor_bytes, walk_objects
-from gossiprec.trainer.snapshots import Snapshots, late_tensors
+from gossiprec.trainer.state.header import tensor_bytes, walk_objects
+from gossiprec.trainer.state.snapshots import Snapshots, late_tensors
 
 if TYPE_CHECKING:
     import torch
 
-    from gossiprec.trainer.capture import StateSnapshot
+    from gossiprec.trainer.state.capture import StateSnapshot
     from gossiprec.trainer.objects import Stateful
 
 Collective = Callable[["torch.Tensor", str], bool]

@@ -21,8 +21,8 @@ import zlib
 from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Sequence
 
 from gossiprec.errors import ConfigError, TransferError
-from gossiprec.trainer.capture import StateSnapshot
-from gossiprec.trainer.header import (
+from gossiprec.trainer.state.capture import StateSnapshot
+from gossiprec.trainer.state.header import (
     StateHeader, decode_tree, dtype_name, dtype_of, tensor_bytes, unpack_header, walk_objects,
 )
 

@@ -375,7 +375,7 @@ def walk_objects(objects: Mapping[str, Stateful], *, wrappers: dict[str, Any] | 
     A ``DTensor`` (tensor parallelism, FSDP2 parameters and their optimizer state) stands for its
     local shard: that is what this rank holds, saves and serves, and what the same coordinate of
     another replica holds too. ``wrappers`` (if given) gets each such path -> the DTensor, so that a
-    receiver can wrap the bytes it landed in the shard again (:class:`~gossiprec.trainer.receive.ReceiveTarget`).
+    receiver can wrap the bytes it landed in the shard again (:class:`~gossiprec.trainer.state.receive.ReceiveTarget`).
     """
     trees: dict[str, Any] = {}
     found: list[tuple[str, torch.Tensor]] = []

@@ -1,6 +1,6 @@
 """Python's and numpy's global Mersenne Twister states read straight from their C structs.
 
-:class:`~gossiprec.trainer.rng.RNGState` reads both on every commit; the public APIs build hundreds of
+:class:`~gossiprec.trainer.state.rng.RNGState` reads both on every commit; the public APIs build hundreds of
 Python ints each time, these readers copy one block of memory. Nothing about the layouts is assumed:
 each reader's :meth:`probe` locates the fields on a scratch generator and must reproduce the public
 API's result exactly, there and on the global generator, or it is not used; every read checks that the

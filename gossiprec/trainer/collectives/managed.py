@@ -8,7 +8,7 @@ subclass that torch creates once (through the ``gossiprec`` backend that :func:`
 registers and makes the default one) and that forwards every collective to the backend of the current
 epoch: a gloo group (CPU tensors), or an NCCL one with non-blocking communicators (CUDA tensors; a
 world made with ``backend="nccl"``), built by :meth:`ManagedWorld.configure` on ``PrefixStore`` of the
-epoch and the group's key, kept in an :class:`~gossiprec.trainer.groups.EpochGroups` per managed group.
+epoch and the group's key, kept in an :class:`~gossiprec.trainer.collectives.groups.EpochGroups` per managed group.
 NCCL's collectives are waited by polling their completion (its ``wait`` does not block the host), and
 an abort also aborts its communicators.
 
@@ -23,7 +23,7 @@ Every collective returns a :class:`ManagedWork` whose ``wait`` runs :func:`group
 against the epoch's abort event, whether torch waits from Python (FSDP2, ``dist.*``) or from C++
 (functional collectives: DTensor redistribution, through the ProcessGroup trampoline). So
 :meth:`ManagedWorld.abort`, called from another thread (the agent follower's), makes every blocked wait
-raise :class:`~gossiprec.trainer.groups.CollectiveAborted` within a poll slice; afterwards every
+raise :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted` within a poll slice; afterwards every
 collective on that epoch raises at once until the next :meth:`ManagedWorld.configure`. Retired
 backends, and the work and tensors still pending on an aborted one, stay referenced in a graveyard and
 are never destroyed (gloo's destructor blocks on a hung peer): a process with a hung backend should
@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from gossiprec.core.topology import JobTopology
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.groups import (
+from gossiprec.trainer.collectives.groups import (
     BACKENDS, CollectiveAborted, EpochGroup, EpochGroups, check_nccl_environment, wait_interruptible,
 )
 from gossiprec.trainer.keys import TransferKeys
@@ -344,7 +344,7 @@ class ManagedWorld:
     in calls ``on_slow()`` once, from the waiting thread (the trainer can report "waiting"), and
     :attr:`on_resume` when that wait completes. :attr:`on_issue` is called as each collective is
     entered, on any group (the trainer counts them: its position in the step).
-    ``host`` and ``keys``: as for :class:`~gossiprec.trainer.groups.EpochGroups` (the address gloo binds
+    ``host`` and ``keys``: as for :class:`~gossiprec.trainer.collectives.groups.EpochGroups` (the address gloo binds
     to, the agent's; the cluster's keys every store value is sealed with), for every group.
     ``backend``: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors, on the current CUDA device).
     """

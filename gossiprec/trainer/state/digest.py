@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence
 import msgpack
 
 from gossiprec.errors import RecoveryError
-from gossiprec.trainer.capture import StateSnapshot, capture_state
-from gossiprec.trainer.header import tensor_bytes
+from gossiprec.trainer.state.capture import StateSnapshot, capture_state
+from gossiprec.trainer.state.header import tensor_bytes
 from gossiprec.trainer.objects import Stateful
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """The background copier: finishes a commit's deferred tensor copies while the next step computes.
 
 A commit leaves the copies of the tensors only the optimizer step changes (parameters, optimizer state)
-as a :class:`~gossiprec.trainer.capture.DeferredCopies` job. The owner either submits it to the
+as a :class:`~gossiprec.trainer.state.capture.DeferredCopies` job. The owner either submits it to the
 copier's thread at once (large, or from a GPU: the DMA then runs beside the next step's kernels) or
 holds it and releases it to the thread later. Whoever needs the copies before the thread has begun a
 held job makes them itself, in its own thread.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 
 from gossiprec.errors import RecoveryError
-from gossiprec.trainer.capture import DeferredCopies
+from gossiprec.trainer.state.capture import DeferredCopies
 
 
 class Copier:

@@ -4,7 +4,7 @@ One thread per connection, on blocking sockets: ``sendall(memoryview)`` goes str
 snapshot's tensors, with no copy in Python. A request must authenticate under one of the keys the donor
 accepts (every installed key of a keyring that rotates, :mod:`gossiprec.trainer.keys`; the answer goes
 out under the key that opened it) and carry a transfer id not served before
-(:mod:`gossiprec.trainer.transfer_wire`); anything else gets an unauthenticated refusal, and errors on
+(:mod:`gossiprec.trainer.transfer.wire`); anything else gets an unauthenticated refusal, and errors on
 one connection never reach the others or the training loop.
 """
 
@@ -22,9 +22,9 @@ import msgpack
 from cryptography.exceptions import InvalidTag
 
 from gossiprec.errors import ConfigError, DecodeError, GossiprecError
-from gossiprec.trainer.capture import StateSnapshot
+from gossiprec.trainer.state.capture import StateSnapshot
 from gossiprec.trainer.keys import TransferKeys
-from gossiprec.trainer.transfer_wire import (
+from gossiprec.trainer.transfer.wire import (
     DEFAULT_CHUNK, ID_SIZE, KIND_OK, KIND_REFUSED, MAX_REQUEST_BODY, REQ_MAGIC, REQ_PREFIX, TAG_SIZE, VERSION, WHOLE,
     LazySeal, SealedState, TransferRequest, check_key, derive_aead, open_request, recv_exact, select_chunks,
     send_frame, send_plain_refusal, shutdown,

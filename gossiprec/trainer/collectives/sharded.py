@@ -3,20 +3,20 @@
 A :class:`MeshSpec` names the mesh's shape and dimensions and which dimension(s) replicate the state
 (``dp`` for dp x tp, ``replicate`` for HSDP). From it alone come the agents' job topology
 (:meth:`MeshSpec.topology`: the ranks along the replicate dimension hold the same shard, each line one
-replica group, read by :func:`~gossiprec.trainer.managed.mesh_topology`) and the job spec's ``[job]``
+replica group, read by :func:`~gossiprec.trainer.collectives.managed.mesh_topology`) and the job spec's ``[job]``
 lines (:meth:`MeshSpec.job_toml`), so it is never typed twice; :meth:`MeshSpec.check_view` refuses a
 view whose replica groups say otherwise.
 
 :class:`ShardedWorld` is the trainer's side once the rank is known: it makes the ``gossiprec`` backend
-torch's default group (:func:`~gossiprec.trainer.managed.init_managed_world`), builds the
+torch's default group (:func:`~gossiprec.trainer.collectives.managed.init_managed_world`), builds the
 ``DeviceMesh`` and calls the user's ``build(mesh)`` for the objects, once per process, in the same
 order in every process (the managed groups' store keys depend on it); then each epoch's
 :meth:`ShardedWorld.configure` gives every group of the mesh that epoch's backend, and
 :meth:`ShardedWorld.abort` makes every collective blocked anywhere (forward, backward, optimizer, user
-code) raise :class:`~gossiprec.trainer.groups.CollectiveAborted`.
+code) raise :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted`.
 
 The mesh has a fixed shape: a replacement takes the lost rank's coordinate, and a plan that shrinks
-the job (drops replicas) is refused (:class:`~gossiprec.trainer.recovery.MeshShrinkRefused`): torch's
+the job (drops replicas) is refused (:class:`~gossiprec.trainer.exits.MeshShrinkRefused`): torch's
 groups keep the sizes they were made with.
 
 Importing this module does not import torch; :class:`ShardedWorld` does when it builds.
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.recovery import MeshShrinkRefused
+from gossiprec.trainer.exits import MeshShrinkRefused
 
 if TYPE_CHECKING:
     from gossiprec.core.topology import JobTopology
     from gossiprec.trainer.keys import TransferKeys
-    from gossiprec.trainer.managed import ManagedWorld
+    from gossiprec.trainer.collectives.managed import ManagedWorld
     from gossiprec.trainer.objects import Stateful
 
 
@@ -82,7 +82,7 @@ class MeshSpec:
 
     def topology(self, *, min_replicas: int = 1) -> JobTopology:
         """The agents' job topology: one replica group per line of the mesh along the replicate dimension(s)."""
-        from gossiprec.trainer.managed import mesh_topology
+        from gossiprec.trainer.collectives.managed import mesh_topology
 
         return mesh_topology(_RankGrid(self), self.replicated, allow_shrink=False, min_replicas=min_replicas)
 
@@ -113,6 +113,18 @@ class MeshSpec:
                 f"(MeshSpec.job_toml()):\n{self.job_toml() if _grid_ok(self) else '(no grid expresses it)'}")
 
 
+def check_sharded_args(mesh: object, build: object, objects: object, backend: str) -> MeshSpec:
+    """The trainer's ``mesh``, once its arguments make a sharded job: ``mesh`` a :class:`MeshSpec`, a
+    ``build``, no ``objects``, and the mesh's ``backend``; ConfigError otherwise."""
+    if not isinstance(mesh, MeshSpec) or build is None or objects is not None:
+        raise ConfigError("a sharded job passes mesh=MeshSpec(...) and build=callable(mesh) -> objects, and "
+                          "objects=None (the objects are built once the mesh exists)")
+    if backend != mesh.backend:
+        raise ConfigError(f"a mesh on {mesh.device!r} runs on {mesh.backend}: pass TrainerConfig(backend="
+                          f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
+    return mesh
+
+
 def _grid_ok(spec: MeshSpec) -> bool:
     try:
         spec.job_toml()
@@ -122,7 +134,7 @@ def _grid_ok(spec: MeshSpec) -> bool:
 
 
 class _RankGrid:
-    """What :func:`~gossiprec.trainer.managed.mesh_topology` reads of a mesh (ranks row-major, names)."""
+    """What :func:`~gossiprec.trainer.collectives.managed.mesh_topology` reads of a mesh (ranks row-major, names)."""
 
     def __init__(self, spec: MeshSpec) -> None:
         import torch
@@ -182,7 +194,7 @@ class ShardedWorld:
             raise ConfigError("the mesh is built once per process")
         from torch.distributed.device_mesh import init_device_mesh
 
-        from gossiprec.trainer.managed import init_managed_world
+        from gossiprec.trainer.collectives.managed import init_managed_world
 
         self.world = init_managed_world(rank, self.spec.world_size, timeout=self.timeout,
                                         poll_interval=self.poll_interval, slow_after=self.slow_after,
@@ -225,7 +237,7 @@ class ShardedWorld:
 
     def settle_barrier(self) -> bool:
         """Wait for the commit barrier issued this step; True once every rank has entered it, False if
-        none is pending. Raises :class:`~gossiprec.trainer.groups.CollectiveAborted` when a view change
+        none is pending. Raises :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted` when a view change
         interrupts it."""
         work, self._barrier = self._barrier, None
         if work is None:
@@ -243,7 +255,7 @@ class ShardedWorld:
         the replacement does (a collective mismatch). Work still pending on the aborted backend is
         dropped, not waited for (it never completes), and so is the commit barrier. Returns the modules reset."""
         self.drop_barrier()
-        from gossiprec.trainer.managed import ManagedWork
+        from gossiprec.trainer.collectives.managed import ManagedWork
 
         done = 0
         for obj in objects.values():

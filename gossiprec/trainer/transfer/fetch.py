@@ -1,10 +1,10 @@
 """The receiver: fetch a state from its donors, striped, straight into the local tensors, and load it.
 
 :func:`fetch_state` runs one thread per donor on blocking sockets: ``recv_into`` lands the bytes in
-the receiver's pre-allocated tensors (:class:`~gossiprec.trainer.receive.ReceiveTarget`) with no copy
+the receiver's pre-allocated tensors (:class:`~gossiprec.trainer.state.receive.ReceiveTarget`) with no copy
 in Python, and a second thread per donor checks each chunk's tag while the next one arrives. The
 crc32s of the state header are checked after assembly only when asked (``verify_crc``): the seal
-already covers every byte from seal time on (:mod:`gossiprec.trainer.transfer_wire`).
+already covers every byte from seal time on (:mod:`gossiprec.trainer.transfer.wire`).
 
 Failure handling: every receive uses ``stall_timeout`` (no byte for that long -> the donor is declared
 stalled), a closed connection is reported at once, and the whole fetch has a deadline. The first error
@@ -28,9 +28,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from gossiprec.errors import ConfigError, DecodeError, TransferError
-from gossiprec.trainer.header import StateHeader
-from gossiprec.trainer.receive import BoundTarget, ReceiveTarget
-from gossiprec.trainer.transfer_wire import (
+from gossiprec.trainer.state.header import StateHeader
+from gossiprec.trainer.state.receive import BoundTarget, ReceiveTarget
+from gossiprec.trainer.transfer.wire import (
     ID_SIZE, KIND_OK, KIND_REFUSED, KIND_UNAUTHENTICATED_REFUSAL, MAX_CHUNK, MAX_RESPONSE_BODY, MIN_CHUNK,
     RESP_MAGIC, RESP_PREFIX, TAG_SIZE, VERSION, WHOLE, TransferAuthError, TransferRequest, check_key, derive_aead,
     encode_request, even_stripes, nonce, plan_chunks, recv_exact, recv_into_exact, select_chunks, shutdown,
@@ -172,7 +172,7 @@ def fetch_state(donors: Sequence[Address], key: bytes, target: ReceiveTarget, *,
     ``on_progress(donor index, bytes received so far)`` is called from the receiving threads after
     each chunk. Raises :class:`TransferError` (naming the donor) when a donor refuses, dies, stalls
     for ``stall_timeout`` seconds, sends bytes that do not authenticate (:class:`TransferAuthError`)
-    or when ``timeout`` passes; :class:`~gossiprec.trainer.receive.LayoutMismatch` when the state does
+    or when ``timeout`` passes; :class:`~gossiprec.trainer.state.receive.LayoutMismatch` when the state does
     not fit the local objects.
     """
     check_key(key)

@@ -1,10 +1,10 @@
 """Capture (the donor side): copy the registered objects' state into a snapshot, now or deferred.
 
-:func:`capture_state` walks the objects (:func:`~gossiprec.trainer.header.walk_objects`) and copies
+:func:`capture_state` walks the objects (:func:`~gossiprec.trainer.state.header.walk_objects`) and copies
 every tensor into a contiguous CPU tensor of the payload, optionally with its crc32 in the header.
 crc32 is the in-memory end-to-end check: computed at capture, it also catches a snapshot that was
 mutated after it was taken (``copy=False`` while training runs on). Over the network the transfer
-seals chunks with keyed GMAC tags instead (:mod:`gossiprec.trainer.transfer_wire`).
+seals chunks with keyed GMAC tags instead (:mod:`gossiprec.trainer.transfer.wire`).
 
 :func:`capture_deferred` leaves the copies of chosen tensors (those only the optimizer step changes)
 to the caller as :class:`DeferredCopies`, to run while the next step computes; a CUDA source then goes
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence, cast
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.header import StateHeader, TensorSpec, dtype_name, tensor_bytes, walk_objects
+from gossiprec.trainer.state.header import StateHeader, TensorSpec, dtype_name, tensor_bytes, walk_objects
 
 if TYPE_CHECKING:  # torch is imported lazily: the non-torch parts of gossiprec must not pull it in
     import torch
