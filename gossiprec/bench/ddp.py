@@ -122,7 +122,7 @@ def _rank_main(rank: int, port: int, store_port: int, args: dict[str, Any], out:
         if rt is not None and name != "buckets-nocommit":
             rt.commit()
         elif rt is not None:
-            rt.step += 1
+            rt.install(rt.identity.but(step=rt.step + 1))
 
     for name in args["loops"]:
         for _ in range(args["warmup"]):

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from gossiprec.core.config import Config
+from gossiprec.core.wire import ROLES as ROLES  # what GOSSIPREC_ROLE may say: a member's roles
 from gossiprec.errors import ConfigError, SecurityError
 from gossiprec.security.keyring import Keyring
 
@@ -53,8 +54,6 @@ KEYRING_ENV = "GOSSIPREC_KEYRING"
 KEYRING_FD_ENV = "GOSSIPREC_KEYRING_FD"
 """The variable naming the descriptor the keyring arrives on (``gossiprec run --keyring-fd``)."""
 
-ROLES = ("trainer", "spare")
-"""What ``GOSSIPREC_ROLE`` may say."""
 DEFAULT_CLUSTER: str = Config().cluster
 """The cluster name when none is given: the protocol's own default (agent and trainer agree on it)."""
 

@@ -153,11 +153,9 @@ class AgentLink:
         if page is not None and step >= 0:
             page.report(step, _PHASE_INDEX[phase], self.step_ms, self._coll)
 
-    def set_state(self, committed: int, inflight: int | None, nbytes: int, port: int | None, *,
-                  quiet: bool = False) -> None:
+    def set_state(self, committed: int, inflight: int | None, nbytes: int, port: int | None) -> None:
         """What this rank could serve: committed step ``committed`` (and ``inflight``, a newer step held
-        too), ``nbytes`` of it (0: nothing), from the donor on ``port``. ``quiet``: a failure of the
-        socket is not taken for a lost agent."""
+        too), ``nbytes`` of it (0: nothing), from the donor on ``port``."""
         page = self._page
         if page is not None:
             page.set_state(committed, inflight, nbytes, port)
@@ -165,8 +163,16 @@ class AgentLink:
         try:
             self.control.set_state(committed, inflight, nbytes, port, wait=False)
         except ControlError as exc:
-            if not quiet:
-                self._on_lost(str(exc))
+            self._on_lost(str(exc))
+
+    def tell_state(self, committed: int, inflight: int | None, nbytes: int, port: int | None) -> None:
+        """:meth:`set_state` over the control socket whether or not the page is open, a failure ignored:
+        the recovery's word of what this rank holds after a plan, which the agent applies at once (the
+        page's own state replaces it at the page's next write)."""
+        try:
+            self.control.set_state(committed, inflight, nbytes, port, wait=False)
+        except ControlError:
+            pass
 
     def close(self) -> None:
         """Close the page (the socket is the caller's)."""

@@ -397,7 +397,7 @@ class Recovery:
         t.install(RankIdentity(epoch=epoch, rank=my_rank, world_size=world, role="trainer", step=target))
         if not mine and action != "checkpoint":
             snap = self._snaps.at(target)
-            self._link.set_state(target, None, snap.header.total_nbytes if snap else 0, None, quiet=True)
+            self._link.tell_state(target, None, snap.header.total_nbytes if snap else 0, None)
         old_world = self._job.world_size
         pending.fields["previous_world_size"] = old_world
         if old_world and old_world != world and t.on_resize is not None:

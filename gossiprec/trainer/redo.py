@@ -12,7 +12,7 @@ gradients.
   optimizer's parameters. The trainer calls it after every recovery, once the state is restored.
 - :class:`RedoGuard` checks the redone step at its first collective: until that step's backward has
   produced a gradient, no slot may hold one. A slot that does (left by state the library did not know
-  to reset, or written by the loop) raises :class:`~gossiprec.trainer.recovery.RecoveryError` naming
+  to reset, or written by the loop) raises :class:`~gossiprec.errors.RecoveryError` naming
   it, instead of training on. What it cannot see: a leftover on a parameter whose gradient this step's
   backward had already reached before its first collective (a loop whose first collective comes after
   backward, as plain data-parallel loops: their gradients are overwritten by the average, not added to).
