@@ -46,6 +46,7 @@ from gossiprec.security.signing import Ed25519Crypto, load_signing_key, parse_pu
 from gossiprec.core.bootstrap import Booting, BootParams, Bootstrap, Candidate
 from gossiprec.core.config import Config
 from gossiprec.core.machine import Machine, MachineFactory
+from gossiprec.core.mesh import MeshShape, describe_groups, describe_topology, parse_mesh
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
@@ -133,6 +134,35 @@ def load_pins(path: str) -> dict[str, bytes]:
     return pins
 
 
+def check_mesh(view0: View, mesh: MeshShape | None, where: str, spec: str) -> None:
+    """Refuse (ConfigError) a job spec whose topology is not the launched mesh's (``--mesh``,
+    ``GOSSIPREC_MESH``: ``where``), naming both: the agents would run one topology and the trainers
+    build another. ``spec`` names the job spec."""
+    if mesh is None:
+        return
+    topo = view0.topology
+    parse_mesh(mesh.text, topo.world_size, where=f"{where} (with job spec {spec})")
+    if topo.replica_groups != mesh.topology().replica_groups:
+        raise ConfigError(f"{where} {mesh.text} has replica groups {describe_groups(mesh.topology())}, but job spec "
+                          f"{spec} says {describe_topology(topo.world_size, topo.replica_groups)}: write the spec "
+                          f"with `gossiprec spec --mesh {mesh.text}`, or drop {where}")
+
+
+def check_member(view0: View, settings: AgentSettings) -> None:
+    """Refuse (ConfigError, listing the spec's members) a trainer named outside the job spec: a mistyped
+    ``--name`` would otherwise join the running job as a spare and never train. A spare (``--spare``,
+    ``--role spare``) may join under a name the spec does not list: that is how a spare is added to a
+    running job."""
+    name = settings.name
+    if name is None or settings.role == "spare" or view0.member(name) is not None:
+        return
+    names = [m.node for m in view0.members]
+    shown = ", ".join(names[:16]) + (f" ... ({len(names)} in all)" if len(names) > 16 else "")
+    raise ConfigError(f"{settings.origins.get('name', '--name')} {name!r} is not a member of job spec "
+                      f"{settings.job} ({shown}): give one of its names, or --spare (--role spare for "
+                      "`gossiprec agent`) to join the running job as a hot spare")
+
+
 def signing_crypto(settings: AgentSettings) -> Ed25519Crypto:
     """The key this agent signs with: its ``--signing-key`` file (made when absent), else a fresh one."""
     if settings.signing_key is None:
@@ -165,12 +195,16 @@ def key_book(name: str, crypto: Ed25519Crypto, pins: dict[str, bytes], settings:
 def node_factory(settings: AgentSettings) -> MachineFactory:
     """The machine agents run by default: the whole core (:class:`~gossiprec.core.node.Node`).
 
-    With a job spec (``--job``) every agent starts from the same view 0; a node not listed there, or
-    an agent started without a job spec, joins the running job through its seeds (as a spare).
+    With a job spec (``--job``) every agent starts from the same view 0; a spare not listed there, or
+    an agent started without a job spec, joins the running job through its seeds (as a spare); a trainer
+    named outside the spec is refused (:func:`check_member`).
     """
     if settings.nnodes is not None:
         return boot_factory(settings)
     view0, pins = load_job(settings.job) if settings.job else (None, {})
+    if view0 is not None:
+        check_mesh(view0, settings.mesh_shape(), settings.origins.get("mesh", "--mesh"), str(settings.job))
+        check_member(view0, settings)
     agreement = settings.agreement_config()
     crypto = signing_crypto(settings)
     if settings.name is not None:
@@ -207,7 +241,7 @@ def boot_factory(settings: AgentSettings) -> MachineFactory:
     assert settings.nnodes is not None
     seeds = settings.seed_addrs()
     params = BootParams(settings.nnodes * settings.nproc_per_node, settings.spares, seeds,
-                        allow_shrink=settings.allow_shrink)
+                        allow_shrink=settings.allow_shrink, mesh=settings.mesh_shape())
     agreement = settings.agreement_config()
     host = settings.host or socket.gethostname()
     crypto = signing_crypto(settings)

@@ -26,7 +26,7 @@ Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC
     GOSSIPREC_ROLE GOSSIPREC_RANK GOSSIPREC_PROFILE GOSSIPREC_CLUSTER GOSSIPREC_KEYRING
     GOSSIPREC_INSECURE (1/0, true/false, yes/no) GOSSIPREC_CONTROL GOSSIPREC_LOG_FORMAT
     GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_METRICS_BIND GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
-    GOSSIPREC_EXIT_BELL (1/0) GOSSIPREC_CONFIG (path of the TOML file)
+    GOSSIPREC_EXIT_BELL (1/0) GOSSIPREC_MESH (the device mesh, as --mesh) GOSSIPREC_CONFIG (path of the TOML file)
 
 TOML file: the same names as the dataclass fields at top level (``port = 7980``, ``seeds = ["a:7980"]``),
 plus an optional ``[protocol]`` table of ``Config`` overrides (``probe_interval = 0.2``).
@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from gossiprec.core.config import AgreementConfig, Config
+from gossiprec.core.mesh import MeshShape, parse_mesh
 from gossiprec.errors import ConfigError
 from gossiprec.local.launch import (
     CLUSTER_ENV, CONTROL_ENV, DEFAULT_CLUSTER, KEYRING_ENV, NODE_ENV, PORTS_PER_AGENT, RANK_ENV, ROLE_ENV, ROLES,
@@ -95,6 +96,7 @@ ENV: dict[str, str] = {
     "host": "GOSSIPREC_HOST",
     "bootstrap_timeout": "GOSSIPREC_BOOTSTRAP_TIMEOUT",
     "public_keys": "GOSSIPREC_PUBLIC_KEYS",
+    "mesh": "GOSSIPREC_MESH",
 }
 """Setting field -> environment variable."""
 ENV_CONFIG_FILE = "GOSSIPREC_CONFIG"
@@ -176,6 +178,11 @@ class AgentSettings:
     """With ``nnodes``: a TOML file whose ``[public_keys]`` table pins agents' public keys, as a job spec's
     does (``gossiprec keys public``); then only the agents it names take part in the bootstrap, and each
     runs with its ``signing_key``. None: keys bound on first use."""
+    mesh: str | None = None
+    """The job's device mesh, ``NAME=SIZE,NAME=SIZE``, the replicate (data-parallel) dimension first
+    (``replicate=2,shard=4``; a single ``replicate=N`` is plain DDP; see gossiprec.core.mesh). With ``nnodes``
+    view 0's topology is the mesh's; with a job spec the spec's topology must be the mesh's. None: the
+    job spec's topology, or plain DDP (also when empty)."""
     config_file: str | None = None
     """The TOML file these settings were read from (informational)."""
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -253,6 +260,14 @@ class AgentSettings:
             bad("local_index", f"expected an integer >= 0, got {self.local_index!r}")
         if self.host is not None and not self.host:
             bad("host", "empty host name")
+        if self.mesh:
+            try:
+                trainers = None
+                if type(self.nnodes) is int and type(self.nproc_per_node) is int and type(self.spares) is int:
+                    trainers = self.nnodes * self.nproc_per_node - self.spares
+                parse_mesh(self.mesh, trainers, where=self.origins.get("mesh", "mesh"))
+            except ConfigError as exc:
+                problems.append(str(exc))
         if self.public_keys is not None and self.nnodes is None:
             bad("public_keys", "pins the keys of a bootstrap (--nnodes); a job spec pins them in its own "
                                "[public_keys] table")
@@ -297,6 +312,10 @@ class AgentSettings:
             if host and not _is_wildcard(host):
                 return host
         return "127.0.0.1"
+
+    def mesh_shape(self) -> MeshShape | None:
+        """The launched mesh (:attr:`mesh`, checked on construction), None without one."""
+        return parse_mesh(self.mesh) if self.mesh else None
 
     def seed_addrs(self) -> tuple[str, ...]:
         """Seeds normalised to ``host:port``."""
@@ -440,7 +459,7 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
     "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
     "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
-    "host": _as_opt_str, "bootstrap_timeout": _as_seconds, "public_keys": _as_opt_str,
+    "host": _as_opt_str, "bootstrap_timeout": _as_seconds, "public_keys": _as_opt_str, "mesh": _as_opt_str,
 }
 _CONFIG_FIELDS = {f.name: f for f in fields(Config)}
 _AGREEMENT_FIELDS = {f.name: f for f in fields(AgreementConfig)}
@@ -662,6 +681,10 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--host", default=None, help="host name ranks are ordered by (default: this machine's)")
     b.add_argument("--bootstrap-timeout", dest="bootstrap_timeout", type=float, default=None,
                    help="seconds to wait for view 0 before giving up (default 300)")
+    b.add_argument("--mesh", default=None, metavar="NAME=SIZE,...",
+                   help="the device mesh, replicate (data-parallel) dimension first, e.g. replicate=2,shard=4 or "
+                        "dp=2,tp=2 (',' or ';' between dimensions; a single replicate=N is plain DDP): view 0's "
+                        "replica groups with --nnodes; with --job, checked against the spec (env GOSSIPREC_MESH)")
     b.add_argument("--public-keys", dest="public_keys", metavar="FILE", default=None,
                    help="TOML file whose [public_keys] table pins the agents' keys: only they take part")
     g.add_argument("--protocol", metavar="NAME=VALUE", action="append", default=None,

@@ -11,6 +11,10 @@ that share one address when several hosts resolve to the same one (emulated node
 Hosts come from ``--hosts`` (Slurm's hostlist syntax: ``node[01-04],gpu7``) or, with ``--slurm``, from
 ``SLURM_JOB_NODELIST``, with this task's own member from ``SLURMD_NODENAME`` and ``SLURM_LOCALID``.
 A host name that does not resolve is looked up with ``scontrol show node`` (its ``NodeAddr``).
+
+The job's topology is plain DDP over the trainers, or a sharded job's device mesh with ``--mesh``
+(``replicate=2,shard=4``: :func:`~gossiprec.core.mesh.parse_mesh`), whose ``[job]`` table is the one the
+trainer's ``MeshSpec.job_toml()`` writes; its sizes must multiply to the trainers (slots minus spares).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence, cast
 
+from gossiprec.core.mesh import parse_mesh
 from gossiprec.errors import ConfigError
 from gossiprec.local.launch import PORTS_PER_AGENT
 
@@ -133,10 +138,18 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def to_toml(slots: Sequence[Slot], *, allow_shrink: bool = False) -> str:
-    """The job spec file (see :mod:`gossiprec.agent.jobspec`)."""
-    lines = ["# written by `gossiprec spec`: the same on every host that computes it", "[job]",
-             'topology = "ddp"', f"allow_shrink = {'true' if allow_shrink else 'false'}", ""]
+def to_toml(slots: Sequence[Slot], *, allow_shrink: bool = False, mesh: str | None = None,
+            where: str = "--mesh") -> str:
+    """The job spec file (see :mod:`gossiprec.agent.jobspec`). ``mesh``: the device mesh (``--mesh``), whose
+    ``[job]`` table it writes (:meth:`~gossiprec.core.mesh.MeshShape.job_toml`, as the trainer's
+    ``MeshSpec.job_toml`` does); ConfigError, naming ``where``, when its sizes do not multiply to the trainers."""
+    lines = ["# written by `gossiprec spec`: the same on every host that computes it"]
+    if mesh:
+        shape = parse_mesh(mesh, sum(1 for s in slots if s.role == "trainer"), where=where)
+        lines += [f"# the device mesh: {shape.text} (replicate dimension first)",
+                  *shape.job_toml(allow_shrink=allow_shrink).splitlines(), ""]
+    else:
+        lines += ["[job]", 'topology = "ddp"', f"allow_shrink = {'true' if allow_shrink else 'false'}", ""]
     for s in slots:
         lines += ["[[members]]", f'name = "{s.name}"', f'addr = "{s.addr}"', f'role = "{s.role}"',
                   f'host = "{s.host}"']
@@ -220,8 +233,10 @@ def _cmd(args: argparse.Namespace) -> int:
         if not sep or not name or not addr:
             raise ConfigError(f"--addr takes HOST=ADDRESS, got {item!r}")
         overrides[name] = addr
+    if args.mesh:
+        parse_mesh(args.mesh)  # its syntax, before any host is resolved (its size once the slots are known)
     slots = layout(hosts, nproc, args.spares, args.base_port, resolver(overrides, args.slurm, args.resolve_wait))
-    text = to_toml(slots, allow_shrink=args.allow_shrink)
+    text = to_toml(slots, allow_shrink=args.allow_shrink, mesh=args.mesh)
     if args.out:
         path = Path(args.out)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
@@ -257,6 +272,10 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help=f"first agent port of each host ({DEFAULT_BASE_PORT}); slot i uses base + {PORTS_PER_AGENT} i")
     p.add_argument("--allow-shrink", dest="allow_shrink", action="store_true",
                    help="with no spare left, drop data-parallel replicas instead of stopping")
+    p.add_argument("--mesh", default=None, metavar="NAME=SIZE,...",
+                   help="the device mesh of a sharded job, replicate (data-parallel) dimension first, e.g. "
+                        "replicate=2,shard=4 (HSDP) or dp=2,tp=2 (',' or ';' between dimensions; the sizes multiply "
+                        "to the trainers; a single replicate=N, or none, is plain DDP): writes its [job] table")
     p.add_argument("--addr", action="append", default=[], metavar="HOST=ADDRESS",
                    help="the address of a host that does not resolve (repeatable)")
     p.add_argument("--resolve-wait", dest="resolve_wait", type=float, default=0.0, metavar="SECONDS",

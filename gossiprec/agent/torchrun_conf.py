@@ -8,7 +8,11 @@ The slots come from a job spec (``spec=PATH``, as ``gossiprec spec`` writes it) 
 host list the way ``gossiprec spec`` computes them (``hosts=node[01-04]``, ``spares=N``,
 ``slots_per_host=K``, ``base_port=P``, ``addr=HOST=ADDRESS;...``, ``allow_shrink=1``): ranks in host
 order, spares last, ports per slot. torchrun splits ``--rdzv-conf`` at commas, so a host list writes
-``;`` (or ``+``) where Slurm's syntax has a comma: ``hosts=gpu[1-4];cpu7``.
+``;`` (or ``+``) where Slurm's syntax has a comma: ``hosts=gpu[1-4];cpu7``. A sharded job names its
+device mesh with ``mesh=`` (:func:`~gossiprec.core.mesh.parse_mesh`), its dimensions ``;``-separated for
+the same reason: ``--rdzv-conf 'hosts=gpu[1-4],mesh=replicate=2;shard=2'`` (torch 2.13 splits each item at
+its first ``=`` only, so the value keeps its own ``=``); with ``hosts=`` it writes the spec's ``[job]``
+table, with ``spec=`` the spec's topology must be the mesh's.
 
 This node's slot is ``name=NODE``, else ``GOSSIPREC_NODE``, else ``{host}-{local_index}`` (how
 ``gossiprec spec`` names slots) with ``host=`` (default: this machine's host name) and ``local_index=``
@@ -37,10 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from gossiprec.agent.jobspec import view0_from_dict
+from gossiprec.agent.jobspec import check_mesh, view0_from_dict
 from gossiprec.agent.launcher import DEFAULT_CHILD_NICE
 from gossiprec.agent.settings import ENV, AgentSettings, load_settings, split_host_port
 from gossiprec.agent.spec import DEFAULT_BASE_PORT, expand_hostlist, layout, resolver, to_toml
+from gossiprec.core.mesh import parse_mesh
 from gossiprec.errors import ConfigError
 
 BACKEND = "gossiprec"
@@ -53,6 +58,8 @@ CONF_KEYS = {
     "base_port": f"with hosts: first agent port of each host ({DEFAULT_BASE_PORT})",
     "addr": "with hosts: HOST=ADDRESS;... for hosts that do not resolve",
     "allow_shrink": "with hosts: drop replicas instead of stopping when no spare is left (0)",
+    "mesh": "the device mesh, NAME=SIZE;NAME=SIZE, replicate dimension first ('mesh=replicate=2;shard=4'): "
+            "with hosts, the spec's [job] table; with spec, checked against it",
     "name": "this node's slot name (default GOSSIPREC_NODE, else {host}-{local_index})",
     "host": "this node's host name (default: this machine's)",
     "local_index": "this node's index on its host (0)",
@@ -72,6 +79,7 @@ TORCH_KEYS = frozenset({"timeout", "join_timeout", "last_call_timeout", "close_t
 DEFAULT_TIMEOUT_S = 900.0
 """How long the rendezvous may take when torchrun gives no ``timeout`` (torchrun's own default)."""
 SEEDS = 3
+MESH_WHERE = "--rdzv-conf mesh"
 """Slots a node joins through when ``--rdzv-endpoint`` names none: the first ones, as ``gossiprec spec --me``."""
 
 
@@ -154,7 +162,8 @@ def spec_from_hosts(conf: Mapping[str, Any]) -> str:
         overrides[host.strip()] = addr.strip()
     slots = layout(hosts, _int(conf, "slots_per_host", 1), _int(conf, "spares", 0),
                    _int(conf, "base_port", DEFAULT_BASE_PORT), resolver(overrides, slurm=False))
-    return to_toml(slots, allow_shrink=bool(_bool(conf, "allow_shrink")))
+    return to_toml(slots, allow_shrink=bool(_bool(conf, "allow_shrink")), mesh=_text(conf, "mesh"),
+                   where=MESH_WHERE)
 
 
 def members_of(text: str, where: str) -> tuple[Member, ...]:
@@ -183,8 +192,12 @@ def plan_node(conf: Mapping[str, Any], endpoint: str, min_nodes: int, max_nodes:
     unknown = sorted(set(conf) - set(CONF_KEYS) - TORCH_KEYS)
     if unknown:
         known = "; ".join(f"{k}: {v}" for k, v in CONF_KEYS.items())
-        raise ConfigError(f"--rdzv-conf: unknown key(s) {', '.join(unknown)} for the gossiprec backend; "
+        hint = (" (torchrun splits --rdzv-conf at ',': separate the mesh's dimensions with ';', as in "
+                "'mesh=dp=2;tp=2')" if "mesh" in conf else "")
+        raise ConfigError(f"--rdzv-conf: unknown key(s) {', '.join(unknown)} for the gossiprec backend{hint}; "
                           f"known: {known}")
+    mesh_text = _text(conf, "mesh")
+    mesh = parse_mesh(mesh_text, where=MESH_WHERE) if mesh_text else None
     spec_path = _text(conf, "spec")
     if (spec_path is None) == (_text(conf, "hosts") is None):
         raise ConfigError("the gossiprec backend needs the job's slots: give --rdzv-conf spec=job.toml (from "
@@ -197,6 +210,8 @@ def plan_node(conf: Mapping[str, Any], endpoint: str, min_nodes: int, max_nodes:
     else:
         text = spec_from_hosts(conf)
     members = members_of(text, spec_path or "computed from hosts=")
+    if spec_path is not None:
+        check_mesh(view0_from_dict(tomllib.loads(text), spec_path), mesh, MESH_WHERE, spec_path)
     names = [m.name for m in members]
     if not min_nodes <= len(members) <= max_nodes:
         raise ConfigError(f"torchrun --nnodes {min_nodes if min_nodes == max_nodes else f'{min_nodes}:{max_nodes}'}"
@@ -213,7 +228,7 @@ def plan_node(conf: Mapping[str, Any], endpoint: str, min_nodes: int, max_nodes:
     flags: dict[str, Any] = {"name": name, "bind_host": host, "port": port, "seeds": seeds, "job": spec_path,
                              "keyring": _text(conf, "keyring"), "insecure": _bool(conf, "insecure"),
                              "cluster": _text(conf, "cluster"), "profile": _text(conf, "profile"),
-                             "log_level": _text(conf, "log_level")}
+                             "log_level": _text(conf, "log_level"), "mesh": mesh.text if mesh else None}
     settings = load_settings(flags, environ, _text(conf, "config"))
     timeout = float(_int(conf, "timeout", int(DEFAULT_TIMEOUT_S)))
     nice = _int(conf, "trainer_nice", DEFAULT_CHILD_NICE)

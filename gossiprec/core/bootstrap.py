@@ -17,7 +17,11 @@ as numbers, so ``node2`` comes before ``node10``), then local index, then name; 
 spares after all others. The first ``expected - spares`` are trainers with ranks 0, 1, ... in that
 order, the rest hot spares. Candidates beyond ``expected`` (late or extra) are not in view 0: they join
 the running job as spares, like any joiner. Too few candidates: nothing is decided; :class:`BootProgress`
-events say who is known, and the agent gives up after its timeout with that list.
+events say who is known, and the agent gives up after its timeout with that list. View 0's topology is
+plain DDP over the trainers, or the replica groups of the launched mesh (``--mesh``, :attr:`BootParams.mesh`).
+Every agent must be started for the same job: a hello says its size, spares and the mesh's replica group
+count (the replicate dimension comes first, so the count fixes the groups), and a candidate started
+otherwise is not counted (:class:`~gossiprec.core.events.BootMismatch`).
 
 Signatures (with a :class:`~gossiprec.core.auth.KeyBook`; without one nothing is signed or checked, and
 any candidate proposes). A candidate row carries the candidate's public key and its own signature of
@@ -59,6 +63,7 @@ import msgpack
 
 from gossiprec.core.auth import KeyBook, sign_if
 from gossiprec.core.events import BootMismatch, BootProgress, ViewZeroAgreed
+from gossiprec.core.mesh import MeshShape
 from gossiprec.core.records import MemberInfo, RandomSource, Send
 from gossiprec.core.topology import SPARE, TRAINER, JobTopology
 from gossiprec.core.view import View, ViewMember
@@ -148,6 +153,9 @@ class BootParams:
     """The topology's ``allow_shrink`` (see :class:`~gossiprec.core.topology.JobTopology`)."""
     min_replicas: int = 1
     """The topology's ``min_replicas``."""
+    mesh: MeshShape | None = None
+    """The launched device mesh (``--mesh``; its sizes multiply to the trainers), whose replica groups
+    are view 0's topology (:meth:`~gossiprec.core.mesh.MeshShape.topology`); None: plain DDP."""
     hello_interval: float = 0.2
     """Seconds between two hellos to the seeds (doubling while nothing changes, up to 8x)."""
     stagger: float = 0.1
@@ -172,14 +180,26 @@ class BootParams:
                               "the same list on every agent; several, so that a minority may be dead)")
         if len(set(self.seeds)) != len(self.seeds):
             raise ConfigError(f"the seed list names an address twice: {', '.join(self.seeds)}")
+        if self.mesh is not None and self.mesh.world_size != self.expected - self.spares:
+            raise ConfigError(f"--mesh {self.mesh.text} makes {self.mesh.world_size} ranks but the job has "
+                              f"{self.expected - self.spares} trainers ({self.expected} members, {self.spares} "
+                              "spares): the sizes must multiply to the trainer count")
 
     @property
     def quorum(self) -> int:
         return len(self.seeds) // 2 + 1
 
     def topology(self) -> JobTopology:
+        """View 0's topology: the mesh's replica groups (:attr:`mesh`), else plain DDP over the trainers."""
+        if self.mesh is not None:
+            return self.mesh.topology(allow_shrink=self.allow_shrink, min_replicas=self.min_replicas)
         return JobTopology.ddp(self.expected - self.spares, allow_shrink=self.allow_shrink,
                                min_replicas=self.min_replicas)
+
+    @property
+    def shards(self) -> int:
+        """The replica groups of view 0 (what a hello says of the mesh: 1 for plain DDP)."""
+        return len(self.topology().replica_groups)
 
 
 def view_zero(value: Iterable[Candidate], params: BootParams) -> View:
@@ -242,6 +262,7 @@ class Bootstrap:
         self._hellos: dict[str, BootHello] = {}
         self._progress_due = now + params.progress_interval
         self._mismatched: set[str] = set()
+        self._shards = params.shards
         self._arm_proposal(now)  # a job of one: nothing to wait for
 
     # ------------------------------------------------------------------ inputs
@@ -264,7 +285,7 @@ class Bootstrap:
                 hello = self._hellos.get(seed)
                 if hello is None or hello.known != n:
                     hello = sign_if(self.book, BootHello(self.me.row(), self.params.expected, self.params.spares,
-                                                         n, seed))
+                                                         n, seed, self._shards))
                     self._hellos[seed] = hello
                 # streams, not datagrams: a seed may be named by an address it does not advertise, and a
                 # datagram is sealed for the receiver's own advertised address
@@ -384,14 +405,14 @@ class Bootstrap:
         c = self._admit(msg.candidate)
         if c is None or not self._signed(c.name, msg):
             return
-        if (msg.expected, msg.spares) != (self.params.expected, self.params.spares):
+        if (msg.expected, msg.spares, msg.shards) != (self.params.expected, self.params.spares, self._shards):
             if c.name not in self._mismatched:
                 self._mismatched.add(c.name)
                 self.events.append(BootMismatch(c.name, c.addr, msg.expected, msg.spares, self.params.expected,
-                                                self.params.spares, now))
+                                                self.params.spares, now, msg.shards, self._shards))
                 # our own hello back, so that the candidate sees the mismatch too and says so
                 self._send(c.addr, sign_if(self.book, BootHello(self.me.row(), self.params.expected,
-                                                                self.params.spares, 0, c.addr)), True)
+                                                                self.params.spares, 0, c.addr, self._shards)), True)
             self._count("boot_mismatch")
             return
         self._add([c], now)

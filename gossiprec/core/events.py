@@ -170,7 +170,8 @@ class BootProgress(CoreEvent):
 
 @dataclass(frozen=True, slots=True)
 class BootMismatch(CoreEvent):
-    """A candidate was started for another job size than this agent: it is not counted."""
+    """A candidate was started for another job size, or another mesh (``shards``: its replica groups),
+    than this agent: it is not counted."""
 
     name: str
     addr: str
@@ -179,6 +180,8 @@ class BootMismatch(CoreEvent):
     our_expected: int
     our_spares: int
     at: float
+    shards: int = 1
+    our_shards: int = 1
 
 
 @dataclass(frozen=True, slots=True)

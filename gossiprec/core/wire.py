@@ -26,12 +26,13 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
 proof: :class:`BootHello` ... :class:`BootDecided`), 8 relays signed claims, confirms and votes in bundles
-(:class:`ClaimBundle`, :class:`ConfirmBundle`, :class:`VoteBundle`: many members' signatures of one payload)."""
+(:class:`ClaimBundle`, :class:`ConfirmBundle`, :class:`VoteBundle`: many members' signatures of one payload),
+9 carries the launched mesh in the bootstrap's hello (:class:`BootHello` ``shards``)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -590,18 +591,20 @@ SIGNER = text(MAX_NAME, allow_empty=True)
 PROOF = seq(record(ADDR, CANDIDATE, SIG), MAX_MEMBERS)
 
 
-@message(40, CANDIDATE, SIZE, SIZE, SIZE, ADDR, SIG)
+@message(40, CANDIDATE, SIZE, SIZE, SIZE, ADDR, SIZE, SIG)
 @value_class
 class BootHello(Message):
     """A candidate for view 0 to a seed: who it is, the job size it was started for (``expected``
-    members, ``spares`` of them spares), how many candidates it knows and ``to``, the seed address it was
-    sent to (the seed signs its answer as that seed)."""
+    members, ``spares`` of them spares), how many candidates it knows, ``to``, the seed address it was
+    sent to (the seed signs its answer as that seed), and ``shards``, the replica groups of the mesh it
+    was started with (1: plain DDP; the replicate dimension comes first, so the count fixes the groups)."""
 
     candidate: tuple[Any, ...]
     expected: int
     spares: int
     known: int
     to: str = ""
+    shards: int = 1
     sig: bytes = b""  # by the candidate (the key its row names)
 
 

@@ -166,7 +166,7 @@ class LocalJob:
 
     def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
                  tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0,
-                 hosts: Hosts | None = None, job_table: str | None = None) -> None:
+                 hosts: Hosts | None = None, job_table: str | None = None, mesh: str | None = None) -> None:
         from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
         self.dir = Path(os.path.abspath(workdir))  # the keyring's path marks the job's trainers (see _trainers)
@@ -181,7 +181,10 @@ class LocalJob:
         else:
             self.addrs = [hosts.addr(i) for i in range(len(self.names))]
             self.ports = [HOST_PORT] * len(self.names)
-        listed = ranks + spares
+        listed = self.listed = ranks + spares
+        self.mesh = mesh
+        """With a mesh (``--mesh``), the listed nodes agree on view 0 through their seeds (``--nnodes``),
+        each on a host of its own name, and the job spec is not read."""
         (self.dir / "job.toml").write_text(job_toml(self.names[:listed], self.ports[:listed], ranks,
                                                     allow_shrink=allow_shrink, tp_pp=tp_pp,
                                                     addrs=self.addrs[:listed], job_table=job_table))
@@ -209,10 +212,17 @@ class LocalJob:
         A node spawned again (a re-provisioned host) replaces its entry in :attr:`procs`."""
         i, s = self.names.index(node), self.names.index(seed or self.names[0])
         argv = [sys.executable, "-m", "gossiprec", "run", "--name", node, "--bind", self.addrs[i],
-                "--port", str(self.ports[i]), "--job", str(self.dir / "job.toml"),
-                "--seed", f"{self.addrs[s]}:{self.ports[s]}",
-                "--control-socket", str(self.path(node, ".sock")), "--log-level", agent_log_level]
+                "--port", str(self.ports[i]), "--control-socket", str(self.path(node, ".sock")),
+                "--log-level", agent_log_level]
+        if self.mesh is None:
+            argv += ["--job", str(self.dir / "job.toml"), "--seed", f"{self.addrs[s]}:{self.ports[s]}"]
+        else:  # the first three listed nodes are the bootstrap's seeds, the same list on every agent
+            argv += ["--nnodes", str(self.listed), "--spares", str(self.listed - self.ranks), "--mesh", self.mesh,
+                     "--host", node, "--local-index", "0"]
+            argv += [a for k in range(min(3, self.listed)) for a in ("--seed", f"{self.addrs[k]}:{self.ports[k]}")]
         argv += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
+        if i >= self.listed:
+            argv.append("--spare")  # a node the spec does not list joins as a spare (a trainer would be refused)
         with open(self.path(node, ".log"), "ab") as log:  # the child keeps its own copy of the file
             argv = [*argv, "--", *trainer]
             proc = subprocess.Popen(argv if self.hosts is None else self.hosts.command(i, argv), env=self.env,

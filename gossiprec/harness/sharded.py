@@ -47,7 +47,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
                 log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
                 trainer_args: Sequence[str] = (), extra_args: Mapping[str, Sequence[str]] | None = None,
-                hosts: Hosts | None = None) -> dict[str, Any]:
+                hosts: Hosts | None = None, mesh: str | None = None) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -57,7 +57,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     result); ``may_fail``: nodes whose trainer may exit with an error; ``trainer_args``: more options
     for every trainer (e.g. ``--start-gate PATH``); ``extra_args``: node -> more options for that node's
     trainer alone; ``hosts``: node i runs on host i (default: every
-    node on loopback; see :class:`~gossiprec.harness.job.LocalJob`)."""
+    node on loopback; see :class:`~gossiprec.harness.job.LocalJob`); ``mesh``: launch with ``--nnodes`` and
+    this ``--mesh`` instead of a job spec (view 0 agreed through the seeds, carrying the mesh)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -66,7 +67,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
 
     spec = LAYOUTS[layout]
     work = Path(workdir or tempfile.mkdtemp(prefix=f"gossiprec-sharded-{layout}-"))
-    with LocalJob(work, RANKS, spares, job_table=spec.job_toml(), hosts=hosts) as job:
+    with LocalJob(work, RANKS, spares, job_table=spec.job_toml(), hosts=hosts, mesh=mesh) as job:
         for node in job.names:
             argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
                     "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),

@@ -3,9 +3,10 @@
 A :class:`MeshSpec` names the mesh's shape and dimensions and which dimension(s) replicate the state
 (``dp`` for dp x tp, ``replicate`` for HSDP). From it alone come the agents' job topology
 (:meth:`MeshSpec.topology`: the ranks along the replicate dimension hold the same shard, each line one
-replica group, read by :func:`~gossiprec.trainer.collectives.managed.mesh_topology`) and the job spec's ``[job]``
-lines (:meth:`MeshSpec.job_toml`), so it is never typed twice; :meth:`MeshSpec.check_view` refuses a
-view whose replica groups say otherwise.
+replica group, derived by :class:`~gossiprec.core.mesh.MeshShape` exactly as the launchers' ``--mesh`` is)
+and the job spec's ``[job]`` lines (:meth:`MeshSpec.job_toml`), so it is never typed twice;
+:meth:`MeshSpec.check_view` refuses a launched job whose replica groups say otherwise, in one line naming
+both shapes.
 
 :class:`ShardedWorld` is the trainer's side once the rank is known: it makes the ``gossiprec`` backend
 torch's default group (:func:`~gossiprec.trainer.collectives.managed.init_managed_world`), builds the
@@ -28,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from gossiprec.core.mesh import MeshShape, describe_groups, describe_topology
 from gossiprec.errors import ConfigError
 from gossiprec.trainer.exits import MeshShrinkRefused
 
@@ -80,37 +82,37 @@ class MeshSpec:
     def world_size(self) -> int:
         return math.prod(self.shape)
 
-    def topology(self, *, min_replicas: int = 1) -> JobTopology:
-        """The agents' job topology: one replica group per line of the mesh along the replicate dimension(s)."""
-        from gossiprec.trainer.collectives.managed import mesh_topology
+    @property
+    def shape_of(self) -> MeshShape:
+        """The mesh's pure shape (:class:`~gossiprec.core.mesh.MeshShape`): what a launcher's ``--mesh`` names."""
+        return MeshShape(self.names, self.shape, self.replicated)
 
-        return mesh_topology(_RankGrid(self), self.replicated, allow_shrink=False, min_replicas=min_replicas)
+    def topology(self, *, min_replicas: int = 1) -> JobTopology:
+        """The agents' job topology: one replica group per line of the mesh along the replicate dimension(s)
+        (:meth:`~gossiprec.core.mesh.MeshShape.topology`, as the launchers derive it from ``--mesh``)."""
+        return self.shape_of.topology(min_replicas=min_replicas)
 
     def job_toml(self) -> str:
         """The job spec's ``[job]`` table for this mesh (the spec's grid must equal :meth:`topology`)."""
-        from gossiprec.core.topology import JobTopology
-
-        topo = self.topology()
-        groups = len(topo.replica_groups)
-        dp = self.world_size // groups
-        if groups == 1:
-            return '[job]\ntopology = "ddp"\nallow_shrink = false\n'
-        if JobTopology.grid(dp, groups).replica_groups != topo.replica_groups:
-            raise ConfigError(f"mesh {self.names}={self.shape} replicating along {self.replicated} has replica "
-                              f"groups {topo.replica_groups}, which a job spec's grid (rank = dp_index * tp_pp + "
-                              "shard) cannot express: put the replicate dimension first")
-        return f'[job]\ntopology = "grid"\ndp = {dp}\ntp_pp = {groups}\nallow_shrink = false\n'
+        return self.shape_of.job_toml()
 
     def check_view(self, world_size: int, replica_groups: Sequence[Sequence[int]]) -> None:
-        """Refuse (ConfigError) a job whose agents' topology is not this mesh's."""
+        """Refuse (ConfigError, one line naming both) a job whose launched topology is not this mesh's."""
         want = self.topology().replica_groups
         got = tuple(sorted(tuple(sorted(int(r) for r in g)) for g in replica_groups)) or (tuple(range(world_size)),)
         if world_size != self.world_size or got != want:
+            shape = self.shape_of
+            if shape.grid() is None:
+                fix = "no --mesh or job spec grid expresses this mesh: put its replicate dimension first"
+            else:
+                table = ", ".join(shape.job_toml().splitlines()[1:])
+                fix = (f"launch it with --mesh {shape.text} (gossiprec spec/run --mesh, torchrun --rdzv-conf "
+                       f"'mesh={shape.text.replace(',', ';')}', GOSSIPREC_MESH) or a job spec whose [job] table is "
+                       f"MeshSpec.job_toml()'s ({table})")
             raise ConfigError(
-                f"the job spec's topology ({world_size} ranks, replica groups {list(map(list, got))}) is not the "
-                f"mesh's ({self.names}={self.shape}, replicate {self.replicated}: {self.world_size} ranks, replica "
-                f"groups {list(map(list, want))}); write the job spec's [job] table from the mesh "
-                f"(MeshSpec.job_toml()):\n{self.job_toml() if _grid_ok(self) else '(no grid expresses it)'}")
+                f"the launched mesh is {describe_topology(world_size, got)} but this trainer's MeshSpec is "
+                f"{shape.text} ({self.world_size} ranks, replica groups {describe_groups(shape.topology())}): the "
+                f"job's topology is not the mesh's; {fix}, or change the MeshSpec")
 
 
 def check_sharded_args(mesh: object, build: object, objects: object, backend: str) -> MeshSpec:
@@ -123,24 +125,6 @@ def check_sharded_args(mesh: object, build: object, objects: object, backend: st
         raise ConfigError(f"a mesh on {mesh.device!r} runs on {mesh.backend}: pass TrainerConfig(backend="
                           f"{mesh.backend!r}) for MeshSpec(device={mesh.device!r})")
     return mesh
-
-
-def _grid_ok(spec: MeshSpec) -> bool:
-    try:
-        spec.job_toml()
-    except ConfigError:
-        return False
-    return True
-
-
-class _RankGrid:
-    """What :func:`~gossiprec.trainer.collectives.managed.mesh_topology` reads of a mesh (ranks row-major, names)."""
-
-    def __init__(self, spec: MeshSpec) -> None:
-        import torch
-
-        self.mesh = torch.arange(spec.world_size).reshape(spec.shape)
-        self.mesh_dim_names = spec.names
 
 
 class ShardedWorld:
