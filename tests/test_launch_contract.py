@@ -11,7 +11,7 @@ from gossiprec.errors import ConfigError
 from gossiprec.local.launch import (
     CLUSTER_ENV, CONTROL_ENV, DEFAULT_CLUSTER, DONOR_OFFSET, KEYRING_ENV, KEYRING_FD_ENV, NODE_ENV,
     PORTS_PER_AGENT, RANK_ENV, ROLE_ENV, LaunchEnv, keyring_message, read_keyring_message, read_launch_env,
-    trainer_environment,
+    local_placement, trainer_environment,
 )
 from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
@@ -33,6 +33,7 @@ def test_what_the_launcher_writes_the_trainer_reads_back() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"role": "boss"}, {"rank": -1}, {"control": ""}, {"keyring": "/k.json", "keyring_fd": 3}, {"keyring_fd": -2},
+    {"local": (2, 2)}, {"local": (-1, 1)},
 ])
 def test_the_launcher_refuses_what_the_trainer_could_not_read(bad: dict[str, object]) -> None:
     kwargs: dict[str, object] = {"control": "/s", "node": "n", "role": "trainer", "rank": 0, "cluster": "c", **bad}
@@ -75,3 +76,19 @@ def test_a_broken_keyring_stream_is_refused() -> None:
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_a_slot_knows_its_place_on_its_host() -> None:
+    # two hosts of three slots; a host's slots are numbered in port order (names need not sort so)
+    members = [(f"h{h}-{i}", f"10.0.0.{h}:{29400 + 3 * i}", f"h{h}") for h in (1, 2) for i in (0, 1, 2)]
+    members.append(("h2-10", "10.0.0.2:29430", "h2"))
+    assert local_placement(members, "h1-2") == (2, 3)
+    assert local_placement(members, "h2-0") == (0, 4)
+    assert local_placement(members, "h2-10") == (3, 4)
+    assert local_placement(members, "joiner") == (0, 1)  # not in the view: alone unless told
+    assert local_placement(members, "joiner", given=5) == (5, 6)
+    assert local_placement(members, "h1-0", given=1) == (1, 3)  # --local-index / SLURM_LOCALID wins
+    assert local_placement([("x", "10.0.0.9:1", "")], "x") == (0, 1)  # no host: no neighbours known
+    env = trainer_environment({"RANK": "4", "WORLD_SIZE": "9"}, control="/s", node="n", role="spare", rank=None,
+                              cluster="c", local=(1, 2), world_size=4)
+    assert (env.get("RANK"), env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (None, "4", "1", "2")

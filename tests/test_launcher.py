@@ -381,21 +381,26 @@ def test_cli_command_owners_are_complete_and_an_agent_imports_no_tooling() -> No
     assert out.stdout.strip() == "[]"
 
 
-async def test_the_childs_role_and_rank_come_from_the_job_spec(sockdir: str) -> None:
+async def test_the_childs_role_rank_and_torch_variables_come_from_the_job_spec(sockdir: str) -> None:
     from gossiprec.harness.ports import free_ports
 
-    ports = free_ports(3)
-    rows = [("n0", "trainer", 0), ("n1", "trainer", 1), ("n2", "spare", None)]
+    ports = sorted(free_ports(3))  # a host's slots are numbered in port order
+    rows = [("n0", "trainer", 0, "a"), ("n1", "trainer", 1, "a"), ("n2", "spare", None, "b")]
     spec = Path(sockdir) / "job.toml"
-    spec.write_text("".join(f'[[members]]\nname = "{n}"\naddr = "127.0.0.1:{p}"\nrole = "{r}"\n'
-                            + (f"rank = {k}\n" if k is not None else "") for (n, r, k), p in zip(rows, ports)))
-    code = "import json, os; print(json.dumps({k: os.environ.get(k) for k in ('GOSSIPREC_ROLE', 'GOSSIPREC_RANK')}))"
+    spec.write_text("".join(f'[[members]]\nname = "{n}"\naddr = "127.0.0.1:{p}"\nrole = "{r}"\nhost = "{h}"\n'
+                            + (f"rank = {k}\n" if k is not None else "") for (n, r, k, h), p in zip(rows, ports)))
+    names = ("GOSSIPREC_ROLE", "GOSSIPREC_RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
     seen = {}
-    for (name, _, _), port in zip(rows[1:], ports[1:]):  # no --spare flag, no --rank: the spec says
+    for (name, _, _, _), port in zip(rows[1:], ports[1:]):  # no --spare flag, no --rank: the spec says
         launcher = Launcher(settings(sockdir, int(name[1]), port=port, job=str(spec)), [PY, "-c", code],
-                            forward_signals=False, child_kwargs={"stdout": asyncio.subprocess.PIPE})
+                            forward_signals=False, child_kwargs={"stdout": asyncio.subprocess.PIPE},
+                            environ={"RANK": "7", "PATH": os.environ.get("PATH", "")})
         assert await launcher.run() == 0
         assert launcher.proc is not None and launcher.proc.stdout is not None
         seen[name] = json.loads(await launcher.proc.stdout.read())
-    assert seen == {"n1": {"GOSSIPREC_ROLE": "trainer", "GOSSIPREC_RANK": "1"},
-                    "n2": {"GOSSIPREC_ROLE": "spare", "GOSSIPREC_RANK": None}}
+    # a spare has no RANK (a stale one is removed): its rank comes with the plan that promotes it
+    assert seen == {"n1": {"GOSSIPREC_ROLE": "trainer", "GOSSIPREC_RANK": "1", "RANK": "1", "WORLD_SIZE": "2",
+                           "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
+                    "n2": {"GOSSIPREC_ROLE": "spare", "GOSSIPREC_RANK": None, "RANK": None, "WORLD_SIZE": "2",
+                           "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}}

@@ -130,6 +130,24 @@ def _conf(**extra: str) -> dict[str, str]:
             "h5=127.0.0.5", "name": "h1-0", "insecure": "1", **extra}
 
 
+def test_spec_warns_when_replicas_of_a_shard_share_a_host(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gossiprec.agent.spec import layout, shared_hosts
+
+    slots = layout(["n1", "n2"], 4, 0, 29400, lambda h: "127.0.0.1")
+    assert shared_hosts(slots, "replicate=2,shard=4") == []  # a shard's two replicas on n1 and n2
+    assert shared_hosts(slots, "replicate=4,shard=2")[0] == (
+        "ranks 0, 2 hold the same shard and share host n1: losing it loses 2 of the 4 copies of their shard at once")
+    one = layout(["n1", "n2"], 4, 4, 29400, lambda h: "127.0.0.1")  # the second host is all spares
+    assert shared_hosts(one, "replicate=2,shard=2") == [
+        "ranks 0, 2 hold the same shard and share host n1: losing it loses every copy of their shard: only a "
+        "checkpoint can restore it",
+        "ranks 1, 3 hold the same shard and share host n1: losing it loses every copy of their shard: only a "
+        "checkpoint can restore it"]
+    capsys.readouterr()
+    rc, _ = _spec(tmp_path, "--spares", "2", "--mesh", "replicate=2,shard=2")  # 3 hosts x 2: replicas apart
+    assert rc == 0 and "warning" not in capsys.readouterr().err
+
+
 def test_torchrun_keeps_a_semicolon_separated_mesh_whole() -> None:
     """torch 2.13 splits --rdzv-conf at ',' and each item at its first '=' only: ';' survives, ',' does not."""
     from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
@@ -312,6 +330,20 @@ def test_gossiprec_run_refuses_a_trainer_outside_the_spec_before_its_agent_binds
                str(tmp_path / "a.sock"), "--", "true"])
     assert rc == 1
     assert "--name 'typo' is not a member of job spec" in capsys.readouterr().err
+
+
+def test_an_agent_binds_its_members_address_and_says_so_when_the_machine_lacks_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gossiprec.agent.launcher import main
+
+    job = tmp_path / "job.toml"  # 192.0.2.0/24 is TEST-NET-1: no machine has it
+    job.write_text('[job]\ntopology = "ddp"\n[[members]]\nname = "a"\naddr = "192.0.2.7:7301"\nrank = 0\n')
+    rc = main(["--insecure", "--job", str(job), "--name", "a", "--control-socket", str(tmp_path / "a.sock"),
+               "--", "true"])
+    assert rc == 1
+    assert ("cannot bind UDP 192.0.2.7:7301: Cannot assign requested address; this machine has no address "
+            "192.0.2.7") in capsys.readouterr().err
+    assert load_settings({"insecure": True, "job": str(job), "name": "a"}, {}).bind_host == "192.0.2.7"
 
 
 # ------------------------------------------------------------------------------------------------ end to end

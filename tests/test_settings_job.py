@@ -35,9 +35,14 @@ def spec(tmp_path: Path) -> str:
 
 def test_a_member_takes_its_port_and_address_from_the_spec(spec: str) -> None:
     s = load_settings({"job": spec, "name": "b", "insecure": True}, environ={})
-    assert (s.port, s.advertise) == (7401, "127.0.0.2:7401")
-    assert "job spec" in s.origins["port"] and "b's addr" in s.origins["port"]
+    # it listens on its own address, not every interface (and so advertises what it binds)
+    assert (s.bind_host, s.port, s.advertise) == ("127.0.0.2", 7401, None)
+    assert "job spec" in s.origins["port"] and "b's addr" in s.origins["port"] and "--bind" in s.origins["bind_host"]
     assert s.seeds == ()  # a member of view 0 knows the others from the view
+    s = load_settings({"job": spec, "name": "b", "bind_host": "0.0.0.0", "insecure": True}, environ={})
+    assert (s.bind_host, s.advertise) == ("0.0.0.0", "127.0.0.2:7401")  # --bind wins, the spec's address is told
+    s = load_settings({"job": spec, "name": "b", "insecure": True}, environ={"GOSSIPREC_BIND": "::"})
+    assert (s.bind_host, s.advertise) == ("::", "127.0.0.2:7401")
 
 
 def test_given_values_win_and_a_bind_to_one_address_advertises_that_one(spec: str, tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ the agent's coordinates in its environment (the launch contract, :mod:`gossiprec
     GOSSIPREC_CONTROL  the agent's control socket (``ControlClient.from_env()`` reads it)
     GOSSIPREC_NODE     this node's name in the cluster
     GOSSIPREC_RANK     the training rank in view 0, for a trainer (removed from the environment otherwise)
+    LOCAL_RANK, LOCAL_WORLD_SIZE, RANK, WORLD_SIZE  torch's, as the launch contract defines them (a spare
+                       has no RANK)
     GOSSIPREC_ROLE     ``trainer`` or ``spare``, as the job spec says (a node outside it joins as a spare)
     GOSSIPREC_CLUSTER  the cluster name
     GOSSIPREC_KEYRING  the keyring file's path on a keyed cluster (the trainer authenticates its state
@@ -83,7 +85,7 @@ from gossiprec.agent.logs import configure_logging
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.removal import Leaving, Readmitted, membership_changes
 from gossiprec.local.bell import stopped
-from gossiprec.local.launch import EXIT_STOPPED, keyring_message, trainer_environment
+from gossiprec.local.launch import EXIT_STOPPED, keyring_message, local_placement, trainer_environment
 from gossiprec.agent.settings import AgentSettings, add_agent_arguments, settings_from_args
 from gossiprec.core.bootstrap import Booting
 from gossiprec.security.keyring import Keyring
@@ -172,13 +174,18 @@ def child_environment(agent: Agent, base: Mapping[str, str], *, keyring_fd: int 
                     "sets 2)", NCCL_VAR, env[NCCL_VAR])
     s = agent.settings
     role, rank = s.role, s.rank
+    local, world = (s.local_index or 0, max(s.nproc_per_node, (s.local_index or 0) + 1)), None
     if agent.machine is not None:  # its view says (a joiner enters as a spare)
         view = agent.machine.view
         me = view.member(agent.name) if view is not None else None
         role, rank = (me.role, me.rank) if me is not None else ("spare", None)
+        if view is not None:
+            local = local_placement(((m.node, m.addr, m.host) for m in view.members), agent.name, s.local_index)
+            world = view.topology.world_size
     keyring = os.path.abspath(s.keyring) if s.keyring and not s.insecure and keyring_fd is None else None
     return trainer_environment(env, control=agent.control_path, node=agent.name, role=role, rank=rank,
-                               cluster=s.cluster, keyring=keyring, keyring_fd=keyring_fd)
+                               cluster=s.cluster, keyring=keyring, keyring_fd=keyring_fd, local=local,
+                               world_size=world)
 
 
 class _KeyPipe:

@@ -109,7 +109,8 @@ class AgentSettings:
     name: str | None = None
     """Node name, unique in the cluster. None: ``<hostname>:<port>`` once the port is bound."""
     bind_host: str = "0.0.0.0"
-    """Address the UDP and TCP sockets bind to."""
+    """Address the UDP and TCP sockets bind to. Default: with a job spec that lists this member, the address
+    of its line there; else every interface."""
     port: int = DEFAULT_PORT
     """Port for UDP and TCP (0: any free port, for tests)."""
     advertise: str | None = None
@@ -600,7 +601,8 @@ def load_settings(
 
 def _defaults_from_job_spec(path: str, values: dict[str, Any], origins: dict[str, str]) -> None:
     """What the job spec already says, so that ``--job FILE --name N`` is enough: a member of view 0
-    listens on the port of its address there and advertises that address; a node the spec does not
+    binds the address of its line there (unless ``--bind`` says otherwise) and its port, and advertises
+    that address; a node the spec does not
     list joins through the spec's members. Given values win; a spec that cannot be read is left to the
     job spec's own loader, which names the problem."""
     try:
@@ -618,6 +620,9 @@ def _defaults_from_job_spec(path: str, values: dict[str, Any], origins: dict[str
             return
         if "port" not in values:
             values["port"], origins["port"] = int(port), f"{where}: {name}'s addr"
+        if "bind_host" not in values and host.strip("[]"):
+            # the member's own address, not every interface: what the spec publishes is what listens
+            values["bind_host"], origins["bind_host"] = host.strip("[]"), f"{where}: {name}'s addr (--bind overrides)"
         if "advertise" not in values and values.get("bind_host", "0.0.0.0") in ("0.0.0.0", "::"):
             # a bind to one address advertises that one: a mismatch with the spec is then an error
             values["advertise"], origins["advertise"] = addrs[name], f"{where}: {name}'s addr"

@@ -159,6 +159,26 @@ def to_toml(slots: Sequence[Slot], *, allow_shrink: bool = False, mesh: str | No
     return "\n".join(lines)
 
 
+def shared_hosts(slots: Sequence[Slot], mesh: str) -> list[str]:
+    """What is wrong with the placement of ``mesh`` on ``slots``: one line per replica group (the ranks
+    that hold the same shard) with two or more ranks on one host. Losing that host loses those copies at
+    once; when it holds them all, only a checkpoint restores the shard. Ranks fill hosts in order, so the
+    replicas of a shard are on distinct hosts exactly when the mesh's dimensions after the replicate one
+    multiply to a multiple of the ranks per host."""
+    trainers = [s for s in slots if s.role == "trainer"]
+    host_of = {s.rank: s.host for s in trainers if s.rank is not None}
+    lines = []
+    for group in parse_mesh(mesh, len(trainers)).topology().replica_groups:
+        where = [host_of[r] for r in group]
+        for h in sorted({h for h in where if where.count(h) > 1}):
+            on = [r for r in group if host_of[r] == h]
+            loss = ("every copy of their shard: only a checkpoint can restore it" if len(on) == len(group)
+                    else f"{len(on)} of the {len(group)} copies of their shard at once")
+            ranks = ", ".join(map(str, on))
+            lines.append(f"ranks {ranks} hold the same shard and share host {h}: losing it loses {loss}")
+    return lines
+
+
 def resolver(overrides: Mapping[str, str], slurm: bool, wait: float = 0.0,
              clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep
              ) -> Callable[[str], str]:
@@ -237,6 +257,10 @@ def _cmd(args: argparse.Namespace) -> int:
         parse_mesh(args.mesh)  # its syntax, before any host is resolved (its size once the slots are known)
     slots = layout(hosts, nproc, args.spares, args.base_port, resolver(overrides, args.slurm, args.resolve_wait))
     text = to_toml(slots, allow_shrink=args.allow_shrink, mesh=args.mesh)
+    for line in shared_hosts(slots, args.mesh) if args.mesh else ():
+        print(f"gossiprec spec: warning: {line} (with {nproc} ranks per host, a mesh whose dimensions after the "
+              f"replicate one multiply to a multiple of {nproc} puts a shard's replicas on distinct hosts)",
+              file=sys.stderr)
     if args.out:
         path = Path(args.out)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")

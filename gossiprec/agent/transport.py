@@ -326,8 +326,8 @@ class NetTransport:
                 port = udp.getsockname()[1]
             except OSError as exc:
                 udp.close()
-                raise ConfigError(f"cannot bind UDP {join_host_port(host, want)}: {exc.strerror}; is "
-                                  "another agent using this port? choose another --port") from None
+                raise ConfigError(f"cannot bind UDP {join_host_port(host, want)}: {exc.strerror}; "
+                                  + _bind_hint(exc.errno, host)) from None
             tcp = socket.socket(family, socket.SOCK_STREAM)
             try:
                 tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -342,8 +342,8 @@ class NetTransport:
                 if exc.errno != errno.EADDRINUSE:
                     break
         msg = last.strerror if last is not None else "unknown error"
-        raise ConfigError(f"cannot bind TCP {join_host_port(host, want)}: {msg}; is another agent using "
-                          "this port? choose another --port")
+        raise ConfigError(f"cannot bind TCP {join_host_port(host, want)}: {msg}; "
+                          + _bind_hint(last.errno if last is not None else None, host))
 
     async def aclose(self, grace: float = 0.0) -> None:
         """Stop accepting, give outbound messages ``grace`` seconds, cancel the rest, close sockets."""
@@ -719,3 +719,10 @@ def _peer(addr: Any) -> str:
     if isinstance(addr, tuple) and len(addr) >= 2:
         return join_host_port(str(addr[0]), int(addr[1]))
     return str(addr)
+
+
+def _bind_hint(err: int | None, host: str) -> str:
+    if err == errno.EADDRNOTAVAIL:
+        return (f"this machine has no address {host} (an agent with a job spec binds its member's address there): "
+                "pass --bind with one it has, or --bind 0.0.0.0 for every interface (behind NAT)")
+    return "is another agent using this port? choose another --port"

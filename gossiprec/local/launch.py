@@ -18,6 +18,17 @@ The environment::
     GOSSIPREC_KEYRING     the keyring file's path on a keyed cluster (never the key itself)
     GOSSIPREC_KEYRING_FD  instead of the path: the descriptor the keyring arrives on
 
+and torch's own variables, so that a script written for torchrun runs unchanged (but see the spares)::
+
+    LOCAL_RANK        this process's index among the job's slots on its host (trainers and spares alike:
+                      ``torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))`` gives a spare a device of its own)
+    LOCAL_WORLD_SIZE  the job's slots on this host
+    RANK              the training rank in view 0, for a trainer; absent for a spare, whose rank comes with
+                      the plan that promotes it (read ``rt.rank``: after a recovery it is the truth, not RANK)
+    WORLD_SIZE        the trainers of view 0 (``rt.world_size`` after a shrink)
+
+:func:`local_placement` derives the first two from the job's members and their hosts.
+
 **The keyring descriptor** carries a stream of messages, each a 4-byte big-endian length and the
 keyring's compact JSON (at most :data:`MAX_MESSAGE` bytes): the launcher writes the first before the
 trainer starts, and another each time its agent's keyring changes.
@@ -38,7 +49,7 @@ import os
 import select
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from gossiprec.core.config import Config
 from gossiprec.core.wire import ROLES as ROLES  # what GOSSIPREC_ROLE may say: a member's roles
@@ -80,11 +91,13 @@ CONTROL_MISSING = (f"{CONTROL_ENV} is not set: start the training process with `
 # --- the environment --------------------------------------------------------------------------------
 def trainer_environment(
     base: Mapping[str, str], *, control: str, node: str, role: str, rank: int | None, cluster: str,
-    keyring: str | None = None, keyring_fd: int | None = None,
+    keyring: str | None = None, keyring_fd: int | None = None, local: tuple[int, int] = (0, 1),
+    world_size: int | None = None,
 ) -> dict[str, str]:
     """``base`` with the launch variables set: each given value written, each absent one removed (a value
     inherited from elsewhere would be taken for this agent's). ``keyring`` and ``keyring_fd`` exclude
-    each other. :class:`ConfigError` for a value the trainer could not read back."""
+    each other; ``local`` is ``(LOCAL_RANK, LOCAL_WORLD_SIZE)``; ``world_size`` the trainers of view 0.
+    :class:`ConfigError` for a value the trainer could not read back."""
     if not control:
         raise ConfigError(f"{CONTROL_ENV}: the agent's control socket path is empty")
     if role not in ROLES:
@@ -104,7 +117,33 @@ def trainer_environment(
     _put(env, KEYRING_ENV, keyring)
     _put(env, KEYRING_FD_ENV, None if keyring_fd is None else str(keyring_fd))
     _put(env, RANK_ENV, None if rank is None else str(rank))
+    index, count = local
+    if not 0 <= index < count:
+        raise ConfigError(f"LOCAL_RANK {index} is not below LOCAL_WORLD_SIZE {count}")
+    env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"] = str(index), str(count)
+    _put(env, "RANK", None if rank is None else str(rank))
+    _put(env, "WORLD_SIZE", None if world_size is None else str(world_size))
     return env
+
+
+def local_placement(members: Iterable[tuple[str, str, str]], me: str,
+                    given: int | None = None) -> tuple[int, int]:
+    """``(LOCAL_RANK, LOCAL_WORLD_SIZE)`` of member ``me`` among ``members`` (``(name, addr, host)``): its
+    index among the members of its host, in port order (``gossiprec spec`` numbers a host's slots so),
+    and how many there are. ``given`` (``--local-index``, ``SLURM_LOCALID``) wins for the index. A member
+    with no host, or absent (a spare that joined later), is alone on its host unless ``given`` says."""
+    rows = list(members)
+    host = next((h for n, _, h in rows if n == me), "")
+    same = sorted((_port_of(a), n) for n, a, h in rows if host and h == host)
+    index = next((i for i, (_, n) in enumerate(same) if n == me), 0)
+    if given is not None:
+        index = given
+    return index, max(len(same), index + 1)
+
+
+def _port_of(addr: str) -> int:
+    port = addr.rpartition(":")[2]
+    return int(port) if port.isdigit() else 0
 
 
 def _put(env: dict[str, str], name: str, value: str | None) -> None:
