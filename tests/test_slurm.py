@@ -10,7 +10,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import pytest
 from gossiprec.agent.jobspec import view0_from_dict
 from gossiprec.agent.spec import expand_hostlist, layout, slurm_environment, to_toml
 from gossiprec.errors import ConfigError
-from tests.support.slurm import SlurmCluster, slurm_unavailable
+from tests.support.slurm import SlurmCluster, procs_with, read_int, slurm_unavailable, wait_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,40 +91,6 @@ def test_the_spec_command_prints_run_arguments_the_launcher_accepts(tmp_path: Pa
 # a real Slurm
 
 
-def _read_int(path: Path) -> int:
-    try:
-        return int(path.read_text() or -1)
-    except (OSError, ValueError):
-        return -1
-
-
-def _procs_with(env_items: dict[str, str]) -> list[tuple[int, str]]:
-    """(pid, command line) of the processes whose environment holds every item of ``env_items``."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            environ = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace")
-                           .split("\0") if "=" in kv)
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if cmd and all(environ.get(k) == v for k, v in env_items.items()):
-            out.append((int(d.name), cmd))
-    return out
-
-
-def _wait(cond, timeout: float, what: str, cluster: SlurmCluster, job: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        state = cluster.job_state(job)[0]
-        # the condition is read again after the state: the job may have ended right after it was first read
-        if (time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING")) and not cond():
-            raise AssertionError(f"{what}: not within {timeout:.0f} s (job {state})\n{cluster.logs()}")
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(bool(slurm_unavailable()), reason=slurm_unavailable() or "slurm available")
 def test_a_slurm_job_loses_a_trainer_then_a_node_and_finishes_as_if_nothing_happened(tmp_path: Path) -> None:
@@ -150,14 +115,14 @@ def test_a_slurm_job_loses_a_trainer_then_a_node_and_finishes_as_if_nothing_happ
         ours = {"SLURM_JOB_ID": job}
         try:
             # n1-0 and n2-0 train (ranks 0, 1); n3-0 and n4-0 are the hot spares
-            _wait(lambda: _read_int(work / "n2-0.step") >= 15, 120, "n2-0 at step 15", cluster, job)
-            os.kill(_read_int(work / "n2-0.pid"), signal.SIGKILL)  # one trainer dies: spare n3-0 takes rank 1
-            _wait(lambda: _read_int(work / "n3-0.step") >= 35, 120, "n3-0 training on", cluster, job)
-            node3 = [pid for pid, cmd in _procs_with({**ours, "SLURMD_NODENAME": "n3"}) if "gossiprec" in cmd]
+            wait_job(lambda: read_int(work / "n2-0.step") >= 15, 120, "n2-0 at step 15", cluster, job)
+            os.kill(read_int(work / "n2-0.pid"), signal.SIGKILL)  # one trainer dies: spare n3-0 takes rank 1
+            wait_job(lambda: read_int(work / "n3-0.step") >= 35, 120, "n3-0 training on", cluster, job)
+            node3 = [pid for pid, cmd in procs_with({**ours, "SLURMD_NODENAME": "n3"}) if "gossiprec" in cmd]
             assert len(node3) >= 2, node3  # its agent and its trainer
             for pid in node3:  # every gossiprec process of node n3 at once: spare n4-0 takes rank 1
                 os.kill(pid, signal.SIGKILL)
-            _wait(lambda: cluster.job_state(job)[0] == "COMPLETED", 180, "the job's end", cluster, job)
+            wait_job(lambda: cluster.job_state(job)[0] == "COMPLETED", 180, "the job's end", cluster, job)
         finally:
             if cluster.job_state(job)[0] in ("PENDING", "RUNNING"):
                 cluster.run("scancel", job, check=False)
@@ -168,4 +133,4 @@ def test_a_slurm_job_loses_a_trainer_then_a_node_and_finishes_as_if_nothing_happ
         finished = [n for n in ("n1-0", "n4-0") if (work / f"{n}.state").exists()]
         assert finished == ["n1-0", "n4-0"], logs
         assert all((work / f"{n}.state").read_bytes() == expected for n in finished), "not bit-identical"
-        assert not _procs_with(ours), _procs_with(ours)  # nothing the job started is left running
+        assert not procs_with(ours), procs_with(ours)  # nothing the job started is left running

@@ -16,7 +16,8 @@ Batches are a function of (step, data-parallel coordinate) alone (``stateless_da
 (between the two layers' gradients), ``optimizer`` (inside ``opt.step()``, after clipping) and
 ``committed`` (between steps), and at the trainer's own phases.
 
-What it leaves next to ``--out`` (``<node>.json``): ``.pid``, ``.ready``, ``.records`` (one recovery
+What it leaves next to ``--out`` (``<node>.json``): ``.pid``, ``.ready``, ``.step`` (the last step it
+committed), ``.records`` (one recovery
 record per line), ``.fault`` (when a fault fired), and at the end ``.state`` (the rank's local state as
 bytes: its shards of the model and optimizer) and the ``.json`` report (rank, step, records, the bytes
 of its state and of the snapshots it keeps for recovery).
@@ -195,6 +196,7 @@ def trainer_main(args: argparse.Namespace) -> int:
                     train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
             commits.append((rt.step, time.monotonic()))
             cpu.append(time.process_time())
+            out.with_suffix(".step").write_text(str(rt.step))  # progress, for an orchestrator outside
             if args.step_ms:
                 time.sleep(args.step_ms / 1000.0)  # pacing: stands in for a longer compute step
     except (Released, JobFinished, JobStopped) as exc:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 DAEMONS = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "munged", "munge")
 
@@ -93,6 +94,7 @@ class SlurmCluster:
             "AccountingStorageType=accounting_storage/none", "MpiDefault=none", "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides", "ReturnToService=2",
             "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
+            "RequeueExit=75",  # the sbatch script exits 75 for a job stopped in good order: requeued
             f"NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 "
             f"Port={node_port}-{node_port + len(self.nodes) - 1} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
@@ -160,3 +162,39 @@ class SlurmCluster:
         if self._munged:
             subprocess.run(["pkill", "-x", "munged"], capture_output=True)
             self._munged = False
+
+
+def read_int(path: Path) -> int:
+    """The integer a progress file holds; -1 while it is absent or half written."""
+    try:
+        return int(path.read_text() or -1)
+    except (OSError, ValueError):
+        return -1
+
+
+def procs_with(env_items: dict[str, str]) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose environment holds every item of ``env_items``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            environ = dict(kv.split("=", 1) for kv in (d / "environ").read_bytes().decode(errors="replace")
+                           .split("\0") if "=" in kv)
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd and all(environ.get(k) == v for k, v in env_items.items()):
+            out.append((int(d.name), cmd))
+    return out
+
+
+def wait_job(cond: Callable[[], bool], timeout: float, what: str, cluster: SlurmCluster, job: str) -> None:
+    """Wait for ``cond`` while ``job`` runs; AssertionError with the cluster's logs when it ends or times out first."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        state = cluster.job_state(job)[0]
+        # the condition is read again after the state: the job may have ended right after it was first read
+        if (time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING")) and not cond():
+            raise AssertionError(f"{what}: not within {timeout:.0f} s (job {state})\n{cluster.logs()}")
+        time.sleep(0.05)
