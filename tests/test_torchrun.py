@@ -6,6 +6,7 @@ loses a worker and finishes bit-identical, in place."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import signal
@@ -374,3 +375,73 @@ def test_torchrun_loses_a_worker_and_a_spare_takes_its_rank_in_place(tmp_path: P
             except ProcessLookupError:
                 pass
     assert not left, left  # every torchrun and worker the test started had ended by itself
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(bool(_torchrun_missing()), reason=_torchrun_missing() or "torchrun available")
+def test_torchrun_carries_the_mesh_and_recovers_a_killed_rank_of_a_2x2_hsdp_job(tmp_path: Path, ref_dir: Path) -> None:
+    """Five torchruns (``--rdzv-conf hosts=n[1-5],spares=1,mesh=replicate=2;shard=2``): the agents' view 0 is
+    the HSDP mesh's topology, the workers' MeshSpec accepts it, and rank 1, killed in its backward of step 4,
+    is replaced by the spare from rank 3 (the same shard of the other replica), byte-identical at the end."""
+    from tests.support.sharded import STEPS, reference
+
+    work = tmp_path / "job"
+    work.mkdir()
+    mark = f"GOSSIPREC_TEST_RUN={uuid.uuid4().hex}"
+    ep = _entry_point_dir(tmp_path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), ep) if p), "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", mark.split("=")[0]: mark.split("=")[1]}
+    for var in ("GOSSIPREC_NODE", "GOSSIPREC_KEYRING"):
+        env.pop(var, None)
+    base = free_ports(1, width=15)[0]
+    hosts = {"hosts": "n[1-5]", "addr": ";".join(f"n{i}=127.0.0.1" for i in range(1, 6))}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def logs() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(work.glob("*.log")))
+
+    try:
+        for i in range(1, 6):
+            fault = " --fault kill@backprop:4" if i == 2 else ""
+            worker = (f"exec {sys.executable} -m gossiprec.harness.sharded_trainer --layout hsdp --steps {STEPS} "
+                      f"--step-ms 50 --wait-for-spares 120 --out {work}/$GOSSIPREC_NODE.json{fault}")
+            conf = ",".join(f"{k}={v}" for k, v in _conf(base, host=f"n{i}", mesh="replicate=2;shard=2",
+                                                          insecure="1", **hosts).items())
+            argv = [*_torchrun(), "--rdzv-backend", "gossiprec", "--nnodes", "5", "--nproc-per-node", "1",
+                    "--max-restarts", "0", "--rdzv-id", "torchrun-mesh", "--rdzv-conf", conf,
+                    "--monitor-interval", "0.1", "--no-python", "sh", "-c", worker]
+            with open(work / f"torchrun-n{i}.log", "wb") as log:
+                procs[f"n{i}-0"] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300  # a guard against a hang, not a figure
+        codes = {}
+        for name, p in procs.items():
+            try:
+                codes[name] = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"torchrun of {name} did not end\n{logs()}") from None
+        assert (work / "n2-0.fault").exists() and not (work / "n2-0.json").exists(), logs()  # killed mid-step
+        assert codes["n2-0"] != 0 and all(codes[n] == 0 for n in codes if n != "n2-0"), (codes, logs())
+        reports = {r["rank"]: r for r in (read_json(work / f"n{i}-0.json") for i in (1, 3, 4, 5)) if r is not None}
+        assert {r: rep["node"] for r, rep in reports.items()} == {0: "n1-0", 1: "n5-0", 2: "n3-0", 3: "n4-0"}, logs()
+        states = {r: hashlib.sha256((work / f"{rep['node']}.state").read_bytes()).hexdigest()
+                  for r, rep in reports.items()}
+        assert states == reference("hsdp", ref_dir), logs()
+        receiver = next(rec for rec in reports[1]["records"] if rec["role"] == "receiver")
+        assert receiver["donors"] == ["n4-0"], receiver  # rank 3: the same shard of the other replica
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        left = _ours(mark)
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not left, left
