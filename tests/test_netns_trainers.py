@@ -195,3 +195,44 @@ def test_a_sharded_jobs_rank_whose_host_vanishes_mid_step_is_replaced(hosts: Net
     print(f"\nsharded (dp x tp) rank's host vanished mid-step: recovered in {fault['rto_s']} s {fault['phases_s']}; "
           f"survivors' collectives returned {[round(r['noticed_at'] - r['agreed_at'], 4) for r in survivors]} s "
           "after the agreed view")
+
+
+class PairedHosts(NetnsHosts):
+    """Two nodes per host: node i runs on host i // 2 (its port the second slot's when i is odd)."""
+
+    def addr(self, index: int) -> str:
+        return super().addr(index // 2)
+
+    def command(self, index: int, argv: Sequence[str]) -> list[str]:
+        return super().command(index // 2, argv)
+
+    def cut(self, index: int) -> None:
+        super().cut(index // 2)
+
+    def kill_all(self, index: int) -> None:
+        super().kill_all(index // 2)
+
+
+def test_a_host_of_two_hsdp_ranks_cut_from_the_network_is_replaced_whole(netns_ok: None, tmp_path: Path) -> None:
+    """HSDP replicate=2 x shard=2, two nodes per host: ranks 0-1 on host 0, ranks 2-3 (replica group 1) on
+    host 1, the two spares on host 2. Host 1's network is cut mid-training and every process on it killed:
+    one view change replaces both of its ranks from host 2's spares, rank 2 from rank 0 and rank 3 from
+    rank 1 (each its own shard's replica), and the job ends bit-identical to the failure-free run."""
+    from gossiprec.harness.sharded import run_sharded
+    from tests.support.sharded import STEPS, reference_run
+
+    ref = reference_run("hsdp", tmp_path)["states"]
+    cut = Action("host 1 (n2, n3) is cut off", lambda job: read_int(job.path("n2", ".step")) >= 3,
+                 lambda job: job.crash("n2"))
+    with NetnsCluster(3) as net:
+        res = run_sharded("hsdp", STEPS, [], spares=2, workdir=str(tmp_path / "job"), timeout=RUN_TIMEOUT,
+                          hosts=PairedHosts(net), actions=[cut], may_fail={"n2", "n3"},
+                          step_ms=150)
+    assert not net.exists(), f"namespaces left behind: {net.exists()}"
+    where = f"(logs in {res['workdir']})"
+    assert "host 1 (n2, n3) is cut off" in res["actions"], (res, where)
+    assert res["final_step"] == [STEPS] and res["states"] == ref, (res, where)
+    assert res["assignment"] == {0: "n0", 1: "n1", 2: "n4", 3: "n5"}, (res, where)
+    receivers = [r for r in res["records"] if r["role"] == "receiver"]
+    assert len({r["epoch"] for r in receivers}) == 1, (receivers, where)  # one view change for the whole host
+    assert {r["rank"]: r["donors"] for r in receivers} == {2: ["n0"], 3: ["n1"]}, (receivers, where)

@@ -41,7 +41,8 @@ NODE_PORTS = 3
 REAP_GRACE_S = 10.0
 """How long a launcher has to end its trainer and leave after SIGTERM before it is SIGKILLed."""
 HOST_PORT = 7990
-"""Every node's agent port when each node has a host of its own (store and donor: the next two)."""
+"""A node's agent port on a host of its own (store and donor: the next two); the k-th node of a host
+shared by several takes HOST_PORT + 3k, as ``gossiprec spec`` numbers a host's slots."""
 
 
 class Hosts(Protocol):
@@ -180,7 +181,7 @@ class LocalJob:
             self.ports = free_ports(len(self.names), width=NODE_PORTS)
         else:
             self.addrs = [hosts.addr(i) for i in range(len(self.names))]
-            self.ports = [HOST_PORT] * len(self.names)
+            self.ports = [HOST_PORT + NODE_PORTS * self.addrs[:i].count(a) for i, a in enumerate(self.addrs)]
         listed = self.listed = ranks + spares
         self.mesh = mesh
         """With a mesh (``--mesh``), the listed nodes agree on view 0 through their seeds (``--nnodes``),
