@@ -616,7 +616,7 @@ def test_dead_record_is_reaped_after_dead_reap() -> None:
 BAD_DATAGRAMS = [
     (b"", "rx_dropped_truncated"),
     (b"\xc1garbage", "rx_dropped_malformed"),
-    (b"\x92\x09\x91\x93\x04\x01\xa1a", "rx_dropped_bad_version"),
+    (bytes((0x92, PROTOCOL_VERSION + 1)) + b"\x91\x93\x04\x01\xa1a", "rx_dropped_bad_version"),  # a newer peer
     (encode_packet([Nack(1, "a")])[:-2], "rx_dropped_malformed"),
     (bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x91\x63", "rx_dropped_unknown_type"),
     (bytes((0x92, PROTOCOL_VERSION)) + b"\x91\x93\x01\x01\xa1a", "rx_dropped_bad_message"),

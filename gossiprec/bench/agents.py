@@ -237,7 +237,7 @@ class LocalCluster:
         self.keyring: Path | None = None
         self._spawned = 0
 
-    def _argv(self, name: str, port: int, sock: str) -> list[str]:
+    def _argv(self, name: str, port: int, sock: str, spare: bool = False) -> list[str]:
         cmd = "run" if self.spec.mode == "exit" else "agent"
         argv = [sys.executable, "-m", "gossiprec", cmd, "--name", name, "--bind", "127.0.0.1",
                 "--port", str(port), "--job", str(self.dir / "job.toml"), "--control-socket", sock,
@@ -245,6 +245,8 @@ class LocalCluster:
         for s in self.seed_addrs:
             argv += ["--seed", s]
         argv += ["--keyring", str(self.keyring)] if self.keyring is not None else ["--insecure"]
+        if spare:  # a replacement under a name the job spec does not list joins as a spare
+            argv += ["--spare"] if cmd == "run" else ["--role", "spare"]
         if cmd == "run":
             argv += ["--", "sleep", "1000000"]
         return argv
@@ -255,7 +257,7 @@ class LocalCluster:
         logf = self.dir / f"{name}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GOSSIPREC_")}
         with open(logf, "ab") as err:
-            proc = subprocess.Popen(self._argv(name, port, sock), env=env, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(self._argv(name, port, sock, spare=not original), env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=err)
         a = AgentProc(name, port, sock, proc, logf, original)
         self.agents[name] = a

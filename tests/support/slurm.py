@@ -54,6 +54,13 @@ def _free(port: int) -> bool:
             return False
 
 
+MUNGE_SOCKET = "/run/munge/munge.socket.2"
+
+
+def _munged_running() -> bool:
+    return subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0
+
+
 class SlurmCluster:
     """``nodes`` emulated nodes n1..nN of ``cpus`` CPUs each, in ``state`` (a scratch folder)."""
 
@@ -114,12 +121,15 @@ class SlurmCluster:
         raise RuntimeError(f"the Slurm cluster did not come up: {self.logs()}")
 
     def _start_munge(self) -> None:
-        if subprocess.run(["pgrep", "-x", "munged"], capture_output=True).returncode == 0:
+        if _munged_running():
             return  # one is running already: keep it (and do not stop it)
         Path("/run/munge").mkdir(parents=True, exist_ok=True)
         shutil.chown("/run/munge", "munge", "munge")
         subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True, capture_output=True)
         self._munged = True
+        deadline = time.monotonic() + 15  # the daemon forks before its socket is there
+        while not Path(MUNGE_SOCKET).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _spawn(self, argv: list[str], name: str) -> None:
         log = open(self.state / "log" / f"{name}.stdout", "wb")
@@ -162,6 +172,10 @@ class SlurmCluster:
         if self._munged:
             subprocess.run(["pkill", "-x", "munged"], capture_output=True)
             self._munged = False
+            # wait for it to be gone: the next cluster would otherwise take the dying one for a live one
+            deadline = time.monotonic() + 15
+            while _munged_running() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def read_int(path: Path) -> int:
