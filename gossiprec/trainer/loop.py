@@ -81,16 +81,13 @@ from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
 from gossiprec.trainer.collectives.groups import (
-    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server,
-)
+    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server)
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.state.receive import materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
-from gossiprec.trainer.recovery import (
-    NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
-)
+from gossiprec.trainer.recovery import NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
 from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld, check_sharded_args
 from gossiprec.trainer.state.snapshots import Snapshots
@@ -204,8 +201,7 @@ class ResilientTrainer:
         self._peers = Peers(control, self.node, store_offset=config.store_offset,
                             donor_offset=config.donor_offset, timeout=config.timeout)
         self._follower = Follower(
-            control.path, self._closed, abort=self._abort,
-            abort_older=self._abort_older,
+            control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         # a failed socket only marks the agent lost: the loop's next look at the follower recovers
         self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
@@ -267,6 +263,7 @@ class ResilientTrainer:
         self._link.open_page(status)
         deadline = time.monotonic() + config.start_timeout
         view, me = self._link.admitted(status, deadline, start_timeout=config.start_timeout)
+        ranks = sum(map(len, view.replica_groups)) or view.world_size  # the job's world (trainers gone included)
         self._peers.refresh()
         host, my_port = self._peers.agent_of(self.node)
         bind = config.bind_host or host
@@ -282,7 +279,7 @@ class ResilientTrainer:
             self.sharded.spec.check_view(view.world_size, view.replica_groups)
             self.sharded.host, self.sharded.keys = bind, self.keys  # its groups bind and seal as the trainer's
         if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
-            self.prepare_rank(me.rank)
+            self.prepare_rank(me.rank, ranks)
             self.install(self.identity.but(rank=me.rank, world_size=view.world_size, epoch=0))
             self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
             self._job.world_size = self.world_size
@@ -316,7 +313,7 @@ class ResilientTrainer:
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
             if self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan may
-                self.prepare_rank(me.rank)  # resume from its initial state (sharded: built as at epoch 0; and
+                self.prepare_rank(me.rank, ranks)  # resume from its initial state (sharded: built as at epoch 0; and
                 self._commit_snapshot(0)  # no spare's lr-0 step: Adam would count it)
             elif self.sharded is not None:  # a sharded spare builds its objects when a plan gives it a rank
                 self.sharded.warm()
@@ -672,21 +669,24 @@ class ResilientTrainer:
         self._link.entered(communicating=self.sharded is not None)
 
     # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
-    def prepare_rank(self, rank: int) -> None:
-        """A sharded job: build the mesh and the objects for ``rank`` (once; a spare when it takes a rank)."""
+    def prepare_rank(self, rank: int, world_size: int) -> bool:
+        """A sharded job: build the mesh and the objects for ``rank`` of ``world_size`` (a spare when it takes
+        a rank); a survivor of a shrink builds them again on the smaller mesh (True: its state is loaded next)."""
         sharded = self.sharded
-        if sharded is None:
-            return
-        if sharded.built and rank == sharded.rank:
-            return
-        objects = sharded.build(rank)  # (MeshShrinkRefused for another rank than it was built for)
+        if sharded is None or sharded.built and (rank, world_size) == (sharded.rank, sharded.world_size):
+            return False
+        rebuilt = sharded.built
+        objects = sharded.build(rank, world_size)  # (MeshShrinkRefused for a move along a sharded dimension)
         check_objects(objects, self.config)
         self._gate.hook(objects)
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})
-        if self.role == "spare":
-            materialize_optimizers(self.objects)
+        if self.role == "spare" or rebuilt:
+            materialize_optimizers(self.objects)  # (the state lands in DTensor optimizer state of the new mesh)
+        if rebuilt:
+            self._snaps.objects_replaced()
+        return rebuilt
 
     def configure_epoch(self, epoch: int) -> None:
         """A sharded job: give every group of the mesh ``epoch``'s backend, on the epoch's store."""
