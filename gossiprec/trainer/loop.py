@@ -678,12 +678,12 @@ class ResilientTrainer:
         rebuilt = sharded.built
         objects = sharded.build(rank, world_size)  # (MeshShrinkRefused for a move along a sharded dimension)
         check_objects(objects, self.config)
+        if self.role == "spare" or rebuilt:  # (before the gate's hooks: this step at lr 0 is no training step)
+            materialize_optimizers(objects)  # the state then lands in optimizer state on the new mesh
         self._gate.hook(objects)
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})
-        if self.role == "spare" or rebuilt:
-            materialize_optimizers(self.objects)  # (the state lands in DTensor optimizer state of the new mesh)
         if rebuilt:
             self._snaps.objects_replaced()
         return rebuilt
