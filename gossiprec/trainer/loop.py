@@ -40,10 +40,10 @@ the redone step's first collective refuses one it did not produce (:mod:`gossipr
 **Exits.** :meth:`~ResilientTrainer.leave` ends a process that is not needed, released or stopped
 in good order, with the codes of :mod:`gossiprec.trainer.exits`.
 
-**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
-objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
-rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
-``build(mesh)`` (a spare does it when a plan gives it a rank), and every epoch gives all of the mesh's
+**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the objects,
+:meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the rank is known,
+builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with ``build(mesh)`` (a spare
+when a plan gives it a rank; a shrink's survivors again, smaller), and every epoch gives all of the mesh's
 groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`). The state is each rank's local shard;
 its donor is the same coordinate in another replica. The step runs inside
 :meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
@@ -114,11 +114,11 @@ class ResilientTrainer:
     stores are authenticated with; either one not given comes from ``settings`` (default
     :meth:`TrainerSettings.from_env() <gossiprec.trainer.settings.TrainerSettings.from_env>`: the
     keyring ``gossiprec run`` names, followed as it rotates).
-    ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world,
-    new_world)``: the world size changed (shrink); ``on_no_replica(NoReplica) -> step``: load the
-    user's checkpoint into the objects (see :mod:`gossiprec.trainer.recovery`); ``on_phase(step,
-    phase)``: tracing / fault-injection hook (see the module docstring); ``on_drop(why)``: this process
-    dropped its state to wait as a spare (its node was fenced or removed).
+    ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world, new_world)``:
+    the world size changed (shrink; a mesh job's :attr:`objects` and :attr:`mesh` are new ones by then);
+    ``on_no_replica(NoReplica) -> step``: load the user's checkpoint into the objects (see
+    :mod:`gossiprec.trainer.recovery`); ``on_phase(step, phase)``: tracing / fault-injection hook (see the
+    module docstring); ``on_drop(why)``: this process dropped its state to wait as a spare (fenced, removed).
 
     ``mesh`` and ``build(mesh) -> objects``: a sharded job (see the module docstring); ``objects`` is then None.
 

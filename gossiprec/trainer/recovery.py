@@ -16,7 +16,11 @@ the state (:class:`~gossiprec.trainer.objects.JobState`), so every rank of the n
 receiver, sees the same change and calls ``on_resize(old_world, new_world)`` before the next step. It
 always starts from the state restored at the target step, so when a newer view interrupts a recovery
 before its first step, the next recovery restores and calls it again. A survivor dropped by a shrink
-raises :class:`Released` once it has served its receivers for ``linger`` seconds.
+raises :class:`Released` once it has served its receivers for ``linger`` seconds. In a sharded (mesh)
+job the plan drops whole replica groups, and every rank of the new world builds its managed world, mesh
+and objects again for the new size (``prepare_rank``, :mod:`gossiprec.trainer.collectives.sharded`)
+before its state at the target step is loaded into them; ``on_resize`` then sees the new objects. A
+rank whose state does not fit its new objects stops the job (:class:`MeshShrinkRefused`).
 
 **Fenced or removed.** A node that cannot reach a majority of its view is fenced; one the others removed
 (a minority after the partition heals, a re-provisioned host whose agent catches up) gets a plan without
