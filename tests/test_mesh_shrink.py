@@ -181,6 +181,15 @@ def test_a_mesh_job_shrinks_by_a_replica_group_to_the_state_of_a_job_that_shrank
     assert res["resizes"] == {0: [[4, 2, [1, 2]]], 1: [[4, 2, [1, 2]]]}, where  # on_resize saw the new mesh
     shrinks = [r for r in res["records"] if r["previous_world_size"] == 4]
     assert {(r["node"], r["rank"], r["world_size"]) for r in shrinks} == {(n, r, 2) for r, n in kept.items()}, where
+    # the host memory kept for recovery is the new objects' alone (the old ones' snapshots are let go):
+    # with one copy the rank's state once plus the small rest again, with none the small rest
+    import torch
+
+    from gossiprec.harness.tiny_lm import BUFFER_BYTES
+
+    for r, kept_bytes in res["kept_bytes"].items():
+        least = res["state_bytes"][r] if copies == "1" else 0
+        assert least <= kept_bytes <= least + torch.get_rng_state().numel() + BUFFER_BYTES, (r, res, where)
     targets = {r["target_step"] for r in shrinks}
     assert len(targets) == 1 and targets <= {3, 4}, (targets, where)
 

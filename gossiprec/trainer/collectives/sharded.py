@@ -334,5 +334,7 @@ class ShardedWorld:
 
     @property
     def hung(self) -> int:
-        """Collectives left pending on an aborted backend: leave the process with ``os._exit``."""
-        return self.world.hung if self.world is not None else 0
+        """Collectives left pending on an aborted backend (a retired world's too): leave the process with
+        ``os._exit``."""
+        worlds = [w for w, _ in self.retired] + ([self.world] if self.world is not None else [])
+        return sum(w.hung for w in worlds)
