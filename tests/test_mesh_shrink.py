@@ -98,6 +98,25 @@ def test_the_job_spec_of_a_shrinking_mesh_says_so() -> None:
         MeshSpec((2, 2), ("replicate", "shard")).job_toml(min_replicas=3)
 
 
+def test_every_launcher_carries_allow_shrink_for_a_mesh(tmp_path: Path) -> None:
+    """``gossiprec spec --mesh ... --allow-shrink`` (and torchrun's ``allow_shrink=1``, through the same
+    writer) and ``gossiprec run --nnodes ... --mesh ... --allow-shrink`` give view 0 the mesh's replica
+    groups with shrinking allowed."""
+    from gossiprec.agent.jobspec import load_view0
+    from gossiprec.agent.spec import Slot, to_toml
+    from gossiprec.core.bootstrap import BootParams
+    from gossiprec.core.mesh import parse_mesh
+
+    slots = [Slot(f"n{i}", f"h{i}", 0, f"127.0.0.{i + 1}:7000", "trainer" if i < 4 else "spare",
+                  i if i < 4 else None) for i in range(5)]
+    spec = tmp_path / "job.toml"
+    spec.write_text(to_toml(slots, allow_shrink=True, mesh="replicate=2,shard=2"))
+    want = JobTopology.grid(2, 2, allow_shrink=True)
+    assert load_view0(str(spec)).topology == want
+    boot = BootParams(5, 1, ("127.0.0.1:7000",), allow_shrink=True, mesh=parse_mesh("replicate=2,shard=2"))
+    assert boot.topology() == want
+
+
 def test_a_shrink_that_changes_a_local_shard_is_refused_with_exit_75() -> None:
     """A survivor whose state does not fit its objects rebuilt on the smaller mesh (a sharding that
     depends on the replicate dimension) stops the job in good order, naming the mismatch."""
