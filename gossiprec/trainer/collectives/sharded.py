@@ -10,8 +10,8 @@ both shapes.
 
 :class:`ShardedWorld` is the trainer's side once the rank is known: it makes the ``gossiprec`` backend
 torch's default group (:func:`~gossiprec.trainer.collectives.managed.init_managed_world`), builds the
-``DeviceMesh`` and calls the user's ``build(mesh)`` for the objects, once per process, in the same
-order in every process (the managed groups' store keys depend on it); then each epoch's
+``DeviceMesh`` and calls the user's ``build(mesh)`` for the objects (once per process, and again after a
+shrink), in the same order in every process (the managed groups' store keys depend on it); then each epoch's
 :meth:`ShardedWorld.configure` gives every group of the mesh that epoch's backend, and
 :meth:`ShardedWorld.abort` makes every collective blocked anywhere (forward, backward, optimizer, user
 code) raise :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted`.
