@@ -625,3 +625,59 @@ def test_a_stop_for_a_shard_lost_with_every_holder_names_the_shard() -> None:
     plan = elect(3, members[:1] + [Member("n3", "trainer", 3, "h3", "r0")], {r: f"n{r}" for r in range(4)},
                  {"n0": reports["n0"], "n3": StateReport("n3", 3, 5, None, 100)}, topo)
     assert plan.action == "stop" and "0 spare(s) and shrinking is disabled" in plan.reason, plan.reason
+
+
+# -- a mesh job's shrink keeps every survivor's shard -------------------------------------------------
+
+
+def _coords(rank: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(sizes):
+        out.append(rank % size)
+        rank //= size
+    return tuple(reversed(out))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), dp=st.integers(2, 5), shards=st.integers(1, 4), rep_first=st.booleans())
+def test_a_mesh_shrink_keeps_every_survivors_shard_coordinate(data: st.DataObject, dp: int, shards: int,
+                                                              rep_first: bool) -> None:
+    """A grid (``rank = dp_index * tp_pp + shard``) or a mesh whose replicate dimension comes last: the
+    plan's renumbering keeps each kept survivor's coordinate along the sharded dimension, and the new world
+    is the same mesh with the replicate dimension as many rows smaller as whole replica groups dropped."""
+    from gossiprec.core.mesh import MeshShape
+
+    names, sizes = (("replicate", "shard"), (dp, shards)) if rep_first else (("shard", "replicate"), (shards, dp))
+    shape = MeshShape(names, sizes, ("replicate",))
+    topology = shape.topology(allow_shrink=True)
+    world = dp * shards
+    dead = data.draw(st.sets(st.integers(0, world - 1), min_size=1, max_size=world - 1))
+    n_spares = data.draw(st.integers(0, len(dead) - 1))
+    plan = Job(topology).elect(dead=dead, spares=[spare(f"s{i}") for i in range(n_spares)])
+    if plan.action == "stop":
+        return  # a shard lost with every holder: nothing to keep
+    assert plan.action in ("shrink", "checkpoint")
+    rep = names.index("replicate")
+    left = plan.world_size // shards
+    new_sizes = tuple(left if i == rep else s for i, s in enumerate(sizes))
+    assert plan.world_size == left * shards and left < dp
+    assert plan.replica_groups == MeshShape(names, new_sizes, ("replicate",)).topology().replica_groups
+    for old, new in plan.rank_remap:
+        was, now = _coords(old, sizes), _coords(new, new_sizes)
+        assert [c for i, c in enumerate(was) if i != rep] == [c for i, c in enumerate(now) if i != rep], (old, new)
+    # the replica groups kept keep their order: a survivor's new replicate index is its old one less the
+    # groups dropped before it
+    kept_rows = sorted({_coords(old, sizes)[rep] for old, _ in plan.rank_remap})
+    for old, new in plan.rank_remap:
+        assert _coords(new, new_sizes)[rep] == kept_rows.index(_coords(old, sizes)[rep])
+
+
+def test_a_2x2_mesh_shrink_drops_the_replica_group_of_the_lost_rank() -> None:
+    """HSDP 2 x 2, no spare: rank 1 lost drops replica group 0 (ranks 0 and 1); ranks 2 and 3 become 0
+    and 1 (same shard), rank 0 is released."""
+    plan = Job(JobTopology.grid(2, 2, allow_shrink=True)).elect(dead=[1])
+    assert plan.action == "shrink" and plan.world_size == 2
+    assert plan.rank_remap == ((2, 0), (3, 1)) and plan.released == ("n0",)
+    assert plan.replica_groups == ((0,), (1,)) and plan.transfers == ()
+    assert Job(JobTopology.grid(2, 2, allow_shrink=True, min_replicas=2)).elect(dead=[1]).action == "stop"
+    assert Job(JobTopology.grid(2, 2)).elect(dead=[1]).action == "stop"

@@ -284,23 +284,3 @@ def test_sharded_fault_matrix(model: str, layout: str, kind: str, phase: str, co
     res = run_sharded(layout, STEPS, [Fault("n3", kind, 4, phase)], spares=1, workdir=str(tmp_path / "job"),
                       timeout=300.0, trainer_args=("--model", model, "--snapshot-copies", str(copies)))
     _check(res, _reference(layout, ref_dir, "--model", model), copies, buffers=BUFFER_BYTES if model == "lm" else 0)
-
-
-def test_a_mesh_job_refuses_a_plan_that_shrinks_it() -> None:
-    from types import SimpleNamespace
-
-    from gossiprec.core.topology import JobTopology
-    from gossiprec.trainer.exits import JobStopped, MeshShrinkRefused
-    from gossiprec.trainer.recovery import Recovery, _Pending
-
-    topo = JobTopology.grid(2, 2, allow_shrink=True)  # what a job spec written by hand might say
-    members = [Member(f"n{r}", "trainer", r, f"h{r}", "r0") for r in range(3)]
-    reports = {f"n{r}": StateReport(f"n{r}", r, 5, None, 6800) for r in range(3)}
-    plan = elect(1, members, {r: f"n{r}" for r in range(4)}, reports, topo)
-    assert plan.action == "shrink"
-    trainer = SimpleNamespace(node="n0", sharded=SimpleNamespace(spec=MeshSpec((2, 2), ("dp", "tp"))))
-    recovery = Recovery(trainer, job=None, follower=None, snaps=None, checks=None, peers=None,  # type: ignore[arg-type]
-                        closed=None, link=SimpleNamespace(report=lambda s, p: None), commit=lambda s: None)  # type: ignore[arg-type]
-    with pytest.raises(MeshShrinkRefused, match="fixed") as exc:
-        recovery._apply_plan(plan, _Pending("test", 0.0))
-    assert isinstance(exc.value, JobStopped)  # ends the process with the stopped exit code, no retry

@@ -90,18 +90,21 @@ class MeshShape:
         tp_pp = len(groups)
         return (dp, tp_pp) if JobTopology.grid(dp, tp_pp).replica_groups == groups else None
 
-    def job_toml(self, *, allow_shrink: bool = False) -> str:
-        """The job spec's ``[job]`` table for this mesh (ConfigError when no grid expresses it)."""
+    def job_toml(self, *, allow_shrink: bool = False, min_replicas: int = 1) -> str:
+        """The job spec's ``[job]`` table for this mesh (ConfigError when no grid expresses it);
+        ``min_replicas``, written when above 1: the fewest replica groups a shrink may leave."""
         shrink = "true" if allow_shrink else "false"
         grid = self.grid()
         if grid is None:
             raise ConfigError(f"mesh {self.text} has replica groups {describe_groups(self.topology())}, which a "
                               "job spec's grid (rank = dp_index * tp_pp + shard) cannot express: put the "
                               "replicate dimension first")
+        self.topology(min_replicas=min_replicas)  # (ConfigError for a min_replicas the mesh cannot hold)
         dp, tp_pp = grid
+        floor = f"min_replicas = {min_replicas}\n" if min_replicas != 1 else ""
         if tp_pp == 1:
-            return f'[job]\ntopology = "ddp"\nallow_shrink = {shrink}\n'
-        return f'[job]\ntopology = "grid"\ndp = {dp}\ntp_pp = {tp_pp}\nallow_shrink = {shrink}\n'
+            return f'[job]\ntopology = "ddp"\nallow_shrink = {shrink}\n{floor}'
+        return f'[job]\ntopology = "grid"\ndp = {dp}\ntp_pp = {tp_pp}\nallow_shrink = {shrink}\n{floor}'
 
 
 def parse_mesh(text: str, trainers: int | None = None, *, where: str = "--mesh") -> MeshShape:

@@ -12,7 +12,9 @@ is reaped. The result:
 - ``assignment``: rank -> the node that finished it; ``final_step``: the steps the ranks ended at;
   ``commits``: rank -> its ``(step, time.monotonic())`` after each step it committed, ``cpu_s``: rank ->
   its process's CPU time (``time.process_time()``) at each of those commits; ``losses``: rank -> step ->
-  the loss its finishing node committed that step with (``--model lm``);
+  the loss its finishing node committed that step with (``--model lm``); ``resizes``: rank -> each
+  ``on_resize(old, new)`` of its finishing node, with the mesh's shape it saw; ``mesh``: rank -> the
+  final mesh's shape;
 - ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
   (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
 - ``exits``: each launcher's exit code (None: still running when reaped); ``records``: every recovery
@@ -47,7 +49,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
                 log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
                 trainer_args: Sequence[str] = (), extra_args: Mapping[str, Sequence[str]] | None = None,
-                hosts: Hosts | None = None, mesh: str | None = None) -> dict[str, Any]:
+                hosts: Hosts | None = None, mesh: str | None = None, allow_shrink: bool = False,
+                min_replicas: int = 1, finish_ranks: int = RANKS, until_exit: bool = False) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -58,7 +61,10 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     for every trainer (e.g. ``--start-gate PATH``); ``extra_args``: node -> more options for that node's
     trainer alone; ``hosts``: node i runs on host i (default: every
     node on loopback; see :class:`~gossiprec.harness.job.LocalJob`); ``mesh``: launch with ``--nnodes`` and
-    this ``--mesh`` instead of a job spec (view 0 agreed through the seeds, carrying the mesh)."""
+    this ``--mesh`` instead of a job spec (view 0 agreed through the seeds, carrying the mesh);
+    ``allow_shrink``, ``min_replicas``: the job spec's; ``finish_ranks``: the ranks of the world the job
+    ends with (fewer than the mesh's after a shrink); ``until_exit``: return once every process has
+    ended, whether or not the ranks reported (a job that stops)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -67,7 +73,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
 
     spec = LAYOUTS[layout]
     work = Path(workdir or tempfile.mkdtemp(prefix=f"gossiprec-sharded-{layout}-"))
-    with LocalJob(work, RANKS, spares, job_table=spec.job_toml(), hosts=hosts, mesh=mesh) as job:
+    table = spec.job_toml(allow_shrink=allow_shrink, min_replicas=min_replicas)
+    with LocalJob(work, RANKS, spares, job_table=table, hosts=hosts, mesh=mesh) as job:
         for node in job.names:
             argv = [sys.executable, "-m", "gossiprec.harness.sharded_trainer", "--layout", layout,
                     "--steps", str(steps), "--out", str(job.path(node, ".json")), "--step-ms", str(step_ms),
@@ -81,7 +88,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
         deadline = time.monotonic() + timeout
         reports: dict[int, dict[str, Any]] = {}
         done_at: dict[str, float] = {}
-        while len(reports) < RANKS:
+        while len(reports) < finish_ranks:
             if len(done_at) < len(actions) and actions[len(done_at)].when(job):
                 action = actions[len(done_at)]
                 say(f"action: {action.name}")
@@ -93,13 +100,15 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                     reports[int(rep["rank"])] = rep
             dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0)
                     and n not in may_fail and not any(f.node == n for f in faults)]
+            if until_exit and all(p.poll() is not None for p in job.procs.values()):
+                break
             if dead:
                 raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}")
             if time.monotonic() >= deadline:
                 raise GossiprecError(f"the sharded job did not finish within {timeout:.0f} s (ranks done: "
                                      f"{sorted(reports)}); logs in {work}")
             time.sleep(0.05)
-        say(f"all {RANKS} ranks finished")
+        say(f"{len(reports)} ranks finished")
         end = time.monotonic() + END_WAIT_S
         while time.monotonic() < end and any(p.poll() is None for p in job.procs.values()):
             time.sleep(0.05)
@@ -125,6 +134,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                         for r, rep in sorted(reports.items())},
             "cpu_s": {r: rep.get("cpu_s", []) for r, rep in sorted(reports.items())},
             "losses": {r: {int(s): v for s, v in rep.get("losses", {}).items()} for r, rep in sorted(reports.items())},
+            "resizes": {r: rep.get("resizes", []) for r, rep in sorted(reports.items())},
+            "mesh": {r: rep.get("mesh") for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
             "actions": done_at, "records": records,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

@@ -20,7 +20,8 @@ What it leaves next to ``--out`` (``<node>.json``): ``.pid``, ``.ready``, ``.ste
 committed), ``.records`` (one recovery
 record per line), ``.fault`` (when a fault fired), and at the end ``.state`` (the rank's local state as
 bytes: its shards of the model and optimizer) and the ``.json`` report (rank, step, records, the bytes
-of its state and of the snapshots it keeps for recovery).
+of its state and of the snapshots it keeps for recovery, each ``on_resize`` call with the mesh's shape
+it saw, the final mesh's shape).
 """
 
 from __future__ import annotations
@@ -176,8 +177,13 @@ def trainer_main(args: argparse.Namespace) -> int:
             started.add(step)
         hook(step, phase)
 
+    resizes: list[tuple[int, int, list[int]]] = []  # (old world, new world, the mesh's shape then)
+
+    def on_resize(old: int, new: int) -> None:
+        resizes.append((old, new, list(rt.mesh.shape)))  # rt.mesh and rt.objects are the new mesh's already
+
     rt = ResilientTrainer(None, config, mesh=LAYOUTS[layout], build=build, on_recovered=on_recovered,
-                          on_phase=on_phase)
+                          on_phase=on_phase, on_resize=on_resize)
     out.with_suffix(".ready").write_text("1")
     while args.start_gate and not Path(args.start_gate).exists():
         time.sleep(0.02)  # the harness holds start() back (to change the view before any rank starts)
@@ -209,14 +215,22 @@ def trainer_main(args: argparse.Namespace) -> int:
                                "records": records, "state_bytes": final.header.total_nbytes,
                                "kept_bytes": rt.snapshot_bytes,
                                "hung": rt.sharded.hung if rt.sharded is not None else 0,
-                               "commits": commits, "cpu_s": cpu, "losses": losses}))
+                               "commits": commits, "cpu_s": cpu, "losses": losses, "resizes": resizes,
+                               "mesh": list(rt.mesh.shape)}))
     rt.finish()
     os._exit(0)  # an aborted backend may hold collectives whose destructor would block (managed.py)
 
 
 def plain_main(args: argparse.Namespace) -> int:
     """The same rank without gossiprec, under torchrun (``--plain``): torch's own process group and
-    ``init_device_mesh``, the same objects and steps; the report holds its commits and final state."""
+    ``init_device_mesh``, the same objects and steps; the report holds its commits and final state.
+
+    ``--ckpt-out DIR``: at the end, save the job with torch's distributed checkpoint (model and optimizer,
+    ``torch.distributed.checkpoint``) and every rank's other objects (schedule, data position, RNG) beside
+    it. ``--ckpt-in DIR --resume-at K --from-replica D``: start from such a checkpoint, saved at step ``K``,
+    on the mesh of the ranks torchrun starts (the layout's, its replicate dimension as many rows as that
+    takes), each rank taking the other objects of the rank of replica ``D`` at its own shard coordinate,
+    and train steps ``K+1`` to ``--steps``."""
     import datetime
 
     import torch
@@ -227,21 +241,28 @@ def plain_main(args: argparse.Namespace) -> int:
     from gossiprec.trainer.state.capture import capture_state
 
     torch.set_num_threads(1)
-    spec = LAYOUTS[args.layout]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    spec = LAYOUTS[args.layout].resized(dist.get_world_size())
     mesh = init_device_mesh("cpu", spec.shape, mesh_dim_names=spec.names)
     lm = args.model == "lm"
     objects = tiny_lm.build_objects(args.layout, mesh) if lm else build_objects(args.layout, mesh, args.hidden)
+    first = 1
+    if args.ckpt_in:
+        _load_checkpoint(objects, Path(args.ckpt_in), args.from_replica * (spec.world_size // spec.shape[0])
+                         + dist.get_rank() % (spec.world_size // spec.shape[0]))
+        first = args.resume_at + 1
     commits: list[tuple[int, float]] = []
     cpu: list[float] = []
     losses: dict[int, float] = {}
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         if lm:
             losses[step] = tiny_lm.train_step(args.layout, objects, mesh, clip=not args.no_clip)
         else:
             train_step(args.layout, objects, mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
         commits.append((step, time.monotonic()))
         cpu.append(time.process_time())
+    if args.ckpt_out:
+        _save_checkpoint(objects, Path(args.ckpt_out), dist.get_rank())
     out = Path(args.out.replace("{rank}", str(dist.get_rank())))
     final = capture_state(objects, step=args.steps, checksum=False)
     out.with_suffix(".state").write_bytes(state_bytes(final))
@@ -251,6 +272,34 @@ def plain_main(args: argparse.Namespace) -> int:
                                "losses": losses}))
     dist.destroy_process_group()
     return 0
+
+
+def _save_checkpoint(objects: dict[str, Any], path: Path, rank: int) -> None:
+    """Model and optimizer with ``torch.distributed.checkpoint`` under ``path``; this rank's other objects
+    (``torch.save`` of their state dicts) in ``path/rank{rank}.pt``."""
+    import torch
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(objects["model"], objects["optimizer"])
+    state_dict_saver.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))
+    torch.save({k: o.state_dict() for k, o in objects.items() if k not in ("model", "optimizer")},
+               path / f"rank{rank}.pt")
+
+
+def _load_checkpoint(objects: dict[str, Any], path: Path, source_rank: int) -> None:
+    """What :func:`_save_checkpoint` saved into ``objects`` (the other objects: those of ``source_rank``)."""
+    import torch
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = objects["model"], objects["optimizer"]
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state_dict_loader.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=str(path))  # in place
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    rest = torch.load(path / f"rank{source_rank}.pt", weights_only=False)
+    for k, sd in rest.items():
+        objects[k].load_state_dict(sd)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -274,6 +323,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="sleep this long inside each step, between forward and backward (stands in for compute)")
     p.add_argument("--plain", action="store_true",
                    help="run without gossiprec under torchrun ('{rank}' in --out becomes the rank)")
+    p.add_argument("--ckpt-out", dest="ckpt_out", default="",
+                   help="(--plain) at the end, save a distributed checkpoint into this directory")
+    p.add_argument("--ckpt-in", dest="ckpt_in", default="", help="(--plain) start from this checkpoint")
+    p.add_argument("--resume-at", dest="resume_at", type=int, default=0,
+                   help="(--plain, --ckpt-in) the step the checkpoint was saved at")
+    p.add_argument("--from-replica", dest="from_replica", type=int, default=0,
+                   help="(--plain, --ckpt-in) the replica (replicate coordinate) whose other objects each rank takes")
     p.add_argument("--fault", action="append", default=[], help="KIND@PHASE:STEP (repeatable)")
     p.add_argument("--leave-grad", dest="leave_grad", action="store_true",
                    help="at the first step redone after a recovery, put a gradient on --leave-grad-on before "

@@ -42,8 +42,9 @@ class JobStopped(TrainingEnded):
 
 
 class MeshShrinkRefused(JobStopped):
-    """A plan would shrink (or renumber) a job trained on a fixed device mesh: give it spares, or restart it
-    from a checkpoint."""
+    """A plan would change a mesh job in a way no smaller mesh can hold (a rank moved along a sharded
+    dimension, several replicate dimensions, local shards that change shape): give it spares, or restart
+    it from a checkpoint."""
 
 
 class JobFinished(TrainingEnded):

@@ -95,11 +95,13 @@ class OptimizerGate:
         """The optimizers whose steps the gate hooks (set as the objects are built)."""
 
     def hook(self, objects: Mapping[str, Any]) -> None:
-        """Put the gate before (and count after) every optimizer step among ``objects``."""
-        for opt in (o for o in objects.values() if hasattr(o, "register_step_pre_hook")):
+        """Put the gate before (and count after) every optimizer step among ``objects``, the objects built
+        now (a shrink's new objects replace the old ones, whose optimizers never step again)."""
+        hooked = [o for o in objects.values() if hasattr(o, "register_step_pre_hook")]
+        for opt in hooked:
             opt.register_step_pre_hook(lambda *_: self.before_optimizer())
             opt.register_step_post_hook(lambda *_: self.after_optimizer())
-            self.optimizers += 1
+        self.optimizers = len(hooked)
 
     def begin_step(self) -> None:
         """A step begins: with one copy, issue its commit barrier (every rank, every step; waited by

@@ -40,10 +40,10 @@ the redone step's first collective refuses one it did not produce (:mod:`gossipr
 **Exits.** :meth:`~ResilientTrainer.leave` ends a process that is not needed, released or stopped
 in good order, with the codes of :mod:`gossiprec.trainer.exits`.
 
-**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
-objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
-rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
-``build(mesh)`` (a spare does it when a plan gives it a rank), and every epoch gives all of the mesh's
+**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the objects,
+:meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the rank is known,
+builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with ``build(mesh)`` (a spare
+when a plan gives it a rank; a shrink's survivors again, smaller), and every epoch gives all of the mesh's
 groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`). The state is each rank's local shard;
 its donor is the same coordinate in another replica. The step runs inside
 :meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
@@ -81,16 +81,13 @@ from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
 from gossiprec.trainer.collectives.groups import (
-    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server,
-)
+    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server)
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.state.receive import materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
-from gossiprec.trainer.recovery import (
-    NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
-)
+from gossiprec.trainer.recovery import NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
 from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld, check_sharded_args
 from gossiprec.trainer.state.snapshots import Snapshots
@@ -117,11 +114,11 @@ class ResilientTrainer:
     stores are authenticated with; either one not given comes from ``settings`` (default
     :meth:`TrainerSettings.from_env() <gossiprec.trainer.settings.TrainerSettings.from_env>`: the
     keyring ``gossiprec run`` names, followed as it rotates).
-    ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world,
-    new_world)``: the world size changed (shrink); ``on_no_replica(NoReplica) -> step``: load the
-    user's checkpoint into the objects (see :mod:`gossiprec.trainer.recovery`); ``on_phase(step,
-    phase)``: tracing / fault-injection hook (see the module docstring); ``on_drop(why)``: this process
-    dropped its state to wait as a spare (its node was fenced or removed).
+    ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world, new_world)``:
+    the world size changed (shrink; a mesh job's :attr:`objects` and :attr:`mesh` are new ones by then);
+    ``on_no_replica(NoReplica) -> step``: load the user's checkpoint into the objects (see
+    :mod:`gossiprec.trainer.recovery`); ``on_phase(step, phase)``: tracing / fault-injection hook (see the
+    module docstring); ``on_drop(why)``: this process dropped its state to wait as a spare (fenced, removed).
 
     ``mesh`` and ``build(mesh) -> objects``: a sharded job (see the module docstring); ``objects`` is then None.
 
@@ -204,8 +201,7 @@ class ResilientTrainer:
         self._peers = Peers(control, self.node, store_offset=config.store_offset,
                             donor_offset=config.donor_offset, timeout=config.timeout)
         self._follower = Follower(
-            control.path, self._closed, abort=self._abort,
-            abort_older=self._abort_older,
+            control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
             on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         # a failed socket only marks the agent lost: the loop's next look at the follower recovers
         self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
@@ -267,6 +263,7 @@ class ResilientTrainer:
         self._link.open_page(status)
         deadline = time.monotonic() + config.start_timeout
         view, me = self._link.admitted(status, deadline, start_timeout=config.start_timeout)
+        ranks = sum(map(len, view.replica_groups)) or view.world_size  # the job's world (trainers gone included)
         self._peers.refresh()
         host, my_port = self._peers.agent_of(self.node)
         bind = config.bind_host or host
@@ -282,7 +279,7 @@ class ResilientTrainer:
             self.sharded.spec.check_view(view.world_size, view.replica_groups)
             self.sharded.host, self.sharded.keys = bind, self.keys  # its groups bind and seal as the trainer's
         if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
-            self.prepare_rank(me.rank)
+            self.prepare_rank(me.rank, ranks)
             self.install(self.identity.but(rank=me.rank, world_size=view.world_size, epoch=0))
             self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
             self._job.world_size = self.world_size
@@ -316,7 +313,7 @@ class ResilientTrainer:
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
             if self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan may
-                self.prepare_rank(me.rank)  # resume from its initial state (sharded: built as at epoch 0; and
+                self.prepare_rank(me.rank, ranks)  # resume from its initial state (sharded: built as at epoch 0; and
                 self._commit_snapshot(0)  # no spare's lr-0 step: Adam would count it)
             elif self.sharded is not None:  # a sharded spare builds its objects when a plan gives it a rank
                 self.sharded.warm()
@@ -672,21 +669,24 @@ class ResilientTrainer:
         self._link.entered(communicating=self.sharded is not None)
 
     # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
-    def prepare_rank(self, rank: int) -> None:
-        """A sharded job: build the mesh and the objects for ``rank`` (once; a spare when it takes a rank)."""
+    def prepare_rank(self, rank: int, world_size: int) -> bool:
+        """A sharded job: build the mesh and the objects for ``rank`` of ``world_size`` (a spare when it takes
+        a rank); a survivor of a shrink builds them again on the smaller mesh (True: its state is loaded next)."""
         sharded = self.sharded
-        if sharded is None:
-            return
-        if sharded.built and rank == sharded.rank:
-            return
-        objects = sharded.build(rank)  # (MeshShrinkRefused for another rank than it was built for)
+        if sharded is None or sharded.built and (rank, world_size) == (sharded.rank, sharded.world_size):
+            return False
+        rebuilt = sharded.built
+        objects = sharded.build(rank, world_size)  # (MeshShrinkRefused for a move along a sharded dimension)
         check_objects(objects, self.config)
+        if self.role == "spare" or rebuilt:  # (before the gate's hooks: this step at lr 0 is no training step)
+            materialize_optimizers(objects)  # the state then lands in optimizer state on the new mesh
         self._gate.hook(objects)
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})
-        if self.role == "spare":
-            materialize_optimizers(self.objects)
+        if rebuilt:
+            self._snaps.objects_replaced()
+        return rebuilt
 
     def configure_epoch(self, epoch: int) -> None:
         """A sharded job: give every group of the mesh ``epoch``'s backend, on the epoch's store."""

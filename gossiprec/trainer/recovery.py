@@ -16,7 +16,11 @@ the state (:class:`~gossiprec.trainer.objects.JobState`), so every rank of the n
 receiver, sees the same change and calls ``on_resize(old_world, new_world)`` before the next step. It
 always starts from the state restored at the target step, so when a newer view interrupts a recovery
 before its first step, the next recovery restores and calls it again. A survivor dropped by a shrink
-raises :class:`Released` once it has served its receivers for ``linger`` seconds.
+raises :class:`Released` once it has served its receivers for ``linger`` seconds. In a sharded (mesh)
+job the plan drops whole replica groups, and every rank of the new world builds its managed world, mesh
+and objects again for the new size (``prepare_rank``, :mod:`gossiprec.trainer.collectives.sharded`)
+before its state at the target step is loaded into them; ``on_resize`` then sees the new objects. A
+rank whose state does not fit its new objects stops the job (:class:`MeshShrinkRefused`).
 
 **Fenced or removed.** A node that cannot reach a majority of its view is fenced; one the others removed
 (a minority after the partition heals, a re-provisioned host whose agent catches up) gets a plan without
@@ -174,7 +178,7 @@ class Trainer(Protocol):
 
     def install(self, identity: RankIdentity) -> None: ...
 
-    def prepare_rank(self, rank: int) -> None: ...
+    def prepare_rank(self, rank: int, world_size: int) -> bool: ...
 
     def configure_epoch(self, epoch: int) -> None: ...
 
@@ -357,11 +361,6 @@ class Recovery:
             self._last_recovered_at = time.monotonic()  # failures so far were handled without us
             pending.since = self._last_recovered_at
             return False  # a spare: wait for a later plan
-        if t.sharded is not None and action == "shrink":
-            raise MeshShrinkRefused(
-                f"the plan of epoch {epoch} shrinks the job to {world} ranks ({plan.reason}), but it trains on a "
-                f"fixed {t.sharded.spec.names}={t.sharded.spec.shape} mesh whose groups keep their sizes: keep "
-                "allow_shrink = false for a mesh job and give it spares, or restart it from a checkpoint")
         if action == "checkpoint" and t.on_no_replica is None:
             raise JobStopped(f"the plan of epoch {epoch} finds no surviving replica of some state "
                              f"({plan.reason}); pass on_no_replica= to ResilientTrainer to load your "
@@ -370,14 +369,25 @@ class Recovery:
                               store_node=plan.store_node or "",
                               planned_at=self._follower.planned_at.get(epoch, time.monotonic()))
         mine = sorted((x for x in plan.transfers if x.receiver_node == t.node), key=lambda x: x.offset)
-        t.prepare_rank(my_rank)  # a sharded spare builds its mesh and objects now, before state lands in them
+        # a sharded spare builds its mesh and objects now, before state lands in them; a survivor of a
+        # shrink builds them again, on the smaller mesh, and loads its state into the new ones
+        rebuilt = t.prepare_rank(my_rank, world)
         if action == "checkpoint":
             target = self._load_checkpoint(plan, my_rank, pending)
         else:
             if plan.target_step is None or plan.store_node is None:
                 raise RecoveryError(f"the plan of epoch {epoch} ({action}) names no target step or store")
             target = plan.target_step
-            self._move_state(plan, target, mine, pending)
+            try:
+                self._move_state(plan, target, mine, pending, rebuilt)
+            except LayoutMismatch as exc:
+                if not rebuilt:
+                    raise
+                raise MeshShrinkRefused(
+                    f"the plan of epoch {epoch} shrinks the mesh to {world} ranks, but this rank's local shards do "
+                    f"not keep their shapes on the new mesh ({exc}): a shrink may only drop replica groups of "
+                    "a mesh whose sharding does not depend on the replicate dimension; give the job spares, or "
+                    "restart it from a checkpoint") from exc
         assert t.groups is not None and plan.store_node is not None
         self.building_epoch = epoch
         try:
@@ -428,9 +438,11 @@ class Recovery:
         pending.fields.update(state_at=time.monotonic(), bytes_received=0, transfer_s=0.0)
         return target
 
-    def _move_state(self, plan: Plan, target: int, mine: list[Transfer], pending: _Pending) -> None:
+    def _move_state(self, plan: Plan, target: int, mine: list[Transfer], pending: _Pending,
+                    rebuilt: bool = False) -> None:
         """Get the state of ``target`` into the objects: fetched from this rank's donors (``mine``: the
-        plan's transfers to this node), or reloaded from this rank's own snapshot."""
+        plan's transfers to this node), or reloaded from this rank's own snapshot. ``rebuilt``: the objects
+        are new (a shrink built the mesh again), and the snapshots, of the old ones, give way to the target's."""
         t = self._t
         pending.fields.update(target_step=target, lost_steps=max(0, t.step - target) if t.role == "trainer" else 0)
         self._link.report(target, "recovering")
@@ -440,6 +452,8 @@ class Recovery:
             pending.fields["donors"] = [x.donor_node for x in mine]
             stats = self._fetch(mine, target, plan.epoch)
             nbytes, xfer_s = stats.nbytes, stats.seconds
+            if rebuilt:
+                self._snaps.drop_all()  # (of the old objects)
             self._commit(target)  # complete and authenticated: this rank can donate it now
         else:
             snap = self._snaps.at(target)
@@ -448,7 +462,10 @@ class Recovery:
                                     f"but it holds steps {self._snaps.steps()}")
             copied = self._snaps.restore(snap)
             log.debug("reloaded step %d: %d of %d bytes copied", target, copied, snap.header.total_nbytes)
-            if t.sharded is not None and self._snaps.steps()[-1] != target:
+            if rebuilt:  # the new objects hold the target now: its snapshot is theirs, not the old ones'
+                self._snaps.drop_all()
+                self._commit(target)
+            elif t.sharded is not None and self._snaps.steps()[-1] != target:
                 # rolled back behind its newest snapshot (another replica group was a step behind, so the job
                 # never committed that step): commit the target again, so that the step redone next does not
                 # sit beside the abandoned one. (A data-parallel survivor keeps its newer step to serve: a

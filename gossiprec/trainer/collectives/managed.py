@@ -17,7 +17,9 @@ coordinate), so every group keeps its rank and size across epochs, and torch's o
 (``get_rank``, the group-name registry that functional collectives use, mesh coordinates) stays true.
 A group that changes rank or world size per epoch is for the caller's own collectives only
 (:meth:`ManagedGroup.configure` with a new rank and size, on a group made with :meth:`ManagedGroup.standalone`):
-torch's C++ side reads the size given at construction.
+torch's C++ side reads the size given at construction. A mesh that changes shape (a shrink drops replica
+groups) is a new managed world: :func:`retire_managed_world` aborts and takes down the old one (kept
+referenced), and :func:`init_managed_world` makes the new one, whose groups torch creates afresh.
 
 Every collective returns a :class:`ManagedWork` whose ``wait`` runs :func:`groups.wait_interruptible`
 against the epoch's abort event, whether torch waits from Python (FSDP2, ``dist.*``) or from C++
@@ -490,6 +492,25 @@ def init_managed_world(rank: int, world_size: int, *, timeout: float = 30.0, pol
     dist.init_process_group(BACKEND_NAME, store=dist.HashStore(), rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout))
     return world
+
+
+_retired: list[ManagedWorld] = []
+"""The worlds :func:`retire_managed_world` retired: referenced for good (a backend holding a hung collective
+must never be destroyed: gloo's destructor would block)."""
+
+
+def retire_managed_world(reason: str) -> None:
+    """Retire this process's managed world so that :func:`init_managed_world` can make a new one (a mesh
+    job's shrink builds its mesh again, smaller): every group's backend is aborted (a collective still
+    blocked on one raises :class:`CollectiveAborted`), torch's default group and every group made from it are
+    taken down, and the old world stays referenced here."""
+    global _world
+    world = managed_world()
+    world.abort(reason)
+    _retired.append(world)
+    if dist.is_initialized():
+        dist.destroy_process_group()  # (each managed group's shutdown aborts its epoch: nothing blocks)
+    _world = None
 
 
 def managed_world() -> ManagedWorld:

@@ -10,15 +10,22 @@ both shapes.
 
 :class:`ShardedWorld` is the trainer's side once the rank is known: it makes the ``gossiprec`` backend
 torch's default group (:func:`~gossiprec.trainer.collectives.managed.init_managed_world`), builds the
-``DeviceMesh`` and calls the user's ``build(mesh)`` for the objects, once per process, in the same
-order in every process (the managed groups' store keys depend on it); then each epoch's
+``DeviceMesh`` and calls the user's ``build(mesh)`` for the objects (once per process, and again after a
+shrink), in the same order in every process (the managed groups' store keys depend on it); then each epoch's
 :meth:`ShardedWorld.configure` gives every group of the mesh that epoch's backend, and
 :meth:`ShardedWorld.abort` makes every collective blocked anywhere (forward, backward, optimizer, user
 code) raise :class:`~gossiprec.trainer.collectives.groups.CollectiveAborted`.
 
-The mesh has a fixed shape: a replacement takes the lost rank's coordinate, and a plan that shrinks
-the job (drops replicas) is refused (:class:`~gossiprec.trainer.exits.MeshShrinkRefused`): torch's
-groups keep the sizes they were made with.
+A replacement takes the lost rank's coordinate, so the mesh keeps its shape across recoveries. A plan
+that shrinks the job (``allow_shrink``, no spare left: whole replica groups dropped) makes every
+survivor build its world again (:meth:`ShardedWorld.build` for the new rank and world size): the old
+managed world is retired (its groups aborted, kept referenced), a new one of the new size becomes torch's
+default group, the ``DeviceMesh`` is made again with the same names and the replicate dimension as many
+rows smaller (:meth:`MeshSpec.resized`), and ``build(mesh)`` is called again for new objects, into which
+the recovery then loads the rank's state. Every other coordinate of a survivor stays what it was (the
+election's renumbering keeps it), so its local shards keep their shapes; a shrink that would move a
+rank along a sharded dimension, or a mesh with several replicate dimensions, is refused
+(:class:`~gossiprec.trainer.exits.MeshShrinkRefused`).
 
 Importing this module does not import torch; :class:`ShardedWorld` does when it builds.
 """
@@ -87,17 +94,50 @@ class MeshSpec:
         """The mesh's pure shape (:class:`~gossiprec.core.mesh.MeshShape`): what a launcher's ``--mesh`` names."""
         return MeshShape(self.names, self.shape, self.replicated)
 
-    def topology(self, *, min_replicas: int = 1) -> JobTopology:
+    def topology(self, *, allow_shrink: bool = False, min_replicas: int = 1) -> JobTopology:
         """The agents' job topology: one replica group per line of the mesh along the replicate dimension(s)
         (:meth:`~gossiprec.core.mesh.MeshShape.topology`, as the launchers derive it from ``--mesh``)."""
-        return self.shape_of.topology(min_replicas=min_replicas)
+        return self.shape_of.topology(allow_shrink=allow_shrink, min_replicas=min_replicas)
 
-    def job_toml(self) -> str:
+    def job_toml(self, *, allow_shrink: bool = False, min_replicas: int = 1) -> str:
         """The job spec's ``[job]`` table for this mesh (the spec's grid must equal :meth:`topology`)."""
-        return self.shape_of.job_toml()
+        return self.shape_of.job_toml(allow_shrink=allow_shrink, min_replicas=min_replicas)
+
+    def resized(self, world_size: int) -> MeshSpec:
+        """This mesh over ``world_size`` ranks: the replicate dimension as many rows smaller (or larger) as
+        replica groups were dropped, every other dimension as it is. :class:`MeshShrinkRefused` where no
+        such mesh exists (several replicate dimensions, or a size the other dimensions do not divide)."""
+        if world_size == self.world_size:
+            return self
+        rep = self.replicated
+        rest = self.world_size // math.prod(self.shape[self.names.index(r)] for r in rep)
+        if len(rep) != 1 or world_size < 1 or world_size % rest:
+            raise MeshShrinkRefused(
+                f"a plan resizes the {self.shape_of.text} mesh ({self.world_size} ranks) to {world_size} ranks, "
+                f"which no mesh with the same {', '.join(n for n in self.names if n not in rep) or 'other'} "
+                f"dimension(s) and one replicate dimension holds (replicate: {', '.join(rep)}): keep "
+                "allow_shrink = false for this mesh and give it spares, or restart it from a checkpoint")
+        i = self.names.index(rep[0])
+        shape = self.shape[:i] + (world_size // rest,) + self.shape[i + 1:]
+        return MeshSpec(shape, self.names, self.replicate, self.device)
+
+    def coordinate(self, rank: int) -> tuple[int, ...]:
+        """``rank``'s coordinate on this mesh (ranks laid out row-major, as ``init_device_mesh`` does)."""
+        out = []
+        for size in reversed(self.shape):
+            out.append(rank % size)
+            rank //= size
+        return tuple(reversed(out))
 
     def check_view(self, world_size: int, replica_groups: Sequence[Sequence[int]]) -> None:
-        """Refuse (ConfigError, one line naming both) a job whose launched topology is not this mesh's."""
+        """Refuse (ConfigError, one line naming both) a job whose launched topology is not this mesh's (or
+        this mesh shrunk along its replicate dimension: a spare joining a job that shrank)."""
+        if world_size < self.world_size:
+            try:
+                self.resized(world_size).check_view(world_size, replica_groups)
+                return
+            except (ConfigError, MeshShrinkRefused):
+                pass  # refused below, naming the launched mesh
         want = self.topology().replica_groups
         got = tuple(sorted(tuple(sorted(int(r) for r in g)) for g in replica_groups)) or (tuple(range(world_size)),)
         if world_size != self.world_size or got != want:
@@ -145,6 +185,11 @@ class ShardedWorld:
         self.world: ManagedWorld | None = None
         self.mesh: Any = None
         self.rank = -1
+        self.shape = spec
+        """The mesh built now: ``spec``, or ``spec`` resized by a shrink (:meth:`MeshSpec.resized`)."""
+        self.retired: list[tuple[Any, Any]] = []
+        """(world, mesh) of every world a shrink retired (kept, as
+        :func:`~gossiprec.trainer.collectives.managed.retire_managed_world` keeps the world)."""
         self._one: Any = None
         self._barrier: Any = None
         """The commit barrier's tensor and pending work (see :meth:`issue_barrier`)."""
@@ -169,29 +214,57 @@ class ShardedWorld:
         import torch.distributed.tensor  # noqa: F401
         import torch.distributed.tensor.parallel  # noqa: F401
 
-    def build(self, rank: int) -> dict[str, Stateful]:
-        """Make the managed default group for ``rank``, the mesh, and the user's objects (once)."""
+    @property
+    def world_size(self) -> int:
+        """The ranks of the mesh built now."""
+        return self.shape.world_size
+
+    def build(self, rank: int, world_size: int | None = None) -> dict[str, Stateful]:
+        """Make the managed default group for ``rank`` of ``world_size`` (default: the spec's), the mesh,
+        and the user's objects. Built already (a survivor of a shrink): retire the old world and build them
+        again on the resized mesh (see the module docstring); the old objects are the caller's to drop."""
+        world_size = self.spec.world_size if world_size is None else world_size
+        shape = self.spec.resized(world_size)
         if self.built:
-            if rank != self.rank:
-                raise MeshShrinkRefused(f"this process built the mesh as rank {self.rank}; a plan now gives it rank "
-                                        f"{rank}: a mesh job keeps every rank's coordinate")
-            raise ConfigError("the mesh is built once per process")
+            self._retire(rank, shape)
         from torch.distributed.device_mesh import init_device_mesh
 
         from gossiprec.trainer.collectives.managed import init_managed_world
 
-        self.world = init_managed_world(rank, self.spec.world_size, timeout=self.timeout,
+        self.world = init_managed_world(rank, shape.world_size, timeout=self.timeout,
                                         poll_interval=self.poll_interval, slow_after=self.slow_after,
                                         on_slow=self.on_slow, host=self.host, keys=self.keys,
                                         backend=self.spec.backend)
         self.world.on_resume, self.world.on_issue = self.on_resume, self.on_issue
-        self.rank = rank
-        self.mesh = init_device_mesh(self.spec.device, self.spec.shape, mesh_dim_names=self.spec.names)
+        self.rank, self.shape = rank, shape
+        self.mesh = init_device_mesh(shape.device, shape.shape, mesh_dim_names=shape.names)
         objects = self.build_objects(self.mesh)
         if not isinstance(objects, Mapping) or not objects:
             raise ConfigError(f"build(mesh) must return the objects of the training state (name -> Stateful), "
                               f"got {type(objects).__name__}")
         return dict(objects)
+
+    def _retire(self, rank: int, shape: MeshSpec) -> None:
+        """Before building again as ``rank`` of ``shape``: refuse a move along a sharded dimension (the
+        local shards would be another coordinate's), then retire the world built now."""
+        from gossiprec.trainer.collectives.managed import retire_managed_world
+
+        if shape.world_size == self.world_size:
+            raise MeshShrinkRefused(f"this process built the {self.shape.shape_of.text} mesh as rank {self.rank}; a "
+                                    f"plan now gives it rank {rank} of the same mesh: a mesh job keeps every rank's "
+                                    "coordinate")
+        rep = self.spec.names.index(self.spec.replicated[0])
+        was, now = self.shape.coordinate(self.rank), shape.coordinate(rank)
+        if was[:rep] + was[rep + 1:] != now[:rep] + now[rep + 1:]:
+            raise MeshShrinkRefused(
+                f"a plan makes rank {self.rank} at {dict(zip(self.spec.names, was))} of the {self.shape.shape_of.text} "
+                f"mesh rank {rank} at {dict(zip(shape.names, now))} of the {shape.shape_of.text} mesh: a shrink "
+                "may only drop replica groups, and this rank's local shards belong to its old coordinate")
+        self.drop_barrier()
+        retire_managed_world(f"the {self.shape.shape_of.text} mesh is retired: the job shrinks to "
+                             f"{shape.shape_of.text}")
+        self.retired.append((self.world, self.mesh))
+        self.world, self.mesh = None, None
 
     def configure(self, epoch: int, store: Any, cancelled: Callable[[], str]) -> float:
         """Every managed group's backend for ``epoch`` (seconds it took)."""
@@ -261,5 +334,7 @@ class ShardedWorld:
 
     @property
     def hung(self) -> int:
-        """Collectives left pending on an aborted backend: leave the process with ``os._exit``."""
-        return self.world.hung if self.world is not None else 0
+        """Collectives left pending on an aborted backend (a retired world's too): leave the process with
+        ``os._exit``."""
+        worlds = [w for w, _ in self.retired] + ([self.world] if self.world is not None else [])
+        return sum(w.hung for w in worlds)

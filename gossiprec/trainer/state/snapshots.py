@@ -289,6 +289,14 @@ class Snapshots:
         self.unchanged = self.late
         self.late = frozenset()
 
+    def objects_replaced(self) -> None:
+        """The objects were built again (a mesh job's shrink): forget what was derived from the old ones
+        (their optimizers, the late and unchanged tensors), so that the next restore copies everything
+        into the new tensors and the next commit captures them all."""
+        self._optimizers = None
+        self.late = self.unchanged = frozenset()
+        self._late_for = ()
+
     def drop_all(self) -> None:
         """Forget every snapshot (a checkpoint replaced the job's state); their buffers are reused."""
         with self._lock:
