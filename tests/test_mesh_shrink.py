@@ -13,9 +13,6 @@ on the whole 2 x 2 mesh, end as the failure-free run does: the checkpoint round 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,8 +25,9 @@ from gossiprec.errors import ConfigError
 from gossiprec.harness.faults import Fault
 from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld
 from gossiprec.trainer.exits import JobStopped, MeshShrinkRefused
+from tests.support.sharded import plain_torchrun, shrunk_reference
 
-STEPS = 9
+from tests.support.sharded import STEPS  # noqa: E402 (the same steps as the reference it compares with)
 LM = ("--model", "lm")
 
 
@@ -144,33 +142,6 @@ def test_a_shrink_that_changes_a_local_shard_is_refused_with_exit_75() -> None:
 # -- jobs --------------------------------------------------------------------------------------------------
 
 
-def _torchrun(layout: str, nproc: int, work: Path, *args: str, timeout: float = 240.0) -> dict[int, dict[str, Any]]:
-    """The harness's trainer in plain mode (``--plain``) under torchrun: rank -> its report."""
-    from gossiprec.bench.sharded_overhead import _env, training_digest
-
-    work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(nproc), "-m", "gossiprec.harness.sharded_trainer", "--plain", "--layout", layout,
-           "--out", str(work / "r{rank}.json"), *args]
-    with open(work / "torchrun.log", "wb") as log:
-        proc = subprocess.run(cmd, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=timeout)
-    assert proc.returncode == 0, f"torchrun failed: see {work}/torchrun.log"
-    reports = {r: json.loads((work / f"r{r}.json").read_text()) for r in range(nproc)}
-    for r, rep in reports.items():
-        rep["digest"] = training_digest(work / f"r{r}.state")
-    return reports
-
-
-def _shrunk_reference(layout: str, target: int, survivor: int, work: Path, *args: str) -> dict[int, dict[str, Any]]:
-    """The reference (see the module docstring): 2 x 2 to ``target``, saved; replica ``survivor``'s ranks
-    on a 1 x 2 mesh from there to the end."""
-    ckpt = work / "ckpt"
-    _torchrun(layout, 4, work / "before", "--steps", str(target), "--ckpt-out", str(ckpt), *args)
-    return _torchrun(layout, 2, work / "after", "--steps", str(STEPS), "--ckpt-in", str(ckpt), "--resume-at",
-                     str(target), "--from-replica", str(survivor), *args)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,lost,copies", [("hsdp", "n1", "1"), ("tp", "n3", "1"), ("hsdp", "n2", "0")])
 def test_a_mesh_job_shrinks_by_a_replica_group_to_the_state_of_a_job_that_shrank(layout: str, lost: str, copies: str,
@@ -212,7 +183,7 @@ def test_a_mesh_job_shrinks_by_a_replica_group_to_the_state_of_a_job_that_shrank
     targets = {r["target_step"] for r in shrinks}
     assert len(targets) == 1 and targets <= {3, 4}, (targets, where)
 
-    ref = _shrunk_reference(layout, targets.pop(), survivor, tmp_path / "ref", *LM)
+    ref = shrunk_reference(layout, targets.pop(), survivor, tmp_path / "ref", *LM)
     got = {r: training_digest(work / f"{node}.state") for r, node in kept.items()}
     assert got == {r: rep["digest"] for r, rep in ref.items()}, (got, where)
     assert got[0] != got[1]  # (two shards: the digest sees them)
@@ -225,13 +196,13 @@ def test_a_mesh_job_shrinks_by_a_replica_group_to_the_state_of_a_job_that_shrank
 def test_the_checkpoint_round_trip_of_the_reference_is_exact(tmp_path: Path) -> None:
     """The reference's saving and loading change nothing: resumed on the whole 2 x 2 mesh, it ends as the
     failure-free run does (and the shrunk reference differs from it)."""
-    whole = _torchrun("hsdp", 4, tmp_path / "whole", "--steps", str(STEPS), *LM)
+    whole = plain_torchrun("hsdp", 4, tmp_path / "whole", "--steps", str(STEPS), *LM)
     ckpt = tmp_path / "ckpt"
-    _torchrun("hsdp", 4, tmp_path / "before", "--steps", "4", "--ckpt-out", str(ckpt), *LM)
-    resumed = _torchrun("hsdp", 4, tmp_path / "resumed", "--steps", str(STEPS), "--ckpt-in", str(ckpt),
+    plain_torchrun("hsdp", 4, tmp_path / "before", "--steps", "4", "--ckpt-out", str(ckpt), *LM)
+    resumed = plain_torchrun("hsdp", 4, tmp_path / "resumed", "--steps", str(STEPS), "--ckpt-in", str(ckpt),
                         "--resume-at", "4", *LM)
     assert {r: rep["digest"] for r, rep in resumed.items()} == {r: rep["digest"] for r, rep in whole.items()}
-    shrunk = _torchrun("hsdp", 2, tmp_path / "shrunk", "--steps", str(STEPS), "--ckpt-in", str(ckpt),
+    shrunk = plain_torchrun("hsdp", 2, tmp_path / "shrunk", "--steps", str(STEPS), "--ckpt-in", str(ckpt),
                        "--resume-at", "4", "--from-replica", "1", *LM)
     assert shrunk[0]["digest"] != whole[0]["digest"]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +73,32 @@ def check_job(res: dict[str, Any], reference: dict[int, str], copies: int = 1, b
         # the spare took the lost coordinate and received its shard from the same coordinate of the other replica
         assert f["donors"] == {lost: [f["assignment"][peer]]}, (f, where)
         assert f["assignment"][lost] != f["node"], (f, where)
+
+
+def plain_torchrun(layout: str, nproc: int, work: Path, *args: str,
+                   timeout: float = 240.0) -> dict[int, dict[str, Any]]:
+    """The harness's trainer in plain mode (``--plain``) under torchrun: rank -> its report."""
+    from gossiprec.bench.sharded_overhead import _env, training_digest
+
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(nproc), "-m", "gossiprec.harness.sharded_trainer", "--plain", "--layout", layout,
+           "--out", str(work / "r{rank}.json"), *args]
+    with open(work / "torchrun.log", "wb") as log:
+        proc = subprocess.run(cmd, env={**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed: see {work}/torchrun.log"
+    reports = {r: json.loads((work / f"r{r}.json").read_text()) for r in range(nproc)}
+    for r, rep in reports.items():
+        rep["digest"] = training_digest(work / f"r{r}.state")
+    return reports
+
+
+def shrunk_reference(layout: str, target: int, survivor: int, work: Path, *args: str) -> dict[int, dict[str, Any]]:
+    """The state a 2 x 2 job that shrank at step ``target`` ends with, never running gossiprec's shrink:
+    plain torchrun trains 2 x 2 to ``target`` and saves a torch distributed checkpoint; replica
+    ``survivor``'s ranks load it on a 1 x 2 mesh and train to :data:`STEPS` (tests/test_mesh_shrink.py)."""
+    ckpt = work / "ckpt"
+    plain_torchrun(layout, 4, work / "before", "--steps", str(target), "--ckpt-out", str(ckpt), *args)
+    return plain_torchrun(layout, 2, work / "after", "--steps", str(STEPS), "--ckpt-in", str(ckpt),
+                          "--resume-at", str(target), "--from-replica", str(survivor), *args)
