@@ -16,7 +16,9 @@ is reaped. The result:
 - ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
   (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
 - ``exits``: each launcher's exit code (None: still running when reaped); ``records``: every recovery
-  record of the run; ``actions``: each action's name -> the ``time.monotonic()`` it was done at.
+  record of the run; ``actions``: each action's name -> the ``time.monotonic()`` it was done at;
+- ``resumed`` and ``saved`` (``--dcp``): rank -> the checkpoint step its run resumed from (None: none),
+  and the steps it saved checkpoints of.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from gossiprec.harness.faults import Fault
 from gossiprec.harness.job import Hosts, LocalJob, read_json
 from gossiprec.harness.scenario import Action
 from gossiprec.harness.timeline import timeline
+from gossiprec.local.launch import EXIT_STOPPED
 
 END_WAIT_S = 10.0
 """After the last rank's report, how long the processes left have to end by themselves."""
@@ -47,7 +50,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
                 log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
                 trainer_args: Sequence[str] = (), extra_args: Mapping[str, Sequence[str]] | None = None,
-                hosts: Hosts | None = None, mesh: str | None = None) -> dict[str, Any]:
+                hosts: Hosts | None = None, mesh: str | None = None, stops: bool = False) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -58,7 +61,9 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     for every trainer (e.g. ``--start-gate PATH``); ``extra_args``: node -> more options for that node's
     trainer alone; ``hosts``: node i runs on host i (default: every
     node on loopback; see :class:`~gossiprec.harness.job.LocalJob`); ``mesh``: launch with ``--nnodes`` and
-    this ``--mesh`` instead of a job spec (view 0 agreed through the seeds, carrying the mesh)."""
+    this ``--mesh`` instead of a job spec (view 0 agreed through the seeds, carrying the mesh); ``stops``:
+    the job is expected to stop in good order (exit 75, say with no spare left): the run ends when every
+    process has exited, and 75 is no error."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -91,15 +96,17 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 rep = read_json(job.path(node, ".json"))
                 if rep is not None and "rank" in rep:
                     reports[int(rep["rank"])] = rep
-            dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0)
+            dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0, *([EXIT_STOPPED] if stops else []))
                     and n not in may_fail and not any(f.node == n for f in faults)]
+            if stops and all(p.poll() is not None for p in job.procs.values()):
+                break
             if dead:
                 raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}")
             if time.monotonic() >= deadline:
                 raise GossiprecError(f"the sharded job did not finish within {timeout:.0f} s (ranks done: "
                                      f"{sorted(reports)}); logs in {work}")
             time.sleep(0.05)
-        say(f"all {RANKS} ranks finished")
+        say(f"ranks {sorted(reports)} finished")
         end = time.monotonic() + END_WAIT_S
         while time.monotonic() < end and any(p.poll() is None for p in job.procs.values()):
             time.sleep(0.05)
@@ -125,6 +132,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                         for r, rep in sorted(reports.items())},
             "cpu_s": {r: rep.get("cpu_s", []) for r, rep in sorted(reports.items())},
             "losses": {r: {int(s): v for s, v in rep.get("losses", {}).items()} for r, rep in sorted(reports.items())},
+            "resumed": {r: rep.get("resumed") for r, rep in sorted(reports.items())},
+            "saved": {r: rep.get("saved", []) for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
             "actions": done_at, "records": records,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

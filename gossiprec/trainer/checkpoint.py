@@ -177,7 +177,9 @@ class DcpCheckpoints:
         temp = self.directory / f".tmp-step-{step:08d}"
         temp.mkdir(parents=True, exist_ok=True)
         state = {name: obj.state_dict() for name, obj in objects.items()}
-        metadata = dcp_save(state, storage_writer=FileSystemWriter(temp), no_dist=not dist)
+        with warnings.catch_warnings():  # DCP warns that it saves "in a single process": meant without a mesh
+            warnings.simplefilter("ignore", UserWarning)
+            metadata = dcp_save(state, storage_writer=FileSystemWriter(temp), no_dist=not dist)
         if dist and tdist.get_rank() != 0:
             return True
         try:
