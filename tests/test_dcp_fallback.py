@@ -242,3 +242,23 @@ def test_a_stopped_job_started_again_resumes_from_its_checkpoint(layout: str, tm
     # the restarted run trained steps 7 to 9 only, and saved step 9
     assert {r: [s for s, _ in c] for r, c in again["commits"].items()} == {r: [7, 8, 9] for r in range(4)}, where
     assert sorted(os.listdir(ck)) == ["step-00000006", "step-00000009"], (os.listdir(ck), where)  # torn ones removed
+
+
+@pytest.mark.slow
+def test_a_rank_lost_during_a_save_leaves_it_torn_and_the_job_recovers(tmp_path: Path, ref_dir: Path) -> None:
+    """Rank 1 dies as step 6's save begins, while the others wait in DCP's first collective: their save
+    is interrupted (it returns None), the next step recovers in place (the spare takes rank 1 from rank
+    3, nothing committed lost), step 6 is never complete, and step 9's save removes its torn directory."""
+    from gossiprec.harness.sharded import run_sharded
+
+    ck = tmp_path / "ck"
+    res = run_sharded("hsdp", STEPS, [Fault("n1", "kill", 6, "checkpoint")], spares=1,
+                      workdir=str(tmp_path / "job"), timeout=300.0, trainer_args=_dcp_args(ck))
+    where = f"(logs in {res['workdir']})"
+    assert res["final_step"] == [STEPS] and res["states"] == _reference("hsdp", ref_dir, "--model", "lm"), (res, where)
+    fault = res["faults"][0]
+    assert fault["fired"] and {r["target_step"] for r in fault["records"]} == {6}, (fault, where)
+    assert all(r["lost_steps"] == 0 and r["action"] == "resume" for r in fault["records"]), (fault, where)
+    # (rank 1's report is the spare's: it took the rank after step 6)
+    assert res["saved"] == {0: [3, 9], 1: [9], 2: [3, 9], 3: [3, 9]}, (res["saved"], where)
+    assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000009"], (os.listdir(ck), where)
