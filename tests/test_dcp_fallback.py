@@ -211,17 +211,20 @@ def test_every_holder_of_a_shard_lost_loads_the_newest_checkpoint(layout: str, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["hsdp", "tp"])
-def test_a_stopped_job_started_again_resumes_from_its_checkpoint(layout: str, tmp_path: Path,
+@pytest.mark.parametrize("layout,more", [("hsdp", ()), ("tp", ()), ("hsdp", ("--seed-per-shard",))],
+                         ids=["hsdp", "tp", "hsdp-seed-per-shard"])
+def test_a_stopped_job_started_again_resumes_from_its_checkpoint(layout: str, more: tuple[str, ...], tmp_path: Path,
                                                                 ref_dir: Path) -> None:
     """No spare: rank 3 dies after step 7, the plan stops the job and the survivors exit 75; step 6's
     checkpoint is the newest complete one. The same job started again (fresh processes and agents, the
-    same checkpoint directory) resumes there and ends as the failure-free run."""
+    same checkpoint directory) resumes there and ends as the failure-free run. ``--seed-per-shard``: the
+    RNG differs between the two shard ranks of a replica (their dropout masks differ; FSDP2 averages
+    the gradients): each rank gets its own back, not one written for all."""
     from gossiprec.harness.sharded import run_sharded
 
     ck = tmp_path / "ck"
     first = run_sharded(layout, STEPS, [Fault("n3", "kill", 7, "committed")], spares=0,
-                        workdir=str(tmp_path / "first"), timeout=300.0, trainer_args=_dcp_args(ck), stops=True)
+                        workdir=str(tmp_path / "first"), timeout=300.0, trainer_args=_dcp_args(ck, *more), stops=True)
     where = f"(logs in {first['workdir']})"
     assert first["states"] == {}, (first, where)  # nobody finished
     exits = first["exits"]
@@ -234,11 +237,11 @@ def test_a_stopped_job_started_again_resumes_from_its_checkpoint(layout: str, tm
         shutil.copytree(ck / "step-00000006", path)
     (torn[1] / MARKER).unlink()
     again = run_sharded(layout, STEPS, spares=0, workdir=str(tmp_path / "again"), timeout=300.0,
-                        trainer_args=_dcp_args(ck))
+                        trainer_args=_dcp_args(ck, *more))
     where = f"(logs in {again['workdir']})"
     assert again["final_step"] == [STEPS], (again, where)
     assert again["resumed"] == {r: 6 for r in range(4)}, (again, where)
-    assert again["states"] == _reference(layout, ref_dir, "--model", "lm"), (again, where)
+    assert again["states"] == _reference(layout, ref_dir, "--model", "lm", *more), (again, where)
     # the restarted run trained steps 7 to 9 only, and saved step 9
     assert {r: [s for s, _ in c] for r, c in again["commits"].items()} == {r: [7, 8, 9] for r in range(4)}, where
     assert sorted(os.listdir(ck)) == ["step-00000006", "step-00000009"], (os.listdir(ck), where)  # torn ones removed

@@ -148,9 +148,11 @@ def trainer_main(args: argparse.Namespace) -> int:
         if args.model == "lm":
             objects = tiny_lm.build_objects(layout, mesh)
             tiny_lm.arm(objects, lambda phase: hook(rt.step + 1, phase))
-            return objects
-        objects = build_objects(layout, mesh, args.hidden)
-        _arm(objects, rt, hook)
+        else:
+            objects = build_objects(layout, mesh, args.hidden)
+            _arm(objects, rt, hook)
+        if args.seed_per_shard:  # the same along the replicate dimension: replicas stay identical
+            torch.manual_seed(1 + mesh.get_coordinate()[1])
         return objects
 
     def on_recovered(rec: Any) -> None:
@@ -295,6 +297,9 @@ def _parser() -> argparse.ArgumentParser:
                    "its newest complete one, on_no_replica loads it")
     p.add_argument("--dcp-every", dest="dcp_every", type=int, default=0,
                    help="save a checkpoint every N committed steps (with --dcp)")
+    p.add_argument("--seed-per-shard", dest="seed_per_shard", action="store_true",
+                   help="seed torch's generator by the rank's shard (second mesh coordinate): a value of the state "
+                        "that differs between the ranks of one replica")
     p.add_argument("--start-gate", dest="start_gate", default="",
                    help="call start() only once this file exists (default: at once)")
     return p

@@ -16,13 +16,17 @@ action ``checkpoint`` (every holder of some shard died at once), and a job that 
 **What is saved.** ``rt.objects`` (model, optimizer, LR scheduler, data position, RNG, the trainer's own
 ``gossiprec`` entry), each object's ``state_dict()``: an FSDP2 or tensor-parallel module's values are
 DTensors, which DCP writes as the pieces each rank holds, one copy per piece (the replicas of a shard
-write it once); a value that is not a DTensor is written once for the whole job, so it must be the same
-on every rank (as the trainer's replica checks require within a replica group). An optimizer's state is
-keyed by parameter index, as ``Optimizer.state_dict()`` keys it: a checkpoint is read back by the same
-program. In a mesh job every rank saves, coordinated by DCP over torch's default group (the trainer's
-managed ``gossiprec`` group: DCP gathers the ranks' plans, scatters the global plan, and gathers the
-write results before its coordinator, rank 0, writes the ``.metadata`` file). In a data-parallel job
-without a mesh every rank holds the whole state: rank 0 saves it alone, without collectives.
+write it once; a replicated placement must hold the same values on its ranks, as DCP assumes). A value
+that is not a DTensor (a norm left out of a TP plan, the RNG, the data position) DCP writes once for
+every rank that holds it under the same name; so before a mesh save one all-reduce of a crc of these
+values finds whether any differ between ranks (a generator seeded per shard), and only
+then are they named (an all-gather) and written per rank, under ``gossiprec_per_rank.<rank>``, each rank
+reading its own back. An optimizer's state is keyed by parameter index, as ``Optimizer.state_dict()``
+keys it: a checkpoint is read back by the same program. In a mesh job every rank saves, coordinated by
+DCP over torch's default group (the trainer's managed ``gossiprec`` group: DCP gathers the ranks' plans,
+scatters the global plan, and gathers the write results before its coordinator, rank 0, writes the
+``.metadata`` file). In a data-parallel job without a mesh every rank holds the whole state: rank 0
+saves it alone, without collectives.
 
 **Complete.** Step ``K`` is written into ``.tmp-step-K`` (the name a torn write keeps), then rank 0 lists
 every file with its size in a marker, ``.gossiprec-complete``, and renames the directory to ``step-K``;
@@ -50,10 +54,12 @@ import json
 import logging
 import os
 import re
+import pickle
 import shutil
 import warnings
+import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.trainer.exits import JobStopped
@@ -67,6 +73,9 @@ log = logging.getLogger(__name__)
 
 MARKER = ".gossiprec-complete"
 """The file that makes a step's directory complete: the step and every file of it with its size."""
+PER_RANK = "gossiprec_per_rank"
+"""The entry of a mesh checkpoint that holds, under each rank's number, the values (not DTensors) that
+differ between ranks: DCP would otherwise keep one rank's copy for all."""
 _FINAL = re.compile(r"^step-(\d+)$")
 _TEMP = re.compile(r"^\.tmp-step-(\d+)$")
 
@@ -159,14 +168,14 @@ class DcpCheckpoints:
         import torch.distributed as dist
 
         assert rt.sharded is not None
-        ok = self._write(rt.objects, step, dist=True)
+        ok = self._write(rt.objects, step, dist=True, device=rt.sharded.spec.device)
         # Every rank leaves once rank 0 has renamed the directory: after save() returns, on any rank,
         # latest() finds the step everywhere (a recovery that reads it cannot race the rename).
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=rt.sharded.spec.device)
         dist.broadcast(flag, src=0)
         return bool(int(flag.cpu()[0]))
 
-    def _write(self, objects: Mapping[str, Stateful], step: int, *, dist: bool) -> bool:
+    def _write(self, objects: Mapping[str, Stateful], step: int, *, dist: bool, device: str = "cpu") -> bool:
         """DCP-save ``objects`` into the step's temporary directory (``dist``: every rank, over torch's
         default group; else this process alone); the coordinator (rank 0) then completes it. Returns
         whether this rank's part succeeded (the coordinator's: the checkpoint is complete)."""
@@ -176,7 +185,9 @@ class DcpCheckpoints:
 
         temp = self.directory / f".tmp-step-{step:08d}"
         temp.mkdir(parents=True, exist_ok=True)
-        state = {name: obj.state_dict() for name, obj in objects.items()}
+        state: dict[str, Any] = {name: obj.state_dict() for name, obj in objects.items()}
+        if dist:
+            state = _split_per_rank(state, device)
         with warnings.catch_warnings():  # DCP warns that it saves "in a single process": meant without a mesh
             warnings.simplefilter("ignore", UserWarning)
             metadata = dcp_save(state, storage_writer=FileSystemWriter(temp), no_dist=not dist)
@@ -227,12 +238,16 @@ class DcpCheckpoints:
         stored = FileSystemReader(path).read_metadata().state_dict_metadata
         for name, obj in objects.items():
             _optimizer_template(name, obj, stored)
-        state = {name: obj.state_dict() for name, obj in objects.items()}
+        state: dict[str, Any] = {name: obj.state_dict() for name, obj in objects.items()}
         for name, obj in objects.items():
             _drop_unsaved(name, obj, state[name], stored)
+        state, moved = _template_per_rank(state, stored)
         with warnings.catch_warnings():  # DCP warns that it loads "in a single process": meant here
             warnings.simplefilter("ignore", UserWarning)
             dcp_load(state, storage_reader=FileSystemReader(path), no_dist=True)
+        own: dict[str, Any] = next(iter(state.pop(PER_RANK, {}).values()), {})
+        for name, (parent, key) in moved.items():
+            parent[key] = own[name]
         for name, obj in objects.items():
             obj.load_state_dict(state[name])
         log.info("loaded the checkpoint of step %d from %s", step, path)
@@ -299,6 +314,93 @@ def _drop_unsaved(name: str, obj: Any, state: Any, stored: Mapping[str, Any]) ->
     for index in list(state["state"]):
         if not any(key.startswith(f"{name}.state.{index}.") for key in stored):
             del state["state"][index]
+
+
+def _leaves(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any, Any, Any]]:
+    """Every leaf of nested mappings: (dotted name, as DCP names it; parent mapping; key; value)."""
+    for key, value in list(tree.items()):
+        here = (*path, str(key))
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, here)
+        else:
+            yield ".".join(here), tree, key, value
+
+
+def _crc(value: Any) -> int:
+    """A crc32 of a value that is not a DTensor (pickled when not a tensor: two equal values may pickle
+    apart, which only costs a copy per rank); -1 for a DTensor (DCP writes each rank's own piece)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from gossiprec.trainer.state.header import tensor_bytes
+
+    if isinstance(value, DTensor):
+        return -1
+    if isinstance(value, torch.Tensor):
+        return zlib.crc32(tensor_bytes(value.detach().cpu().contiguous()))
+    return zlib.crc32(pickle.dumps(value))
+
+
+def _split_per_rank(state: dict[str, Any], device: str) -> dict[str, Any]:
+    """A mesh save (every rank, collective): ``state`` with the values that are not DTensors and differ
+    between ranks moved under ``PER_RANK/<rank>`` (DCP keeps one copy of a key that several ranks
+    write: a generator seeded per shard would come back the same everywhere). One
+    all-reduce says whether any differ (the usual case: none, and ``state`` is returned as it is); only
+    then an all-gather of every rank's crcs names them."""
+    import torch
+    import torch.distributed as dist
+
+    crcs = {name: _crc(value) for name, _, _, value in _leaves(state)}
+    crcs = {name: c for name, c in crcs.items() if c >= 0}
+    mine = zlib.crc32(json.dumps(sorted(crcs.items())).encode())
+    both = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    both = both.cpu()
+    if int(both[0]) == -int(both[1]):
+        return state
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, crcs)
+    differ = {n for n in set().union(*everyone) if len({ranks.get(n) for ranks in everyone}) > 1}
+    state = _structure(state)  # (the objects' state dicts share their inner dicts with the live state)
+    own: dict[str, Any] = {}
+    for name, parent, key, value in _leaves(state):
+        if name in differ:
+            own[name] = value
+            del parent[key]
+    state[PER_RANK] = {str(dist.get_rank()): own}
+    log.info("checkpoint: %d value(s) that differ between ranks are saved per rank: %s", len(own),
+             ", ".join(sorted(own)[:5]))
+    return state
+
+
+def _template_per_rank(state: dict[str, Any], stored: Mapping[str, Any]
+                       ) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The load's template ``state`` with the values this rank's checkpoint holds per rank
+    (:func:`_split_per_rank`) moved under ``PER_RANK``, and where each goes back to after the load."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    prefix = f"{PER_RANK}.{rank}."
+    mine = [key[len(prefix):] for key in stored if key.startswith(prefix)]
+    if not mine:
+        return state, {}
+    state = _structure(state)
+    moved: dict[str, tuple[Any, Any]] = {}
+    own: dict[str, Any] = {}
+    for name, parent, key, value in _leaves(state):
+        if any(m == name or m.startswith(name + ".") for m in mine):
+            own[name], moved[name] = value, (parent, key)
+            del parent[key]
+    state[PER_RANK] = {str(rank): own}
+    return state, moved
+
+
+def _structure(tree: Any) -> Any:
+    """A copy of nested mappings (the leaves themselves shared), to move leaves in without touching the
+    objects' own dicts."""
+    if isinstance(tree, Mapping):
+        return {key: _structure(value) for key, value in tree.items()}
+    return tree
 
 
 def _write_synced(path: Path, text: str) -> None:
