@@ -167,6 +167,22 @@ def test_save_keeps_the_newest_and_a_fresh_optimizer_loads_without_stepping(tmp_
     assert sorted(os.listdir(ck.directory)) == ["step-00000006", "step-00000008"] and not abandoned.exists()
 
 
+def test_ranks_wait_for_each_others_files_until_a_failure_aborts_the_save(tmp_path: Path) -> None:
+    import threading
+
+    from gossiprec.trainer.checkpoint import _files_written
+    from gossiprec.trainer.collectives.groups import CollectiveAborted
+
+    (tmp_path / ".written-e3-1").touch()  # rank 1's file from a save of epoch 3, cut short
+    aborted = threading.Event()
+    threading.Timer(0.3, aborted.set).start()
+    with pytest.raises(CollectiveAborted, match="interrupted"):
+        _files_written(tmp_path, 4, 0, 2, aborted.is_set)  # epoch 4: the old file does not count
+    threading.Timer(0.2, (tmp_path / ".written-e5-1").touch).start()
+    _files_written(tmp_path, 5, 0, 2, lambda: False)  # returns once rank 1 has written
+    assert sorted(os.listdir(tmp_path)) == [".written-e3-1", ".written-e4-0", ".written-e5-0", ".written-e5-1"]
+
+
 def test_no_complete_checkpoint_stops_the_job(tmp_path: Path) -> None:
     ck = DcpCheckpoints(tmp_path / "none")
     _fake(ck, 3, marker=False)

@@ -19,14 +19,15 @@ DTensors, which DCP writes as the pieces each rank holds, one copy per piece (th
 write it once; a replicated placement must hold the same values on its ranks, as DCP assumes). A value
 that is not a DTensor (a norm left out of a TP plan, the RNG, the data position) DCP writes once for
 every rank that holds it under the same name; so before a mesh save one all-reduce of a crc of these
-values finds whether any differ between ranks (a generator seeded per shard), and only
-then are they named (an all-gather) and written per rank, under ``gossiprec_per_rank.<rank>``, each rank
-reading its own back. An optimizer's state is keyed by parameter index, as ``Optimizer.state_dict()``
-keys it: a checkpoint is read back by the same program. In a mesh job every rank saves, coordinated by
-DCP over torch's default group (the trainer's managed ``gossiprec`` group: DCP gathers the ranks' plans,
-scatters the global plan, and gathers the write results before its coordinator, rank 0, writes the
-``.metadata`` file). In a data-parallel job without a mesh every rank holds the whole state: rank 0
-saves it alone, without collectives.
+values finds whether any differ between ranks (a generator seeded per shard), and only then are they
+named (an all-gather) and written per rank, under ``gossiprec_per_rank.<rank>``, each rank reading its
+own back. An optimizer's state is keyed by parameter index, as ``Optimizer.state_dict()`` keys it: a
+checkpoint is read back by the same program. In a mesh job every rank saves, coordinated by DCP over
+torch's default group (the trainer's managed ``gossiprec`` group: DCP gathers the ranks' plans, scatters
+the global plan, and gathers the write results before its coordinator, rank 0, writes the ``.metadata``
+file; before that gather, the ranks wait for each other's files on the file system, not in a collective,
+whose wait the group's ``timeout`` bounds). In a data-parallel job without a mesh every rank holds the
+whole state: rank 0 saves it alone, without collectives.
 
 **Complete.** Step ``K`` is written into ``.tmp-step-K`` (the name a torn write keeps), then rank 0 lists
 every file with its size in a marker, ``.gossiprec-complete``, and renames the directory to ``step-K``;
@@ -56,10 +57,11 @@ import os
 import re
 import pickle
 import shutil
+import time
 import warnings
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from gossiprec.errors import ConfigError, GossiprecError
 from gossiprec.trainer.exits import JobStopped
@@ -167,18 +169,23 @@ class DcpCheckpoints:
         import torch
         import torch.distributed as dist
 
-        assert rt.sharded is not None
-        ok = self._write(rt.objects, step, dist=True, device=rt.sharded.spec.device)
+        sharded = rt.sharded
+        assert sharded is not None
+        ok = self._write(rt.objects, step, dist=True, device=sharded.spec.device,
+                         written=(rt.epoch, rt.rank, rt.world_size, sharded.aborted))
         # Every rank leaves once rank 0 has renamed the directory: after save() returns, on any rank,
         # latest() finds the step everywhere (a recovery that reads it cannot race the rename).
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=rt.sharded.spec.device)
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=sharded.spec.device)
         dist.broadcast(flag, src=0)
         return bool(int(flag.cpu()[0]))
 
-    def _write(self, objects: Mapping[str, Stateful], step: int, *, dist: bool, device: str = "cpu") -> bool:
+    def _write(self, objects: Mapping[str, Stateful], step: int, *, dist: bool, device: str = "cpu",
+               written: tuple[int, int, int, Callable[[], bool]] | None = None) -> bool:
         """DCP-save ``objects`` into the step's temporary directory (``dist``: every rank, over torch's
         default group; else this process alone); the coordinator (rank 0) then completes it. Returns
-        whether this rank's part succeeded (the coordinator's: the checkpoint is complete)."""
+        whether this rank's part succeeded (the coordinator's: the checkpoint is complete).
+        ``written``: (epoch, rank, world size, aborted): wait for every rank's files on the file system
+        (:func:`_files_written`) before DCP's next collective."""
         import torch.distributed as tdist
         from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -190,7 +197,7 @@ class DcpCheckpoints:
             state = _split_per_rank(state, device)
         with warnings.catch_warnings():  # DCP warns that it saves "in a single process": meant without a mesh
             warnings.simplefilter("ignore", UserWarning)
-            metadata = dcp_save(state, storage_writer=FileSystemWriter(temp), no_dist=not dist)
+            metadata = dcp_save(state, storage_writer=_writer(FileSystemWriter, temp, written), no_dist=not dist)
         if dist and tdist.get_rank() != 0:
             return True
         try:
@@ -213,9 +220,15 @@ class DcpCheckpoints:
         log.info("checkpoint of step %d complete in %s", step, final)
         self._prune(step)
 
-    def _prune(self, newest: int) -> None:
-        keep = set(self.steps()[-self.keep:]) | {newest}
-        for name in os.listdir(self.directory):
+    def _prune(self, newest: int | None) -> None:
+        """Rank 0: remove the complete checkpoints older than the newest ``keep`` and every temporary
+        directory (no save is under way: the one of ``newest`` was just renamed)."""
+        keep = set(self.steps()[-self.keep:]) | ({newest} if newest is not None else set())
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
             m = _FINAL.match(name) or _TEMP.match(name)
             if m is None or (_FINAL.match(name) and int(m.group(1)) in keep):
                 continue
@@ -260,13 +273,56 @@ class DcpCheckpoints:
             raise JobStopped(f"no replica of some state is left ({info.reason}) and {self.directory} holds no "
                              "complete checkpoint: restart the job from its start")
         self.load(info.objects, step)
+        if info.rank == 0:
+            self._prune(None)  # saves torn by the failure (no save is under way: the groups are being rebuilt)
         return step
 
     def resume(self, rt: ResilientTrainer) -> int | None:
         """Right after ``rt.start()``: a restarted run (a job requeued after exit 75) goes on from the newest
         complete checkpoint, every rank at once; returns its step (training goes on at the next one),
         or None when there is none or this process took its rank in a running job (a spare past step 0)."""
-        return rt.resume_from(self.latest, self.load)
+        step = rt.resume_from(self.latest, self.load)
+        if rt.rank == 0 and rt.step == (step or 0):
+            # saves cut short by the stop: gone before this run's first save (no rank can begin one
+            # before rank 0 has trained a step), so that none of their files passes for this run's
+            self._prune(None)
+        return step
+
+
+def _writer(base: Any, temp: Path, written: tuple[int, int, int, Callable[[], bool]] | None) -> Any:
+    """DCP's file system writer for ``temp``; with ``written``, one that waits after writing this rank's
+    files until every rank has written its own (:func:`_files_written`)."""
+    if written is None:
+        return base(temp)
+    epoch, rank, world, aborted = written
+
+    class Writer(base):  # type: ignore[misc]
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            done = super().write_data(plan, planner)
+            done.wait()
+            _files_written(temp, epoch, rank, world, aborted)
+            return done
+
+    return Writer(temp)
+
+
+def _files_written(temp: Path, epoch: int, rank: int, world: int, aborted: Callable[[], bool]) -> None:
+    """This rank's files are written: say so on the file system and wait until every rank has. DCP's
+    next collective gathers the ranks' write results, and a collective waits at most the group's
+    ``timeout`` (30 s by default): the ranks that write faster would wait there for the slowest, and a
+    large checkpoint on a slow file system could outlast it. Here they wait without a limit while
+    their phase is ``checkpoint`` (the agents allow it ``checkpoint_timeout``); a failure meanwhile
+    aborts the epoch (``aborted()``) and the save is interrupted. The epoch in the files' names keeps
+    those of a save cut short in an earlier epoch from counting."""
+    from gossiprec.trainer.collectives.groups import CollectiveAborted
+
+    (temp / f".written-e{epoch}-{rank}").touch()
+    want = {f".written-e{epoch}-{r}" for r in range(world)}
+    while not want <= set(os.listdir(temp)):
+        if aborted():
+            raise CollectiveAborted(f"a checkpoint save was interrupted while rank {rank} waited for the others' "
+                                    "files", epoch=epoch, op="checkpoint", reason="aborted")
+        time.sleep(0.02)
 
 
 def _optimizer_template(name: str, obj: Any, stored: Mapping[str, Any]) -> None:
