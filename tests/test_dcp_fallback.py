@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -81,6 +82,7 @@ class _FakeRank:
 
     def __init__(self, objects: dict[str, Any], rank: int = 0) -> None:
         self.objects, self.rank, self.step, self.role, self.sharded = objects, rank, 0, "trainer", None
+        self.epoch, self.records = 0, []  # type: ignore[var-annotated]
         self.phases: list[int] = []
 
     @contextlib.contextmanager
@@ -138,6 +140,16 @@ def test_save_keeps_the_newest_and_a_fresh_optimizer_loads_without_stepping(tmp_
     rank.step = 6
     assert ck.maybe_save(rank) is None  # saved already
     assert ck.steps() == [4, 6] and sorted(os.listdir(ck.directory)) == ["step-00000004", "step-00000006"]
+    # a step reached by a recovery is not saved until the recovery's first step has committed (a spare
+    # that took its rank in it goes on into its next step: it would not join the save)
+    recovered = DcpCheckpoints(tmp_path / "after-recovery", every=2)
+    rank.step, rank.epoch = 6, 3
+    assert recovered.maybe_save(rank) is None and rank.phases == [2, 4, 6]  # type: ignore[arg-type]
+    rank.records = [SimpleNamespace(epoch=2)]
+    assert recovered.maybe_save(rank) is None  # type: ignore[arg-type]
+    rank.records.append(SimpleNamespace(epoch=3))
+    assert recovered.maybe_save(rank) == 6 and recovered.steps() == [6]  # type: ignore[arg-type]
+    rank.epoch, rank.records = 0, []
     other = _FakeRank(objects, rank=1)
     other.step = 8
     assert DcpCheckpoints(ck.directory, every=1).save(other) == 8  # type: ignore[arg-type]

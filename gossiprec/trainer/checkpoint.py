@@ -129,10 +129,19 @@ class DcpCheckpoints:
 
     # ------------------------------------------------------------------ saving
     def maybe_save(self, rt: ResilientTrainer) -> int | None:
-        """:meth:`save` when the last committed step is a multiple of ``every`` and not saved yet (call it
-        after every step, on every rank); returns the step saved, else None."""
+        """:meth:`save` when the last committed step is a multiple of ``every``, was trained by this epoch's
+        ranks and is not saved yet (call it after every step, or before every step, on every rank);
+        returns the step saved, else None.
+
+        A step reached by a recovery (the plan's target, before the recovery's first step has committed)
+        is not saved: a spare that took its rank in that recovery comes out of it into its next step,
+        not into this call, and a save is a collective every rank must enter."""
         step = rt.step
-        if not self.every or step <= 0 or step % self.every or self.complete(step):
+        if not self.every or step <= 0 or step % self.every:
+            return None
+        if rt.epoch and not (rt.records and rt.records[-1].epoch == rt.epoch):
+            return None  # (every recovery's record comes at its first committed step, in its epoch)
+        if self.complete(step):
             return None
         return self.save(rt)
 
