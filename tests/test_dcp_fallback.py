@@ -293,3 +293,19 @@ def test_a_rank_lost_during_a_save_leaves_it_torn_and_the_job_recovers(tmp_path:
     # (rank 1's report is the spare's: it took the rank after step 6)
     assert res["saved"] == {0: [3, 9], 1: [9], 2: [3, 9], 3: [3, 9]}, (res["saved"], where)
     assert sorted(os.listdir(ck)) == ["step-00000003", "step-00000009"], (os.listdir(ck), where)
+
+
+@pytest.mark.slow
+def test_a_spare_that_joins_at_step_0_does_not_resume(tmp_path: Path, ref_dir: Path) -> None:
+    """A job with checkpoints on and none saved yet loses rank 3 in its first step: the spare takes the
+    rank at step 0 and goes on into step 1 with the others, who passed their resume long before (a
+    resume of its own would be an all-reduce nobody joins)."""
+    from gossiprec.harness.sharded import run_sharded
+
+    res = run_sharded("hsdp", STEPS, [Fault("n3", "kill", 1, "forward")], spares=1, workdir=str(tmp_path / "job"),
+                      timeout=300.0, trainer_args=_dcp_args(tmp_path / "ck"))
+    where = f"(logs in {res['workdir']})"
+    assert res["final_step"] == [STEPS] and res["states"] == _reference("hsdp", ref_dir, "--model", "lm"), (res, where)
+    assert res["assignment"][3] == "n4" and res["resumed"] == {r: None for r in range(4)}, (res, where)
+    assert {r["target_step"] for r in res["faults"][0]["records"]} == {0}, (res["faults"], where)
+    assert res["saved"] == {r: [3, 6, 9] for r in range(4)}, (res["saved"], where)

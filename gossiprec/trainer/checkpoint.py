@@ -289,7 +289,9 @@ class DcpCheckpoints:
     def resume(self, rt: ResilientTrainer) -> int | None:
         """Right after ``rt.start()``: a restarted run (a job requeued after exit 75) goes on from the newest
         complete checkpoint, every rank at once; returns its step (training goes on at the next one),
-        or None when there is none or this process took its rank in a running job (a spare past step 0)."""
+        or None when there is none, or when this process's state came from a recovery (a spare that
+        took its rank in a running job: see :meth:`ResilientTrainer.resume_from
+        <gossiprec.trainer.loop.ResilientTrainer.resume_from>`)."""
         step = rt.resume_from(self.latest, self.load)
         if rt.rank == 0 and rt.step == (step or 0):
             # saves cut short by the stop: gone before this run's first save (no rank can begin one

@@ -38,7 +38,8 @@ callback, and for a ``stop`` plan (no spare, no shrink), the trainer raises :cla
 
 **Resume at start.** A run restarted after a stop (a requeued job) resumes from its newest checkpoint
 with :meth:`Recovery.resume`, right after the start: every rank finds the same checkpoint (checked by
-one all-reduce), loads it, and commits its step as the only snapshot, as a checkpoint plan does.
+one all-reduce), loads it, and commits its step as the only snapshot, as a checkpoint plan does. A
+process that came out of a recovery (a spare joining a running job) does not.
 
 Each recovery's timeline becomes a :class:`RecoveryRecord` at its first committed step.
 """
@@ -441,18 +442,22 @@ class Recovery:
         complete checkpoint (a step, or None), the ranks check with one all-reduce that they found the same,
         ``load(objects, step)`` loads it, and the step is committed as this rank's only snapshot (the next
         step trained is ``step + 1``). Returns the step, or None when there is no checkpoint (nothing
-        changes). A process past step 0 (a spare that took its rank in a running job: its state came from
-        a replica) does nothing and returns None. A failure meanwhile recovers as any other; the ranks
-        back at step 0 then try again."""
+        changes).
+
+        A process whose state came from a recovery that no step has committed after yet does nothing and
+        returns None: a spare that took its rank in a running job (the others train on and would never
+        join the all-reduce), and so, alike, every rank of a job whose view changed before its start. A
+        failure during the resume recovers as any other, and the job goes on from the plan's step."""
         t = self._t
         if t.role != "trainer" or t.groups is None or t.groups.current is None:
             raise ConfigError("resume from a checkpoint after start() has returned, on a rank (not a spare)")
-        while t.step == 0:
-            try:
-                return self._resume_once(find, load)
-            except CollectiveAborted as exc:
-                self.recover(f"interrupted while resuming from a checkpoint: {exc}")
-        return None
+        if self._record_open is not None or t.step != 0:
+            return None
+        try:
+            return self._resume_once(find, load)
+        except CollectiveAborted as exc:
+            self.recover(f"interrupted while resuming from a checkpoint: {exc}")
+            return None
 
     def _resume_once(self, find: Callable[[], int | None],
                      load: Callable[[Mapping[str, Stateful], int], None]) -> int | None:
