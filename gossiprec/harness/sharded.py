@@ -18,7 +18,9 @@ is reaped. The result:
 - ``faults``: per fault, whether it fired (and when), and the records of the first recovery after it
   (:func:`~gossiprec.harness.timeline.timeline` of them, plus each receiver's donors);
 - ``exits``: each launcher's exit code (None: still running when reaped); ``records``: every recovery
-  record of the run; ``actions``: each action's name -> the ``time.monotonic()`` it was done at.
+  record of the run; ``actions``: each action's name -> the ``time.monotonic()`` it was done at;
+- ``resumed`` and ``saved`` (``--dcp``): rank -> the checkpoint step its run resumed from (None: none),
+  and the steps it saved checkpoints of.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from gossiprec.harness.faults import Fault
 from gossiprec.harness.job import Hosts, LocalJob, read_json
 from gossiprec.harness.scenario import Action
 from gossiprec.harness.timeline import timeline
+from gossiprec.local.launch import EXIT_STOPPED
 
 END_WAIT_S = 10.0
 """After the last rank's report, how long the processes left have to end by themselves."""
@@ -50,7 +53,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 log: Any = None, actions: Sequence[Action] = (), may_fail: Collection[str] = (),
                 trainer_args: Sequence[str] = (), extra_args: Mapping[str, Sequence[str]] | None = None,
                 hosts: Hosts | None = None, mesh: str | None = None, allow_shrink: bool = False,
-                min_replicas: int = 1, finish_ranks: int = RANKS, until_exit: bool = False) -> dict[str, Any]:
+                min_replicas: int = 1, finish_ranks: int = RANKS, until_exit: bool = False,
+                stops: bool = False) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -64,7 +68,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     this ``--mesh`` instead of a job spec (view 0 agreed through the seeds, carrying the mesh);
     ``allow_shrink``, ``min_replicas``: the job spec's; ``finish_ranks``: the ranks of the world the job
     ends with (fewer than the mesh's after a shrink); ``until_exit``: return once every process has
-    ended, whether or not the ranks reported (a job that stops)."""
+    ended, whether or not the ranks reported (a job that stops); ``stops``: the same, and the job is
+    expected to stop in good order (exit 75, say with no spare left), so 75 is no error."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -98,9 +103,9 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 rep = read_json(job.path(node, ".json"))
                 if rep is not None and "rank" in rep:
                     reports[int(rep["rank"])] = rep
-            dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0)
+            dead = [n for n, p in job.procs.items() if p.poll() not in (None, 0, *([EXIT_STOPPED] if stops else []))
                     and n not in may_fail and not any(f.node == n for f in faults)]
-            if until_exit and all(p.poll() is not None for p in job.procs.values()):
+            if (until_exit or stops) and all(p.poll() is not None for p in job.procs.values()):
                 break
             if dead:
                 raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}")
@@ -108,7 +113,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 raise GossiprecError(f"the sharded job did not finish within {timeout:.0f} s (ranks done: "
                                      f"{sorted(reports)}); logs in {work}")
             time.sleep(0.05)
-        say(f"{len(reports)} ranks finished")
+        say(f"ranks {sorted(reports)} finished")
         end = time.monotonic() + END_WAIT_S
         while time.monotonic() < end and any(p.poll() is None for p in job.procs.values()):
             time.sleep(0.05)
@@ -136,6 +141,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             "losses": {r: {int(s): v for s, v in rep.get("losses", {}).items()} for r, rep in sorted(reports.items())},
             "resizes": {r: rep.get("resizes", []) for r, rep in sorted(reports.items())},
             "mesh": {r: rep.get("mesh") for r, rep in sorted(reports.items())},
+            "resumed": {r: rep.get("resumed") for r, rep in sorted(reports.items())},
+            "saved": {r: rep.get("saved", []) for r, rep in sorted(reports.items())},
             "final_step": sorted({rep["step"] for rep in reports.values()}), "faults": fired, "exits": exits,
             "actions": done_at, "records": records,
             "replica_groups": [list(g) for g in spec.topology().replica_groups]}

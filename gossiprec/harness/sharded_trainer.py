@@ -16,12 +16,15 @@ Batches are a function of (step, data-parallel coordinate) alone (``stateless_da
 (between the two layers' gradients), ``optimizer`` (inside ``opt.step()``, after clipping) and
 ``committed`` (between steps), and at the trainer's own phases.
 
+``--dcp DIR --dcp-every N``: checkpoints with :class:`~gossiprec.trainer.checkpoint.DcpCheckpoints`
+(a run resumes from the newest complete one in DIR; a plan with no replica left loads it).
+
 What it leaves next to ``--out`` (``<node>.json``): ``.pid``, ``.ready``, ``.step`` (the last step it
-committed), ``.records`` (one recovery
-record per line), ``.fault`` (when a fault fired), and at the end ``.state`` (the rank's local state as
-bytes: its shards of the model and optimizer) and the ``.json`` report (rank, step, records, the bytes
-of its state and of the snapshots it keeps for recovery, each ``on_resize`` call with the mesh's shape
-it saw, the final mesh's shape).
+committed), ``.records`` (one recovery record per line), ``.fault`` (when a fault fired), and at the end
+``.state`` (the rank's local state as bytes: its shards of the model and optimizer) and the ``.json``
+report (rank, step, records, the bytes of its state and of the snapshots it keeps for recovery, each
+``on_resize`` call with the mesh's shape it saw, the final mesh's shape, the checkpoint step it resumed
+from and the steps it saved).
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ def _arm(objects: dict[str, Any], rt: Any, hook: FaultInjector) -> None:
 def trainer_main(args: argparse.Namespace) -> int:
     import torch
 
+    from gossiprec.trainer.checkpoint import DcpCheckpoints
     from gossiprec.trainer.state.capture import capture_state
     from gossiprec.trainer.config import TrainerConfig
     from gossiprec.trainer.exits import exit_code
@@ -145,9 +149,11 @@ def trainer_main(args: argparse.Namespace) -> int:
         if args.model == "lm":
             objects = tiny_lm.build_objects(layout, mesh)
             tiny_lm.arm(objects, lambda phase: hook(rt.step + 1, phase))
-            return objects
-        objects = build_objects(layout, mesh, args.hidden)
-        _arm(objects, rt, hook)
+        else:
+            objects = build_objects(layout, mesh, args.hidden)
+            _arm(objects, rt, hook)
+        if args.seed_per_shard:  # the same along the replicate dimension: replicas stay identical
+            torch.manual_seed(1 + mesh.get_coordinate()[1])
         return objects
 
     def on_recovered(rec: Any) -> None:
@@ -182,16 +188,22 @@ def trainer_main(args: argparse.Namespace) -> int:
     def on_resize(old: int, new: int) -> None:
         resizes.append((old, new, list(rt.mesh.shape)))  # rt.mesh and rt.objects are the new mesh's already
 
+    ck = DcpCheckpoints(args.dcp, every=args.dcp_every) if args.dcp else None
     rt = ResilientTrainer(None, config, mesh=LAYOUTS[layout], build=build, on_recovered=on_recovered,
-                          on_phase=on_phase, on_resize=on_resize)
+                          on_phase=on_phase, on_resize=on_resize,
+                          on_no_replica=ck.on_no_replica if ck is not None else None)
     out.with_suffix(".ready").write_text("1")
     while args.start_gate and not Path(args.start_gate).exists():
         time.sleep(0.02)  # the harness holds start() back (to change the view before any rank starts)
     commits: list[tuple[int, float]] = []
     cpu: list[float] = []  # the process's CPU time at each commit (every thread's)
     losses: dict[int, float] = {}  # (--model lm) step -> its loss, as the committed run of it returned
+    resumed: int | None = None  # (--dcp) the checkpoint's step a restarted run went on from
+    saved: list[int] = []
     try:
         rt.start()
+        if ck is not None:
+            resumed = ck.resume(rt)
         while rt.step < args.steps:
             if args.model == "lm":
                 done = rt.run_step(lambda _s: tiny_lm.train_step(layout, rt.objects, rt.mesh, clip=not args.no_clip))
@@ -203,6 +215,8 @@ def trainer_main(args: argparse.Namespace) -> int:
             commits.append((rt.step, time.monotonic()))
             cpu.append(time.process_time())
             out.with_suffix(".step").write_text(str(rt.step))  # progress, for an orchestrator outside
+            if ck is not None and ck.maybe_save(rt) is not None:
+                saved.append(rt.step)
             if args.step_ms:
                 time.sleep(args.step_ms / 1000.0)  # pacing: stands in for a longer compute step
     except (Released, JobFinished, JobStopped) as exc:
@@ -216,7 +230,7 @@ def trainer_main(args: argparse.Namespace) -> int:
                                "kept_bytes": rt.snapshot_bytes,
                                "hung": rt.sharded.hung if rt.sharded is not None else 0,
                                "commits": commits, "cpu_s": cpu, "losses": losses, "resizes": resizes,
-                               "mesh": list(rt.mesh.shape)}))
+                               "mesh": list(rt.mesh.shape), "resumed": resumed, "saved": saved}))
     rt.finish()
     os._exit(0)  # an aborted backend may hold collectives whose destructor would block (managed.py)
 
@@ -336,6 +350,13 @@ def _parser() -> argparse.ArgumentParser:
                         "the step's code runs (what the trainer's guard must refuse)")
     p.add_argument("--leave-grad-on", dest="leave_grad_on", default="ln_f.weight",
                    help="the parameter --leave-grad writes (a name in the model)")
+    p.add_argument("--dcp", default="", help="a directory of DCP checkpoints (DcpCheckpoints): the run resumes from "
+                   "its newest complete one, on_no_replica loads it")
+    p.add_argument("--dcp-every", dest="dcp_every", type=int, default=0,
+                   help="save a checkpoint every N committed steps (with --dcp)")
+    p.add_argument("--seed-per-shard", dest="seed_per_shard", action="store_true",
+                   help="seed torch's generator by the rank's shard (second mesh coordinate): a value of the state "
+                        "that differs between the ranks of one replica")
     p.add_argument("--start-gate", dest="start_gate", default="",
                    help="call start() only once this file exists (default: at once)")
     return p

@@ -15,19 +15,18 @@
     rt.finish()
 
 **Commit point.** Step ``s`` is committed on a rank when its optimizer step has finished and
-:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.state.snapshots`).
-Before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Every commit
-and phase change reaches the agent through its progress page (:mod:`gossiprec.local.progress`), or
-as non-blocking messages on the control socket.
+:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.state.snapshots`);
+before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Commits and phase changes
+reach the agent through its progress page (:mod:`gossiprec.local.progress`) or the control socket.
 
 **Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current
 group, so a waiting collective raises within a poll slice, and the trainer recovers in place
 (:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.state.checks`).
 
-**Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``,
-``communicate`` with the collective in flight, ``optimizer``, ``committed``) and, during a recovery,
-``serve`` (a receiver asked this donor for state; from a donor thread) and ``fetch`` (a chunk arrived;
-from a receiving thread): for tracing and fault injection, not for long work.
+**Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``, ``communicate`` with
+the collective in flight, ``optimizer``, ``committed``) and, during a recovery, ``serve`` (a receiver asked this
+donor for state; from a donor thread) and ``fetch`` (a chunk arrived; from a receiving thread): for tracing and
+fault injection, not for long work.
 
 **Hangs.** A stuck rank stays in its collective; the agents find it by its position (step, collectives
 entered in the step, phase) stalled behind the others' and agree on a view without it (a rank whose
@@ -37,15 +36,12 @@ one that wakes first drops its state and waits as a spare (:mod:`gossiprec.train
 **Redone steps** start clean: after a recovery every gradient of the registered objects is dropped, and
 the redone step's first collective refuses one it did not produce (:mod:`gossiprec.trainer.redo`).
 
-**Exits.** :meth:`~ResilientTrainer.leave` ends a process that is not needed, released or stopped
-in good order, with the codes of :mod:`gossiprec.trainer.exits`.
-
-**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the objects,
-:meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the rank is known,
-builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with ``build(mesh)`` (a spare
-when a plan gives it a rank; a shrink's survivors again, smaller), and every epoch gives all of the mesh's
-groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`). The state is each rank's local shard;
-its donor is the same coordinate in another replica. The step runs inside
+**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
+objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
+rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
+``build(mesh)`` (a spare when a plan gives it a rank; a shrink's survivors again, smaller), and every
+epoch gives all of the mesh's groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`).
+The state is each rank's local shard; its donor is the same coordinate in another replica. The step runs inside
 :meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
 
     rt = ResilientTrainer(None, config, mesh=MeshSpec((2, 2), ("dp", "tp")), build=make_objects)
@@ -54,8 +50,10 @@ its donor is the same coordinate in another replica. The step runs inside
         with rt.training_step() as s:         # commits at the end; on a failure, recovers and skips
             loss_of(model, batch(rt.mesh, s)).backward(); opt.step(); opt.zero_grad()
 
-**The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
-waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`.
+**The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still waiting in
+:meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`. :meth:`~ResilientTrainer.leave`
+ends a process that is not needed, released or stopped in good order, with the codes of
+:mod:`gossiprec.trainer.exits`.
 """
 
 from __future__ import annotations
@@ -200,9 +198,8 @@ class ResilientTrainer:
                                      device=config.device)
         self._peers = Peers(control, self.node, store_offset=config.store_offset,
                             donor_offset=config.donor_offset, timeout=config.timeout)
-        self._follower = Follower(
-            control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
-            on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
+        self._follower = Follower(control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
+                                  on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         # a failed socket only marks the agent lost: the loop's next look at the follower recovers
         self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
         self._gate = OptimizerGate(self, snapshots=self._snaps, follower=self._follower, announce=self._announce,
@@ -428,6 +425,12 @@ class ResilientTrainer:
             self._recover(f"interrupted in step {step}: {exc}")
             return
         self.commit()
+
+    def resume_from(self, find: Callable[[], int | None], load: Callable[[Mapping[str, Stateful], int], None]
+                    ) -> int | None:
+        """After :meth:`start` in a restarted run: the ranks agree on ``find()`` (the newest checkpoint's
+        step or None), then ``load(objects, step)``; see :meth:`~gossiprec.trainer.recovery.Recovery.resume`."""
+        return self._recovery.resume(find, load)
 
     def run_step(self, closure: Callable[[int], _T]) -> StepResult[_T]:
         """``with training_step() as s: value = closure(s)``: the step, whether it committed (False: it was
@@ -662,10 +665,8 @@ class ResilientTrainer:
         into backward)."""
         if guard and self._redo.watching:
             self._redo.check()
-        # In a sharded step any collective may be the step's last, after which this rank commits
-        # without another word: from the first one on it reads as communicating, so that its
-        # agent holds the state report of a view installed meanwhile until the commit (or the
-        # recovery), instead of reporting a step this rank is about to commit as in flight.
+        # sharded: any collective may be the step's last before a silent commit, so from the first one the rank
+        # reads as communicating: its agent then holds a new view's state report until the commit (or recovery)
         self._link.entered(communicating=self.sharded is not None)
 
     # ------------------------------------------------------------------ sharded jobs (called by the recovery too)
@@ -690,10 +691,8 @@ class ResilientTrainer:
 
     def configure_epoch(self, epoch: int) -> None:
         """A sharded job: give every group of the mesh ``epoch``'s backend, on the epoch's store."""
-        if self.sharded is None:
-            return
-        assert self.groups is not None
-        self.sharded.configure(epoch, self.groups.shared_store(), lambda: self._follower.superseded(epoch))
+        if self.sharded is not None and self.groups is not None:  # (a sharded job has its groups by now)
+            self.sharded.configure(epoch, self.groups.shared_store(), lambda: self._follower.superseded(epoch))
 
     def _hook(self, step: int, phase: str) -> None:
         if self.on_phase is not None:
