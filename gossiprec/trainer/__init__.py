@@ -1,7 +1,8 @@
 """The trainer side: a training loop that recovers in place when a rank fails, and what it is built of.
 
 The user API is what this package exports: :class:`ResilientTrainer` with its :class:`TrainerConfig`,
-:func:`training_state` (the objects a rank's state is made of), :class:`MeshSpec` for a sharded job, the
+:func:`training_state` (the objects a rank's state is made of), :class:`MeshSpec` for a sharded job,
+:class:`DcpCheckpoints` (checkpoints for when no replica is left, and for a restarted job), the
 clean ends a training script catches (:class:`TrainingEnded`: :class:`JobFinished`, :class:`Released`,
 :class:`JobStopped`, :class:`MeshShrinkRefused`) with their exit codes, and the errors of a recovery
 (:class:`~gossiprec.errors.RecoveryError`, :class:`CollectiveAborted`, :class:`ReplicaMismatch`).
@@ -18,6 +19,7 @@ Map of the package:
 - :mod:`.peers`: where the other members' stores and donors listen.
 - :mod:`.steps`: what a step of :meth:`ResilientTrainer.run_step` returns.
 - :mod:`.exits`: the clean ends and the exit code of each outcome.
+- :mod:`.checkpoint`: DCP checkpoints, for a plan with no replica left and a job restarted after a stop.
 - :mod:`.config`, :mod:`.settings`, :mod:`.keys`, :mod:`.objects`: configuration, the environment, the
   transfer keys, and the registered objects.
 - :mod:`.state`: the rank's state: snapshots, their capture, serialized form and reception, replica checks.
@@ -30,6 +32,7 @@ Importing this package does not import torch; torch is loaded when a function th
 from gossiprec.errors import RecoveryError
 from gossiprec.trainer.collectives.buckets import rank_ordered_mean
 from gossiprec.trainer.collectives.groups import CollectiveAborted, EpochGroup, EpochGroups
+from gossiprec.trainer.checkpoint import DcpCheckpoints
 from gossiprec.trainer.collectives.sharded import MeshSpec
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.exits import (
@@ -54,6 +57,8 @@ __all__ = [
     # the loop and its configuration
     "ResilientTrainer", "TrainerConfig", "TrainerSettings", "TransferKeys", "MeshSpec", "StepResult",
     "RankIdentity", "RecoveryRecord", "NoReplica", "transfer_key",
+    # checkpoints, for what recovery in place cannot cover (no replica left, a restarted job)
+    "DcpCheckpoints",
     # the state a rank registers
     "Stateful", "training_state", "RNGState",
     # how training ends, and the errors a script may catch

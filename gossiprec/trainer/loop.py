@@ -15,19 +15,18 @@
     rt.finish()
 
 **Commit point.** Step ``s`` is committed on a rank when its optimizer step has finished and
-:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.state.snapshots`).
-Before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Every commit
-and phase change reaches the agent through its progress page (:mod:`gossiprec.local.progress`), or
-as non-blocking messages on the control socket.
+:meth:`~ResilientTrainer.commit` has captured the registered objects (:mod:`gossiprec.trainer.state.snapshots`);
+before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Commits and phase changes
+reach the agent through its progress page (:mod:`gossiprec.local.progress`) or the control socket.
 
 **Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current
 group, so a waiting collective raises within a poll slice, and the trainer recovers in place
 (:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.state.checks`).
 
-**Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``,
-``communicate`` with the collective in flight, ``optimizer``, ``committed``) and, during a recovery,
-``serve`` (a receiver asked this donor for state; from a donor thread) and ``fetch`` (a chunk arrived;
-from a receiving thread): for tracing and fault injection, not for long work.
+**Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``, ``communicate`` with
+the collective in flight, ``optimizer``, ``committed``) and, during a recovery, ``serve`` (a receiver asked this
+donor for state; from a donor thread) and ``fetch`` (a chunk arrived; from a receiving thread): for tracing and
+fault injection, not for long work.
 
 **Hangs.** A stuck rank stays in its collective; the agents find it by its position (step, collectives
 entered in the step, phase) stalled behind the others' and agree on a view without it (a rank whose
@@ -36,9 +35,6 @@ one that wakes first drops its state and waits as a spare (:mod:`gossiprec.train
 
 **Redone steps** start clean: after a recovery every gradient of the registered objects is dropped, and
 the redone step's first collective refuses one it did not produce (:mod:`gossiprec.trainer.redo`).
-
-**Exits.** :meth:`~ResilientTrainer.leave` ends a process that is not needed, released or stopped
-in good order, with the codes of :mod:`gossiprec.trainer.exits`.
 
 **Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
 objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
@@ -54,8 +50,10 @@ its donor is the same coordinate in another replica. The step runs inside
         with rt.training_step() as s:         # commits at the end; on a failure, recovers and skips
             loss_of(model, batch(rt.mesh, s)).backward(); opt.step(); opt.zero_grad()
 
-**The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still
-waiting in :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`.
+**The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still waiting in
+:meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`. :meth:`~ResilientTrainer.leave`
+ends a process that is not needed, released or stopped in good order, with the codes of
+:mod:`gossiprec.trainer.exits`.
 """
 
 from __future__ import annotations
@@ -88,9 +86,7 @@ from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objec
 from gossiprec.trainer.peers import Peers
 from gossiprec.trainer.state.receive import materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
-from gossiprec.trainer.recovery import (
-    NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of,
-)
+from gossiprec.trainer.recovery import NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
 from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld, check_sharded_args
 from gossiprec.trainer.state.snapshots import Snapshots
@@ -203,10 +199,8 @@ class ResilientTrainer:
                                      device=config.device)
         self._peers = Peers(control, self.node, store_offset=config.store_offset,
                             donor_offset=config.donor_offset, timeout=config.timeout)
-        self._follower = Follower(
-            control.path, self._closed, abort=self._abort,
-            abort_older=self._abort_older,
-            on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
+        self._follower = Follower(control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
+                                  on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         # a failed socket only marks the agent lost: the loop's next look at the follower recovers
         self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
         self._gate = OptimizerGate(self, snapshots=self._snaps, follower=self._follower, announce=self._announce,
@@ -431,6 +425,12 @@ class ResilientTrainer:
             self._recover(f"interrupted in step {step}: {exc}")
             return
         self.commit()
+
+    def resume_from(self, find: Callable[[], int | None], load: Callable[[Mapping[str, Stateful], int], None]
+                    ) -> int | None:
+        """After :meth:`start` in a restarted run: the ranks agree on ``find()`` (the newest checkpoint's
+        step or None), then ``load(objects, step)``; see :meth:`~gossiprec.trainer.recovery.Recovery.resume`."""
+        return self._recovery.resume(find, load)
 
     def run_step(self, closure: Callable[[int], _T]) -> StepResult[_T]:
         """``with training_step() as s: value = closure(s)``: the step, whether it committed (False: it was

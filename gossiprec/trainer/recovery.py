@@ -32,8 +32,13 @@ without it, whose plan the others apply. A spare waits without bound.
 **No replica left.** A plan with action ``checkpoint`` (some replica group has no surviving holder)
 calls ``on_no_replica(NoReplica)`` on every rank of the new world: it loads the user's checkpoint into
 the objects and returns its step; the ranks check with one all-reduce that they all loaded the same
-step. Without the callback, and for a ``stop`` plan (no spare, no shrink), the trainer raises
-:class:`JobStopped`.
+step. The call comes before the new epoch's group is built, so it must load without collectives
+(:class:`~gossiprec.trainer.checkpoint.DcpCheckpoints` reads each rank's own pieces). Without the
+callback, and for a ``stop`` plan (no spare, no shrink), the trainer raises :class:`JobStopped`.
+
+**Resume at start.** A run restarted after a stop (a requeued job) resumes from its newest checkpoint
+with :meth:`Recovery.resume`, right after the start: every rank finds the same checkpoint (checked by
+one all-reduce), loads it, and commits its step as the only snapshot, as a checkpoint plan does.
 
 Each recovery's timeline becomes a :class:`RecoveryRecord` at its first committed step.
 """
@@ -44,9 +49,9 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
-from gossiprec.errors import FencedError, GossiprecError, RecoveryError, TransferError
+from gossiprec.errors import ConfigError, FencedError, GossiprecError, RecoveryError, TransferError
 from gossiprec.trainer.identity import RankIdentity
 from gossiprec.trainer.exits import JobFinished, JobStopped, MeshShrinkRefused, Released
 from gossiprec.trainer.transfer.fetch import fetch_state
@@ -81,6 +86,8 @@ class NoReplica:
     world_size: int
     orphan_groups: tuple[tuple[int, ...], ...]
     reason: str
+    objects: Mapping[str, Stateful] = field(default_factory=dict, repr=False, compare=False)
+    """The registered objects to load the checkpoint into (the trainer's own ``gossiprec`` entry too)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,7 +425,8 @@ class Recovery:
         assert t.on_no_replica is not None
         before = t.step
         self._job.world_size = 0  # unknown unless the checkpoint holds the trainer's own entry
-        target = int(t.on_no_replica(NoReplica(plan.epoch, rank, plan.world_size, plan.orphan_groups, plan.reason)))
+        target = int(t.on_no_replica(NoReplica(plan.epoch, rank, plan.world_size, plan.orphan_groups, plan.reason,
+                                               objects=t.objects)))
         if not self._job.world_size:
             self._job.world_size = plan.world_size  # the checkpoint did not say: no resize
         pending.fields.update(role="checkpoint", target_step=target,
@@ -427,6 +435,49 @@ class Recovery:
         self._commit(target)
         pending.fields.update(state_at=time.monotonic(), bytes_received=0, transfer_s=0.0)
         return target
+
+    def resume(self, find: Callable[[], int | None], load: Callable[[Mapping[str, Stateful], int], None]) -> int | None:
+        """A run restarted from its checkpoints, right after the start: every rank ``find()`` s the newest
+        complete checkpoint (a step, or None), the ranks check with one all-reduce that they found the same,
+        ``load(objects, step)`` loads it, and the step is committed as this rank's only snapshot (the next
+        step trained is ``step + 1``). Returns the step, or None when there is no checkpoint (nothing
+        changes). A process past step 0 (a spare that took its rank in a running job: its state came from
+        a replica) does nothing and returns None. A failure meanwhile recovers as any other; the ranks
+        back at step 0 then try again."""
+        t = self._t
+        if t.role != "trainer" or t.groups is None or t.groups.current is None:
+            raise ConfigError("resume from a checkpoint after start() has returned, on a rank (not a spare)")
+        while t.step == 0:
+            try:
+                return self._resume_once(find, load)
+            except CollectiveAborted as exc:
+                self.recover(f"interrupted while resuming from a checkpoint: {exc}")
+        return None
+
+    def _resume_once(self, find: Callable[[], int | None],
+                     load: Callable[[Mapping[str, Stateful], int], None]) -> int | None:
+        t = self._t
+        assert t.groups is not None and t.groups.current is not None
+        self._snaps.settle()  # before the load writes into the live tensors
+        self._snaps.begin_recovery()
+        self._link.report(0, "recovering")  # (out of recovering the agents accept a jump to any step)
+        found = find()
+        step = _check_same_step(t.groups.current, -1 if found is None else int(found), t.config.device,
+                                "resume found different checkpoints")
+        if step < 0:
+            self._link.report(0, "idle")
+            return None
+        load(t.objects, step)
+        old_world = self._job.world_size
+        if old_world and old_world != t.world_size and t.on_resize is not None:
+            t.on_resize(old_world, t.world_size)  # a data-parallel job restarted on another number of ranks
+        self._job.world_size = t.world_size
+        self._snaps.drop_all()  # the job's state is the checkpoint's now
+        self._commit(step)
+        self._link.report(step, "idle")
+        self._checks.expect(f"after resuming from the checkpoint of step {step}", step, overlap=False)
+        log.info("resumed from the checkpoint of step %d", step)
+        return step
 
     def _move_state(self, plan: Plan, target: int, mine: list[Transfer], pending: _Pending) -> None:
         """Get the state of ``target`` into the objects: fetched from this rank's donors (``mine``: the
@@ -502,8 +553,10 @@ class Recovery:
             self._t.on_phase(step, phase)
 
 
-def _check_same_step(group: EpochGroup, step: int, device: str) -> None:
-    """After a checkpoint load: every rank must have restored the same step (one all-reduce)."""
+def _check_same_step(group: EpochGroup, step: int, device: str,
+                     what: str = "on_no_replica restored different checkpoint steps on the ranks") -> int:
+    """After a checkpoint load (or before one): every rank must hold the same step (one all-reduce);
+    returns it, or raises :class:`JobStopped` naming ``what`` and the steps."""
     import torch
 
     t = torch.tensor([step, -step], dtype=torch.int64, device=device)
@@ -511,8 +564,9 @@ def _check_same_step(group: EpochGroup, step: int, device: str) -> None:
     t = t.cpu()
     lo, hi = -int(t[1]), int(t[0])
     if lo != hi:
-        raise JobStopped(f"the ranks restored different checkpoint steps ({lo} to {hi}): on_no_replica "
-                         "must load the same checkpoint on every rank (shared storage)")
+        found = ", ".join("none" if s < 0 else str(s) for s in (lo, hi))
+        raise JobStopped(f"{what} ({found}): every rank must read the same checkpoints (shared storage)")
+    return step
 
 
 def prepare_donation(plan: Plan, node: str, donor: DonorServer | None, snaps: Snapshots) -> None:
