@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from gossiprec.core.mesh import parse_mesh
 from gossiprec.harness.workload import state_digest
 from gossiprec.trainer import (
-    EXIT_FINISHED, JobFinished, JobStopped, MeshSpec, RecoveryRecord, Released, ResilientTrainer, TrainerConfig,
+    EXIT_FINISHED, DcpCheckpoints, MeshSpec, RecoveryRecord, ResilientTrainer, TrainerConfig, TrainingEnded,
     training_state,
 )
 
@@ -295,6 +295,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--expect", type=Path, default=None,
                    help="the --out of a failure-free run: compare each rank's final digest with it; exit 1 "
                         "if they differ")
+    p.add_argument("--ckpt", type=Path, default=None,
+                   help="checkpoint directory (shared by every rank): a restarted run resumes from its newest "
+                        "complete checkpoint, and a recovery that finds no replica of some shard loads it")
+    p.add_argument("--ckpt-every", dest="ckpt_every", type=int, default=0,
+                   help="save a checkpoint every N committed steps (0: never)")
     p.add_argument("--wait-for-spares", dest="wait_for_spares", type=float, default=0.0,
                    help="seconds start() waits for the hot spares to be up (TrainerConfig.wait_for_spares)")
     p.add_argument("--timeout", type=float, default=30.0, help="collective and group timeout, seconds")
@@ -307,6 +312,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if len(shape.sizes) != 2:
         p.error(f"--mesh {args.mesh}: HSDP takes two dimensions, the replicate one first, then the shard one")
+    if args.ckpt_every < 0 or (args.ckpt_every and args.ckpt is None):
+        p.error("--ckpt-every N takes N >= 0 and a --ckpt DIR")
     if args.dim % args.heads:
         p.error(f"--dim {args.dim} is not a multiple of --heads {args.heads}")
     return args
@@ -333,10 +340,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     def on_recovered(rec: RecoveryRecord) -> None:
         log.info("rank %d recovered (%s): resumed at step %d as %s", rec.rank, rec.cause, rec.target_step, rec.role)
 
+    # checkpoints (torch.distributed.checkpoint) cover what a spare cannot: a restart after the job stopped
+    # (exit 75: no spare left), and a recovery that finds no surviving replica of some shard
+    ckpt = DcpCheckpoints(args.ckpt, every=args.ckpt_every) if args.ckpt is not None else None
     rt = ResilientTrainer(None, config, mesh=mesh_spec, build=lambda mesh: build_objects(mesh, cfg, tokens, args),
-                          on_recovered=on_recovered)
+                          on_recovered=on_recovered, on_no_replica=ckpt.on_no_replica if ckpt else None)
     try:
         rt.start()  # a trainer: builds the mesh and the model for its rank; a spare: waits for a rank to take
+        if ckpt is not None and (resumed := ckpt.resume(rt)) is not None:
+            log.info("rank %d resumed from the checkpoint of step %d in %s", rt.rank, resumed, args.ckpt)
         if rt.rank == 0:
             n = sum(p.numel() for p in rt.objects["model"].parameters())
             log.info("corpus %d characters, vocabulary %d, model %d parameters (%s), mesh %s on %s",
@@ -347,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             if done.committed and rt.rank == 0 and (done.step % args.log_every == 0 or done.step == args.steps):
                 lr = rt.objects["scheduler"].get_last_lr()[0]
                 log.info("step %d loss %.4f lr %.2e (epoch %d)", done.step, done.value, lr, rt.epoch)
+            if ckpt is not None and ckpt.maybe_save(rt) is not None and rt.rank == 0:
+                log.info("checkpoint of step %d saved in %s", rt.step, args.ckpt)
         record = digest_record(rt, corpus, args)
         log.info("rank %d final step %d state sha256 %s", rt.rank, rt.step, record["state_sha256"])
         if args.out is not None:
@@ -361,7 +375,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                      else "final state equals the failure-free run's, bit for bit")
             code = EXIT_MISMATCH if why else code
         rt.finish(exit_code=code)  # os._exit: an aborted backend may hold collectives never completed
-    except (JobFinished, Released, JobStopped) as exc:  # an unused spare, a job stopped in good order
+    except TrainingEnded as exc:  # an unused spare (exit 0), a job stopped in good order (exit 75: restart it)
         rt.leave(exc)
 
 

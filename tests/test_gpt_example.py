@@ -95,15 +95,16 @@ def test_the_command_line_refuses_a_mesh_that_is_not_hsdp(gpt: ModuleType, capsy
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def run_job(work: Path, *args: str, kill: str | None = None) -> dict[str, Any]:
+def run_job(work: Path, *args: str, kill: str | None = None, after: str = "step 10 loss",
+            spares: int = 1) -> dict[str, Any]:
     """The example under ``gossiprec run --nnodes 5 --spares 1 --mesh replicate=2,shard=2`` (n0..n3 the
-    ranks, n4 the spare); ``kill``: SIGKILL that node's trainer once rank 0 logged step 10. Returns each
-    launcher's exit code, the digests in ``work/out`` and the work directory."""
+    ranks, n4 the spare; ``spares``: how many); ``kill``: SIGKILL that node's trainer once rank 0 logged
+    ``after``. Returns each launcher's exit code, the digests in ``work/out`` and each node's log."""
     from gossiprec.harness.job import LocalJob
     from gossiprec.trainer import MeshSpec
 
     out = work / "out"
-    with LocalJob(work, 4, 1, job_table=MeshSpec((2, 2), ("replicate", "shard")).job_toml(), mesh=MESH) as job:
+    with LocalJob(work, 4, spares, job_table=MeshSpec((2, 2), ("replicate", "shard")).job_toml(), mesh=MESH) as job:
         for node in job.names:
             # the script as is; the wrapper only writes the trainer's pid where LocalJob.signal reads it
             code = (f"import os, runpy, sys; open({str(job.path(node, '.pid'))!r}, 'w').write(str(os.getpid())); "
@@ -114,7 +115,7 @@ def run_job(work: Path, *args: str, kill: str | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + JOB_S
         killed = kill is None
         while any(p.poll() is None for p in job.procs.values()):
-            if not killed and "step 10 loss" in job.path("n0", ".log").read_text(errors="replace"):
+            if not killed and after in job.path("n0", ".log").read_text(errors="replace"):
                 job.signal(kill or "", signal.SIGKILL)
                 killed = True
             assert time.monotonic() < deadline, f"the job did not end within {JOB_S:.0f} s; logs in {work}"
@@ -122,6 +123,10 @@ def run_job(work: Path, *args: str, kill: str | None = None) -> dict[str, Any]:
         exits = {n: p.poll() for n, p in job.procs.items()}
     digests = {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))}
     return {"exits": exits, "digests": digests, "killed": killed, "logs": {n: job.path(n, ".log") for n in job.names}}
+
+
+def sha256s(res: dict[str, Any]) -> dict[int, str]:
+    return {r: d["state_sha256"] for r, d in res["digests"].items()}
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +155,32 @@ def test_a_rank_killed_mid_run_is_replaced_and_the_run_ends_bit_identical(
     where = f"logs in {tmp_path}"
     assert res["killed"], where
     assert res["exits"] == {"n0": 0, "n1": 137, "n2": 0, "n3": 0, "n4": 0}, (res["exits"], where)
-    assert {r: d["state_sha256"] for r, d in res["digests"].items()} == \
-        {r: d["state_sha256"] for r, d in reference["digests"].items()}, where
+    assert sha256s(res) == sha256s(reference), where
     assert res["digests"][1]["node"] == "n4", where  # the spare finished rank 1
     for node in ("n0", "n2", "n3", "n4"):  # and the script itself said so on every rank
         assert "final state equals the failure-free run's, bit for bit" in res["logs"][node].read_text(), where
     assert "recovered (spare waiting for a rank): resumed at step" in res["logs"]["n4"].read_text(), where
+
+
+def test_a_job_stopped_without_spares_restarts_from_its_checkpoint_and_ends_bit_identical(
+        reference: dict[str, Any], tmp_path: Path) -> None:
+    """``--ckpt DIR --ckpt-every 10``: a job without a spare that loses a rank stops in good order (exit 75,
+    a scheduler's requeue); the same command started again resumes from the newest complete checkpoint and
+    ends with the failure-free run's state (which saved none), bit for bit."""
+    from gossiprec.trainer import DcpCheckpoints
+
+    ckpt = tmp_path / "ckpt"
+    first = run_job(tmp_path / "first", "--ckpt", str(ckpt), "--ckpt-every", "10", kill="n1",
+                    after="checkpoint of step 20 saved", spares=0)
+    where = f"logs in {tmp_path}"
+    assert first["killed"] and first["digests"] == {}, where
+    assert first["exits"] == {"n0": 75, "n1": 137, "n2": 75, "n3": 75}, (first["exits"], where)
+    saved = DcpCheckpoints(ckpt).steps()
+    assert saved and saved[-1] in (20, 30), (saved, where)
+    ref_out = reference["logs"]["n0"].parent / "out"
+    second = run_job(tmp_path / "second", "--ckpt", str(ckpt), "--ckpt-every", "10", "--expect", str(ref_out))
+    assert second["exits"] == {f"n{i}": 0 for i in range(5)}, (second["exits"], where)
+    assert sha256s(second) == sha256s(reference), where
+    log = second["logs"]["n0"].read_text()
+    assert f"rank 0 resumed from the checkpoint of step {saved[-1]}" in log, where
+    assert f"step {saved[-1]} loss" not in log and f"step {saved[-1] + 10} loss" in log, where
