@@ -338,7 +338,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     dropout=args.dropout)
 
     def on_recovered(rec: RecoveryRecord) -> None:
-        log.info("rank %d recovered (%s): resumed at step %d as %s", rec.rank, rec.cause, rec.target_step, rec.role)
+        log.info("rank %d recovered in epoch %d (%s): %s from step %d", rec.rank, rec.epoch, rec.cause, rec.action,
+                 rec.target_step)
 
     # checkpoints (torch.distributed.checkpoint) cover what a spare cannot: a restart after the job stopped
     # (exit 75: no spare left), and a recovery that finds no surviving replica of some shard

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Sequence
 
 import pytest
 
@@ -95,11 +95,11 @@ def test_the_command_line_refuses_a_mesh_that_is_not_hsdp(gpt: ModuleType, capsy
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-def run_job(work: Path, *args: str, kill: str | None = None, after: str = "step 10 loss",
+def run_job(work: Path, *args: str, kill: Sequence[str] = (), after: str = "step 10 loss",
             spares: int = 1) -> dict[str, Any]:
     """The example under ``gossiprec run --nnodes 5 --spares 1 --mesh replicate=2,shard=2`` (n0..n3 the
-    ranks, n4 the spare; ``spares``: how many); ``kill``: SIGKILL that node's trainer once rank 0 logged
-    ``after``. Returns each launcher's exit code, the digests in ``work/out`` and each node's log."""
+    ranks, n4 the spare; ``spares``: how many); ``kill``: SIGKILL these nodes' trainers at once when rank 0
+    has logged ``after``. Returns each launcher's exit code, the digests in ``work/out`` and each node's log."""
     from gossiprec.harness.job import LocalJob
     from gossiprec.trainer import MeshSpec
 
@@ -113,10 +113,11 @@ def run_job(work: Path, *args: str, kill: str | None = None, after: str = "step 
                     f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')")
             job.spawn(node, [sys.executable, "-c", code])
         deadline = time.monotonic() + JOB_S
-        killed = kill is None
+        killed = not kill
         while any(p.poll() is None for p in job.procs.values()):
             if not killed and after in job.path("n0", ".log").read_text(errors="replace"):
-                job.signal(kill or "", signal.SIGKILL)
+                for node in kill:
+                    job.signal(node, signal.SIGKILL)
                 killed = True
             assert time.monotonic() < deadline, f"the job did not end within {JOB_S:.0f} s; logs in {work}"
             time.sleep(0.05)
@@ -151,7 +152,7 @@ def test_a_failure_free_run_trains_and_writes_each_ranks_digest(reference: dict[
 def test_a_rank_killed_mid_run_is_replaced_and_the_run_ends_bit_identical(
         reference: dict[str, Any], tmp_path: Path) -> None:
     ref_out = reference["logs"]["n0"].parent / "out"
-    res = run_job(tmp_path, "--expect", str(ref_out), kill="n1")
+    res = run_job(tmp_path, "--expect", str(ref_out), kill=["n1"])
     where = f"logs in {tmp_path}"
     assert res["killed"], where
     assert res["exits"] == {"n0": 0, "n1": 137, "n2": 0, "n3": 0, "n4": 0}, (res["exits"], where)
@@ -159,7 +160,8 @@ def test_a_rank_killed_mid_run_is_replaced_and_the_run_ends_bit_identical(
     assert res["digests"][1]["node"] == "n4", where  # the spare finished rank 1
     for node in ("n0", "n2", "n3", "n4"):  # and the script itself said so on every rank
         assert "final state equals the failure-free run's, bit for bit" in res["logs"][node].read_text(), where
-    assert "recovered (spare waiting for a rank): resumed at step" in res["logs"]["n4"].read_text(), where
+    assert "rank 1 recovered in epoch 1 (spare waiting for a rank): resume from step 1" in \
+        res["logs"]["n4"].read_text(), where
 
 
 def test_a_job_stopped_without_spares_restarts_from_its_checkpoint_and_ends_bit_identical(
@@ -170,7 +172,7 @@ def test_a_job_stopped_without_spares_restarts_from_its_checkpoint_and_ends_bit_
     from gossiprec.trainer import DcpCheckpoints
 
     ckpt = tmp_path / "ckpt"
-    first = run_job(tmp_path / "first", "--ckpt", str(ckpt), "--ckpt-every", "10", kill="n1",
+    first = run_job(tmp_path / "first", "--ckpt", str(ckpt), "--ckpt-every", "10", kill=["n1"],
                     after="checkpoint of step 20 saved", spares=0)
     where = f"logs in {tmp_path}"
     assert first["killed"] and first["digests"] == {}, where
@@ -184,3 +186,22 @@ def test_a_job_stopped_without_spares_restarts_from_its_checkpoint_and_ends_bit_
     log = second["logs"]["n0"].read_text()
     assert f"rank 0 resumed from the checkpoint of step {saved[-1]}" in log, where
     assert f"step {saved[-1]} loss" not in log and f"step {saved[-1] + 10} loss" in log, where
+
+
+def test_a_shard_lost_with_every_holder_comes_back_from_the_checkpoint_bit_identical(
+        reference: dict[str, Any], tmp_path: Path) -> None:
+    """Both holders of shard 0 (ranks 0 and 2, replica group [0, 2]) SIGKILLed at once, two spares: no
+    replica is left to stream shard 0 from, so the plan is ``checkpoint``: every rank loads the newest
+    complete checkpoint (``on_no_replica``), training goes on from its step, and the job still ends with
+    the failure-free run's state, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    res = run_job(tmp_path / "job", "--ckpt", str(ckpt), "--ckpt-every", "10", kill=["n0", "n2"],
+                  after="checkpoint of step 20 saved", spares=2)
+    where = f"logs in {tmp_path}"
+    assert res["killed"], where
+    assert res["exits"] == {"n0": 137, "n1": 0, "n2": 137, "n3": 0, "n4": 0, "n5": 0}, (res["exits"], where)
+    assert sha256s(res) == sha256s(reference), where
+    assert {res["digests"][0]["node"], res["digests"][2]["node"]} == {"n4", "n5"}, where
+    for node in ("n1", "n3", "n4", "n5"):  # every rank of the new world, survivors too, went back to step 20
+        assert "recovered in epoch 1 (" in res["logs"][node].read_text(), (node, where)
+        assert "): checkpoint from step 20\n" in res["logs"][node].read_text(), (node, where)
