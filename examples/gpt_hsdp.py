@@ -215,7 +215,7 @@ def build_objects(mesh: Any, cfg: GPTConfig, tokens: torch.Tensor, args: argpars
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
-    warmup, total = args.warmup, max(args.steps, args.warmup + 1)
+    warmup, total = int(args.warmup), max(int(args.steps), int(args.warmup) + 1)
 
     def lr_factor(step: int) -> float:  # linear warm-up, then cosine down to a tenth
         if step < warmup:
@@ -351,14 +351,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         if ckpt is not None and (resumed := ckpt.resume(rt)) is not None:
             log.info("rank %d resumed from the checkpoint of step %d in %s", rt.rank, resumed, args.ckpt)
         if rt.rank == 0:
-            n = sum(p.numel() for p in rt.objects["model"].parameters())
+            model: Any = rt.objects["model"]
+            n = sum(p.numel() for p in model.parameters())
             log.info("corpus %d characters, vocabulary %d, model %d parameters (%s), mesh %s on %s",
                      len(corpus), tok.vocab_size, n, json.dumps(asdict(cfg)), args.mesh, device)
         while rt.step < args.steps:
             # (rt.objects and rt.mesh are read inside the step: a spare gets them when it takes a rank)
             done = rt.run_step(lambda _step: train_step(rt.objects, rt.mesh, device, args.clip))
             if done.committed and rt.rank == 0 and (done.step % args.log_every == 0 or done.step == args.steps):
-                lr = rt.objects["scheduler"].get_last_lr()[0]
+                sched: Any = rt.objects["scheduler"]
+                lr = sched.get_last_lr()[0]
                 log.info("step %d loss %.4f lr %.2e (epoch %d)", done.step, done.value, lr, rt.epoch)
             if ckpt is not None and ckpt.maybe_save(rt) is not None and rt.rank == 0:
                 log.info("checkpoint of step %d saved in %s", rt.step, args.ckpt)
