@@ -6,12 +6,15 @@ a GELU MLP and dropout, a final LayerNorm and a head tied to the token embedding
 LR schedule and gradient clipping, and a data position registered with the trainer. One process per
 rank (and per hot spare), each under its agent; on one machine, five terminals::
 
-    gossiprec run --nnodes 5 --spares 1 --mesh replicate=2,shard=2 --host localhost --local-index 0 \
-        --port 29400 --seed 127.0.0.1:29400 --insecure -- python examples/gpt_hsdp.py --out /tmp/gpt
+    gossiprec run --nnodes 1 --nproc-per-node 5 --spares 1 --mesh replicate=2,shard=2 --local-index 0 \
+        --seed 127.0.0.1:7980 --insecure -- python examples/gpt_hsdp.py --out /tmp/gpt-ref
 
-with ``--local-index`` 0 to 4 and ``--port`` 29400, 29403, ... (docs/sharded.md). Kill any trainer
-(``kill -9``): the spare takes its mesh coordinate, receives its shard from the other replica, and
-training goes on from the last step every shard committed.
+with ``--local-index`` 0 to 4 (docs/sharded.md; on a cluster, any launch line of a sharded job). Kill
+any trainer (``kill -9``): the spare takes its mesh coordinate, receives its shard from the other
+replica, and training goes on from the last step every shard committed. ``--ckpt DIR --ckpt-every N``
+adds checkpoints (:class:`gossiprec.trainer.DcpCheckpoints`) for what no spare covers: a job restarted
+after it stopped (exit 75, no spare left) resumes from the newest complete one, and a recovery that
+finds no surviving replica of some shard loads it.
 
 - **Data**: the source of a few modules of Python's standard library (:data:`CORPUS_FILES`, read from
   ``sysconfig.get_paths()["stdlib"]``): real text that ships with every Python, no download. The corpus,
