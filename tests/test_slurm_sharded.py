@@ -29,11 +29,18 @@ def _records(work: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for p in sorted(work.glob("*.records")) for line in p.read_text().splitlines()]
 
 
-def _sbatch(cluster: SlurmCluster, work: Path, trainer: str, **env: str) -> str:
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _sbatch(cluster: SlurmCluster, work: Path, trainer: str, *options: str, **env: str) -> str:
     cluster.env.update({"PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
                         "PYTHONPATH": str(ROOT), "GOSSIPREC_WORKDIR": str(work), "OMP_NUM_THREADS": "1",
                         "PYTHONUNBUFFERED": "1", **env})
-    return cluster.run("sbatch", "--parsable", "--nodes=3", "--ntasks-per-node=2", f"--chdir={work}",
+    return cluster.run("sbatch", "--parsable", *options, "--nodes=3", "--ntasks-per-node=2", f"--chdir={work}",
                        f"--output={work}/batch.out", str(ROOT / "deploy/slurm/gossiprec.sbatch"),
                        "bash", "-c", trainer).strip()
 
@@ -121,3 +128,49 @@ def test_an_hsdp_job_under_sbatch_loses_a_whole_node_then_another_and_shrinks(tm
     got = {r: training_digest(work / f"n1-{r}.state") for r in (0, 1)}
     assert got == {r: rep["digest"] for r, rep in ref.items()}, logs  # byte for byte, both shards
     assert not procs_with({"SLURM_JOB_ID": job}), procs_with({"SLURM_JOB_ID": job})
+
+
+def test_a_sharded_job_stopped_in_good_order_exits_75_and_slurm_requeues_it_from_its_checkpoint(
+        tmp_path: Path, gpt_reference: dict[str, Any]) -> None:
+    """The example GPT (``examples/gpt_hsdp.py --ckpt DIR --ckpt-every 10``) under ``sbatch --requeue`` with
+    ``GOSSIPREC_MESH`` and no ``--allow-shrink``; the cluster's ``RequeueExit=75``. Node n2 is lost whole
+    (both its ranks replaced from n3's spares), then a slot of n3 with no spare left: the job stops in good
+    order, the batch script exits 75, Slurm queues the job again, and the new run resumes from the newest
+    complete checkpoint and ends with the failure-free run's state, bit for bit (each rank checks with
+    ``--expect`` and says so)."""
+    from tests.support.gpt import SCRIPT, STEPS as GPT_STEPS, sha256s
+
+    work = tmp_path / "job"
+    work.mkdir()
+    ref_out = gpt_reference["logs"]["n0"].parent / "out"
+    trainer = (f"exec {shlex.quote(sys.executable)} {SCRIPT} --steps {GPT_STEPS} --out {work}/out --ckpt {work}/ckpt "
+               f"--ckpt-every 10 --expect {ref_out} --wait-for-spares 120")
+    with SlurmCluster(tmp_path / "slurm", nodes=3, cpus=2) as cluster:
+        job = _sbatch(cluster, work, trainer, "--requeue", "--open-mode=append",
+                      GOSSIPREC_MESH="replicate=2,shard=2", GOSSIPREC_KEYRING=_keyring(tmp_path))
+        log = work / "n1-0.log"
+        try:
+            wait_job(lambda: "checkpoint of step 10 saved" in _text(log), 180, "the first checkpoint", cluster, job)
+            _kill_node(job, "n2")
+            wait_job(lambda: "recovered in epoch 1" in _text(work / "n3-0.log"), 180, "n3-0 took a rank", cluster, job)
+            _kill_slot(job, "n3", 0)
+            wait_job(lambda: "exit codes: 0" in _text(work / "batch.out").split("exit codes: 75")[-1]
+                     and "exit codes: 75" in _text(work / "batch.out"), 300, "the requeued run's end", cluster, job)
+            wait_job(lambda: cluster.job_state(job)[0] == "COMPLETED", 60, "the job's end", cluster, job)
+        finally:
+            if cluster.job_state(job)[0] in ("PENDING", "RUNNING", "REQUEUED"):
+                cluster.run("scancel", job, check=False)
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(work.glob("*.log")))
+        info = cluster.run("scontrol", "show", "job", job)
+        assert cluster.job_state(job) == ("COMPLETED", "0:0"), logs + _text(work / "batch.out")
+        assert "Restarts=1" in info, info  # queued again once, by RequeueExit=75
+    batch = _text(work / "batch.out")
+    assert "the tasks' exit codes: 75" in batch and batch.rstrip().endswith("the tasks' exit codes: 0"), batch
+    digests = {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted((work / "out").glob("rank*.json"))}
+    assert {r: d["state_sha256"] for r, d in digests.items()} == sha256s(gpt_reference), logs
+    resumed = [line for p in work.glob("*.log") for line in _text(p).splitlines()
+               if "resumed from the checkpoint" in line]
+    assert len(resumed) == 4, logs  # every rank of the second run, from the same step
+    assert len({line.split("checkpoint of step ")[1].split()[0] for line in resumed}) == 1, resumed
+    assert all("equals the failure-free run's, bit for bit" in _text(work / f"{d['node']}.log")
+               for d in digests.values()), logs

@@ -55,7 +55,6 @@ import json
 import logging
 import os
 import re
-import pickle
 import shutil
 import time
 import warnings
@@ -394,8 +393,8 @@ def _leaves(tree: Any, path: tuple[str, ...] = ()) -> Iterator[tuple[str, Any, A
 
 
 def _crc(value: Any) -> int:
-    """A crc32 of a value that is not a DTensor (pickled when not a tensor: two equal values may pickle
-    apart, which only costs a copy per rank); -1 for a DTensor (DCP writes each rank's own piece)."""
+    """A crc32 of a value that is not a DTensor (of its ``repr`` when not a tensor: two equal values whose
+    reprs differ only cost a copy per rank); -1 for a DTensor (DCP writes each rank's own piece)."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -405,7 +404,7 @@ def _crc(value: Any) -> int:
         return -1
     if isinstance(value, torch.Tensor):
         return zlib.crc32(tensor_bytes(value.detach().cpu().contiguous()))
-    return zlib.crc32(pickle.dumps(value))
+    return zlib.crc32(repr(value).encode())
 
 
 def _split_per_rank(state: dict[str, Any], device: str) -> dict[str, Any]:

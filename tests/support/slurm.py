@@ -209,6 +209,7 @@ def wait_job(cond: Callable[[], bool], timeout: float, what: str, cluster: Slurm
     while not cond():
         state = cluster.job_state(job)[0]
         # the condition is read again after the state: the job may have ended right after it was first read
-        if (time.monotonic() > deadline or state not in ("PENDING", "CONFIGURING", "RUNNING")) and not cond():
+        alive = state in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED")  # (requeued: runs again)
+        if (time.monotonic() > deadline or not alive) and not cond():
             raise AssertionError(f"{what}: not within {timeout:.0f} s (job {state})\n{cluster.logs()}")
         time.sleep(0.05)
