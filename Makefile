@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint docs install sim-seeds bench clean
+.PHONY: demo test test-long lint docs install sim-seeds bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,10 @@ docs: install
 
 test: lint docs
 	$(BIN)/python -m pytest -q -ra
+
+# The tests left out of `make test` (marked long: their path is covered by another test; several minutes).
+test-long: install
+	$(BIN)/python -m pytest -q -ra -m long
 
 # Thousands of simulator seeds per scenario (not part of CI; tens of minutes).
 sim-seeds: install

@@ -20,6 +20,7 @@ from gossiprec.bench.recovery import WARMUP, TrialResult
 from gossiprec.errors import ConfigError
 
 
+@pytest.mark.long  # a benchmark smoke run
 @pytest.mark.slow
 def test_tiny_run_reports_sane_values() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("GOSSIPREC_", "TORCHELASTIC_"))}

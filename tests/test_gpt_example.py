@@ -124,6 +124,7 @@ def test_a_rank_killed_mid_run_is_replaced_and_the_run_ends_bit_identical(
         res["logs"]["n4"].read_text(), where
 
 
+@pytest.mark.long  # test_slurm_sharded.py runs this restart under sbatch --requeue
 def test_a_job_stopped_without_spares_restarts_from_its_checkpoint_and_ends_bit_identical(
         reference: dict[str, Any], tmp_path: Path) -> None:
     """``--ckpt DIR --ckpt-every 10``: a job without a spare that loses a rank stops in good order (exit 75,
@@ -148,6 +149,7 @@ def test_a_job_stopped_without_spares_restarts_from_its_checkpoint_and_ends_bit_
     assert f"step {saved[-1]} loss" not in log and f"step {saved[-1] + 10} loss" in log, where
 
 
+@pytest.mark.long  # test_dcp_fallback.py covers it for both layouts
 def test_a_shard_lost_with_every_holder_comes_back_from_the_checkpoint_bit_identical(
         reference: dict[str, Any], tmp_path: Path) -> None:
     """Both holders of shard 0 (ranks 0 and 2, replica group [0, 2]) SIGKILLed at once, two spares: no

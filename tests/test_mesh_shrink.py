@@ -192,6 +192,7 @@ def test_a_mesh_job_shrinks_by_a_replica_group_to_the_state_of_a_job_that_shrank
         assert after and {s: res["losses"][r][s] for s in after} == after, (r, where)
 
 
+@pytest.mark.long  # the reference tool itself; the shrink tests use it
 @pytest.mark.slow
 def test_the_checkpoint_round_trip_of_the_reference_is_exact(tmp_path: Path) -> None:
     """The reference's saving and loading change nothing: resumed on the whole 2 x 2 mesh, it ends as the

@@ -169,7 +169,7 @@ def test_a_sharded_job_stopped_in_good_order_exits_75_and_slurm_requeues_it_from
     digests = {int(p.stem[4:]): json.loads(p.read_text()) for p in sorted((work / "out").glob("rank*.json"))}
     assert {r: d["state_sha256"] for r, d in digests.items()} == sha256s(gpt_reference), logs
     resumed = [line for p in work.glob("*.log") for line in _text(p).splitlines()
-               if "resumed from the checkpoint" in line]
+               if "gpt_hsdp rank" in line and "resumed from the checkpoint" in line]
     assert len(resumed) == 4, logs  # every rank of the second run, from the same step
     assert len({line.split("checkpoint of step ")[1].split()[0] for line in resumed}) == 1, resumed
     assert all("equals the failure-free run's, bit for bit" in _text(work / f"{d['node']}.log")

@@ -102,6 +102,8 @@ class SlurmCluster:
             "SelectTypeParameters=CR_CPU", "SlurmdParameters=config_overrides", "ReturnToService=2",
             "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
             "RequeueExit=75",  # the sbatch script exits 75 for a job stopped in good order: requeued
+            # a requeued job waits out its first run's credentials before it starts again (120 s by default)
+            "AuthInfo=cred_expire=10",
             f"NodeName=n[1-{len(self.nodes)}] NodeHostname={host} NodeAddr=127.0.0.1 "
             f"Port={node_port}-{node_port + len(self.nodes) - 1} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP", ""]))
