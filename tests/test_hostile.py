@@ -55,7 +55,8 @@ def test_tcp_garbage_flood_leaves_the_agent_rss_flat() -> None:
     assert grown_mib < 48, (before, rounds)
     assert (peak - before) / 1024 < 64, (before, peak)
     refused = st["rejects"]["bad_magic"] + st["rejects"]["too_large"]
-    assert refused + st["counters"].get("rx_streams_evicted", 0) >= 3 * 64, st
+    closed = sum(st["counters"].get(k, 0) for k in ("rx_streams_evicted", "rx_streams_backoff"))
+    assert refused + closed >= 3 * 64, st
     assert st["inbound_buffered"] == 0 and st["pending_streams"] == 0, st
 
 
@@ -105,7 +106,9 @@ async def test_one_source_holds_at_most_its_share_of_pending_connections(workdir
         t = seed.transport
         assert t is not None
         async with IdleConnections(t.port, 20, sources=("127.0.0.2",), max_opens=20):
-            await seed.wait_until(lambda: t.counters.get("rx_streams_evicted", 0) >= 12, 30)
+            # past its share, each new one evicts the source's oldest or, in its backoff, is refused
+            await seed.wait_until(lambda: t.counters.get("rx_streams_evicted", 0)
+                                  + t.counters.get("rx_streams_backoff", 0) >= 12, 30)
             assert t.stats()["pending_streams"] == 8
             async with IdleConnections(t.port, 4, sources=("127.0.0.3",), max_opens=4):
                 # another source is not crowded out by the first one's
@@ -131,3 +134,33 @@ async def test_forgeries_under_the_clear_text_key_id_cost_bounded_derivations(wo
         derived = t.stats()["counters"]["rx_subkey_derivations"]
         assert derived == t.rejects["auth_failed"] <= 100 + 50 * elapsed + 1, (derived, elapsed)
         assert t.rejects["throttled"] >= 1000 - derived > 0
+
+
+async def test_reconnecting_slow_connections_are_bounded_at_accept_and_a_join_completes(workdir: str) -> None:
+    limits = TransportLimits(waste_rate=200.0, waste_burst=50)
+    async with seed_agent(workdir, limits) as seed:
+        t = seed.transport
+        assert t is not None
+        # more than two sources' share of pending connections: evicted as fast as they reconnect
+        async with IdleConnections(t.port, 2 * limits.max_pending_per_source + 8, max_opens=10**9,
+                                   trickle=1.0) as holder:
+            await asyncio.sleep(0.5)
+            c0, opens0 = dict(t.counters), holder.opens
+            await asyncio.sleep(2.0)
+            c1, opens1 = dict(t.counters), holder.opens
+            accepted = sum(c1.get(k, 0) - c0.get(k, 0) for k in ("rx_streams_evicted", "rx_streams_backoff",
+                                                                  "rx_streams_idle"))
+            # what the agent spent on them in 2 s is what its budget allows, whatever the attacker opens
+            assert accepted <= 2.0 * limits.waste_rate + limits.waste_burst + 20, (c0, c1)
+            assert c1.get("rx_streams_backoff", 0) > 0 and c1.get("rx_accept_paused", 0) > 0, c1
+            assert opens1 - opens0 <= accepted + 100, (opens0, opens1, accepted)
+            s = AgentSettings(name="spare", bind_host="127.0.0.1", port=0, seeds=(seed.addr,), role="spare",
+                              keyring=f"{workdir}/keys.json", control_socket=f"{workdir}/spare.sock")
+            spare = Agent(s)
+            await spare.start()
+            try:
+                await spare.wait_until(lambda: spare.live_count() > 1, 30)
+                await seed.wait_until(lambda: seed.live_count() > 1, 30)
+            finally:
+                spare.abort()
+                await spare.aclose()

@@ -31,6 +31,9 @@ source address holds at most ``max_pending_per_source`` pending connections, a n
 own oldest. Each connection reads no more than its opener asks for (:meth:`StreamOpener.wanted`), and
 the bytes every inbound connection buffers together stay within ``max_inbound_buffer``: a read that
 would pass it closes its connection instead. Evictions, idle and over-budget closes are counted.
+Connections that end without authenticating are also bounded at accept (:mod:`gossiprec.agent.admission`):
+a source that overstays its share or idles is refused at accept for a doubling window, and past
+``waste_rate`` such connections a second the accept loop pauses, leaving them in the kernel's backlog.
 
 Accounting (:meth:`NetTransport.stats`, shown by the agent's ``status``): a *packet* is a datagram or a
 stream frame. ``tx_packets``/``tx_bytes`` count what was handed to the kernel (sealed bytes, frame
@@ -60,6 +63,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
+from gossiprec.agent.admission import SourceBackoff, WasteBudget
 from gossiprec.errors import ConfigError
 from gossiprec.security.crypto import CryptoLimits, Opener, OpenError, RejectCounter, RejectLog, Sealer, SealError
 from gossiprec.security.keyring import Keyring
@@ -72,7 +76,7 @@ DROP_COUNTERS = frozenset({
     "tx_after_close", "tx_dropped_backpressure", "tx_udp_errors", "tx_bad_address", "tx_unresolved",
     "tx_wrong_family", "tx_streams_dropped", "tx_stream_errors", "tx_seal_too_large", "tx_seal_no_key",
     "tx_seal_exhausted", "rx_streams_refused", "rx_stream_errors", "rx_handler_errors",
-    "rx_streams_evicted", "rx_streams_idle", "rx_streams_over_budget",
+    "rx_streams_evicted", "rx_streams_idle", "rx_streams_over_budget", "rx_streams_backoff",
 })
 """Counters of :attr:`NetTransport.counters` that count a lost message (reported under ``dropped``)."""
 
@@ -162,6 +166,11 @@ class TransportLimits:
     """Subkey derivations a second for datagrams from unknown senders (see ``CryptoLimits``)."""
     new_sender_burst: int = 1024
     """Such derivations allowed back to back."""
+    waste_rate: float = 500.0
+    """Inbound connections a second that may end without authenticating (idle, evicted, refused,
+    garbage) before the accept loop pauses until the budget refills (see ``admission``)."""
+    waste_burst: int = 500
+    """Such connections allowed back to back."""
 
     def __post_init__(self) -> None:
         for name in ("max_datagram_payload", "max_stream_payload", "max_inbound_streams",
@@ -171,6 +180,8 @@ class TransportLimits:
         for name in ("connect_timeout", "io_timeout", "log_interval", "first_frame_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"TransportLimits.{name} must be > 0 seconds")
+        if not self.waste_rate > 0 or self.waste_burst < 1:
+            raise ConfigError("TransportLimits.waste_rate must be > 0 and waste_burst >= 1")
         if self.max_inbound_buffer < self.max_stream_payload + 1024:
             raise ConfigError(f"TransportLimits.max_inbound_buffer ({self.max_inbound_buffer}) must hold "
                               f"one largest message (max_stream_payload {self.max_stream_payload} + framing)")
@@ -263,6 +274,8 @@ class NetTransport:
         self._inbound: set[asyncio.Task[None]] = set()
         self._pending: OrderedDict[_Inbound, None] = OrderedDict()
         """Inbound connections not authenticated yet, oldest first."""
+        self._waste = WasteBudget(self.limits.waste_rate, self.limits.waste_burst, time.monotonic())
+        self._backoff = SourceBackoff()
         self._buffered = 0
         """Bytes reserved by inbound connections (what they buffer, and their next read)."""
         self._resolved: OrderedDict[str, tuple[Any, ...] | None] = OrderedDict()
@@ -542,6 +555,13 @@ class NetTransport:
     async def _accept_loop(self, listen: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
+            pause = self._waste.pause(time.monotonic())
+            if pause > 0:
+                # the budget for connections that never authenticate is spent: leave the rest in the
+                # kernel's backlog, where they cost nothing, until it refills
+                self._count("rx_accept_paused")
+                await asyncio.sleep(pause)
+                continue
             try:
                 conn, peer = await loop.sock_accept(listen)
             except asyncio.CancelledError:
@@ -554,6 +574,11 @@ class NetTransport:
                 await asyncio.sleep(0.05)  # e.g. EMFILE: do not spin
                 continue
             source = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+            if self._backoff.refuses(source, time.monotonic()):
+                self._count("rx_streams_backoff")
+                self._waste.spend(time.monotonic())
+                conn.close()
+                continue
             if not self._admit(source):
                 self._count("rx_streams_refused")
                 self._throttle.warn("rx_full", "%d inbound connections, all authenticated: refusing one "
@@ -572,6 +597,7 @@ class NetTransport:
         mine = [c for c in self._pending if c.source == source]
         if len(mine) >= lim.max_pending_per_source:
             self._evict(mine[0])
+            self._backoff.strike(source, time.monotonic())  # more than its share: refused for a while
         if len(self._inbound) >= lim.max_inbound_streams:
             if not self._pending:
                 return False
@@ -584,6 +610,7 @@ class NetTransport:
             self._inbound.discard(c.task)  # its slot is free now; the task ends at its next await
             c.task.cancel()
         self._count("rx_streams_evicted")
+        self._waste.spend(time.monotonic())
 
     async def _stream_in(self, conn: socket.socket, peer: Any, state: _Inbound) -> None:
         loop = asyncio.get_running_loop()
@@ -595,6 +622,7 @@ class NetTransport:
             async with asyncio.timeout(lim.first_frame_timeout) as deadline:
                 while frames < lim.max_frames_per_stream:
                     if opener.authenticated and state in self._pending:
+                        self._backoff.forgive(state.source)
                         del self._pending[state]  # a key holder: no longer evictable, the whole io_timeout
                         deadline.reschedule(started + lim.io_timeout)
                     want = min(opener.wanted(), _READ_CHUNK)
@@ -620,6 +648,7 @@ class NetTransport:
                     self._reserve(state, opener.buffered)
         except OpenError as exc:
             self._count("rx_packets")
+            self._waste.spend(time.monotonic())
             self._reject_log.note(exc, time.monotonic(), _peer(peer))
         except TimeoutError:
             if opener.authenticated:
@@ -628,6 +657,8 @@ class NetTransport:
                                     "TimeoutError")
             else:
                 self._count("rx_streams_idle")
+                self._waste.spend(time.monotonic())
+                self._backoff.strike(state.source, time.monotonic())
                 self._throttle.warn("rx_idle", "inbound connection from %s sent no opening frame within "
                                     "%.1f s; closed", _peer(peer), lim.first_frame_timeout)
         except OSError as exc:

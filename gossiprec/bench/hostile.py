@@ -24,6 +24,12 @@ the same run on the same machine. Three attacks, each by someone who never held 
     ``/proc/<pid>/stat``) and the suspicions and alerts any agent raised meanwhile (events from the
     control sockets).
 
+``slow``
+    ``slow_conns`` TCP connections from 127.0.0.2 and 127.0.0.3, each sending one byte a second and
+    reopened as soon as the agent closes it (more than one source's share of pending connections, so
+    the agent evicts them as fast as they come). Figures: the agent's CPU share over ``seconds``, the
+    attacker's connections opened a second, and a spare's join time through the seed, quiet and during
+    the attack.
 ``cost``
     the same three kinds of datagram (garbage, forgeries, and genuine ones for comparison) handed
     to the build's datagram opener in one process, ``packets`` of each, configured as the agent
@@ -235,8 +241,10 @@ class IdleConnections:
     ``sources`` in turn, opening a new one whenever the agent closes one (``max_opens`` in all)."""
 
     def __init__(self, port: int, count: int, sources: Sequence[str] = ("127.0.0.2", "127.0.0.3"),
-                 max_opens: int = 1000, host: str = "127.0.0.1") -> None:
+                 max_opens: int = 1000, host: str = "127.0.0.1", trickle: float = 0.0) -> None:
         self.port, self.count, self.sources, self.max_opens, self.host = port, count, sources, max_opens, host
+        self.trickle = trickle
+        """Seconds between the bytes each connection sends (0: it never sends one)."""
         self.opens = 0
         self.closed_by_agent = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -264,7 +272,15 @@ class IdleConnections:
                 continue
             self._writers.add(writer)
             try:
-                await reader.read()  # never sends; returns when the agent closes the connection
+                if self.trickle > 0:
+                    while not reader.at_eof():
+                        writer.write(b"\x00")
+                        await writer.drain()
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.trickle):
+                                await reader.read()  # returns at once when the agent closes it
+                else:
+                    await reader.read()  # never sends; returns when the agent closes the connection
             except OSError:
                 pass
             finally:
@@ -406,6 +422,30 @@ def measure_join(tree: str, idle: int, trials: int) -> dict[str, Any]:
     return out
 
 
+def measure_slow(tree: str, conns: int, seconds: float) -> dict[str, Any]:
+    """``conns`` connections from two sources, each sending one byte every second and reopened as
+    soon as the agent closes it: the agent's CPU share over ``seconds`` and a spare's join through it."""
+    with agents(tree, 1) as (seed,):
+        port = int(seed.addr.rpartition(":")[2])
+        quiet = _run_child(tree, "join", seed.addr, seed.keyring, "0")["join_s"]
+
+        async def attack() -> dict[str, Any]:
+            async with IdleConnections(port, conns, max_opens=10**9, trickle=1.0) as holder:
+                await asyncio.sleep(1.0)
+                cpu0, t0, opens0 = proc_cpu_s(seed.pid), time.monotonic(), holder.opens
+                await asyncio.sleep(seconds)
+                cpu1, t1, opens1 = proc_cpu_s(seed.pid), time.monotonic(), holder.opens
+                join = await asyncio.to_thread(_run_child, tree, "join", seed.addr, seed.keyring, "0")
+                return {"agent_cpu_share": round((cpu1 - cpu0) / (t1 - t0), 4),
+                        "connections_opened_per_s": round((opens1 - opens0) / (t1 - t0), 1),
+                        "join_s_under_attack": join["join_s"]}
+
+        out: dict[str, Any] = {"conns": conns, "seconds": seconds, "join_s_quiet": quiet, **asyncio.run(attack())}
+        counters = seed.status()["transport"]["counters"]
+        out["seed_counters"] = {k: v for k, v in counters.items() if k.startswith(("rx_streams", "rx_accept"))}
+    return out
+
+
 async def _child_join(seed: str, keyring: str, idle: int) -> dict[str, Any]:
     from gossiprec.agent.pump import Agent
     from gossiprec.agent.settings import AgentSettings
@@ -519,7 +559,7 @@ def measure_cost(tree: str, packets: int, rate: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gossiprec.bench.hostile", description=__doc__.split("\n")[0])
     p.add_argument("--tree", action="append", default=None, help="source tree of a build (repeatable)")
-    p.add_argument("--only", choices=("memory", "join", "flood", "cost"), action="append", default=None)
+    p.add_argument("--only", choices=("memory", "join", "flood", "cost", "slow"), action="append", default=None)
     p.add_argument("--packets", type=int, default=100_000, help="datagrams of each kind for cost")
     p.add_argument("--conns", type=int, default=64)
     p.add_argument("--garbage-mib", type=float, default=4.0)
@@ -528,6 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--join-trials", type=int, default=3)
     p.add_argument("--rate", type=float, default=50_000)
     p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--slow-conns", type=int, default=72, help="connections of the slow attack")
     p.add_argument("--json", metavar="FILE", default=None)
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -543,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         raise SystemExit(f"unknown child mode {args.child[0]}")
     trees = args.tree or [TREE]
-    only = args.only or ["memory", "join", "flood", "cost"]
+    only = args.only or ["memory", "join", "flood", "cost", "slow"]
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load": os.getloadavg()}, "builds": {}}
     for tree in trees:
         rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -557,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
             build["flood"] = measure_flood(tree, args.rate, args.seconds)
         if "cost" in only:
             build["cost"] = measure_cost(tree, args.packets, args.rate)
+        if "slow" in only:
+            build["slow"] = measure_slow(tree, args.slow_conns, args.seconds)
         report["builds"][tree] = build
     text = json.dumps(report, indent=2)
     print(text)
