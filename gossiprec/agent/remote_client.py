@@ -30,12 +30,11 @@ from typing import Any, Mapping
 
 import msgpack
 
-from gossiprec.agent.settings import (
-    DEFAULT_CLUSTER, ENV, default_keyring_path, join_host_port, split_host_port,
-)
+from gossiprec.agent.settings import ENV, default_keyring_path, join_host_port, split_host_port
 from gossiprec.agent.transport import NetTransport, TransportLimits, routable_ip
 from gossiprec.core.wire import OPS_PAGE_MAX, OPS_WHAT, OpsPage, OpsQuery, decode_packet, encode_packet
 from gossiprec.errors import ConfigError, DecodeError, GossiprecError
+from gossiprec.local.launch import DEFAULT_CLUSTER
 from gossiprec.security.keyring import Keyring
 
 DEFAULT_TIMEOUT = 3.0
