@@ -322,3 +322,24 @@ def test_address_helpers() -> None:
     assert same_addr("127.0.0.1:5", "127.0.0.1:5") and not same_addr("127.0.0.1:5", "127.0.0.1:6")
     assert not same_addr("localhost:5", "127.0.0.1:5")  # names are not proof of the source
     assert not same_addr("127.0.0.1:0", "127.0.0.1:0")
+
+
+async def test_the_gossiprec_command_asks_by_host_name(workdir: str) -> None:
+    """The real command line, in its own process, keyring from the environment, the agent named by
+    ``localhost`` while it advertises 127.0.0.1 (the name is tried as its addresses too)."""
+    import os
+    import sys
+    async with keyed_cluster(workdir) as agents:
+        target = agents[1]
+        port = target.addr.rsplit(":", 1)[1]
+        env = {**os.environ, "GOSSIPREC_KEYRING": keyring_file(workdir, "operator", KEY_A)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gossiprec", "members", "--agent", f"localhost:{port}",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, err.decode()
+        lines = out.decode().splitlines()
+        assert lines[0].split()[:3] == ["Node", "Address", "Role"]
+        assert sorted(line.split()[0] for line in lines[1:] if not line.startswith("*")) == ["n0", "n2"]
+        assert [line.split()[1] for line in lines[1:] if line.startswith("*")] == ["n1"]
+        assert target.counters["ops_answered"] >= 1

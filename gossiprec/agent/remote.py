@@ -60,7 +60,7 @@ MAX_QUERY = 512
 def is_query(payload: bytes) -> bool:
     """Whether ``payload`` is a packet of one :class:`OpsQuery` (for the pump: anything else goes on to
     the machine, which drops an OpsQuery it gets some other way)."""
-    return payload[:5] == _QUERY_HEAD
+    return payload.startswith(_QUERY_HEAD)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ client joins them by index (they may arrive in any order) and decodes the msgpac
 the agent checks and its rate limits).
 
 ``HOST:PORT`` is the agent's advertised address (the ``Address`` column of ``members``): a datagram is
-sealed for its receiver's advertised address, and an agent refuses one sealed for another. The query is
+sealed for its receiver's advertised address, and an agent refuses one sealed for another (a host name
+is also tried as the addresses it resolves to, see :func:`_resolved`). The query is
 sent again every :data:`RESEND_S` seconds until the answer is complete (a datagram may be lost); with no
 complete answer within the timeout (3 s by default) the command fails with :class:`NoAnswer`: from the
 outside a wrong key, a wrong port and a stopped agent look the same (the agent counts the refused packet
@@ -24,8 +25,10 @@ under ``rejected`` in its ``status``).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import secrets
+import socket
 from typing import Any, Mapping
 
 import msgpack
@@ -113,6 +116,26 @@ class _Pages:
         return b"".join(self.pages[i] for i in range(self.last + 1))
 
 
+async def _resolved(agent: str) -> list[str]:
+    """``agent`` with its host name resolved (``[]`` for an IP literal, or a name that does not resolve).
+
+    A datagram is sealed for the address it is sent to, and an agent opens only those sealed for its
+    advertised address: a name given for an agent that advertises its IP (the usual case) reaches it only
+    as that IP. Both are sent; the agent opens the one that names it and refuses the other."""
+    host, port = split_host_port(agent, default_port=0)
+    try:
+        ipaddress.ip_address(host)
+        return []
+    except ValueError:
+        pass
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (OSError, UnicodeError):
+        return []
+    out = [join_host_port(str(info[4][0]), port) for info in infos]
+    return list(dict.fromkeys(a for a in out if a != agent))[:4]
+
+
 async def query(agent: str, what: str, *, keyring: Keyring, cluster: str,
                 timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
     """Ask the agent at ``agent`` (its advertised ``host:port``) for ``what`` (members|status).
@@ -124,6 +147,7 @@ async def query(agent: str, what: str, *, keyring: Keyring, cluster: str,
         raise RemoteError(f"unknown query {what!r}: one of {', '.join(OPS_WHAT)}")
     agent = parse_agent(agent)
     local_ip = await routable_ip([agent])  # bound to it: the source address the agent will see
+    targets = [agent, *await _resolved(agent)]
     req = secrets.randbits(63)
     pages = _Pages(req)
     limits = TransportLimits(max_stream_payload=OPS_PAGE_MAX + 1024,
@@ -137,7 +161,8 @@ async def query(agent: str, what: str, *, keyring: Keyring, cluster: str,
             left = deadline - loop.time()
             if left <= 0:
                 break
-            transport.send(agent, packet, False)
+            for target in targets:
+                transport.send(target, packet, False)
             try:
                 async with asyncio.timeout(min(RESEND_S, left)):
                     await pages.done.wait()
