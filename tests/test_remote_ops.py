@@ -343,3 +343,12 @@ async def test_the_gossiprec_command_asks_by_host_name(workdir: str) -> None:
         assert sorted(line.split()[0] for line in lines[1:] if not line.startswith("*")) == ["n0", "n2"]
         assert [line.split()[1] for line in lines[1:] if line.startswith("*")] == ["n1"]
         assert target.counters["ops_answered"] >= 1
+
+
+def test_pages_fit_the_transports_largest_message() -> None:
+    sent: list[bytes] = []
+    ops = RemoteOps(FakeAgent(200), lambda a, p, r: sent.append(p), {}, keyed=True, clock=lambda: 0.0,
+                    max_message=4096)
+    ops.on_query(encode_packet([OpsQuery(0, 2**64 - 1, "10.0.0.9:5000")]), False, ("10.0.0.9", 5000))
+    assert len(sent) > 1 and all(len(p) <= 4096 for p in sent)
+    assert max(len(p) for p in sent) > 4096 - 64  # the pages are as large as allowed

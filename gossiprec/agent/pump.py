@@ -190,7 +190,7 @@ class Agent:
                                                insecure=s.insecure, limits=limits)
             self.transport = transport
             self.remote = RemoteOps(self, transport.send, self.counters, keyed=self.keyring is not None,
-                                    clock=self.clock)
+                                    clock=self.clock, max_message=limits.max_stream_payload)
             await transport.start()
             stack.push_async_callback(transport.aclose)
             port = transport.port

@@ -37,7 +37,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
 import msgpack
@@ -54,6 +54,9 @@ _QUERY_HEAD = encode_packet([OpsQuery(0, 0, "")])[:5]
 """How a packet holding one OpsQuery starts: [version, [[50, ...]]] (fixarray 2, the version, fixarray 1,
 fixarray 4, 50)."""
 MAX_QUERY = 512
+"""Bytes an OpsQuery packet may take (it is about 40)."""
+PAGE_OVERHEAD = 64
+"""Bytes a page's packet adds around its data (about 25: packet head, request id, index, flag, length)."""
 """Bytes an OpsQuery packet may take (it is about 40)."""
 
 
@@ -146,13 +149,17 @@ class RemoteOps:
     """Answers :class:`OpsQuery` datagrams for one agent. See the module docstring."""
 
     def __init__(self, agent: RemoteSource, send: Send, counters: dict[str, int], *, keyed: bool,
-                 clock: Callable[[], float], limits: RemoteLimits | None = None) -> None:
+                 clock: Callable[[], float], limits: RemoteLimits | None = None,
+                 max_message: int | None = None) -> None:
+        """``max_message``: the largest reliable message the transport sends (a page stays below it)."""
         self.agent = agent
         self.send = send
         self.counters = counters
         self.keyed = keyed
         self.clock = clock
         self.limits = limits if limits is not None else RemoteLimits()
+        if max_message is not None and self.limits.page_size > max_message - PAGE_OVERHEAD:
+            self.limits = replace(self.limits, page_size=max(1, max_message - PAGE_OVERHEAD))
         self._total = TokenBucket(self.limits.total_rate, self.limits.total_burst)
         self._sources: OrderedDict[str, TokenBucket] = OrderedDict()
 
