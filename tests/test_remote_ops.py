@@ -352,3 +352,9 @@ def test_pages_fit_the_transports_largest_message() -> None:
     ops.on_query(encode_packet([OpsQuery(0, 2**64 - 1, "10.0.0.9:5000")]), False, ("10.0.0.9", 5000))
     assert len(sent) > 1 and all(len(p) <= 4096 for p in sent)
     assert max(len(p) for p in sent) > 4096 - 64  # the pages are as large as allowed
+
+
+def test_agent_excludes_the_local_flags() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    assert cmd_status(_args(agent="127.0.0.1:7946", control="/tmp/x.sock"), out, err) == 1
+    assert "drop --control-socket / --port" in err.getvalue() and out.getvalue() == ""

@@ -186,6 +186,10 @@ def _no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
 def _fetch_remote(prog: str, args: argparse.Namespace, what: str, err: TextIO) -> dict[str, Any] | None:
     """The answer of the agent ``--agent`` names, or None (the error printed)."""
     timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+    if args.control_socket or args.port is not None:
+        print(f"{prog}: error: --agent asks another agent over the network; drop --control-socket / --port "
+              "(they pick a local agent)", file=err)
+        return None
     try:
         return fetch_remote(args.agent, what, keyring_file=args.keyring, cluster=args.cluster, timeout=timeout)
     except (RemoteError, KeyringError) as exc:

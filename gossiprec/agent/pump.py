@@ -189,8 +189,8 @@ class Agent:
                                                on_message=self._on_message, keyring=self.keyring,
                                                insecure=s.insecure, limits=limits)
             self.transport = transport
-            self.remote = RemoteOps(self, transport.send, self.counters, keyed=self.keyring is not None,
-                                    clock=self.clock, max_message=limits.max_stream_payload)
+            self.remote = RemoteOps(self, transport.send, self.counters, keyed=self.keyring is not None
+                                    and not s.insecure, clock=self.clock, max_message=limits.max_stream_payload)
             await transport.start()
             stack.push_async_callback(transport.aclose)
             port = transport.port
