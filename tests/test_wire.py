@@ -619,3 +619,16 @@ def test_decode_cache_is_bounded() -> None:
     for i in range(codec.CACHE_MAX + 10):
         decode_packet(encode_packet([Dead(f"n{i}", 1, "x")]), MTU)
     assert 0 < len(codec._CACHE) <= codec.CACHE_MAX
+
+
+def test_operator_query_and_page_limits() -> None:
+    """OpsQuery (50) and OpsPage (51): a ``what`` past the known queries and a page past
+    OPS_PAGE_MAX are refused; the largest page round-trips."""
+    assert (wire.OpsQuery.TYPE, wire.OpsPage.TYPE) == (50, 51)
+    q = wire.OpsQuery(len(wire.OPS_WHAT) - 1, MAX_U64, "10.0.0.1:7946")
+    assert decode_packet(encode_packet([q]), MTU) == [q]
+    assert refused(packet([50, len(wire.OPS_WHAT), 1, "a:1"])) == "bad_field"
+    big = wire.OpsPage(1, 2**32 - 1, True, b"x" * wire.OPS_PAGE_MAX)
+    assert decode_packet(encode_packet([big]), BIG) == [big]
+    assert refused(packet([51, 1, 0, True, b"x" * (wire.OPS_PAGE_MAX + 1)]), BIG) == "bad_field"
+    assert refused(packet([51, 1, 0, 1, b""]), BIG) == "bad_field"  # last is a boolean

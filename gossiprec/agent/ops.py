@@ -21,6 +21,12 @@ come from the view when the member is in it, else from SWIM's record.
 ``status`` prints this agent's identity, health score (Lifeguard's local health: 0 is healthy), live
 and known member counts, the view, the fence state and the recovery plan. ``--json`` prints the raw
 replies, for scripts. With no agent listening, both say so and exit 1.
+
+``--agent HOST:PORT`` asks any agent of the cluster instead, at its advertised address, over the
+cluster's authenticated protocol (:mod:`gossiprec.agent.remote_client`; the command needs the cluster's
+keyring: ``--keyring PATH`` or ``GOSSIPREC_KEYRING``, and its name: ``--cluster`` or
+``GOSSIPREC_CLUSTER`` where it is not the default). The answer holds the same data as the control
+socket's, so both print alike. With no answer within ``--timeout`` (3 s) it says so and exits 1.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from typing import Any, Mapping, Sequence, TextIO
 from gossiprec.errors import GossiprecError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError
+from gossiprec.agent.remote_client import DEFAULT_TIMEOUT, RemoteError, fetch_remote
 from gossiprec.agent.settings import DEFAULT_PORT, ENV, default_control_path
+from gossiprec.security.keyring import KeyringError
 
 EXIT_NO_AGENT = 1
 
@@ -175,14 +183,34 @@ def _no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
     return EXIT_NO_AGENT
 
 
+def _fetch_remote(prog: str, args: argparse.Namespace, what: str, err: TextIO) -> dict[str, Any] | None:
+    """The answer of the agent ``--agent`` names, or None (the error printed)."""
+    timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
+    if args.control_socket or args.port is not None:
+        print(f"{prog}: error: --agent asks another agent over the network; drop --control-socket / --port "
+              "(they pick a local agent)", file=err)
+        return None
+    try:
+        return fetch_remote(args.agent, what, keyring_file=args.keyring, cluster=args.cluster, timeout=timeout)
+    except (RemoteError, KeyringError) as exc:
+        print(f"{prog}: error: {exc}", file=err)
+        return None
+
+
 def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    path = resolve_control_path(args.control_socket, args.port)
-    try:
-        got = fetch(path, members=True, timeout=args.timeout)
-    except ControlError as exc:
-        return _no_agent("gossiprec members", path, exc, err)
+    if getattr(args, "agent", None):
+        remote = _fetch_remote("gossiprec members", args, "members", err)
+        if remote is None:
+            return EXIT_NO_AGENT
+        got = remote
+    else:
+        path = resolve_control_path(args.control_socket, args.port)
+        try:
+            got = fetch(path, members=True, timeout=5.0 if args.timeout is None else args.timeout)
+        except ControlError as exc:
+            return _no_agent("gossiprec members", path, exc, err)
     rows = member_rows(got["status"], got["members"])
     if args.json:
         print(json.dumps({"node": got["status"].get("node"), "members": rows}, indent=2, default=str),
@@ -195,11 +223,17 @@ def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO
 def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
     err = err or sys.stderr
-    path = resolve_control_path(args.control_socket, args.port)
-    try:
-        got = fetch(path, members=False, timeout=args.timeout)
-    except ControlError as exc:
-        return _no_agent("gossiprec status", path, exc, err)
+    if getattr(args, "agent", None):
+        remote = _fetch_remote("gossiprec status", args, "status", err)
+        if remote is None:
+            return EXIT_NO_AGENT
+        got = remote
+    else:
+        path = resolve_control_path(args.control_socket, args.port)
+        try:
+            got = fetch(path, members=False, timeout=5.0 if args.timeout is None else args.timeout)
+        except ControlError as exc:
+            return _no_agent("gossiprec status", path, exc, err)
     if args.json:
         print(json.dumps(got["status"], indent=2, default=str), file=out)
     else:
@@ -214,19 +248,29 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=None,
                    help=f"the agent's port, to find its default socket (default ${ENV['port']} or "
                         f"{DEFAULT_PORT})")
+    p.add_argument("--agent", metavar="HOST:PORT", default=None,
+                   help="ask this agent of the cluster (its advertised address) over the cluster's "
+                        "authenticated protocol instead of the local agent")
+    p.add_argument("--keyring", metavar="PATH", default=None,
+                   help=f"with --agent: the cluster's keyring (default ${ENV['keyring']}, else the "
+                        "default keyring)")
+    p.add_argument("--cluster", metavar="NAME", default=None,
+                   help=f"with --agent: the cluster's name (default ${ENV['cluster']}, else the default)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the agent (default 5)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the agent (default 5; 3 with --agent)")
 
 
 def add_cli(subparsers: Any) -> None:
     """Add ``members`` and ``status`` (each sets ``func``: ``args.func(args) -> exit code``)."""
     p = subparsers.add_parser("members", help="list the cluster's members as this agent sees them",
-                              description="Members known to the local agent: address, role, rank, "
-                                          "liveness, epoch of the agreed view and training progress.")
+                              description="Members known to the local agent (or the one --agent names): "
+                                          "address, role, rank, liveness, epoch of the agreed view and "
+                                          "training progress.")
     _common(p)
     p.set_defaults(func=cmd_members)
     p = subparsers.add_parser("status", help="this agent's view, plan, health and fence state",
-                              description="The local agent's identity, health score, agreed view, "
+                              description="The local agent's (or --agent's) identity, health score, agreed view, "
                                           "fence state and recovery plan.")
     _common(p)
     p.set_defaults(func=cmd_status)

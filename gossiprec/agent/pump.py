@@ -49,6 +49,7 @@ from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.bootstrap import Booting
 from gossiprec.agent.logs import log_event
+from gossiprec.agent.remote import RemoteOps, is_query
 from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
 )
@@ -110,6 +111,8 @@ class Agent:
         self._limits = limits
         self.machine: Machine | None = None
         self.transport: Transport | None = None
+        self.remote: RemoteOps | None = None
+        """Answers operators' ``--agent`` queries (:mod:`gossiprec.agent.remote`)."""
         self.control: ControlServer | None = None
         self.name = settings.name or ""
         self.addr = ""
@@ -186,6 +189,8 @@ class Agent:
                                                on_message=self._on_message, keyring=self.keyring,
                                                insecure=s.insecure, limits=limits)
             self.transport = transport
+            self.remote = RemoteOps(self, transport.send, self.counters, keyed=self.keyring is not None
+                                    and not s.insecure, clock=self.clock, max_message=limits.max_stream_payload)
             await transport.start()
             stack.push_async_callback(transport.aclose)
             port = transport.port
@@ -325,6 +330,10 @@ class Agent:
         m = self.machine
         if m is None or self._closing:
             self._count("rx_before_start" if m is None else "rx_after_close")
+            return
+        if is_query(payload):  # an operator's members/status query, not the protocol's
+            if self.remote is not None:
+                self.remote.on_query(payload, reliable, getattr(self.transport, "datagram_source", None))
             return
         self._sync_page()
         try:

@@ -282,6 +282,9 @@ class NetTransport:
         self._resolving: set[str] = set()
         self._closing = False
         self._closed = False
+        self.datagram_source: Any = None
+        """The socket address a datagram being delivered came from (None outside that call and for
+        stream frames): the handler of an operator query checks its reply address against it."""
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -543,7 +546,9 @@ class NetTransport:
             self._reject_log.note(exc, time.monotonic(), _peer(addr))
             return
         c["rx_datagrams"] += 1
+        self.datagram_source = addr
         self._deliver(payload, False)
+        self.datagram_source = None
 
     def _deliver(self, payload: bytes, reliable: bool) -> None:
         try:

@@ -690,3 +690,34 @@ class BootDecided(Message):
     round: int = 0
     proposer: str = ""
     proof: tuple[Any, ...] = ()
+
+
+# --- operator queries from another host (gossiprec.agent.remote, gossiprec.agent.remote_client) ----------
+OPS_WHAT = ("members", "status")
+"""What an :class:`OpsQuery` asks for, by its code on the wire."""
+OPS_PAGE_MAX = 1024 * 1024
+"""Largest ``data`` of one :class:`OpsPage` (the agent pages below this and its stream limit)."""
+
+
+@message(50, uint(len(OPS_WHAT) - 1), U64, ADDR)
+@value_class
+class OpsQuery(Message):
+    """An operator's ``members`` / ``status`` query (``what``: an index of :data:`OPS_WHAT`) sent as one
+    sealed datagram by a key holder; ``req`` names the answer, ``reply_to`` is where the querier listens:
+    the agent answers only when it is the datagram's own source address."""
+
+    what: int
+    req: int
+    reply_to: str
+
+
+@message(51, U64, U32, boolean, blob(OPS_PAGE_MAX))
+@value_class
+class OpsPage(Message):
+    """One page of the answer to query ``req``, sent on the reliable stream: ``data`` pages ``index``
+    0, 1, ... concatenate to one msgpack map (``last`` marks the final page)."""
+
+    req: int
+    index: int
+    last: bool
+    data: bytes
