@@ -31,7 +31,7 @@ docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $${DOCS_SITE:-site}
 
 test: lint docs
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=15
 
 # The tests left out of `make test` (marked long: their path is covered by another test; several minutes).
 test-long: install
