@@ -1,4 +1,4 @@
-"""Operator commands: ``gossiprec members`` and ``gossiprec status``.
+"""Operator commands: ``gossiprec members``, ``gossiprec status`` and ``gossiprec events``.
 
 Theory of operation
 -------------------
@@ -20,7 +20,9 @@ come from the view when the member is in it, else from SWIM's record.
 
 ``status`` prints this agent's identity, health score (Lifeguard's local health: 0 is healthy), live
 and known member counts, the view, the fence state and the recovery plan. ``--json`` prints the raw
-replies, for scripts. With no agent listening, both say so and exit 1.
+replies, for scripts. With no agent listening, both say so and exit 1. While view 0 is not agreed (an
+agent started with ``--nnodes``, no job spec), both say what the agent waits for (``bootstrap``, from
+:mod:`gossiprec.core.bootwords`). ``events`` follows the agent's events (:mod:`gossiprec.agent.follow`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def format_members(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def format_status(st: Mapping[str, Any]) -> str:
     """Human-readable ``status``."""
+    boot = st.get("bootstrap")
     lines = [
         f"node        {st.get('node')} ({st.get('addr')}), cluster {st.get('cluster')}, "
         f"version {st.get('version')}",
@@ -139,9 +142,12 @@ def format_status(st: Mapping[str, Any]) -> str:
         f"health      {st.get('health')} (0 = healthy; higher = this node slows its own probing)",
         f"members     {st.get('live')} live of {st.get('known')} known",
     ]
+    if boot:
+        lines.append(f"bootstrap   {boot.get('text')}")
     view = st.get("view")
     if view is None:
-        lines.append("view        none (joining, or an agent without the agreement core)")
+        lines.append("view        none (view 0 not agreed yet: see bootstrap)" if boot else
+                     "view        none (joining, or an agent without the agreement core)")
     else:
         ms = view.get("members", [])
         trainers = sum(1 for m in ms if m.get("role") == "trainer")
@@ -165,7 +171,7 @@ def format_status(st: Mapping[str, Any]) -> str:
 
 
 # --- commands -------------------------------------------------------------------------------------
-def _no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
+def no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
     if exc.code == "unavailable":
         print(f"{prog}: error: no agent is listening on {path}. Start one (`gossiprec agent ...` or "
               "`gossiprec run ... -- CMD`), or point at its socket with --control-socket PATH "
@@ -182,13 +188,18 @@ def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO
     try:
         got = fetch(path, members=True, timeout=args.timeout)
     except ControlError as exc:
-        return _no_agent("gossiprec members", path, exc, err)
+        return no_agent("gossiprec members", path, exc, err)
     rows = member_rows(got["status"], got["members"])
+    boot = got["status"].get("bootstrap")
     if args.json:
-        print(json.dumps({"node": got["status"].get("node"), "members": rows}, indent=2, default=str),
-              file=out)
+        doc: dict[str, Any] = {"node": got["status"].get("node"), "members": rows}
+        if boot:
+            doc["bootstrap"] = boot
+        print(json.dumps(doc, indent=2, default=str), file=out)
     else:
         print(format_members(rows), file=out)
+        if boot:  # no view yet, so no ranks: say what the agent waits for
+            print(f"bootstrap: {boot.get('text')}", file=out)
     return 0
 
 
@@ -199,12 +210,19 @@ def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     try:
         got = fetch(path, members=False, timeout=args.timeout)
     except ControlError as exc:
-        return _no_agent("gossiprec status", path, exc, err)
+        return no_agent("gossiprec status", path, exc, err)
     if args.json:
         print(json.dumps(got["status"], indent=2, default=str), file=out)
     else:
         print(format_status(got["status"]), file=out)
     return 0
+
+
+def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``gossiprec events`` (:mod:`gossiprec.agent.follow`, imported when run)."""
+    from gossiprec.agent.follow import cmd_events as run
+
+    return run(args, out, err)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -219,7 +237,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def add_cli(subparsers: Any) -> None:
-    """Add ``members`` and ``status`` (each sets ``func``: ``args.func(args) -> exit code``)."""
+    """Add ``members``, ``status`` and ``events`` (each sets ``func``: ``args.func(args) -> exit code``)."""
     p = subparsers.add_parser("members", help="list the cluster's members as this agent sees them",
                               description="Members known to the local agent: address, role, rank, "
                                           "liveness, epoch of the agreed view and training progress.")
@@ -230,6 +248,14 @@ def add_cli(subparsers: Any) -> None:
                                           "fence state and recovery plan.")
     _common(p)
     p.set_defaults(func=cmd_status)
+    p = subparsers.add_parser("events", help="follow this agent's events as they happen, one line each",
+                              description="Follow the local agent's events as they happen, like `serf "
+                                          "monitor`: view changes, failures with their cause, plans and "
+                                          "their transfers, fences, hang and straggler reports, the "
+                                          "bootstrap. Ctrl-C stops (exit 0); a lost agent exits 1.")
+    _common(p)
+    p.add_argument("--probes", action="store_true", help="also each probe's outcome (many per second)")
+    p.set_defaults(func=cmd_events)
 
 
 def main(argv: list[str] | None = None) -> int:

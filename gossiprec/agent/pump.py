@@ -48,6 +48,8 @@ from typing import Any, Callable
 from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.bootstrap import Booting
+from gossiprec.core.bootwords import boot_state, boot_words
+from gossiprec.core.events import BootProgress
 from gossiprec.agent.logs import log_event
 from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
@@ -357,7 +359,11 @@ class Agent:
             hub = self.hub
             for ev in events:
                 hub.publish(ev)
-                log_event(log, ev)
+                if type(ev) is BootProgress and isinstance(m, Booting):
+                    log.info("bootstrap: %s", boot_words(boot_state(m.boot)),
+                             extra={"fields": {"node": self.name}})
+                else:
+                    log_event(log, ev)
         if self._pump_waiters:
             self._release_waiters()
 
@@ -683,6 +689,9 @@ class Agent:
 
     def control_subscribe(self) -> Subscription:
         return self.subscribe()
+
+    def control_follow(self, queue: int) -> Subscription:
+        return self.hub.follow(queue)
 
     # ------------------------------------------------------------------ helpers
     async def _advertise(self, port: int) -> str:
