@@ -21,7 +21,7 @@ import pytest
 
 from gossiprec.agent.follow import AgentTooOld, Follower, follow, words
 from gossiprec.agent.hub import EventHub, Gap, Stamped
-from gossiprec.agent.ops import cmd_members, cmd_status
+from gossiprec.agent.ops import cmd_events, cmd_members, cmd_status
 from gossiprec.agent.pump import Agent
 from gossiprec.agent.settings import AgentSettings
 from gossiprec.bench.agents import job_spec
@@ -207,15 +207,9 @@ async def test_an_agent_without_follow_is_an_agent_too_old_error(sockdir: str,
             await asyncio.to_thread(lambda: next(follow(path)))
         err = io.StringIO()
         args = argparse.Namespace(control_socket=path, port=None, json=True, timeout=5.0, probes=False)
-        rc = await asyncio.to_thread(cmd_events_of, args, err)
+        rc = await asyncio.to_thread(cmd_events, args, io.StringIO(), err)
     assert rc == 1
     assert "too old" in err.getvalue() and "upgrade" in err.getvalue()
-
-
-def cmd_events_of(args: argparse.Namespace, err: io.StringIO) -> int:
-    from gossiprec.agent.ops import cmd_events
-
-    return cmd_events(args, io.StringIO(), err)
 
 
 def test_records_carry_the_cause_of_a_removal_and_words_say_it() -> None:

@@ -1,4 +1,5 @@
-"""``gossiprec events``: follow the local agent's events as they happen, one line each (like ``serf monitor``).
+"""The follower of ``gossiprec events`` (the command is in :mod:`gossiprec.agent.ops`): the local agent's
+events as they happen, one line each (like ``serf monitor``).
 
 Theory of operation
 -------------------
@@ -19,14 +20,10 @@ Ctrl-C ends the command with 0; an agent that goes away ends it with 1 and says 
 
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
 from datetime import datetime, timezone
-from typing import Any, Iterator, Mapping, TextIO
+from typing import Any, Iterator, Mapping
 
-from gossiprec.agent.ops import EXIT_NO_AGENT, no_agent, resolve_control_path
 from gossiprec.core.election import Plan
 from gossiprec.errors import DecodeError
 from gossiprec.local.client import ControlClient
@@ -180,25 +177,3 @@ def words(rec: Mapping[str, Any]) -> str:
     else:
         text = _fields(r)
     return f"{stamp} {str(k):<10} {text}"
-
-
-# --- the command --------------------------------------------------------------------------------------
-def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Print the local agent's events until Ctrl-C (0) or until the agent goes away (1)."""
-    out = out or sys.stdout
-    err = err or sys.stderr
-    path = resolve_control_path(args.control_socket, args.port)
-    try:
-        for rec in follow(path, timeout=args.timeout, probes=getattr(args, "probes", False)):
-            print(json.dumps(rec, default=str) if args.json else words(rec), file=out, flush=True)
-    except KeyboardInterrupt:
-        return 0
-    except AgentTooOld as exc:
-        print(f"gossiprec events: error: {exc.message}", file=err)
-        return EXIT_NO_AGENT
-    except ControlError as exc:
-        if exc.code in ("disconnected", "shutdown"):
-            print(f"gossiprec events: error: lost the agent at {path}: {exc.message}", file=err)
-            return EXIT_NO_AGENT
-        return no_agent("gossiprec events", path, exc, err)
-    return 0

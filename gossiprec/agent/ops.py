@@ -33,6 +33,7 @@ import os
 import sys
 from typing import Any, Mapping, Sequence, TextIO
 
+from gossiprec.agent.follow import AgentTooOld, follow, words
 from gossiprec.errors import GossiprecError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError
@@ -171,7 +172,7 @@ def format_status(st: Mapping[str, Any]) -> str:
 
 
 # --- commands -------------------------------------------------------------------------------------
-def no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
+def _no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
     if exc.code == "unavailable":
         print(f"{prog}: error: no agent is listening on {path}. Start one (`gossiprec agent ...` or "
               "`gossiprec run ... -- CMD`), or point at its socket with --control-socket PATH "
@@ -188,7 +189,7 @@ def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO
     try:
         got = fetch(path, members=True, timeout=args.timeout)
     except ControlError as exc:
-        return no_agent("gossiprec members", path, exc, err)
+        return _no_agent("gossiprec members", path, exc, err)
     rows = member_rows(got["status"], got["members"])
     boot = got["status"].get("bootstrap")
     if args.json:
@@ -210,7 +211,7 @@ def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     try:
         got = fetch(path, members=False, timeout=args.timeout)
     except ControlError as exc:
-        return no_agent("gossiprec status", path, exc, err)
+        return _no_agent("gossiprec status", path, exc, err)
     if args.json:
         print(json.dumps(got["status"], indent=2, default=str), file=out)
     else:
@@ -219,10 +220,25 @@ def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
 
 
 def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """``gossiprec events`` (:mod:`gossiprec.agent.follow`, imported when run)."""
-    from gossiprec.agent.follow import cmd_events as run
-
-    return run(args, out, err)
+    """Print the local agent's events (:mod:`gossiprec.agent.follow`) until Ctrl-C (0) or until the
+    agent goes away (1)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    path = resolve_control_path(args.control_socket, args.port)
+    try:
+        for rec in follow(path, timeout=args.timeout, probes=getattr(args, "probes", False)):
+            print(json.dumps(rec, default=str) if args.json else words(rec), file=out, flush=True)
+    except KeyboardInterrupt:
+        return 0
+    except AgentTooOld as exc:
+        print(f"gossiprec events: error: {exc.message}", file=err)
+        return EXIT_NO_AGENT
+    except ControlError as exc:
+        if exc.code in ("disconnected", "shutdown"):
+            print(f"gossiprec events: error: lost the agent at {path}: {exc.message}", file=err)
+            return EXIT_NO_AGENT
+        return _no_agent("gossiprec events", path, exc, err)
+    return 0
 
 
 def _common(p: argparse.ArgumentParser) -> None:
