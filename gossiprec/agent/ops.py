@@ -228,7 +228,7 @@ def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     try:
         for rec in follow(path, timeout=args.timeout, probes=getattr(args, "probes", False)):
             print(json.dumps(rec, default=str) if args.json else words(rec), file=out, flush=True)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or a reader such as `head` that had enough
         return 0
     except AgentTooOld as exc:
         print(f"gossiprec events: error: {exc.message}", file=err)
