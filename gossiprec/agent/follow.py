@@ -9,7 +9,8 @@ stable keys ``v`` (1), ``time`` (unix seconds when the agent published it), ``no
 ``kind`` (see :data:`KINDS`), ``event`` (the core's class name) and the event's own fields, less its
 machine-clock ``at``. A plan's ``plan`` is its readable form (:meth:`~gossiprec.core.election.Plan.to_dict`).
 A ``view`` record carries ``causes``: for each member it removed, the last thing this agent heard of
-it (``failed, declared dead by n0``, ``left``, an alert's reason such as ``hung`` or ``unreachable``).
+it (an alert's reason such as ``hung`` or ``unreachable``, ``failed, declared dead by n0``, ``left``,
+else ``suspected by n0``; ``unknown`` if nothing).
 A ``gap`` record (``dropped``) stands for events the agent dropped because this reader fell behind.
 
 :func:`words` says a record in one line for people; ``--json`` prints the records themselves. An event
@@ -73,6 +74,8 @@ class Follower:
                 self.causes[name] = f"failed, declared dead by {frame.get('by')}"
             elif event == "MemberLeft":
                 self.causes.setdefault(name, "left")
+            elif event == "MemberSuspected":
+                self.causes.setdefault(name, f"suspected by {frame.get('by')}")
             elif event == "AlertRaised":
                 self.causes[name] = str(frame.get("reason"))
             elif event in ("MemberAlive", "MemberJoined"):
