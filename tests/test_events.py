@@ -28,7 +28,7 @@ from gossiprec.agent.settings import AgentSettings
 from gossiprec.bench.agents import job_spec
 from gossiprec.core.bootstrap import BootParams, Bootstrap, Candidate
 from gossiprec.core.bootwords import boot_state, boot_words
-from gossiprec.core.events import MemberFailed
+from gossiprec.core.events import MemberFailed, ProbeResult
 from gossiprec.errors import GossiprecError
 from gossiprec.harness.ports import free_ports
 from gossiprec.local.client import ControlClient
@@ -141,6 +141,11 @@ def test_a_lossy_subscription_drops_what_does_not_fit_and_says_how_many() -> Non
     hub.publish(MemberFailed("late", 1, "x", 0.0))  # room again: events flow after the gap
     nxt = sub.get_nowait()
     assert isinstance(nxt, Stamped) and nxt.event.name == "late"
+    quiet = hub.follow(10, frozenset({"ProbeResult"}))  # left out before they take room
+    for i in range(100):
+        hub.publish(ProbeResult("m", True, float(i)))
+    hub.publish(MemberFailed("m", 1, "x", 1.0))
+    assert len(quiet) == 1 and quiet.dropped == 0
 
 
 class _HubBackend:
@@ -152,7 +157,7 @@ class _HubBackend:
         self.hub = EventHub()
         self.subs: list[Any] = []
 
-    def control_follow(self, queue: int) -> Any:
+    def control_follow(self, queue: int, probes: bool) -> Any:
         self.subs.append(self.hub.follow(queue))
         return self.subs[-1]
 

@@ -49,8 +49,11 @@ class Subscription:
     """A bounded queue of events. :meth:`get` returns None once closed; on overflow it is closed
     (``overflowed`` set) and its backlog dropped: a consumer that falls behind must resynchronise."""
 
-    def __init__(self, hub: EventHub, maxsize: int, *, lossy: bool = False) -> None:
+    def __init__(self, hub: EventHub, maxsize: int, *, lossy: bool = False,
+                 skip: frozenset[str] = frozenset()) -> None:
         self._hub = hub
+        self.skip = skip
+        """Class names of events this subscription does not take (a lossy one's reader asked not to)."""
         self.lossy = lossy
         """Drop what does not fit (counted in a :class:`Gap`) instead of closing; items are
         :class:`Stamped` (and :class:`Gap`)."""
@@ -62,7 +65,7 @@ class Subscription:
         self.closed = False
 
     def push(self, event: Any) -> None:
-        if self.closed:
+        if self.closed or (self.skip and type(event).__name__ in self.skip):
             return
         if self.lossy:
             self._push_lossy(event)
@@ -137,9 +140,10 @@ class EventHub:
         self._subs.add(sub)
         return sub
 
-    def follow(self, maxsize: int = 1000) -> Subscription:
-        """A lossy subscription (see :class:`Subscription`): for people watching, who may read slowly."""
-        sub = Subscription(self, maxsize, lossy=True)
+    def follow(self, maxsize: int = 1000, skip: frozenset[str] = frozenset()) -> Subscription:
+        """A lossy subscription (see :class:`Subscription`) of the events not named in ``skip``: for
+        people watching, who may read slowly."""
+        sub = Subscription(self, maxsize, lossy=True, skip=skip)
         self._subs.add(sub)
         return sub
 

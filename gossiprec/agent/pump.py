@@ -690,8 +690,9 @@ class Agent:
     def control_subscribe(self) -> Subscription:
         return self.subscribe()
 
-    def control_follow(self, queue: int) -> Subscription:
-        return self.hub.follow(queue)
+    def control_follow(self, queue: int, probes: bool) -> Subscription:
+        # one event per probe: far too many for a person, unless asked (left out before they queue)
+        return self.hub.follow(queue, frozenset() if probes else frozenset({"ProbeResult"}))
 
     # ------------------------------------------------------------------ helpers
     async def _advertise(self, port: int) -> str:

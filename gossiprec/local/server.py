@@ -72,9 +72,9 @@ class ControlBackend(Protocol):
     def control_set_layout(self, layout: dict[Any, Any]) -> None: ...
     def control_layout(self) -> dict[Any, Any] | None: ...
     def control_subscribe(self) -> EventSource: ...
-    def control_follow(self, queue: int) -> EventSource:
-        """A lossy subscription of ``queue`` events (items: ``Stamped`` events and ``Gap`` markers,
-        :mod:`gossiprec.agent.hub`)."""
+    def control_follow(self, queue: int, probes: bool) -> EventSource:
+        """A lossy subscription of ``queue`` events, probe outcomes only if ``probes`` (items:
+        ``Stamped`` events and ``Gap`` markers, :mod:`gossiprec.agent.hub`)."""
         ...
 
 
@@ -473,11 +473,11 @@ class ControlServer:
     def _op_follow(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         queue, probes = follow_args(req)
         if c.source is None:
-            c.source = self.backend.control_follow(queue)
+            c.source = self.backend.control_follow(queue, probes)
             # a person reads this stream and may pause it: its queue drops instead of growing, so the
             # writes may wait as long as an idle client may stay
             c.write_timeout = max(self.write_timeout, self.idle_timeout)
-            c.forwarder = tg.create_task(self._forward(c, c.source, follow=True, probes=probes))
+            c.forwarder = tg.create_task(self._forward(c, c.source, follow=True))
         return {}
 
     def _op_unsubscribe(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
@@ -493,13 +493,12 @@ class ControlServer:
     def _op_get_layout(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         return {"layout": self.backend.control_layout()}
 
-    async def _forward(self, c: _Conn, source: EventSource, *, follow: bool = False,
-                       probes: bool = False) -> None:
+    async def _forward(self, c: _Conn, source: EventSource, *, follow: bool = False) -> None:
         try:
             while True:
                 ev = await source.get()
                 if follow and ev is not None:
-                    await self._send_followed(c, ev, probes)
+                    await self._send_followed(c, ev)
                     continue
                 if ev is None:
                     if source.overflowed:
@@ -512,12 +511,10 @@ class ControlServer:
         except (OSError, TimeoutError):
             _abort(c.writer)  # the reader side sees the close and ends the session
 
-    async def _send_followed(self, c: _Conn, item: Any, probes: bool) -> None:
+    async def _send_followed(self, c: _Conn, item: Any) -> None:
         """One item of a lossy subscription: a stamped event, or a gap (``{"event": "Gap", ...}``)."""
         stamp = getattr(item, "time", None)
         ev = getattr(item, "event", item)
-        if not probes and type(ev).__name__ == "ProbeResult":
-            return  # one per probe: far too many for a person, unless asked
         frame = event_to_dict(ev)
         if type(ev).__name__ == "Gap":
             self._count("follow_gaps")
