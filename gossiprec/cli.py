@@ -16,7 +16,8 @@ from gossiprec.errors import GossiprecError
 _OWNER: dict[str, str] = {
     "sim": "gossiprec.sim.cli", "keys": "gossiprec.security.keys_cli", "agent": "gossiprec.agent.cli",
     "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
-    "status": "gossiprec.agent.ops", "bench": "gossiprec.bench", "spec": "gossiprec.agent.spec",
+    "status": "gossiprec.agent.ops", "events": "gossiprec.agent.ops", "bench": "gossiprec.bench",
+    "spec": "gossiprec.agent.spec",
     "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_cli",
 }
 

@@ -3,12 +3,16 @@
 Subscribers (control clients, the launcher, the metrics follower, tests) each get a bounded queue, a
 :class:`Subscription`. Publishing never blocks the pump: a subscriber that falls behind by more than
 its queue holds is closed (``overflowed``) and its backlog dropped; it must resynchronise (a control
-client reconnects and subscribes again).
+client reconnects and subscribes again). A *lossy* subscription (:meth:`EventHub.follow`, what
+``gossiprec events`` reads) is never closed for that: it drops what does not fit and queues one
+:class:`Gap` in its place, saying how many it dropped, and stamps each event with the wall-clock time
+it was published (:class:`Stamped`), so that a slow reader costs at most its queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +28,36 @@ class AgentLeaving:
     at: float
 
 
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """Queued in a lossy subscription in place of the events that did not fit: ``dropped`` of them,
+    the first at wall time ``at``."""
+
+    dropped: int
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stamped:
+    """An event of a lossy subscription with the wall-clock time (unix seconds) it was published."""
+
+    time: float
+    event: Any
+
+
 class Subscription:
     """A bounded queue of events. :meth:`get` returns None once closed; on overflow it is closed
     (``overflowed`` set) and its backlog dropped: a consumer that falls behind must resynchronise."""
 
-    def __init__(self, hub: EventHub, maxsize: int) -> None:
+    def __init__(self, hub: EventHub, maxsize: int, *, lossy: bool = False,
+                 skip: frozenset[str] = frozenset()) -> None:
         self._hub = hub
+        self.skip = skip
+        """Class names of events this subscription does not take (a lossy one's reader asked not to)."""
+        self.lossy = lossy
+        """Drop what does not fit (counted in a :class:`Gap`) instead of closing; items are
+        :class:`Stamped` (and :class:`Gap`)."""
+        self.dropped = 0
         self._items: deque[Any] = deque()
         self._maxsize = maxsize
         self._waiter: asyncio.Future[None] | None = None
@@ -37,7 +65,10 @@ class Subscription:
         self.closed = False
 
     def push(self, event: Any) -> None:
-        if self.closed:
+        if self.closed or (self.skip and type(event).__name__ in self.skip):
+            return
+        if self.lossy:
+            self._push_lossy(event)
             return
         if len(self._items) >= self._maxsize:
             self.overflowed = True
@@ -46,6 +77,23 @@ class Subscription:
             return
         self._items.append(event)
         self._wake()
+
+    def _push_lossy(self, event: Any) -> None:
+        now = time.time()
+        items = self._items
+        if len(items) < self._maxsize:
+            items.append(Stamped(now, event))
+        else:  # full: one Gap at the tail (the one slot above maxsize) counts everything dropped
+            self.dropped += 1
+            last = items[-1]
+            if isinstance(last, Gap):
+                items[-1] = Gap(last.dropped + 1, last.at)
+            else:
+                items.append(Gap(1, now))
+        self._wake()
+
+    def __len__(self) -> int:
+        return len(self._items)
 
     def _wake(self) -> None:
         w = self._waiter
@@ -89,6 +137,13 @@ class EventHub:
 
     def subscribe(self, maxsize: int = 10_000) -> Subscription:
         sub = Subscription(self, maxsize)
+        self._subs.add(sub)
+        return sub
+
+    def follow(self, maxsize: int = 1000, skip: frozenset[str] = frozenset()) -> Subscription:
+        """A lossy subscription (see :class:`Subscription`) of the events not named in ``skip``: for
+        people watching, who may read slowly."""
+        sub = Subscription(self, maxsize, lossy=True, skip=skip)
         self._subs.add(sub)
         return sub
 

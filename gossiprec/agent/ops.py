@@ -1,4 +1,4 @@
-"""Operator commands: ``gossiprec members`` and ``gossiprec status``.
+"""Operator commands: ``gossiprec members``, ``gossiprec status`` and ``gossiprec events``.
 
 Theory of operation
 -------------------
@@ -27,6 +27,10 @@ cluster's authenticated protocol (:mod:`gossiprec.agent.remote_client`; the comm
 keyring: ``--keyring PATH`` or ``GOSSIPREC_KEYRING``, and its name: ``--cluster`` or
 ``GOSSIPREC_CLUSTER`` where it is not the default). The answer holds the same data as the control
 socket's, so both print alike. With no answer within ``--timeout`` (3 s) it says so and exits 1.
+
+While view 0 is not agreed (an
+agent started with ``--nnodes``, no job spec), both say what the agent waits for (``bootstrap``, from
+:mod:`gossiprec.core.bootwords`). ``events`` follows the agent's events (:mod:`gossiprec.agent.follow`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import os
 import sys
 from typing import Any, Mapping, Sequence, TextIO
 
+from gossiprec.agent.follow import AgentTooOld, follow, words
 from gossiprec.errors import GossiprecError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError
@@ -137,6 +142,7 @@ def format_members(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def format_status(st: Mapping[str, Any]) -> str:
     """Human-readable ``status``."""
+    boot = st.get("bootstrap")
     lines = [
         f"node        {st.get('node')} ({st.get('addr')}), cluster {st.get('cluster')}, "
         f"version {st.get('version')}",
@@ -147,9 +153,12 @@ def format_status(st: Mapping[str, Any]) -> str:
         f"health      {st.get('health')} (0 = healthy; higher = this node slows its own probing)",
         f"members     {st.get('live')} live of {st.get('known')} known",
     ]
+    if boot:
+        lines.append(f"bootstrap   {boot.get('text')}")
     view = st.get("view")
     if view is None:
-        lines.append("view        none (joining, or an agent without the agreement core)")
+        lines.append("view        none (view 0 not agreed yet: see bootstrap)" if boot else
+                     "view        none (joining, or an agent without the agreement core)")
     else:
         ms = view.get("members", [])
         trainers = sum(1 for m in ms if m.get("role") == "trainer")
@@ -212,11 +221,16 @@ def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO
         except ControlError as exc:
             return _no_agent("gossiprec members", path, exc, err)
     rows = member_rows(got["status"], got["members"])
+    boot = got["status"].get("bootstrap")
     if args.json:
-        print(json.dumps({"node": got["status"].get("node"), "members": rows}, indent=2, default=str),
-              file=out)
+        doc: dict[str, Any] = {"node": got["status"].get("node"), "members": rows}
+        if boot:
+            doc["bootstrap"] = boot
+        print(json.dumps(doc, indent=2, default=str), file=out)
     else:
         print(format_members(rows), file=out)
+        if boot:  # no view yet, so no ranks: say what the agent waits for
+            print(f"bootstrap: {boot.get('text')}", file=out)
     return 0
 
 
@@ -241,13 +255,42 @@ def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO 
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def cmd_events(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Print the local agent's events (:mod:`gossiprec.agent.follow`) until Ctrl-C (0) or until the
+    agent goes away (1)."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    path = resolve_control_path(args.control_socket, args.port)
+    try:
+        timeout = 5.0 if args.timeout is None else args.timeout
+        for rec in follow(path, timeout=timeout, probes=getattr(args, "probes", False)):
+            print(json.dumps(rec, default=str) if args.json else words(rec), file=out, flush=True)
+    except (KeyboardInterrupt, BrokenPipeError):  # Ctrl-C, or a reader such as `head` that had enough
+        return 0
+    except AgentTooOld as exc:
+        print(f"gossiprec events: error: {exc.message}", file=err)
+        return EXIT_NO_AGENT
+    except ControlError as exc:
+        if exc.code in ("disconnected", "shutdown"):
+            print(f"gossiprec events: error: lost the agent at {path}: {exc.message}", file=err)
+            return EXIT_NO_AGENT
+        return _no_agent("gossiprec events", path, exc, err)
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, remote: bool = True) -> None:
     p.add_argument("--control-socket", dest="control_socket", metavar="PATH", default=None,
                    help=f"the agent's control socket (default: ${ENV['control_socket']}, else the "
                         "default path of --port)")
     p.add_argument("--port", type=int, default=None,
                    help=f"the agent's port, to find its default socket (default ${ENV['port']} or "
                         f"{DEFAULT_PORT})")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for the agent (default 5; 3 with --agent)" if remote
+                   else "seconds to wait for the agent to answer (default 5)")
+    if not remote:  # events follow the local agent only
+        return
     p.add_argument("--agent", metavar="HOST:PORT", default=None,
                    help="ask this agent of the cluster (its advertised address) over the cluster's "
                         "authenticated protocol instead of the local agent")
@@ -256,13 +299,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "default keyring)")
     p.add_argument("--cluster", metavar="NAME", default=None,
                    help=f"with --agent: the cluster's name (default ${ENV['cluster']}, else the default)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds to wait for the agent (default 5; 3 with --agent)")
 
 
 def add_cli(subparsers: Any) -> None:
-    """Add ``members`` and ``status`` (each sets ``func``: ``args.func(args) -> exit code``)."""
+    """Add ``members``, ``status`` and ``events`` (each sets ``func``: ``args.func(args) -> exit code``)."""
     p = subparsers.add_parser("members", help="list the cluster's members as this agent sees them",
                               description="Members known to the local agent (or the one --agent names): "
                                           "address, role, rank, liveness, epoch of the agreed view and "
@@ -274,6 +314,14 @@ def add_cli(subparsers: Any) -> None:
                                           "fence state and recovery plan.")
     _common(p)
     p.set_defaults(func=cmd_status)
+    p = subparsers.add_parser("events", help="follow this agent's events as they happen, one line each",
+                              description="Follow the local agent's events as they happen, like `serf "
+                                          "monitor`: view changes, failures with their cause, plans and "
+                                          "their transfers, fences, hang and straggler reports, the "
+                                          "bootstrap. Ctrl-C stops (exit 0); a lost agent exits 1.")
+    _common(p, remote=False)
+    p.add_argument("--probes", action="store_true", help="also each probe's outcome (many per second)")
+    p.set_defaults(func=cmd_events)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,8 @@ from typing import Any, Callable
 from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.bootstrap import Booting
+from gossiprec.core.bootwords import boot_state, boot_words
+from gossiprec.core.events import BootProgress
 from gossiprec.agent.logs import log_event
 from gossiprec.agent.remote import RemoteOps, is_query
 from gossiprec.agent.settings import (
@@ -366,7 +368,11 @@ class Agent:
             hub = self.hub
             for ev in events:
                 hub.publish(ev)
-                log_event(log, ev)
+                if type(ev) is BootProgress and isinstance(m, Booting):
+                    log.info("bootstrap: %s", boot_words(boot_state(m.boot)),
+                             extra={"fields": {"node": self.name}})
+                else:
+                    log_event(log, ev)
         if self._pump_waiters:
             self._release_waiters()
 
@@ -692,6 +698,10 @@ class Agent:
 
     def control_subscribe(self) -> Subscription:
         return self.subscribe()
+
+    def control_follow(self, queue: int, probes: bool) -> Subscription:
+        # one event per probe: far too many for a person, unless asked (left out before they queue)
+        return self.hub.follow(queue, frozenset() if probes else frozenset({"ProbeResult"}))
 
     # ------------------------------------------------------------------ helpers
     async def _advertise(self, port: int) -> str:

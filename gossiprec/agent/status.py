@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sized
 
 from gossiprec import __version__
+from gossiprec.core.bootstrap import Booting
+from gossiprec.core.bootwords import boot_state
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.local.protocol import ViewBrief
 
@@ -128,8 +130,17 @@ def agent_status(agent: StatusSource, now: float) -> dict[str, Any]:
         "transport": agent.transport.stats() if agent.transport is not None else {},
         "control": dict(agent.control.counters) if agent.control is not None else {},
         "subscribers": len(agent.hub),
+        "bootstrap": bootstrap_status(m),
         **view_status(m),
     }
+
+
+def bootstrap_status(machine: Machine | None) -> dict[str, Any] | None:
+    """While view 0 is not decided (an agent started without a job spec): what it waits for, in words
+    too (``text``); else None."""
+    if isinstance(machine, Booting) and machine.boot.decided is None:
+        return boot_state(machine.boot).to_dict()
+    return None
 
 
 def view_status(machine: Machine | None) -> dict[str, Any]:

@@ -241,6 +241,8 @@ class Bootstrap:
         """What a late candidate is answered: the value and, signing, its proof."""
         self.seed_of: dict[str, str] = {}
         """Seed address -> the candidate name whose signed word first claimed it here."""
+        self.answered: set[str] = set()
+        """Seed addresses whose (checked) answer reached this agent: what :mod:`gossiprec.core.bootwords` tells."""
         self.events: list[CoreEvent] = []
         self._out: list[tuple[str, Message, bool]] = []
         # acceptor
@@ -429,6 +431,7 @@ class Bootstrap:
     def _on_known(self, msg: BootKnown, now: float) -> None:
         self._learn(msg.candidates, now)  # each row its owner's word, whoever relays it
         if self._seed(msg.seed, msg.signer, msg):  # binds the seed's address here (its first signed answer)
+            self.answered.add(msg.seed)
             self._arm_proposal(now)  # we may have learnt that we are a seed
 
     def _from_proposer(self, msg: BootPrepare | BootAccept) -> bool:

@@ -16,6 +16,7 @@ then requests, each optionally carrying an ``"id"`` (int or string) echoed in it
     {"op": "members"}                                                   -> {"members": [...]}
     {"op": "status"}                                                    -> {"status": {...}}
     {"op": "subscribe"} / {"op": "unsubscribe"}                         -> event stream on/off
+    {"op": "follow", "queue": 1000, "probes": false}                    -> lossy event stream on
     {"op": "register_layout", "layout": {...}} / {"op": "get_layout"}   -> opaque dict kept by the agent
     {"op": "ping"}                                                      -> {"pong": true}
 
@@ -26,6 +27,11 @@ A subscribed connection also receives every event of the protocol machine as
 ``"event"`` key. :func:`decode_event` reads such a frame back as the core's event object, every
 field checked against the event class's own annotations: the trainer matches on those classes, so
 the two sides share one definition. A peer of another version is refused at the handshake.
+``follow`` (``gossiprec events``) is ``subscribe`` for people: each event frame also carries ``"time"``
+(unix seconds when the agent published it), probe outcomes are left out unless ``probes``, and a reader
+that falls ``queue`` events behind is never disconnected for it: the events that do not fit are dropped
+and one ``{"event": "Gap", "dropped": N, "at": T, "time": T}`` takes their place. An agent older than
+``follow`` answers ``unknown_op`` (the op is new, the version is not).
 
 Error codes: ``bad_frame`` (a length of 0 or above the limit), ``bad_msgpack``, ``bad_request`` (not a
 map with a string ``op``), ``bad_handshake``, ``unsupported_version``, ``unknown_op``, ``timeout``,
@@ -310,6 +316,20 @@ def state_args(req: Mapping[str, Any]) -> tuple[int, int | None, int, int | None
 def finished_args(req: Mapping[str, Any]) -> int:
     """``finished`` -> the step training ended at."""
     return _int_arg(req, "step", 0, 2**62)
+
+
+FOLLOW_QUEUE = (16, 100_000, 1000)
+"""Bounds and default of ``follow``'s ``queue`` (events a follower may fall behind before drops)."""
+
+
+def follow_args(req: Mapping[str, Any]) -> tuple[int, bool]:
+    """``follow`` -> (queue, probes)."""
+    lo, hi, default = FOLLOW_QUEUE
+    queue = _int_arg(req, "queue", lo, hi) if "queue" in req else default
+    probes = req.get("probes", False)
+    if type(probes) is not bool:
+        raise ControlError("bad_args", f"probes must be true or false, got {probes!r}")
+    return queue, probes
 
 
 def layout_args(req: Mapping[str, Any]) -> dict[Any, Any]:

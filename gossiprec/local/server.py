@@ -12,7 +12,9 @@ Garbage is answered with one error frame and the connection is closed: a length 
 string ``op`` (``bad_request``), anything before the handshake or a wrong version (``bad_handshake``,
 ``unsupported_version``), an unknown op (``unknown_op``), no handshake within ``hello_timeout``
 (``timeout``). Bad argument values of a known op (``bad_args``) are answered and the connection stays.
-A subscriber that reads too slowly overflows its bounded queue and is disconnected (``overflow``).
+A subscriber that reads too slowly overflows its bounded queue and is disconnected (``overflow``). A
+follower (``follow``: ``gossiprec events``) is not: its queue is lossy (what does not fit is dropped and
+announced by one ``Gap`` event), and its writes may wait ``idle_timeout``, not ``write_timeout``.
 
 No client can hold the agent's resources: a client that stops reading is aborted (its socket and
 unsent bytes dropped at once, not left to a close that would wait for it) when a write has waited
@@ -38,7 +40,7 @@ from typing import Any, Mapping, Protocol
 from gossiprec.errors import ConfigError, ProtocolError
 from gossiprec.local.protocol import (
     CONTROL_VERSION, LENGTH_PREFIX, MAX_REQUEST_FRAME, ControlError, check_request, decode_body, encode_frame,
-    event_to_dict, finished_args, frame_length, layout_args, report_args, state_args, to_plain,
+    event_to_dict, finished_args, follow_args, frame_length, layout_args, report_args, state_args, to_plain,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,10 @@ class ControlBackend(Protocol):
     def control_set_layout(self, layout: dict[Any, Any]) -> None: ...
     def control_layout(self) -> dict[Any, Any] | None: ...
     def control_subscribe(self) -> EventSource: ...
+    def control_follow(self, queue: int, probes: bool) -> EventSource:
+        """A lossy subscription of ``queue`` events, probe outcomes only if ``probes`` (items:
+        ``Stamped`` events and ``Gap`` markers, :mod:`gossiprec.agent.hub`)."""
+        ...
 
 
 class FrameWriter(Protocol):
@@ -464,6 +470,16 @@ class ControlServer:
             c.forwarder = tg.create_task(self._forward(c, c.source))
         return {}
 
+    def _op_follow(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
+        queue, probes = follow_args(req)
+        if c.source is None:
+            c.source = self.backend.control_follow(queue, probes)
+            # a person reads this stream and may pause it: its queue drops instead of growing, so the
+            # writes may wait as long as an idle client may stay
+            c.write_timeout = max(self.write_timeout, self.idle_timeout)
+            c.forwarder = tg.create_task(self._forward(c, c.source, follow=True))
+        return {}
+
     def _op_unsubscribe(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         if c.source is not None:
             c.source.close()
@@ -477,10 +493,13 @@ class ControlServer:
     def _op_get_layout(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         return {"layout": self.backend.control_layout()}
 
-    async def _forward(self, c: _Conn, source: EventSource) -> None:
+    async def _forward(self, c: _Conn, source: EventSource, *, follow: bool = False) -> None:
         try:
             while True:
                 ev = await source.get()
+                if follow and ev is not None:
+                    await self._send_followed(c, ev)
+                    continue
                 if ev is None:
                     if source.overflowed:
                         self._count("overflows")
@@ -491,6 +510,18 @@ class ControlServer:
                 await c.send(event_to_dict(ev))
         except (OSError, TimeoutError):
             _abort(c.writer)  # the reader side sees the close and ends the session
+
+    async def _send_followed(self, c: _Conn, item: Any) -> None:
+        """One item of a lossy subscription: a stamped event, or a gap (``{"event": "Gap", ...}``)."""
+        stamp = getattr(item, "time", None)
+        ev = getattr(item, "event", item)
+        frame = event_to_dict(ev)
+        if type(ev).__name__ == "Gap":
+            self._count("follow_gaps")
+            frame["time"] = frame.get("at")
+        else:
+            frame["time"] = stamp
+        await c.send(frame)
 
     def _count(self, key: str) -> None:
         self.counters[key] = self.counters.get(key, 0) + 1
@@ -505,6 +536,7 @@ _OPS = {
     "status": ControlServer._op_status,
     "subscribe": ControlServer._op_subscribe,
     "unsubscribe": ControlServer._op_unsubscribe,
+    "follow": ControlServer._op_follow,
     "register_layout": ControlServer._op_register_layout,
     "get_layout": ControlServer._op_get_layout,
 }
