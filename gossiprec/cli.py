@@ -18,6 +18,7 @@ _OWNER: dict[str, str] = {
     "run": "gossiprec.agent.launcher", "demo": "gossiprec.demo", "members": "gossiprec.agent.ops",
     "status": "gossiprec.agent.ops", "bench": "gossiprec.bench", "spec": "gossiprec.agent.spec",
     "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_cli",
+    "report": "gossiprec.report.cli",
 }
 
 
