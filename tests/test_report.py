@@ -85,7 +85,7 @@ def test_summary_numbers_are_exact(files: list[Path], capsys: pytest.CaptureFixt
     assert s["by_action"] == {"resume": 1, "shrink": 1}
     assert s["rto_p50_s"] == 2.25 and s["rto_max_s"] == 3.0  # epoch 3: max(2.0, 3.0); epoch 5: 1.5
     assert s["lost_steps"] == 3  # epoch 3: 1 (the same loss on both ranks), epoch 5: 2
-    assert s["bytes"] == 50_000_000 and s["digest_mismatches"] == 0
+    assert s["bytes"] == 50_000_000 and s["digest_mismatches"] == 0 and s["phase_sum_off"] == 0
     assert s["step_samples"] == 7 and s["truncated_lines"] == 0 and s["skipped_lines"] == 1
     assert report["step_time"] == {
         "0": {"median_step_s": 0.25, "samples": 4, "last_step": 250, "max_behind_ms": 12.5},
@@ -131,6 +131,35 @@ def test_plot_writes_a_png_with_both_panels(files: list[Path], tmp_path: Path,
     colours = {tuple(int(round(c * 255)) for c in px[:3]) for px in img.reshape(-1, 4)[::7]}
     for hexa in PHASE_COLOURS:  # every phase's bar is drawn (solid fills of its colour)
         assert tuple(int(hexa[i:i + 2], 16) for i in (1, 3, 5)) in colours, hexa
+
+
+def test_phases_that_miss_their_rto_are_counted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = write(tmp_path / "t.jsonl", [recovery(T0, "a00", 3, 0, rto_s=2.0009),  # within 1 ms: fine
+                                     recovery(T0 + 1, "a01", 3, 1, rto_s=2.1, digest="mismatch")])
+    rc, out, _ = run([str(f)], capsys)
+    assert rc == 0 and "(1 line(s) whose phases do not add up to their RTO within 1 ms)" in out
+    assert "digest mismatches 1" in out
+
+
+def test_a_large_job_draws_one_bar_per_recovery(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gossiprec.report.plot import MAX_BARS, _bars
+    from gossiprec.report.summary import by_epoch
+
+    lines = [recovery(T0 + 10 * e + rank / 100, f"a{rank:02d}", e, rank, rto_s=2.0 + rank / 64)
+             for e in (3, 4, 5) for rank in range(30)]
+    tl = read_timeline(write(tmp_path / "big.jsonl", lines))
+    bars, what = _bars(by_epoch(tl.recoveries))
+    assert [(b.epoch, b.rank) for b in bars] == [(3, 29), (4, 29), (5, 29)]  # the slowest rank of each
+    assert what == "the slowest rank of each (90 rank lines)"
+    many = read_timeline(write(tmp_path / "many.jsonl", [recovery(T0 + e, "a00", e, 0) for e in range(60)]))
+    bars, what = _bars(by_epoch(many.recoveries))
+    assert [b.epoch for b in bars] == list(range(60 - MAX_BARS, 60))
+    assert what == f"the slowest rank of the last {MAX_BARS}"
+    png = tmp_path / "many.png"
+    rc, _, _ = run([str(tmp_path / "many.jsonl"), "--plot", str(png)], capsys)
+    import matplotlib.image
+
+    assert rc == 0 and matplotlib.image.imread(str(png)).shape[:2] == (1944, 1100)
 
 
 def test_an_empty_file_has_no_recoveries(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,9 @@ Two panels, one above the other:
 
 (a) the recovery timelines: one horizontal bar per recovery per rank, its phases stacked left to right
     in :data:`~gossiprec.report.timeline.PHASES` order, one colour per phase; the x axis is seconds
-    since the rank noticed the failure, so the bar's length is its RTO;
+    since the rank noticed the failure, so the bar's length is its RTO. Past :data:`MAX_BARS` rank
+    lines (a large job), one bar per recovery: its slowest rank's; past :data:`MAX_BARS` recoveries,
+    the last ones (the title says so);
 (b) the step time over the run: each rank's ``step_s`` samples against time since the first line of
     the run, with a dashed vertical line where each recovery began (its earliest ``time - rto_s``).
 """
@@ -14,8 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 from gossiprec.report.summary import by_epoch
-from gossiprec.report.timeline import PHASES, Timeline, TimelineError
+from gossiprec.report.timeline import PHASES, Recovery, Timeline, TimelineError
 
+MAX_BARS = 48
+"""Most bars panel (a) draws (a bar is ~0.28 in high: the picture stays readable and finite)."""
+MAX_LEGEND_RANKS = 16
+"""Panel (b) names its ranks in a legend up to this many."""
+MAX_LABELLED = 20
+"""Panel (b) labels its recovery lines up to this many (more would overlap)."""
 PHASE_COLOURS = ("#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#1f77b4", "#9467bd")
 
 
@@ -30,11 +38,22 @@ def _pyplot() -> Any:
     return plt
 
 
+def _bars(groups: dict[int, list[Recovery]]) -> tuple[list[Recovery], str]:
+    """The lines panel (a) draws, in time order, and a few words on which they are."""
+    lines = [r for g in groups.values() for r in sorted(g, key=lambda r: r.rank)]
+    if len(lines) <= MAX_BARS:
+        return lines, f"{len(lines)} rank lines"
+    slowest = [max(g, key=lambda r: r.rto_s) for g in groups.values()]
+    if len(slowest) <= MAX_BARS:
+        return slowest, f"the slowest rank of each ({len(lines)} rank lines)"
+    return slowest[-MAX_BARS:], f"the slowest rank of the last {MAX_BARS}"
+
+
 def plot(tl: Timeline, path: str) -> None:
     """Draw ``tl`` into the PNG (or any format matplotlib knows by extension) at ``path``."""
     plt = _pyplot()
     groups = by_epoch(tl.recoveries)
-    bars = [r for g in groups.values() for r in sorted(g, key=lambda r: r.rank)]
+    bars, what = _bars(groups)
     height = 2.5 + 0.28 * max(len(bars), 4)
     fig, (a, b) = plt.subplots(2, 1, figsize=(11, height + 3.5), height_ratios=[height, 3.5])
     try:
@@ -58,7 +77,7 @@ def plot(tl: Timeline, path: str) -> None:
             a.set_yticks([])
             a.text(0.5, 0.5, "no recoveries", transform=a.transAxes, ha="center", va="center")
         a.set_xlabel("seconds since the rank noticed the failure")
-        a.set_title(f"(a) recovery timelines: {len(groups)} recoveries, {len(bars)} rank lines")
+        a.set_title(f"(a) recovery timelines: {len(groups)} recoveries, {what}")
         a.grid(axis="x", alpha=0.3)
 
         # (b) step time per rank over the run
@@ -71,16 +90,17 @@ def plot(tl: Timeline, path: str) -> None:
         for epoch, g in groups.items():
             start = min(r.time - r.rto_s for r in g) - t0
             b.axvline(start, color="black", ls="--", lw=1)
-            b.annotate(f"e{epoch} {g[0].action}", (start, 1.0), xycoords=("data", "axes fraction"),
-                       xytext=(3, -12), textcoords="offset points", fontsize=8)
-        if ranks:
+            if len(groups) <= MAX_LABELLED:
+                b.annotate(f"e{epoch} {g[0].action}", (start, 1.0), xycoords=("data", "axes fraction"),
+                           xytext=(3, -12), textcoords="offset points", fontsize=8)
+        if 0 < len(ranks) <= MAX_LEGEND_RANKS:
             b.legend(fontsize=8, loc="upper left", ncols=min(len(ranks), 8))
-        else:
+        elif not ranks:
             b.text(0.5, 0.5, "no step samples", transform=b.transAxes, ha="center", va="center")
         b.set_xlabel("seconds since the start of the timeline")
         b.set_ylabel("step time (ms)")
         b.set_ylim(bottom=0)
-        b.set_title("(b) step time per rank; dashed: a recovery began")
+        b.set_title(f"(b) step time of {len(ranks)} rank(s); dashed: a recovery began")
         b.grid(alpha=0.3)
         fig.tight_layout()
         try:

@@ -13,6 +13,8 @@ the two middle values for an even count) and max over recoveries, lost steps and
 Step time per rank: the median of its ``steps`` samples' ``step_s`` (the mean step time over each sample's
 interval), with the number of samples, its last step and its largest ``behind_ms``.
 MB/s is ``bytes / transfer_s / 1e6`` (decimal megabytes), absent when nothing was transferred.
+``phase_sum_off`` counts the lines whose phases do not add up to their ``rto_s`` within
+:data:`PHASE_SUM_TOLERANCE_S` (the format promises they do: a count above 0 is a writer's bug).
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ import time as _time
 from typing import Any
 
 from gossiprec.report.timeline import ACTIONS, PHASES, Recovery, Timeline
+
+PHASE_SUM_TOLERANCE_S = 0.001
+
+
+def phase_sum_off(r: Recovery) -> bool:
+    """Whether ``r``'s phases miss its RTO by more than the tolerance."""
+    return abs(sum(secs for _, secs in r.phases) - r.rto_s) > PHASE_SUM_TOLERANCE_S
 
 
 def row(r: Recovery) -> dict[str, Any]:
@@ -76,6 +85,7 @@ def summarize(tl: Timeline) -> dict[str, Any]:
         "lost_steps": sum(max(r.lost_steps for r in g) for g in groups.values()),
         "bytes": sum(r.bytes for r in tl.recoveries),
         "digest_mismatches": sum(1 for r in tl.recoveries if r.digest == "mismatch"),
+        "phase_sum_off": sum(1 for r in tl.recoveries if phase_sum_off(r)),
         "step_samples": len(tl.steps),
         "truncated_lines": tl.truncated,
         "skipped_lines": tl.skipped,
@@ -127,6 +137,9 @@ def render_text(report: dict[str, Any]) -> str:
                       [[k, f"{v['median_step_s']:.4f}", str(v["samples"]), str(v["last_step"]),
                         f"{v['max_behind_ms']:.1f}"] for k, v in steps.items()])
     notes = []
+    if s["phase_sum_off"]:
+        notes.append(f"{s['phase_sum_off']} line(s) whose phases do not add up to their RTO within "
+                     f"{PHASE_SUM_TOLERANCE_S * 1000:g} ms")
     if s["truncated_lines"]:
         notes.append(f"{s['truncated_lines']} truncated last line(s) dropped")
     if s["skipped_lines"]:
