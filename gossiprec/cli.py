@@ -19,6 +19,7 @@ _OWNER: dict[str, str] = {
     "status": "gossiprec.agent.ops", "events": "gossiprec.agent.ops", "bench": "gossiprec.bench",
     "spec": "gossiprec.agent.spec",
     "reference": "gossiprec.reference", "torchrun": "gossiprec.agent.torchrun_cli",
+    "report": "gossiprec.report.cli",
 }
 
 
