@@ -1,11 +1,12 @@
 """The hang verdict rests on the subject's own word, heard once its threshold has passed.
 
 The case (test_sharded_recovery's tensor-parallel hangs, where it made a flaky test): n4 is slowed at
-(step 5, collective 1, compute) from 0.1 s to 1.0 s while its TP peer n5 waits inside collective 2 for it;
+(step 5, collective 1, compute) from 0.1 s to just under its threshold (1 s) while its TP peer n5 waits
+inside collective 2 for it;
 then n5 hangs before collective 3 and n4 enters it and waits for n5. The other replica (n0..n3) waits in
 the gradient all-reduce (collective 5) throughout. Observer n0 hears n4's relayed progress a second late
 (``LAG``), so by gossip n4 still sits where it was slowed; n4's stall there, dated by its acks from 0.1 s,
-passes the 1 s threshold at 1.1 s, after n4 moved on. Judged on an answer from before it moved (within
+passes the threshold at 1.1 s, just after n4 moved on. Judged on an answer from before it moved (within
 ``answered_within``), n4, which only waits, was alerted, before anyone alerted n5, the rank that hangs.
 """
 
@@ -25,8 +26,9 @@ LAG = 1.0
 VERDICT_WITHIN = 2 * CFG.probe_interval + 1e-3
 """How long after its threshold a subject is judged: a probe sent then must be answered (refreshes take
 turns, one per probe round, with the other subjects behind the frontier)."""
-MOVED = 1.0
-"""When n4's slow stall ends (it enters collective 2, completes it with n5 and enters collective 3)."""
+MOVED = 1.095
+"""When n4's slow stall ends (it enters collective 2, completes it with n5 and enters collective 3): just
+before its threshold passes (1.1 s), after its last answer before that."""
 
 Timeline = dict[str, list[tuple[float, Position]]]
 """Each rank's positions, from when each became current."""
@@ -95,10 +97,10 @@ def test_the_rank_waiting_for_a_hung_peer_is_not_judged_on_its_stale_progress() 
     """n4's relayed progress says it is stalled (since 0.1 s) when its threshold passes, and it had
     answered a probe within ``answered_within`` before, while still slowed: only its answer after the
     threshold counts, and that says it moved on (and soon that it waits). n5 is the one alerted, after its
-    own threshold (stalled at 1.0 s: 2.0 s) and its answer to a probe sent then."""
+    own threshold (stalled from ``MOVED``) and its answer to a probe sent then."""
     alerts = hung_alerts(TP_HANG, 4.0)
     assert [s for _, s in alerts] == ["n5"], alerts
-    assert 2.0 - 1e-6 <= alerts[0][0] <= 2.0 + VERDICT_WITHIN, alerts
+    assert MOVED + 1.0 - 1e-6 <= alerts[0][0] <= MOVED + 1.0 + VERDICT_WITHIN, alerts
 
 
 def test_a_hang_alert_is_retracted_when_its_subject_is_seen_to_move() -> None:
