@@ -425,8 +425,8 @@ class Node:
             t = type(ev)
             if t is ProbeResult:
                 obs.on_probe(ev, now)  # type: ignore[arg-type]
-                if ev.ok and ev.target in self.hangs.awaiting:  # type: ignore[attr-defined]
-                    answered = ev.target  # type: ignore[attr-defined]
+                if ev.ok and ev.target in self.hangs.awaiting:  # type: ignore[union-attr]
+                    answered = ev.target  # type: ignore[union-attr]
                 continue
             if t is MemberSuspected or t is MemberFailed:
                 # also when the news came by gossip: SWIM stops probing members it holds dead, so an
