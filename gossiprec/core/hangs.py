@@ -28,8 +28,8 @@ of our probes (an ack carries its position and that position's age) received aft
 ``answered_within``. Its relayed progress may be stale, and an earlier answer may predate its moving on (a
 rank slowed just before a collective, then inside the next one waiting for a hung peer, still reads as
 stalled at the first): its own later answer shows it moved or waits, and clears it. An alert whose subject
-is then seen to have moved (a newer position, ``waiting`` included) is retracted. (A crashed one is the
-probes' business, and its relayed
+is then seen to have moved (a newer position, ``waiting`` included) is retracted. Only a live one is
+judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
 counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
@@ -70,8 +70,9 @@ AHEAD: Position = (1 << 63, 0, 0)
 
 
 class HangCheck:
-    """The hang check of one :class:`~gossiprec.core.node.Node` (run by its watchdog, and by an extra
-    timer when a lagging subject's threshold passes between two watchdog rounds)."""
+    """The hang check of one :class:`~gossiprec.core.node.Node` (run by its watchdog, by an extra timer
+    when a lagging subject's threshold passes between two watchdog rounds, and when a subject past its
+    threshold answers our probe)."""
 
     __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at", "judged", "awaiting")
 
@@ -235,7 +236,6 @@ class HangCheck:
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
             node.set_timer(due, timers.HANG)
-
 
     def _reconsider(self, now: float) -> None:
         """Retract our hang alert about a subject seen to have moved since (a newer position, ``waiting``
