@@ -29,9 +29,10 @@ Position = tuple[int, int, int]  # (step, coll, phase)
 
 
 def hung_alerts(positions: dict[str, Position], until: float, *, unknown: frozenset[str] = frozenset(),
-                **agreement: float) -> list[tuple[float, str]]:
+                silent: frozenset[str] = frozenset(), **agreement: float) -> list[tuple[float, str]]:
     """Drive n0 with the others at ``positions`` from :data:`STALL_AT` on (n0's own is ``positions["n0"]``);
-    ``unknown``: members n0 never hears progress from (outside its sample). Returns (time, subject) of
+    ``unknown``: members n0 never hears progress from (outside its sample); ``silent``: members whose
+    answers to n0's probes are lost (their progress still comes by gossip). Returns (time, subject) of
     n0's hang alerts up to ``until``."""
     node = hang_observer(NAMES, **agreement)
     start: Position = (5, 0, COMPUTE)
@@ -50,7 +51,7 @@ def hung_alerts(positions: dict[str, Position], until: float, *, unknown: frozen
                 for n in NAMES[1:] if n not in unknown]
 
     def answer(m: Ping, now: float) -> Ack | None:
-        if m.target in unknown:
+        if m.target in unknown or m.target in silent:
             return None
         step, coll, phase = at(m.target, now)
         age = round(max(0.0, now - STALL_AT) * 1000) if now >= STALL_AT else round(now * 1000)
@@ -81,8 +82,10 @@ def test_only_the_rank_before_the_collective_is_judged_hung(peer_phase: int) -> 
 def test_without_the_counts_the_peer_inside_the_collective_was_judged_too() -> None:
     """What the counts fix: by (step, phase) alone, n5 (stalled before the TP all-reduce) and its peer
     n4 (inside it, not yet reporting ``waiting``) are at the same position, behind the other replica, so
-    the healthy n4 could be alerted (here it is first; the change under way then stops judging)."""
-    assert "n4" in {s for _, s in hung_alerts(tp_hang(COMPUTE, coll=False), 4.0)}
+    the healthy n4 could be alerted: here n5's answers are lost (a rank is judged only on its own answer),
+    so n4 is the only one n0 can judge; with the counts n4 is ahead of n5 and not judged."""
+    assert "n4" in {s for _, s in hung_alerts(tp_hang(COMPUTE, coll=False), 4.0, silent=frozenset({"n5"}))}
+    assert hung_alerts(tp_hang(COMPUTE), 4.0, silent=frozenset({"n5"})) == []
 
 
 def test_a_waiting_rank_is_not_judged_when_the_one_it_waits_for_is_outside_the_sample() -> None:

@@ -259,8 +259,9 @@ class AgreementConfig:
     """A trainer that reports phase ``checkpoint`` (saving one, see ``ResilientTrainer.checkpointing``) is
     judged hung only after this long, not after the step-time threshold."""
     answered_within: float = 0.5
-    """A rank is judged hung only if it answered one of our probes this recently (hung: alive but stuck;
-    a silent one is the probes' business); it is probed this long before its threshold passes."""
+    """A rank is judged hung only on its answer to one of our probes heard since its threshold passed and
+    this recently (hung: alive but stuck; a silent one is the probes' business); it is probed this long
+    before its threshold passes, and again once it has."""
     progress_stale: float = 1.0
     """A member's progress last heard longer ago than this is stale: the hang check neither counts it in
     the frontier nor judges it (it may have crashed)."""

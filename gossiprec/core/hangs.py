@@ -23,8 +23,13 @@ known to have been past it (when its own current position began), and never befo
 install. So a stall every rank shares (a slow collective, a file system, a long GC) is no one's hang:
 when the job resumes, this member sees its own progress at once and others' only at their next answer,
 and without the second bound every rank it had not heard from yet would look stalled since the stall
-began. Only a subject that answered one of our
-probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
+began. A subject is judged only on its own word heard once its threshold has passed: its answer to one
+of our probes (an ack carries its position and that position's age) received after the threshold, within
+``answered_within``. Its relayed progress may be stale, and an earlier answer may predate its moving on (a
+rank slowed just before a collective, then inside the next one waiting for a hung peer, still reads as
+stalled at the first): its own later answer shows it moved or waits, and clears it. An alert whose subject
+is then seen to have moved (a newer position, ``waiting`` included) is retracted. Only a live one is
+judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
 steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
 counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
@@ -65,10 +70,11 @@ AHEAD: Position = (1 << 63, 0, 0)
 
 
 class HangCheck:
-    """The hang check of one :class:`~gossiprec.core.node.Node` (run by its watchdog, and by an extra
-    timer when a lagging subject's threshold passes between two watchdog rounds)."""
+    """The hang check of one :class:`~gossiprec.core.node.Node` (run by its watchdog, by an extra timer
+    when a lagging subject's threshold passes between two watchdog rounds, and when a subject past its
+    threshold answers our probe)."""
 
-    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at")
+    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at", "judged", "awaiting")
 
     def __init__(self, node: NodePort, observer: Observer, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -79,6 +85,11 @@ class HangCheck:
         """Whose progress the frontier and the typical step time come from (fixed for the view)."""
         self.check_at = float("inf")
         """When an extra hang check is armed (a lagging subject's threshold passes then)."""
+        self.judged: dict[str, Position] = {}
+        """Subjects we alerted as hung in this view, and the position they were stalled at."""
+        self.awaiting: set[str] = set()
+        """Subjects whose threshold has passed, waiting for their answer to a probe (their own word) to be
+        judged: the check runs again when one answers (see :meth:`answered`)."""
 
     def start_view(self, view: View, ov: Overlay) -> None:
         # ourselves, our subjects and our observers (K random members each way), trainers only; fixed for
@@ -87,6 +98,14 @@ class HangCheck:
         sample = sorted({me} | self.observer.subject_set | set(ov.observers(me))) if me in view else []
         self.sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
         self.swim.read_progress_of(frozenset(self.sample))  # the records checked as they come (see progress)
+        self.judged = {}
+        self.awaiting = set()
+
+    def answered(self, subject: str, now: float) -> None:
+        """``subject`` answered one of our probes (its ack's progress is on record): judged now if its
+        threshold has passed, not at the next watchdog round."""
+        if subject in self.awaiting:
+            self.run(now)
 
     def on_timer(self, now: float) -> None:
         """The extra check's timer."""
@@ -97,8 +116,11 @@ class HangCheck:
     def run(self, now: float) -> None:
         node, obs, acfg = self.node, self.observer, self.acfg
         v = node.view
+        self.awaiting.clear()
         if v is None or node.name not in v or node.finished is not None:
             return
+        if self.judged:
+            self._reconsider(now)
         if obs.my_alerts or (node.consensus.votes and node.consensus.decided is None):
             # A change is under way: every rank waits for the new view, so stalls say nothing about hangs
             # (and an alert now would only start a second change behind the first).
@@ -171,6 +193,7 @@ class HangCheck:
             if pos >= frontier:
                 if alerted.get(s) == HUNG:
                     del alerted[s]
+                    self.judged.pop(s, None)
                     obs.alert(s, REMOVE, HUNG, now, retract=True)
                 continue
             if passed is None:
@@ -181,20 +204,27 @@ class HangCheck:
             if moved_on is not None:
                 limit += threshold  # the new view must reach its agent before the rank can notice it
             within = acfg.answered_within
-            if now >= limit - within and now - obs.answered.get(s, -math.inf) > within:
-                # Judge only a subject that answered us just now (hung: alive but stuck; a crashed one is
-                # the probes' business, and its relayed progress must not date a "hang"). Probe it as its
-                # threshold nears, so it has answered when due; a rank only briefly behind costs nothing.
+            heard = obs.answered.get(s, -math.inf)
+            if now >= limit - within and now - heard > within:
+                # Probe it as its threshold nears (a rank only briefly behind costs nothing): an answer
+                # that shows it moved on or waits clears it before it is due.
                 obs.refresh_progress(s)
-                if now >= limit:
-                    continue
             stalled = now >= limit  # the same float as ``due`` below: no re-arm at ``now``
             if stalled and (phase == WAITING or (lowest is not None and lowest < pos)):
                 # Inside a collective that waits on its peers, or with another rank behind it outside
                 # any collective: not the rank the others wait for (that one is judged on its own).
                 continue
+            if stalled and s not in alerted and (heard < limit or now - heard > within):
+                # Judge only on its own word heard since the threshold passed, just now (hung: alive but
+                # stuck; a crashed one is the probes' business). Its relayed progress, or an answer from
+                # before, may date from before it moved on (into a collective where it waits for the
+                # rank that is hung): its answer to a probe sent now says where it is.
+                obs.refresh_progress(s)
+                self.awaiting.add(s)
+                continue
             if stalled and s not in alerted:
                 alerted[s] = HUNG
+                self.judged[s] = pos
                 obs.alert(s, REMOVE, HUNG, now)
             elif not stalled:
                 due = min(due, limit)
@@ -206,6 +236,20 @@ class HangCheck:
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
             node.set_timer(due, timers.HANG)
+
+    def _reconsider(self, now: float) -> None:
+        """Retract our hang alert about a subject seen to have moved since (a newer position, ``waiting``
+        included: it was not the rank the others wait for, or it got going again)."""
+        obs = self.observer
+        for s, pos in list(self.judged.items()):
+            if obs.alerted.get(s) != HUNG:
+                del self.judged[s]
+                continue
+            p = self.swim.progress(s)
+            if p is not None and (p.step, p.coll, p.phase) != pos:
+                del self.judged[s]
+                del obs.alerted[s]
+                obs.alert(s, REMOVE, HUNG, now, retract=True)
 
 
 def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, tuple[float, float]],

@@ -420,10 +420,13 @@ class Node:
     # ------------------------------------------------------------------ SWIM events -> observations
     def _drain_swim(self, now: float) -> None:
         obs = self.observer
+        answered = None
         for ev in self.swim.take_events():
             t = type(ev)
             if t is ProbeResult:
                 obs.on_probe(ev, now)  # type: ignore[arg-type]
+                if ev.ok and ev.target in self.hangs.awaiting:  # type: ignore[union-attr]
+                    answered = ev.target  # type: ignore[union-attr]
                 continue
             if t is MemberSuspected or t is MemberFailed:
                 # also when the news came by gossip: SWIM stops probing members it holds dead, so an
@@ -437,6 +440,9 @@ class Node:
             elif t is MemberJoined:
                 self._departed.discard(ev.name)  # type: ignore[union-attr]  # back with a new incarnation
             self._events.append(ev)
+        if answered is not None:
+            # a subject past its hang threshold answered (its own word): judged now, once the rest is in
+            self.hangs.answered(answered, now)
 
     def _observe_departure(self, subject: str, now: float) -> None:
         """A member announced it leaves: stable at once in the cut (a short settle), and our alert if it is
