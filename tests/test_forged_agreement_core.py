@@ -48,15 +48,16 @@ def _cluster(seed: int) -> tuple[SimCluster[Node], list[tuple[float, str, Any]],
     return cluster, events, view
 
 
-def _forgeries(v: View, victim: str) -> list[Message]:
-    """One of every agreement and catch-up kind, none signed by the member it names."""
+def _forgeries(v: View, victim: str, addr: str = "zz") -> list[Message]:
+    """One of every agreement and catch-up kind, none signed by the member it names (``addr``: where the
+    made-up names say they listen)."""
     changes = [Change(victim, REMOVE)]
     digest = changes_digest(v.epoch, v.config_id, changes)
     rows = ((victim, REMOVE, "", "", ""),)
     full = bytes([(1 << len(v)) - 1])
     bad = bytes(64)
     top = 2**31
-    other = View.initial([ViewMember(n, n, "trainer", i) for i, n in enumerate(["n0", "n1", "zz"])],
+    other = View.initial([ViewMember(n, addr, "trainer", i) for i, n in enumerate(["n0", "n1", "zz"])],
                          JobTopology.ddp(3))
     far = v.to_wire()
     far[0] = 2**62
@@ -65,7 +66,7 @@ def _forgeries(v: View, victim: str) -> list[Message]:
         Decided(v.epoch, v.config_id, digest, rows),                           # "decided" without a quorum
         Proposal(v.epoch, v.config_id, digest, rows),                          # a proposal, and ...
         Votes(v.epoch, v.config_id, digest, full),                             # ... every member's bit
-        VoteBundle(v.epoch, v.config_id, digest, 0, full, tuple(bad for _ in NAMES)),
+        VoteBundle(v.epoch, v.config_id, digest, 0, full, tuple(bad for _ in v.nodes)),
         Prepare(v.epoch, v.config_id, top, "n0", bad),                          # outrank every real round
         Prepare(v.epoch, v.config_id, top, "zz"),                               # a coordinator outside the view
         Promise(v.epoch, v.config_id, 1, "n0", "n1", 0, "", digest, rows, bad),
@@ -73,17 +74,17 @@ def _forgeries(v: View, victim: str) -> list[Message]:
         JobDone(v.epoch, 10, "n1", bad),
         Report(v.epoch, v.config_id, 99, None, 1, full),
         PlanDigest(v.epoch, v.config_id, bytes(8), full),
-        ViewRequest(v.epoch, "", "zz", "zz"),
+        ViewRequest(v.epoch, "", "zz", addr),
         ViewState(far),                                                         # an unsigned view at 2^62
         ViewState(far, "n1", bad),
         ViewState(other.to_wire(), "n1", bad),                                 # "another job spec" ...
         ViewState(other.to_wire(), "zz"),
-        Hello("zz", "zz", 1, 0, other.config_id),                               # ... from a stranger
-        Hello("n1", "n1", 1, 0, other.config_id, bad),                          # ... in a member's name
+        Hello("zz", addr, 1, 0, other.config_id),                               # ... from a stranger
+        Hello("n1", addr, 1, 0, other.config_id, bad),                          # ... in a member's name
         ViewDelta(v.epoch, v.config_id, ((nv.config_id, rows),), "n1", bad),
-        JoinRequest("phantom", "phantom", "h", "r", v.epoch),                   # a name nobody knows
+        JoinRequest("phantom", addr, "h", "r", v.epoch),                   # a name nobody knows
     ]
-    for name in NAMES:
+    for name in v.nodes:
         if name != victim:
             out += [Vote(v.epoch, v.config_id, digest, name, bad),
                     Accepted(v.epoch, v.config_id, top, "n0", digest, name, bad),
