@@ -95,7 +95,7 @@ def _forgeries(v: View, victim: str, addr: str = "zz") -> list[Message]:
     for i in range(UNPROVEN_MAX + 8):
         ch = [Change(victim if i % 2 else "n1", REMOVE), Change(f"x{i}", REMOVE)]
         d = changes_digest(v.epoch, v.config_id, ch)
-        out.append(Proposal(v.epoch, v.config_id, d, ((ch[0].node, REMOVE, "", "", ""), (ch[1].node, REMOVE, "", "", ""))))
+        out.append(Proposal(v.epoch, v.config_id, d, tuple((c.node, REMOVE, "", "", "") for c in ch)))
     return out
 
 
