@@ -12,7 +12,8 @@ of an older epoch (their sender missed a decision).
 - A member alerting in an older epoch gets the current view pushed to it (by a deterministic
   pseudo-random ~2K members, at most once per ``catchup_interval`` each: O(N) pushes, not O(N^2)); a
   member the decision removed learns so, and asks to join again.
-- A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert.
+- A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert
+  (with signatures on, only once SWIM knows the joiner: a join request is nobody's signed word).
   One removed from the view asks only once its trainer holds no trained state (it dropped it to wait as
   a spare, as a trainer that answers does): a trainer removed as hung cannot answer, and admitting its
   node as a spare would have the next election hand a rank to it (a wasted view change, and a second
