@@ -148,6 +148,34 @@ async def test_garbage_gets_an_error_and_a_disconnect(sockdir: str, payload: byt
         assert agent.control is not None and agent.control.counters[f"refused_{code}"] == 1
 
 
+async def test_the_bad_handshake_hint_is_a_hello_this_agent_accepts(sockdir: str) -> None:
+    """The hint names the version the agent speaks (CONTROL_VERSION), not a stale literal: the hello it
+    spells out, sent as is, is accepted."""
+    import json
+    import re
+
+    async with Agent(settings(sockdir, 0)) as agent:
+        reader, writer = await raw_connect(agent.control_path)
+        try:
+            writer.write(encode_frame({"op": "members"}))
+            async with asyncio.timeout(5):
+                frame = await read_frame(reader)
+        finally:
+            writer.close()
+        assert frame["error"] == "bad_handshake", frame
+        found = re.search(r"\{.*\}", frame["message"])
+        assert found is not None, frame
+        hinted = json.loads(found.group(0))
+        assert hinted == {"op": "hello", "version": CONTROL_VERSION}, frame
+        reader, writer = await raw_connect(agent.control_path)
+        try:
+            writer.write(encode_frame(hinted))
+            async with asyncio.timeout(5):
+                assert (await read_frame(reader))["ok"] is True
+        finally:
+            writer.close()
+
+
 @virtual_time
 async def test_handshake_timeout_and_client_vanishing(sockdir: str) -> None:
     async with MemNetwork().agent(settings(sockdir, 0)) as agent:

@@ -12,7 +12,8 @@ of an older epoch (their sender missed a decision).
 - A member alerting in an older epoch gets the current view pushed to it (by a deterministic
   pseudo-random ~2K members, at most once per ``catchup_interval`` each: O(N) pushes, not O(N^2)); a
   member the decision removed learns so, and asks to join again.
-- A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert.
+- A member outside the view asks its joiner observers to admit it every ``join_retry``; they alert
+  (with signatures on, only once SWIM knows the joiner: a join request is nobody's signed word).
   One removed from the view asks only once its trainer holds no trained state (it dropped it to wait as
   a spare, as a trainer that answers does): a trainer removed as hung cannot answer, and admitting its
   node as a spare would have the next election hand a rank to it (a wasted view change, and a second
@@ -169,6 +170,18 @@ class CatchUp:
             return False
         return True
 
+    def _spec_claim(self, author: str, msg: ViewState | Hello) -> bool:
+        """Whether another view 0 may fence us (for good): with signatures on, only in the signed word of
+        a member of the view 0 we hold. A key holder could otherwise sign one under a fresh name (its key
+        bound on first use) and stop this agent with one datagram. An agent outside our view 0 that read
+        another spec is reported (the event), not obeyed: it cannot take part in our agreement anyway,
+        and it refuses ours on its side (our view 0 goes back to it)."""
+        node = self.node
+        v = node.view
+        if node.auth is None:
+            return True
+        return v is not None and author in v and node.auth.check(author, msg)
+
     def push_view(self, member: str, epoch: int, config: str, now: float) -> None:
         """A member still alerting in an older epoch missed the decision: send it the current view (at
         most once per ``catchup_interval`` per member). Also when the decision removed it (a healed
@@ -212,6 +225,9 @@ class CatchUp:
         if v is None or msg.epoch != v.epoch or msg.config != v.config_id or not msg.steps:
             counters["rx_stale_view"] = counters.get("rx_stale_view", 0) + 1
             return
+        if node.spec_conflict:  # fenced for good, out of agreement: no view news either
+            counters["rx_spec_conflict"] = counters.get("rx_spec_conflict", 0) + 1
+            return
         if not self.trusted(msg, None):
             return
         views = [v]
@@ -244,8 +260,11 @@ class CatchUp:
             except ProtocolError:
                 counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
                 return
-            if other.config_id != node.view.config_id:
-                node.spec_mismatch("", other.config_id, other, now)  # a ViewState names no sender
+            if other.config_id != node.view.config_id:  # a ViewState names no peer (its Hello does)
+                node.spec_mismatch("", other.config_id, other, now, proven=self._spec_claim(msg.src, msg))
+            return
+        if node.spec_conflict:  # fenced for good, out of agreement: no view news either
+            counters["rx_spec_conflict"] = counters.get("rx_spec_conflict", 0) + 1
             return
         if node.view is not None and type(epoch) is int and epoch <= node.view.epoch:
             counters["rx_stale_view"] = counters.get("rx_stale_view", 0) + 1
@@ -322,7 +341,7 @@ class CatchUp:
         if v.epoch == 0 and msg.epoch == 0 and v.config_id != msg.config:
             # two views 0: its agents read another job spec. Both sides refuse; our view 0 and our Hello go
             # back, so that it names the differing members and answers with its own view 0
-            node.spec_mismatch(msg.node, msg.config, None, now)
+            node.spec_mismatch(msg.node, msg.config, None, now, proven=self._spec_claim(msg.node, msg))
             if self._may_push(msg.node, v, now):
                 self.send_news(msg.addr, self.view_state())
                 self.swim.send_addr(msg.addr, sign_if(node.auth, Hello(node.name, node.addr, node.start_incarnation,

@@ -44,6 +44,14 @@ accepteds of one round, itself. A ``Decided`` is only a hint that brings the cha
 its digest); it decides nothing without the signed quorum behind it. A member that missed those learns the
 next view by catch-up.
 
+Unproven change sets (with a key book): a ``Proposal`` or a ``Decided`` is nobody's signed word, so the
+change set it brings is not a proposal of the epoch until a signed word stands behind its digest (a
+member's signed vote, a coordinator's signed accept, an acceptor's signed promise or accepted): until
+then it waits in :attr:`Consensus.unproven` (at most ``UNPROVEN_MAX``, the oldest dropped first), which
+nothing reads but the proof that promotes it. So a forged one arms no round, moves no deadline and makes
+no "decision under way" for the watchdog's fence clock (:mod:`~gossiprec.core.fencing`); a real one whose
+vote comes after it is taken the moment the vote counts.
+
 Safety needs none of these filters: an acceptor's refusal is a lost message to Paxos, and the coordinator
 picks as Fast Paxos says whenever a value may have been chosen; the filters only keep some values from
 ever being decided.
@@ -65,6 +73,8 @@ Rank = tuple[int, str]
 ChangeRow = tuple[str, int, str, str, str]
 """A change on the wire: (node, kind, addr, host, rack)."""
 FAST: Rank = (0, "")
+UNPROVEN_MAX = 64
+"""Change sets held while no signed word stands behind their digest (see the module docstring)."""
 
 
 def removes_majority(view: View, changes: list[Change]) -> bool:
@@ -129,6 +139,9 @@ class Consensus:
     """Signed votes counted: digest -> view index -> the voter's signature (what bundles relay)."""
     chunk: int = BUNDLE_MAX
     """Members per vote bundle (see :func:`~gossiprec.core.bundles.chunk_size`)."""
+    unproven: dict[bytes, list[Change]] = field(default_factory=dict)
+    """With a key book: change sets brought by a ``Proposal`` or ``Decided`` that no signed word backs yet
+    (digest -> changes; bounded, see the module docstring). Nothing acts on them until proven."""
 
     def _signed(self, author: str, msg: Message) -> bool:
         return self.auth is None or self.auth.check(author, msg)
@@ -161,12 +174,39 @@ class Consensus:
             self.broadcast("p" + digest.hex(), Proposal(self.view.epoch, self.view.config_id, digest,
                                                          change_rows(changes)))
 
-    def on_proposal(self, msg: Proposal) -> None:
+    def on_proposal(self, msg: Proposal) -> bool:
+        """A change set on gossip. False: held unproven, or its content does not match its digest."""
         changes = changes_from_rows(msg.changes)
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
-            return  # content does not match its digest: drop
+            return False  # content does not match its digest: drop
+        if not self._hold_unless_proven(msg.digest, changes):
+            return False
         self._learn(msg.digest, changes)
         self._check_learned(msg.digest)
+        return True
+
+    def _proven(self, digest: bytes) -> bool:
+        """Whether a signed word stands behind ``digest`` here (a counted vote, our own vote or accept, a
+        signed accepted); without a key book every change set is taken on the cluster key's word."""
+        if self.auth is None or digest in self.proposals or self.votes.get(digest, 0):
+            return True
+        return any(who and k[2] == digest for k, who in self.accepted_by.items())
+
+    def _hold_unless_proven(self, digest: bytes, changes: list[Change]) -> bool:
+        """True: ``digest`` is proven (go on). Else its change set waits in :attr:`unproven` (bounded)."""
+        if self._proven(digest):
+            return True
+        if digest not in self.unproven:
+            while len(self.unproven) >= UNPROVEN_MAX:
+                del self.unproven[next(iter(self.unproven))]
+            self.unproven[digest] = changes
+        return False
+
+    def _promote(self, digest: bytes) -> None:
+        """A signed word now backs ``digest``: a change set held unproven for it becomes a proposal."""
+        changes = self.unproven.pop(digest, None)
+        if changes is not None:
+            self._learn(digest, changes)
 
     def _check_learned(self, digest: bytes) -> None:
         """A change set just became known: any quorum already counted for its digest decides now."""
@@ -210,6 +250,7 @@ class Consensus:
         self.votes[digest] = self.votes.get(digest, 0) | bits
         sigs = self.vote_sigs.setdefault(digest, {})
         sigs.update(new)
+        self._promote(digest)
         for c in bundles.chunks(bits, self.chunk):
             self.broadcast(f"V|{digest.hex()}|{c}", self.vote_bundle(digest, c))
         self._check_fast(digest)
@@ -392,10 +433,15 @@ class Consensus:
         if msg.acceptor not in self.view:
             return
         key = (msg.round, msg.coordinator, msg.digest)
-        who = self.accepted_by.setdefault(key, set())
-        if msg.acceptor in who or not self._signed(msg.acceptor, msg):
+        who = self.accepted_by.get(key)
+        if who is not None and msg.acceptor in who:
             return
+        # checked before anything is kept: forged accepteds under ever new keys would otherwise grow the map
+        if not self._signed(msg.acceptor, msg):
+            return
+        who = self.accepted_by.setdefault(key, set())
         who.add(msg.acceptor)
+        self._promote(msg.digest)
         self.broadcast(f"A|{msg.acceptor}|{msg.round}|{msg.coordinator}", msg)
         self._check_classic(key)
 
@@ -413,9 +459,11 @@ class Consensus:
         if changes_digest(self.view.epoch, self.view.config_id, changes) != msg.digest:
             return
         if self.auth is not None:
-            # a hint: it brings the change set, but only the signed quorum behind it decides
-            self._learn(msg.digest, changes)
-            self._check_learned(msg.digest)
+            # a hint: it brings the change set, but only the signed quorum behind it decides (and with no
+            # signed word behind it at all, it is not even a proposal: held unproven)
+            if self._hold_unless_proven(msg.digest, changes):
+                self._learn(msg.digest, changes)
+                self._check_learned(msg.digest)
             return
         self._decide(msg.digest, changes, fast=False, heard=True)
 

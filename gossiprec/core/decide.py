@@ -79,7 +79,11 @@ class Decider:
         self.after_consensus(now)
 
     def on_proposal(self, msg: Proposal, now: float) -> None:
-        self.consensus.on_proposal(msg)
+        if not self.consensus.on_proposal(msg) and self.node.auth is not None:
+            # no signed word behind it (yet): held unproven, nothing armed (see Consensus.unproven)
+            counters = self.node.counters
+            counters["rx_proposal_unproven"] = counters.get("rx_proposal_unproven", 0) + 1
+            return
         self.after_consensus(now)
 
     def on_decided(self, msg: Decided, now: float) -> None:

@@ -27,6 +27,8 @@ from gossiprec.core.wire import ALIVE, UNREACHABLE
 
 RESTART_FENCE = "restarted: the view still holds this node's previous process, which is being removed"
 SPEC_FENCE = "job spec mismatch"
+SPEC_SEEN_MAX = 64
+"""Distinct unproven spec claims reported (each once) before the rest are only counted."""
 
 
 class Fencing:
@@ -51,7 +53,7 @@ class Fencing:
         """Since when this member waits for a change it cannot get decided (see :meth:`watch`)."""
         self.healthy_since: float | None = None
         """Since when this fenced member (still in its view) reaches a majority with nothing pending."""
-        self.spec_seen: set[tuple[str, str, bool]] = set()
+        self.spec_seen: set[tuple[str, str, bool, bool]] = set()
 
     def start_view(self) -> None:
         self.trouble_since = None
@@ -75,13 +77,19 @@ class Fencing:
             self.reason = ""
             self.node.emit(Unfenced(epoch, now))
 
-    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
+    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float, proven: bool = True) -> None:
         """Another view 0 than ours (``other``, when it arrived): fence for good and take no part in
-        agreement from here on (neither side may decide a view that the other would not)."""
+        agreement from here on (neither side may decide a view that the other would not). Not ``proven``
+        (with signatures on, not the signed word of a member of our view 0; see
+        :meth:`~gossiprec.core.catchup.CatchUp._spec_claim`): reported and counted, nothing fenced."""
         node = self.node
         v = node.view
         assert v is not None
-        key = (peer, theirs, other is not None)
+        key = (peer, theirs, other is not None, proven)
+        if not proven:
+            node.counters["rx_spec_claim_unproven"] = node.counters.get("rx_spec_claim_unproven", 0) + 1
+            if len(self.spec_seen) >= SPEC_SEEN_MAX:
+                return  # (names and digests a key holder may make up freely: reported a bounded number of times)
         if key in self.spec_seen:
             return
         self.spec_seen.add(key)
@@ -96,7 +104,7 @@ class Fencing:
             differ = tuple(sorted(n for n in set(mine) & set(them) if mine[n] != them[n]))
         node.counters["spec_mismatch"] = node.counters.get("spec_mismatch", 0) + 1
         node.emit(JobSpecMismatch(peer, v.config_id, theirs, only_ours, only_theirs, differ, now))
-        if not self.spec_conflict:
+        if proven and not self.spec_conflict:
             self.spec_conflict = (f"{SPEC_FENCE}: this node's view 0 is {v.config_id}, "
                                   f"{peer or 'another member'}'s is {theirs}")
             self.reason = ""  # this reason replaces any other

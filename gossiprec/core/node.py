@@ -380,9 +380,9 @@ class Node:
         self.install(nv, now, fast=d.fast and not d.heard, decided_here=not d.heard, removed=removed,
                       joined=joined)
 
-    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
+    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float, proven: bool = True) -> None:
         """See :meth:`Fencing.spec_mismatch`."""
-        self.fencing.spec_mismatch(peer, theirs, other, now)
+        self.fencing.spec_mismatch(peer, theirs, other, now, proven)
 
     # ------------------------------------------------------------------ sending helpers
     def broadcast(self, key: str, msg: Message) -> None:

@@ -205,7 +205,13 @@ class Observer:
         readmitted over and over, each time a recovery of the job)."""
         if self.node.name not in ov.joiner_observers(msg.node) or f"join:{msg.node}" in self.alerted:
             return
-        if self.swim.member(msg.node) is None:
+        if self.swim.member(msg.node) is None and self.node.auth is not None:
+            # A join request is nobody's signed word: one datagram under a fresh name would otherwise admit
+            # a phantom (a view change, and another to remove it). A real joiner's push-pull makes it
+            # known to SWIM within a gossip round, and it asks again every join_retry: then it is probed.
+            counters = self.node.counters
+            counters["rx_join_unknown"] = counters.get("rx_join_unknown", 0) + 1
+        elif self.swim.member(msg.node) is None:
             self._admit(msg, now)  # not known to SWIM yet (nothing to probe): its first view is the test
         elif msg.node not in self.knocking:
             self.knocking[msg.node] = msg

@@ -100,5 +100,6 @@ class NodePort(Protocol):
         """Install ``view`` (decided here, or learnt from a peer)."""
     def install_decided(self, now: float) -> None:
         """Install the view that the current view's consensus decided."""
-    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float) -> None:
-        """Another view 0 than ours was seen: fence for good."""
+    def spec_mismatch(self, peer: str, theirs: str, other: View | None, now: float, proven: bool = True) -> None:
+        """Another view 0 than ours was seen: fence for good (``proven``: in a member's signed word; else
+        only reported)."""

@@ -404,8 +404,8 @@ class ControlServer:
                 return
             if not hello:
                 if op != "hello":
-                    await self._refuse(c, rid, "bad_handshake", "send {\"op\": \"hello\", \"version\": 1} "
-                                                                 "first")
+                    await self._refuse(c, rid, "bad_handshake",
+                                       f'send {{"op": "hello", "version": {CONTROL_VERSION}}} first')
                     return
                 if req.get("version") != CONTROL_VERSION:
                     await self._refuse(c, rid, "unsupported_version",

@@ -343,7 +343,7 @@ def _optimizer_template(name: str, obj: Any, stored: Mapping[str, Any]) -> None:
     it makes is overwritten by the load."""
     import torch
 
-    from gossiprec.trainer.state.receive import materialize_optimizer_state
+    from gossiprec.trainer.state.receive import allocate_state
 
     if not isinstance(obj, torch.optim.Optimizer):
         return
@@ -362,7 +362,7 @@ def _optimizer_template(name: str, obj: Any, stored: Mapping[str, Any]) -> None:
             setattr(obj, h, type(getattr(obj, h))())
         for h in shared:
             setattr(module, h, type(getattr(module, h))())
-        materialize_optimizer_state(obj)
+        allocate_state(obj)
     finally:
         for h, value in zip(hooks, held[0]):
             setattr(obj, h, value)

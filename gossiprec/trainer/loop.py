@@ -83,7 +83,7 @@ from gossiprec.trainer.collectives.groups import (
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
-from gossiprec.trainer.state.receive import materialize_optimizers
+from gossiprec.trainer.state.receive import held_by, materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
 from gossiprec.trainer.recovery import NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
@@ -206,10 +206,15 @@ class ResilientTrainer:
                                    report=self._link.report, interrupted=self._interrupted,
                                    poll=lambda epoch: self._follower.poll_status(self.control, epoch),
                                    recovery_timeout=config.recovery_timeout)
+        held_by(self.objects, self._trains)  # (a trainer's own call of materialize_optimizer_state warns)
         self._recovery = Recovery(self, job=self._job, follower=self._follower, snaps=self._snaps,
                                   checks=self._checks, peers=self._peers, closed=self._closed,
                                   link=self._link, commit=self._commit_snapshot, announce=self._announce,
                                   on_drop=on_drop)
+
+    def _trains(self) -> bool:
+        """Whether this rank trains now (started with a rank, not a spare)."""
+        return self.role == "trainer" and self.rank >= 0
 
     @property
     def identity(self) -> RankIdentity:
@@ -682,6 +687,7 @@ class ResilientTrainer:
         if self.role == "spare" or rebuilt:  # (before the gate's hooks: this step at lr 0 is no training step)
             materialize_optimizers(objects)  # the state then lands in optimizer state on the new mesh
         self._gate.hook(objects)
+        held_by(objects, self._trains)
         self.mesh = sharded.mesh
         self.objects.clear()  # the same dict: the snapshots, checks and recovery hold it
         self.objects.update({**objects, JOB_ENTRY: self._job})

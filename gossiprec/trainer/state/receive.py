@@ -17,8 +17,10 @@ destination tensors hold a mix of old and new bytes: the target is only good for
 from __future__ import annotations
 
 import logging
+import warnings
+import weakref
 import zlib
-from typing import TYPE_CHECKING, Any, Container, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Mapping, Sequence
 
 from gossiprec.errors import ConfigError, TransferError
 from gossiprec.trainer.state.capture import StateSnapshot
@@ -249,8 +251,29 @@ def restore_state(objects: Mapping[str, Stateful], snapshot: StateSnapshot | tup
 # hot-spare helpers
 
 
+_TRAINER_HELD: "weakref.WeakKeyDictionary[Any, Callable[[], bool]]" = weakref.WeakKeyDictionary()
+"""Optimizers a :class:`~gossiprec.trainer.ResilientTrainer` holds -> whether its rank trains now."""
+_warned = False
+"""Whether this process has warned once of a call on a trainer's optimizer (see below)."""
+
+
+def held_by(objects: Mapping[str, Any], trains: Callable[[], bool]) -> None:
+    """Note the optimizers among ``objects`` as held by a rank; ``trains()``: whether it trains now."""
+    for obj in objects.values():
+        if hasattr(obj, "param_groups") and hasattr(obj, "state"):
+            try:
+                _TRAINER_HELD[obj] = trains
+            except TypeError:  # (not weakly referenceable: nothing to warn about then)
+                pass
+
+
 def materialize_optimizer_state(optimizer: Any) -> None:
     """Allocate the per-parameter state of ``optimizer`` (Adam, AdamW, SGD with momentum, ...).
+
+    Only a spare needs this, and :meth:`ResilientTrainer.start` does it for a spare. Called on the
+    optimizer of a rank that trains (its ``ResilientTrainer`` started with a rank), it warns once per
+    process (a ``UserWarning``) and runs: its step counters then read 1 before the first real step
+    (AdamW's bias correction counts that step as the second).
 
     A hot spare builds model and optimizer in advance, but optimizers create their state lazily in
     the first ``step()``; without it the spare's layout would not match a donor's. This runs one step
@@ -262,6 +285,20 @@ def materialize_optimizer_state(optimizer: Any) -> None:
     exist only to be overwritten by the transfer. With lr=0, Adam/AdamW/SGD leave parameter values
     unchanged; other optimizers may not, which does not matter as the transfer overwrites the model.
     """
+    global _warned
+    trains = _TRAINER_HELD.get(optimizer)
+    if not _warned and trains is not None and trains():
+        _warned = True
+        warnings.warn("materialize_optimizer_state() on the optimizer of a rank that trains: its step "
+                      "counters now read 1 before the first real step (AdamW counts that step as the "
+                      "second); only a spare needs it, and ResilientTrainer.start() does that (warned once)",
+                      UserWarning, stacklevel=2)
+    allocate_state(optimizer)
+
+
+def allocate_state(optimizer: Any) -> None:
+    """:func:`materialize_optimizer_state` without its warning: what the library's own paths call (a
+    spare's start, a rebuilt mesh, a checkpoint's template)."""
     import torch
 
     trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -294,6 +331,6 @@ def materialize_optimizers(objects: Mapping[str, Stateful]) -> None:
     for name, obj in objects.items():
         if isinstance(obj, torch.optim.Optimizer):
             try:
-                materialize_optimizer_state(obj)
+                allocate_state(obj)
             except Exception as exc:  # the optimizer's own step: any error; the state then arrives anyway
                 log.debug("could not allocate the state of optimizer %r in advance: %s", name, exc)
