@@ -264,9 +264,25 @@ class AgreementConfig:
     progress_stale: float = 1.0
     """A member's progress last heard longer ago than this is stale: the hang check neither counts it in
     the frontier nor judges it (it may have crashed)."""
+    straggler_floor_ms: int = 10
+    """Milliseconds per step: the least magnitude (how long the other ranks wait for a rank, per step,
+    see :mod:`gossiprec.core.stragglers`) reported as a straggler, whatever the step time."""
+    straggler_ratio: float = 0.15
+    """A rank is a straggler once the others wait for it at least max(straggler_floor_ms, straggler_ratio *
+    median step time) per step (a ratio, not a time) ..."""
+    straggler_samples: int = 3
+    """... in this many consecutive samples (hang check rounds in which its step moved on); then it is
+    reported once (a ``Straggler`` event, a warning), until its magnitude falls below half the threshold."""
     evict_stragglers: bool = False
-    """Reserved: not read yet. Stragglers (two whole steps or more behind the frontier but moving) are only
-    reported, whatever its value."""
+    """Replace a persistent straggler by a spare, as a hung rank is (an alert of reason ``straggler``):
+    one the others wait for at least max(straggler_floor_ms, straggler_evict_ratio * median step time)
+    per step in ``straggler_evict_samples`` consecutive samples. False: stragglers are only reported."""
+    straggler_evict_ratio: float = 0.25
+    """With ``evict_stragglers``: the magnitude, as a part of the median step time, that eviction needs
+    (a ratio, not a time)."""
+    straggler_evict_samples: int = 8
+    """With ``evict_stragglers``: the consecutive samples at that magnitude after which a straggler is
+    alerted for removal."""
     retract_after: int = 3
     """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
@@ -314,7 +330,7 @@ class AgreementConfig:
     report_poll: float = 0.005
     """While a state report is held, look at the trainer this often."""
 
-    RATIOS: ClassVar[frozenset[str]] = frozenset({"hang_mult"})
+    RATIOS: ClassVar[frozenset[str]] = frozenset({"hang_mult", "straggler_ratio", "straggler_evict_ratio"})
     """Float fields that are not times (the ``wan`` profile leaves them as they are)."""
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """The hang check: which of this member's subjects is hung (alive but stuck) or straggling.
 
-What it decides: a hang alert (or its retraction) about a subject, a :class:`Straggler` event, and when
-to check again. Inputs: the training progress (step, collectives entered, phase, step time, and since
+What it decides: a hang alert (or its retraction) about a subject, and when to check again; it runs the
+straggler check (:mod:`gossiprec.core.stragglers`) on the same sample. Inputs: the training progress (step, collectives entered, phase, step time, and since
 when that position is current) of a sample of members, as SWIM last heard it, and when each subject last answered
 one of our probes.
 
@@ -25,8 +25,9 @@ when the job resumes, this member sees its own progress at once and others' only
 and without the second bound every rank it had not heard from yet would look stalled since the stall
 began. Only a subject that answered one of our
 probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
-progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
-steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
+progress must not date a "hang"): it is probed as its threshold nears. A rank that is slow but moves is
+no hang: synchronous training keeps it within a step of the others, and the straggler check finds it by
+how long the others wait for it in their collectives (``wait_ms``), not by its position. Progress older than ``progress_stale``
 counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
 rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
 its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
@@ -51,8 +52,9 @@ from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.port import NodePort
+from gossiprec.core.stragglers import StragglerCheck
 from gossiprec.core.view import REMOVE, View
-from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES
+from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES, STRAGGLER
 
 RECOVERING = PHASES.index("recovering")
 CHECKPOINT = PHASES.index("checkpoint")
@@ -68,7 +70,7 @@ class HangCheck:
     """The hang check of one :class:`~gossiprec.core.node.Node` (run by its watchdog, and by an extra
     timer when a lagging subject's threshold passes between two watchdog rounds)."""
 
-    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at")
+    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at", "stragglers")
 
     def __init__(self, node: NodePort, observer: Observer, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -79,6 +81,8 @@ class HangCheck:
         """Whose progress the frontier and the typical step time come from (fixed for the view)."""
         self.check_at = float("inf")
         """When an extra hang check is armed (a lagging subject's threshold passes then)."""
+        self.stragglers = StragglerCheck(acfg)
+        """The straggler check, on the same sample (see :mod:`gossiprec.core.stragglers`)."""
 
     def start_view(self, view: View, ov: Overlay) -> None:
         # ourselves, our subjects and our observers (K random members each way), trainers only; fixed for
@@ -86,6 +90,7 @@ class HangCheck:
         me = self.node.name
         sample = sorted({me} | self.observer.subject_set | set(ov.observers(me))) if me in view else []
         self.sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
+        self.stragglers.start_view()
         self.swim.read_progress_of(frozenset(self.sample))  # the records checked as they come (see progress)
 
     def on_timer(self, now: float) -> None:
@@ -111,10 +116,13 @@ class HangCheck:
         """name -> (step, collectives, phase, since): its position and since when it is current"""
         seen: dict[str, tuple[float, float]] = {}
         """name -> (when its record was heard, when its position began): for the plausibility check"""
+        waits: dict[str, tuple[int, int, int]] = {}
+        """name -> (step, step time, wait per step in collectives): for the straggler check"""
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node.my_progress
-                coll = self.swim.my_progress.coll
+                mine = self.swim.my_progress
+                coll, wait = mine.coll, mine.wait_ms
                 # (never judged: only the frontier, and when it was reached, count)
                 since = max(self.swim.progress_since, node.installed_at)
                 seen_at, began = now, self.swim.progress_since
@@ -124,7 +132,7 @@ class HangCheck:
                     continue  # stale (maybe crashed): neither frontier nor judged
                 # the stall clock starts when this position began (its age came on the wire), not at this
                 # check; and never before this view was installed
-                step, phase, ms, coll = p.step, p.phase, p.step_ms, p.coll
+                step, phase, ms, coll, wait = p.step, p.phase, p.step_ms, p.coll, p.wait_ms
                 since = max(p.since, node.installed_at)
                 seen_at, began = p.seen_at, p.since
             if step < 0:
@@ -136,6 +144,7 @@ class HangCheck:
                 continue
             table[name] = (step, coll, phase, since)
             seen[name] = (seen_at, began)
+            waits[name] = (step, ms, wait)
             if ms > 0:
                 times.append(ms)
             frontier = max(frontier, (step, coll, phase))
@@ -148,6 +157,7 @@ class HangCheck:
             # a rank ahead of every other by more than synchronous training allows (a counter gone wrong)
             # is the anomaly, not the ranks that wait for it: out of the frontier, and alerted if ours
             del table[bogus]
+            del waits[bogus]
             frontier = max((step, coll, phase) for step, coll, phase, _ in table.values())
             if bogus in obs.subject_set and bogus not in obs.alerted:
                 obs.alerted[bogus] = IMPLAUSIBLE
@@ -198,14 +208,28 @@ class HangCheck:
                 obs.alert(s, REMOVE, HUNG, now)
             elif not stalled:
                 due = min(due, limit)
-                if moved_on is None and frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
-                    alerted[f"straggler:{s}"] = HUNG
-                    node.emit(Straggler(s, frontier[0] - step, now))
+        if moved_on is None:
+            self._stragglers(waits, now)
         # a subject behind the frontier is judged the moment its threshold passes, not at the next
         # watchdog round (up to ``watch_interval`` later): one extra wake-up, only while someone lags
         if now < due < self.check_at and due < now + acfg.watch_interval:
             self.check_at = due
             node.set_timer(due, timers.HANG)
+
+
+    def _stragglers(self, waits: dict[str, tuple[int, int, int]], now: float) -> None:
+        """Run the straggler check on the sample's fresh rows; report, alert or retract as it says."""
+        obs, alerted = self.observer, self.observer.alerted
+        judged = [s for s in obs.subjects if alerted.get(s, STRAGGLER) == STRAGGLER]
+        for v in self.stragglers.judge(waits, judged):
+            if v.kind == "report":
+                self.node.emit(Straggler(v.subject, v.behind_ms, v.step, now))
+            elif v.kind == "evict" and v.subject not in alerted:
+                alerted[v.subject] = STRAGGLER
+                obs.alert(v.subject, REMOVE, STRAGGLER, now)
+            elif v.kind == "retract" and alerted.get(v.subject) == STRAGGLER:
+                del alerted[v.subject]
+                obs.alert(v.subject, REMOVE, STRAGGLER, now, retract=True)
 
 
 def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, tuple[float, float]],
