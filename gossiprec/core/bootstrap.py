@@ -727,6 +727,9 @@ class Booting:
     def health(self) -> int:
         return self.node.health() if self.node is not None else 0
 
+    def behind(self) -> dict[str, int]:
+        return self.node.behind() if self.node is not None else {}
+
     # ------------------------------------------------------------------ inside
     def _after(self, now: float) -> None:
         # messages to ourselves (we may be a seed) go through the network like any other: what a quorum

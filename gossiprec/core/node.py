@@ -290,6 +290,11 @@ class Node:
     def progress(self, name: str) -> ProgressInfo | None:
         return self.swim.progress(name)
 
+    def behind(self) -> dict[str, int]:
+        """The straggler magnitude (ms per step the others wait for it) of each subject the straggler check
+        sampled in this view (see :mod:`gossiprec.core.stragglers`)."""
+        return dict(self.hangs.stragglers.behind)
+
     def health(self) -> int:
         return self.swim.health()
 
