@@ -271,8 +271,11 @@ class AgreementConfig:
     """A rank is a straggler once the others wait for it at least max(straggler_floor_ms, straggler_ratio *
     median step time) per step (a ratio, not a time) ..."""
     straggler_samples: int = 3
-    """... in this many consecutive samples (hang check rounds in which its step moved on); then it is
-    reported once (a ``Straggler`` event, a warning), until its magnitude falls below half the threshold."""
+    """... in this many consecutive samples (hang check rounds in which its step moved on) ..."""
+    straggler_steps: int = 8
+    """... spanning at least this many of its steps (the trainer averages its wait over its last 8 steps:
+    the figure then holds the whole lag); then it is reported once (a ``Straggler`` event, a warning),
+    until its magnitude falls below half the threshold."""
     evict_stragglers: bool = False
     """Replace a persistent straggler by a spare, as a hung rank is (an alert of reason ``straggler``):
     one the others wait for at least max(straggler_floor_ms, straggler_evict_ratio * median step time)
@@ -280,7 +283,7 @@ class AgreementConfig:
     straggler_evict_ratio: float = 0.25
     """With ``evict_stragglers``: the magnitude, as a part of the median step time, that eviction needs
     (a ratio, not a time)."""
-    straggler_evict_samples: int = 8
+    straggler_evict_samples: int = 16
     """With ``evict_stragglers``: the consecutive samples at that magnitude after which a straggler is
     alerted for removal."""
     retract_after: int = 3

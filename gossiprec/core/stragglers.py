@@ -11,11 +11,12 @@ rank the others wait for is the one that waits least. A subject's *magnitude* is
 peers' waits minus its own wait (milliseconds per step that the others wait for it). A sample is taken
 each time the check runs and the subject's step has moved on since the last one. A subject is a
 straggler once its magnitude has been at least ``max(straggler_floor_ms, straggler_ratio * median step
-time)`` for ``straggler_samples`` consecutive samples: the floor and the ratio keep the ordinary jitter
+time)`` for ``straggler_samples`` consecutive samples spanning at least ``straggler_steps`` of its steps
+(the window over which its trainer averages its wait: the figure then holds the whole lag): the floor and the ratio keep the ordinary jitter
 of a busy machine (a rank descheduled now and then) out, the count keeps a single slow step out. It is
 reported once; the episode ends when its magnitude falls below half the threshold (so a rank near the
-threshold is not reported again and again). With ``evict_stragglers``, a straggler whose magnitude
-stays at least ``max(straggler_floor_ms, straggler_evict_ratio * median step time)`` for
+threshold is not reported again and again). With ``evict_stragglers``, a straggler (reported) whose
+magnitude stays at least ``max(straggler_floor_ms, straggler_evict_ratio * median step time)`` for
 ``straggler_evict_samples`` consecutive samples is alerted for removal (a spare takes its rank, as after
 a hang); the alert is retracted when the magnitude falls below that threshold.
 
@@ -56,12 +57,14 @@ def behind_of(waits: Mapping[str, int]) -> dict[str, int]:
 class StragglerCheck:
     """The straggler check of one member (run by its hang check, see :mod:`gossiprec.core.hangs`)."""
 
-    __slots__ = ("acfg", "runs", "evict_runs", "reported", "evicting", "last_step", "behind")
+    __slots__ = ("acfg", "runs", "since", "evict_runs", "reported", "evicting", "last_step", "behind")
 
     def __init__(self, acfg: AgreementConfig) -> None:
         self.acfg = acfg
         self.runs: dict[str, int] = {}
         """Subject -> consecutive samples at or above the report threshold."""
+        self.since: dict[str, int] = {}
+        """Subject -> its step at the first of those samples."""
         self.evict_runs: dict[str, int] = {}
         """Subject -> consecutive samples at or above the eviction threshold."""
         self.reported: set[str] = set()
@@ -77,6 +80,7 @@ class StragglerCheck:
         """A new view: new groups, maybe new ranks; every count starts again (an eviction alert is the
         view's business: it ends with it)."""
         self.runs.clear()
+        self.since.clear()
         self.evict_runs.clear()
         self.reported.clear()
         self.evicting.clear()
@@ -106,7 +110,10 @@ class StragglerCheck:
             b = self.behind[s] = behind[s]
             if b >= report_at:
                 n = self.runs[s] = self.runs.get(s, 0) + 1
-                if n >= acfg.straggler_samples and s not in self.reported:
+                if n == 1:
+                    self.since[s] = step
+                first = self.since[s]
+                if n >= acfg.straggler_samples and step - first >= acfg.straggler_steps and s not in self.reported:
                     self.reported.add(s)
                     out.append(Verdict(s, "report", b, step))
             else:
@@ -117,7 +124,7 @@ class StragglerCheck:
                 continue
             if b >= evict_at:
                 n = self.evict_runs[s] = self.evict_runs.get(s, 0) + 1
-                if n >= acfg.straggler_evict_samples and s not in self.evicting:
+                if n >= acfg.straggler_evict_samples and s in self.reported and s not in self.evicting:
                     self.evicting.add(s)
                     out.append(Verdict(s, "evict", b, step))
             else:

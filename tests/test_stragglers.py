@@ -1,0 +1,121 @@
+"""Stragglers in synchronous training: the core check (pure) and live jobs of the harness.
+
+The check (:mod:`gossiprec.core.stragglers`) compares each rank's wait inside its collectives with its
+peers': the rank the others wait for waits least. Unit tests feed it samples as the hang check would
+(one per step moved on); the live tests slow one rank of a 4-rank job with a ``lag`` fault (a sleep in
+its step) and read its agents' warnings.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+from gossiprec.core.config import AgreementConfig
+from gossiprec.core.stragglers import StragglerCheck, Verdict, behind_of
+
+RANKS = ("n0", "n1", "n2", "n3")
+STEP_MS = 100
+
+
+def _feed(check: StragglerCheck, waits_of_step: list[dict[str, int]], subjects: tuple[str, ...] = RANKS,
+          step_ms: int = STEP_MS) -> list[tuple[int, Verdict]]:
+    """One sample per step: each step's waits (ms) for every rank. Returns (sample index, verdict)."""
+    out = []
+    for i, waits in enumerate(waits_of_step):
+        ranks = {n: (i, step_ms, w) for n, w in waits.items()}
+        out += [(i, v) for v in check.judge(ranks, subjects)]
+    return out
+
+
+def _rolling(series: list[dict[str, float]], window: int = 8) -> list[dict[str, int]]:
+    """What the trainers report: each rank's mean wait over its last ``window`` steps."""
+    out = []
+    for i in range(len(series)):
+        part = series[max(0, i - window + 1):i + 1]
+        out.append({n: int(statistics.mean(s[n] for s in part)) for n in series[0]})
+    return out
+
+
+def _job(steps: int, slow: str | None, lag_ms: float, rng: random.Random, jitter_ms: float,
+         from_step: int = 0) -> list[dict[str, float]]:
+    """Per-step waits of a synchronous job: every rank computes ~STEP_MS with jitter, ``slow`` ``lag_ms``
+    more from ``from_step``; each waits for the last arrival (plus a little transfer time)."""
+    series = []
+    for i in range(steps):
+        arrive = {n: rng.uniform(0, jitter_ms) + (lag_ms if n == slow and i >= from_step else 0.0)
+                  for n in RANKS}
+        last = max(arrive.values())
+        series.append({n: last - a + rng.uniform(0, 1.0) for n, a in arrive.items()})
+    return series
+
+
+def test_behind_is_the_median_peer_wait_minus_its_own() -> None:
+    assert behind_of({"a": 30, "b": 31, "c": 29, "d": 0}) == {"a": -1, "b": -2, "c": 1, "d": 30}
+    assert behind_of({"a": 5}) == {"a": 0}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_jitter_of_a_busy_machine_reports_nothing(seed: int) -> None:
+    rng = random.Random(seed)
+    # each rank's arrival jitters by up to 25 ms a step (a quarter of the step): ranks take turns being last
+    verdicts = _feed(StragglerCheck(AgreementConfig()), _rolling(_job(500, None, 0.0, rng, 25.0)))
+    assert verdicts == []
+
+
+def test_a_single_slow_step_reports_nothing() -> None:
+    rng = random.Random(7)
+    series = _job(200, None, 0.0, rng, 5.0)
+    series[100] = {n: (60.0 if n != "n2" else 0.0) for n in RANKS}  # one 60 ms hiccup of n2
+    assert _feed(StragglerCheck(AgreementConfig()), _rolling(series)) == []
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_rank_slowed_by_30_percent_is_reported_within_20_steps_with_its_magnitude(seed: int) -> None:
+    rng = random.Random(seed)
+    lag = 0.3 * STEP_MS
+    verdicts = _feed(StragglerCheck(AgreementConfig()), _rolling(_job(200, "n3", lag, rng, 5.0, from_step=50)))
+    assert [v.subject for _, v in verdicts] == ["n3"]  # once, and only the slow rank
+    at, v = verdicts[0]
+    assert v.kind == "report" and 50 <= at < 50 + 20, at
+    assert abs(v.behind_ms - lag) <= 0.25 * lag, v
+
+
+def test_an_episode_is_reported_once_and_again_after_it_ended() -> None:
+    check = StragglerCheck(AgreementConfig())
+    slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 10
+    fine = [{n: 0 for n in RANKS}] * 5
+    verdicts = _feed(check, slow + fine + slow)  # (one sample per step: reported once 8 steps are in)
+    assert [(i, v.subject, v.kind) for i, v in verdicts] == [(8, "n3", "report"), (23, "n3", "report")]
+
+
+def test_only_subjects_are_judged_and_a_step_counts_once() -> None:
+    check = StragglerCheck(AgreementConfig())
+    waits = {"n0": (5, STEP_MS, 30), "n1": (5, STEP_MS, 30), "n2": (5, STEP_MS, 30), "n3": (5, STEP_MS, 0)}
+    for _ in range(10):  # the same step's figures again and again: one sample
+        assert check.judge(waits, ("n3",)) == []
+    assert check.judge({n: (s + 1, ms, w) for n, (s, ms, w) in waits.items()}, ("n0", "n1")) == []
+
+
+def test_thresholds_come_from_the_config() -> None:
+    loose = AgreementConfig(straggler_floor_ms=50)
+    slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 20
+    assert _feed(StragglerCheck(loose), slow) == []  # 30 ms is below a 50 ms floor
+    assert _feed(StragglerCheck(AgreementConfig(straggler_ratio=0.5)), slow) == []  # below half a 100 ms step
+    assert [i for i, _ in _feed(StragglerCheck(AgreementConfig(straggler_samples=12)), slow)] == [11]
+    assert [i for i, _ in _feed(StragglerCheck(AgreementConfig(straggler_steps=4)), slow)] == [4]
+
+
+def test_eviction_needs_the_option_and_its_threshold_and_is_retracted() -> None:
+    slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 20
+    assert [v.kind for _, v in _feed(StragglerCheck(AgreementConfig()), slow)] == ["report"]
+    evicting = AgreementConfig(evict_stragglers=True)
+    got = _feed(StragglerCheck(evicting), slow + [{n: 0 for n in RANKS}])
+    assert [(i, v.kind) for i, v in got] == [(8, "report"), (15, "evict"), (20, "retract")]
+    # 20 ms of a 100 ms step: reported, below the 25% eviction threshold
+    mild = [{"n0": 20, "n1": 20, "n2": 20, "n3": 0}] * 20
+    assert [v.kind for _, v in _feed(StragglerCheck(evicting), mild)] == ["report"]
