@@ -89,8 +89,8 @@ def test_an_episode_is_reported_once_and_again_after_it_ended() -> None:
     check = StragglerCheck(AgreementConfig())
     slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 10
     fine = [{n: 0 for n in RANKS}] * 5
-    verdicts = _feed(check, slow + fine + slow)  # (one sample per step: reported once 8 steps are in)
-    assert [(i, v.subject, v.kind) for i, v in verdicts] == [(8, "n3", "report"), (23, "n3", "report")]
+    verdicts = _feed(check, slow + fine + slow)  # (one sample per step: reported once 6 steps are in)
+    assert [(i, v.subject, v.kind) for i, v in verdicts] == [(6, "n3", "report"), (21, "n3", "report")]
 
 
 def test_only_subjects_are_judged_and_a_step_counts_once() -> None:
@@ -115,7 +115,7 @@ def test_eviction_needs_the_option_and_its_threshold_and_is_retracted() -> None:
     assert [v.kind for _, v in _feed(StragglerCheck(AgreementConfig()), slow)] == ["report"]
     evicting = AgreementConfig(evict_stragglers=True)
     got = _feed(StragglerCheck(evicting), slow + [{n: 0 for n in RANKS}])
-    assert [(i, v.kind) for i, v in got] == [(8, "report"), (15, "evict"), (20, "retract")]
+    assert [(i, v.kind) for i, v in got] == [(6, "report"), (15, "evict"), (20, "retract")]
     # 20 ms of a 100 ms step: reported, below the 25% eviction threshold
     mild = [{"n0": 20, "n1": 20, "n2": 20, "n3": 0}] * 20
     assert [v.kind for _, v in _feed(StragglerCheck(evicting), mild)] == ["report"]

@@ -272,9 +272,10 @@ class AgreementConfig:
     median step time) per step (a ratio, not a time) ..."""
     straggler_samples: int = 3
     """... in this many consecutive samples (hang check rounds in which its step moved on) ..."""
-    straggler_steps: int = 8
-    """... spanning at least this many of its steps (the trainer averages its wait over its last 8 steps:
-    the figure then holds the whole lag); then it is reported once (a ``Straggler`` event, a warning),
+    straggler_steps: int = 6
+    """... spanning at least this many of its steps (the trainer averages its wait over its last 8 steps, and
+    the first sample over the threshold comes when half of them lag at most: the figure then holds the whole
+    lag); then it is reported once (a ``Straggler`` event, a warning),
     until its magnitude falls below half the threshold."""
     evict_stragglers: bool = False
     """Replace a persistent straggler by a spare, as a hung rank is (an alert of reason ``straggler``):
