@@ -119,3 +119,70 @@ def test_eviction_needs_the_option_and_its_threshold_and_is_retracted() -> None:
     # 20 ms of a 100 ms step: reported, below the 25% eviction threshold
     mild = [{"n0": 20, "n1": 20, "n2": 20, "n3": 0}] * 20
     assert [v.kind for _, v in _feed(StragglerCheck(evicting), mild)] == ["report"]
+
+
+# --- live jobs (the harness: 4 ranks, each step a fixed 100 ms of "compute" plus the model's) -----------
+LIVE_STEP_MS = 100.0
+LAG_MS = 30.0  # 30% of the step
+LAG_FROM = 20
+REPORT = re.compile(r"event Straggler .*\bnode=(\S+) behind_ms=(-?\d+) step=(\d+)")
+
+
+def _reports(workdir: Path) -> list[tuple[str, str, int, int]]:
+    """(reporting node, straggler, magnitude ms, its step then) from every agent's warnings."""
+    out = []
+    for log in sorted(workdir.glob("n*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            m = REPORT.search(line)
+            if m:
+                out.append((log.stem, m.group(1), int(m.group(2)), int(m.group(3))))
+    return out
+
+
+def _lagging_job(workdir: Path, steps: int, spares: int = 0, protocol: dict[str, str] | None = None,
+                 lag: bool = True) -> dict[str, object]:
+    from gossiprec.harness.faults import Fault
+    from gossiprec.harness.scenario import run_scenario
+
+    faults = [Fault("n3", "lag", LAG_FROM, "compute")] if lag else []
+    return run_scenario(4, spares, steps, faults, step_ms=LIVE_STEP_MS, workdir=str(workdir), timeout=300.0,
+                        trainer_args=["--pace", "compute", "--lag-ms", str(LAG_MS)], protocol=protocol or {},
+                        may_fail=("n3",) if spares else ())
+
+
+def test_a_rank_slowed_by_30_percent_is_reported_by_its_observers_and_no_other(tmp_path: Path) -> None:
+    res = _lagging_job(tmp_path, 60)
+    assert res["bit_identical"], res
+    reports = _reports(tmp_path)
+    assert reports, "no straggler reported"
+    assert {who for _, who, _, _ in reports} == {"n3"}, reports  # only the slow rank
+    assert len({by for by, _, _, _ in reports}) == len(reports), reports  # once per observer
+    for _, _, behind, step in reports:
+        assert step - LAG_FROM <= 20, reports  # within 20 steps of the lag's start
+        assert abs(behind - LAG_MS) <= 0.25 * LAG_MS, reports  # its magnitude
+
+
+@pytest.mark.long
+def test_an_unslowed_job_reports_no_straggler_over_500_steps(tmp_path: Path) -> None:
+    from gossiprec.harness.scenario import run_scenario
+
+    # the ordinary pacing (20 ms steps, waiting counts in the step): 4 ranks and 4 agents on 2 busy cores
+    res = run_scenario(4, 0, 500, [], workdir=str(tmp_path), timeout=600.0)
+    assert res["bit_identical"], res
+    assert _reports(tmp_path) == []
+
+
+@pytest.mark.long
+def test_evict_stragglers_replaces_the_slow_rank_by_a_spare_bit_identical(tmp_path: Path) -> None:
+    import json
+
+    res = _lagging_job(tmp_path, 100, spares=1,
+                       protocol={"evict_stragglers": "true", "straggler_evict_ratio": "0.15"})
+    assert res["bit_identical"], res  # the final state is the failure-free run's, bit for bit
+    assert {who for _, who, _, _ in _reports(tmp_path)} == {"n3"}
+    spare = json.loads((tmp_path / "n4.json").read_text())
+    assert spare["rank"] == 3 and spare["step"] == 100, spare  # the spare took the slow rank's place
+    assert [r["role"] for r in spare["records"]] == ["receiver"], spare["records"]
+    assert not (tmp_path / "n3.json").exists()  # the slow rank did not finish the job
+    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("n[0-2].log"))
+    assert "reason=straggler" in logs and "removed=['n3']" in logs
