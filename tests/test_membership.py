@@ -533,8 +533,8 @@ def test_join_through_a_seed_from_an_empty_table(seed: int) -> None:
 def test_pushpull_reply_goes_back_on_the_stream() -> None:
     s = machine("s", ["s", "t"], seed=1)
     s.take_sends()
-    deliver(s, 1.0, PushPull("j", addr("j"), True, False, (("j", addr("j"), 3, ALIVE, 1, 0, -1, 0, 0, 0, 0, b"", b""),)),
-            reliable=True)
+    row = ("j", addr("j"), 3, ALIVE, 1, 0, -1, 0, 0, 0, 0, b"", b"")
+    deliver(s, 1.0, PushPull("j", addr("j"), True, False, (row,)), reliable=True)
     replies = [x for x in s.take_sends() if x.addr == addr("j")]
     assert replies and replies[0].reliable
     reply = decode_packet(replies[0].payload, BIG)[0]

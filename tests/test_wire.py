@@ -102,7 +102,8 @@ FIELD_OK: dict[str, Callable[[Any], bool]] = {
     "nack": lambda v: type(v) is bool, "join": lambda v: type(v) is bool, "reply": lambda v: type(v) is bool,
     "step": lambda v: _is_int(v, -1, 2**62), "phase": lambda v: _is_int(v, 0, len(PHASES) - 1),
     "step_ms": lambda v: _is_int(v, 0, 2**31 - 1), "stall_ms": lambda v: _is_int(v, 0, 2**31 - 1),
-    "coll": lambda v: _is_int(v, 0, 2**32 - 1), "wait_ms": lambda v: _is_int(v, 0, 2**31 - 1), "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
+    "coll": lambda v: _is_int(v, 0, 2**32 - 1), "wait_ms": lambda v: _is_int(v, 0, 2**31 - 1),
+    "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
     "members": lambda v: type(v) is tuple and len(v) <= MAX_MEMBERS and all(_row(r) for r in v),
     "sig": lambda v: type(v) is bytes and len(v) <= 64,
 }

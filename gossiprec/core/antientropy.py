@@ -102,4 +102,5 @@ def on_pushpull(m: MembershipPort, msg: PushPull, now: float) -> None:
         else:
             m.on_dead(Dead(name, inc, name), now)
         if pver > 0:
-            m.on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, wait_ms, psig), now)  # checked as gossip
+            # (checked as gossip)
+            m.on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, wait_ms, psig), now)

@@ -265,8 +265,9 @@ class AgreementConfig:
     """A member's progress last heard longer ago than this is stale: the hang check neither counts it in
     the frontier nor judges it (it may have crashed)."""
     straggler_floor_ms: int = 10
-    """Milliseconds per step: the least magnitude (how long the other ranks wait for a rank, per step,
-    see :mod:`gossiprec.core.stragglers`) reported as a straggler, whatever the step time."""
+    """Milliseconds per step: the least magnitude reported as a straggler, whatever the step time. A rank's
+    magnitude is how long the other ranks wait for it per step: the median of their waits inside
+    collectives minus its own (``gossiprec/core/stragglers.py``)."""
     straggler_ratio: float = 0.15
     """A rank is a straggler once the others wait for it at least max(straggler_floor_ms, straggler_ratio *
     median step time) per step (a ratio, not a time) ..."""

@@ -1,9 +1,10 @@
 """The hang check: which of this member's subjects is hung (alive but stuck) or straggling.
 
 What it decides: a hang alert (or its retraction) about a subject, and when to check again; it runs the
-straggler check (:mod:`gossiprec.core.stragglers`) on the same sample. Inputs: the training progress (step, collectives entered, phase, step time, and since
-when that position is current) of a sample of members, as SWIM last heard it, and when each subject last answered
-one of our probes.
+straggler check (:mod:`gossiprec.core.stragglers`) on the same sample. Inputs: the training progress
+(step, collectives entered, phase, step time, wait inside collectives, and since when that position is
+current) of a sample of members, as SWIM last heard it, and when each subject last answered one of our
+probes.
 
 Rule: a rank's *position* is (step, collectives entered in that step, phase): ranks that run the same
 program issue the same collectives in the same order, so within a step the count says which collective
@@ -27,9 +28,9 @@ began. Only a subject that answered one of our
 probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
 progress must not date a "hang"): it is probed as its threshold nears. A rank that is slow but moves is
 no hang: synchronous training keeps it within a step of the others, and the straggler check finds it by
-how long the others wait for it in their collectives (``wait_ms``), not by its position. Progress older than ``progress_stale``
-counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
-rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
+how long the others wait for it in their collectives (``wait_ms``), not by its position. Progress older
+than ``progress_stale`` counts for nothing, and a rank that is recovering is judged by the recovery's own
+timeouts; but once a rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
 its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
 change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
 every other by more than synchronous training allows (one step, plus what the time between the reports

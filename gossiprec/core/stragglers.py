@@ -12,8 +12,9 @@ peers' waits minus its own wait (milliseconds per step that the others wait for 
 each time the check runs and the subject's step has moved on since the last one. A subject is a
 straggler once its magnitude has been at least ``max(straggler_floor_ms, straggler_ratio * median step
 time)`` for ``straggler_samples`` consecutive samples spanning at least ``straggler_steps`` of its steps
-(enough for the average its trainer reports, over its last 8 steps, to hold the whole lag): the floor and the ratio keep the ordinary jitter
-of a busy machine (a rank descheduled now and then) out, the count keeps a single slow step out. It is
+(enough for the average its trainer reports, over its last 8 steps, to hold the whole lag): the floor
+and the ratio keep the ordinary jitter of a busy machine (a rank descheduled now and then) out, the
+count keeps a single slow step out. It is
 reported once; the episode ends when its magnitude falls below half the threshold (so a rank near the
 threshold is not reported again and again). With ``evict_stragglers``, a straggler (reported) whose
 magnitude stays at least ``max(straggler_floor_ms, straggler_evict_ratio * median step time)`` for
