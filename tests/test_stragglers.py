@@ -182,7 +182,9 @@ def test_evict_stragglers_replaces_the_slow_rank_by_a_spare_bit_identical(tmp_pa
     assert {who for _, who, _, _ in _reports(tmp_path)} == {"n3"}
     spare = json.loads((tmp_path / "n4.json").read_text())
     assert spare["rank"] == 3 and spare["step"] == 100, spare  # the spare took the slow rank's place
-    assert [r["role"] for r in spare["records"]] == ["receiver"], spare["records"]
+    # it received the slow rank's state; later views (the removed node back as a spare) only resumed it
+    roles = [r["role"] for r in spare["records"]]
+    assert roles[0] == "receiver" and set(roles[1:]) <= {"survivor"}, spare["records"]
     assert not (tmp_path / "n3.json").exists()  # the slow rank did not finish the job
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("n[0-2].log"))
     assert "reason=straggler" in logs and "removed=['n3']" in logs

@@ -6,37 +6,35 @@ straggler check (:mod:`gossiprec.core.stragglers`) on the same sample. Inputs: t
 current) of a sample of members, as SWIM last heard it, and when each subject last answered one of our
 probes.
 
-Rule: a rank's *position* is (step, collectives entered in that step, phase): ranks that run the same
-program issue the same collectives in the same order, so within a step the count says which collective
-each rank has reached. The *frontier* is the most advanced position in the sample (this member, its
-subjects and its observers: K random members each way, trainers only; in a hang every healthy rank waits
-at or near the frontier, so the sample shows it at O(K) per check instead of O(N)). A subject behind the
-frontier whose position has not changed for ``max(hang_floor, hang_mult * median step time)``
-(``checkpoint_timeout`` at least while it saves a checkpoint) *while others were ahead of it* is hung,
-with two exceptions that keep the ranks waiting for it out: a rank that reports ``waiting`` (inside a
-collective that waits on its peers) waits for someone else, and a rank with another one behind it (a
-smaller position, not waiting) is not the one the others wait for. So in a tensor-parallel hang (one
-rank stalled before collective k, its peer inside k, the other replica in the gradient all-reduce) only
-the first is judged: by the counts where the sample holds it, and where it does not because the
-others report ``waiting``. The stall is dated from when that position
-began (its owner's acks carry its age), but not before the earliest moment a member of the sample is
-known to have been past it (when its own current position began), and never before this view's
-install. So a stall every rank shares (a slow collective, a file system, a long GC) is no one's hang:
-when the job resumes, this member sees its own progress at once and others' only at their next answer,
-and without the second bound every rank it had not heard from yet would look stalled since the stall
-began. Only a subject that answered one of our
-probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed
-progress must not date a "hang"): it is probed as its threshold nears. A rank that is slow but moves is
-no hang: synchronous training keeps it within a step of the others, and the straggler check finds it by
-how long the others wait for it in their collectives (``wait_ms``), not by its position. Progress older
-than ``progress_stale`` counts for nothing, and a rank that is recovering is judged by the recovery's own
-timeouts; but once a rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
-its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
-change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
-every other by more than synchronous training allows (one step, plus what the time between the reports
-and their possible staleness permit: see ``AgreementConfig.step_floor_ms``), with at least two others to
-witness it, is the anomaly, not the ranks waiting for it: it is left out of the frontier, and its
-observers alert it as ``implausible``.
+Rule: a rank's *position* is (step, collectives entered in that step, phase): ranks that run the same program
+issue the same collectives in the same order, so within a step the count says which collective each rank has
+reached. The *frontier* is the most advanced position in the sample (this member, its subjects and its
+observers: K random members each way, trainers only; in a hang every healthy rank waits at or near the
+frontier, so the sample shows it at O(K) per check instead of O(N)). A subject behind the frontier whose
+position has not changed for ``max(hang_floor, hang_mult * median step time)`` (``checkpoint_timeout`` at
+least while it saves a checkpoint) *while others were ahead of it* is hung, with two exceptions that keep the
+ranks waiting for it out: a rank that reports ``waiting`` (inside a collective that waits on its peers) waits
+for someone else, and a rank with another one behind it (a smaller position, not waiting) is not the one the
+others wait for. So in a tensor-parallel hang (one rank stalled before collective k, its peer inside k, the
+other replica in the gradient all-reduce) only the first is judged: by the counts where the sample holds it,
+and where it does not because the others report ``waiting``. The stall is dated from when that position began
+(its owner's acks carry its age), but not before the earliest moment a member of the sample is known to have
+been past it (when its own current position began), and never before this view's install. So a stall every
+rank shares (a slow collective, a file system, a long GC) is no one's hang: when the job resumes, this member
+sees its own progress at once and others' only at their next answer, and without the second bound every rank
+it had not heard from yet would look stalled since the stall began. Only a subject that answered one of our
+probes within ``answered_within`` is judged (a crashed one is the probes' business, and its relayed progress
+must not date a "hang"): it is probed as its threshold nears. A rank that is slow but moves is no hang:
+synchronous training keeps it within a step of the others, and the straggler check finds it by how long the
+others wait for it in their collectives (``wait_ms``), not by its position. Progress older than
+``progress_stale`` counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts;
+but once a rank of the sample recovers from this view's change, the frontier is past every step: a rank still
+in its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
+change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of every
+other by more than synchronous training allows (one step, plus what the time between the reports and their
+possible staleness permit: see ``AgreementConfig.step_floor_ms``), with at least two others to witness it, is
+the anomaly, not the ranks waiting for it: it is left out of the frontier, and its observers alert it as
+``implausible``.
 """
 
 from __future__ import annotations
