@@ -121,6 +121,40 @@ def test_eviction_needs_the_option_and_its_threshold_and_is_retracted() -> None:
     assert [v.kind for _, v in _feed(StragglerCheck(evicting), mild)] == ["report"]
 
 
+
+def test_metrics_count_reports_and_show_waits_and_magnitudes_by_rank() -> None:
+    pytest.importorskip("prometheus_client")
+    from gossiprec.agent.metrics import AgentMetrics
+    from gossiprec.core.events import Straggler
+
+    class Status:
+        def control_status(self) -> dict[str, object]:
+            members = [{"node": n, "role": "trainer", "rank": i} for i, n in enumerate(RANKS)]
+            return {"node": "n1", "view": {"epoch": 0, "members": members}, "wait_ms": 31,
+                    "behind": {"n0": -1, "n3": 29}}
+
+    m = AgentMetrics(Status())
+    m.observe(Straggler("n3", 29, 34, 5.0))
+    v = m.registry.get_sample_value
+    assert v("gossiprec_straggler_reports_total") == 1
+    assert v("gossiprec_collective_wait_ms", {"rank": "1"}) == 31
+    assert v("gossiprec_straggler_behind_ms", {"rank": "3"}) == 29
+    assert v("gossiprec_straggler_behind_ms", {"rank": "0"}) == -1
+
+
+def test_members_shows_how_long_the_others_wait_for_each_rank() -> None:
+    from gossiprec.agent.ops import format_members, member_rows
+
+    status = {"view": {"epoch": 0, "members": [{"node": n, "role": "trainer", "rank": i}
+                                                for i, n in enumerate(RANKS)]}}
+    members = [{"name": n, "addr": f"h:{i}", "status": "alive", "step": 40, "step_ms": 130,
+                "behind_ms": 29 if n == "n3" else 0, "self": n == "n0"} for i, n in enumerate(RANKS)]
+    lines = format_members(member_rows(status, members)).splitlines()
+    assert lines[0].split()[-1] == "Behind"
+    assert lines[4].split()[0] == "n3" and lines[4].split()[-2:] == ["29", "ms"]
+    assert lines[2].split()[-2:] == ["0", "ms"]
+
+
 # --- live jobs (the harness: 4 ranks, each step a fixed 100 ms of "compute" plus the model's) -----------
 LIVE_STEP_MS = 100.0
 LAG_MS = 30.0  # 30% of the step
