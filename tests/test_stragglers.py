@@ -148,7 +148,7 @@ def test_members_shows_how_long_the_others_wait_for_each_rank() -> None:
     status = {"view": {"epoch": 0, "members": [{"node": n, "role": "trainer", "rank": i}
                                                 for i, n in enumerate(RANKS)]}}
     members = [{"name": n, "addr": f"h:{i}", "status": "alive", "step": 40, "step_ms": 130,
-                "behind_ms": 29 if n == "n3" else 0, "self": n == "n0"} for i, n in enumerate(RANKS)]
+                "behind_ms": 29 if n == "n3" else -1, "self": n == "n0"} for i, n in enumerate(RANKS)]
     lines = format_members(member_rows(status, members)).splitlines()
     assert lines[0].split()[-1] == "Behind"
     assert lines[4].split()[0] == "n3" and lines[4].split()[-2:] == ["29", "ms"]

@@ -126,7 +126,8 @@ def format_members(rows: Sequence[Mapping[str, Any]]) -> str:
     headers = ("Node", "Address", "Role", "Rank", "Status", "Epoch", "Step", "Step time", "Behind")
     table = [(("* " if r["self"] else "") + r["node"], r["address"], r["role"], r["rank"], r["status"],
               r["epoch"], r["step"], None if r["step_ms"] is None else f"{r['step_ms']} ms",
-              None if r.get("behind_ms") is None else f"{r['behind_ms']} ms") for r in rows]
+              # (a rank that waits more than the median of the others is behind no one: 0)
+              None if r.get("behind_ms") is None else f"{max(0, r['behind_ms'])} ms") for r in rows]
     return format_table(headers, table)
 
 

@@ -268,7 +268,7 @@ class AgreementConfig:
     """Milliseconds per step: the least magnitude reported as a straggler, whatever the step time. A rank's
     magnitude is how long the other ranks wait for it per step: the median of their waits inside
     collectives minus its own (``gossiprec/core/stragglers.py``)."""
-    straggler_ratio: float = 0.15
+    straggler_ratio: float = 0.10
     """A rank is a straggler once the others wait for it at least max(straggler_floor_ms, straggler_ratio *
     median step time) per step (a ratio, not a time) ..."""
     straggler_samples: int = 3
