@@ -155,6 +155,23 @@ def test_members_shows_how_long_the_others_wait_for_each_rank() -> None:
     assert lines[2].split()[-2:] == ["0", "ms"]
 
 
+
+def test_a_lag_fault_sleeps_at_its_phase_of_every_step_from_its_step_on(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from gossiprec.harness import faults
+    from gossiprec.harness.faults import Fault, FaultInjector
+
+    slept: list[float] = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    hook = FaultInjector([Fault("", "lag", 5, "compute")], tmp_path / "f", lag_s=0.03,
+                         send=lambda pid, sig: pytest.fail("a lag is no signal"))
+    for step in range(1, 9):
+        hook(step, "compute")
+        hook(step, "communicate")
+    assert slept == [0.03] * 4  # steps 5, 6, 7, 8; at compute only
+    assert not (tmp_path / "f").exists()  # a stall, not recorded as the fault
+
+
 # --- live jobs (the harness: 4 ranks, each step a fixed 100 ms of "compute" plus the model's) -----------
 LIVE_STEP_MS = 100.0
 LAG_MS = 30.0  # 30% of the step
