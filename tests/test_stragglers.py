@@ -22,6 +22,11 @@ RANKS = ("n0", "n1", "n2", "n3")
 STEP_MS = 100
 
 
+def _cfg(**overrides: object) -> AgreementConfig:
+    """The defaults without the warm-up (tests of the rule from the first sample on)."""
+    return AgreementConfig(**{"straggler_warmup_steps": 0, **overrides})  # type: ignore[arg-type]
+
+
 def _feed(check: StragglerCheck, waits_of_step: list[dict[str, int]], subjects: tuple[str, ...] = RANKS,
           step_ms: int = STEP_MS) -> list[tuple[int, Verdict]]:
     """One sample per step: each step's waits (ms) for every rank. Returns (sample index, verdict)."""
@@ -86,15 +91,25 @@ def test_a_rank_slowed_by_30_percent_is_reported_within_20_steps_with_its_magnit
 
 
 def test_an_episode_is_reported_once_and_again_after_it_ended() -> None:
-    check = StragglerCheck(AgreementConfig())
+    check = StragglerCheck(_cfg())
     slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 10
     fine = [{n: 0 for n in RANKS}] * 5
     verdicts = _feed(check, slow + fine + slow)  # (one sample per step: reported once 6 steps are in)
     assert [(i, v.subject, v.kind) for i, v in verdicts] == [(6, "n3", "report"), (21, "n3", "report")]
 
 
-def test_only_subjects_are_judged_and_a_step_counts_once() -> None:
+def test_the_first_steps_of_a_view_are_not_judged() -> None:
+    slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 40
+    got = _feed(StragglerCheck(AgreementConfig()), slow)
+    assert [(i, v.kind) for i, v in got] == [(16 + 6, "report")]  # warm-up, then the 6-step span
     check = StragglerCheck(AgreementConfig())
+    _feed(check, slow[:10])
+    check.start_view()  # a recovery: the warm-up starts again
+    assert _feed(check, slow[:20]) == []
+
+
+def test_only_subjects_are_judged_and_a_step_counts_once() -> None:
+    check = StragglerCheck(_cfg())
     waits = {"n0": (5, STEP_MS, 30), "n1": (5, STEP_MS, 30), "n2": (5, STEP_MS, 30), "n3": (5, STEP_MS, 0)}
     for _ in range(10):  # the same step's figures again and again: one sample
         assert check.judge(waits, ("n3",)) == []
@@ -102,18 +117,18 @@ def test_only_subjects_are_judged_and_a_step_counts_once() -> None:
 
 
 def test_thresholds_come_from_the_config() -> None:
-    loose = AgreementConfig(straggler_floor_ms=50)
+    loose = _cfg(straggler_floor_ms=50)
     slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 20
     assert _feed(StragglerCheck(loose), slow) == []  # 30 ms is below a 50 ms floor
-    assert _feed(StragglerCheck(AgreementConfig(straggler_ratio=0.5)), slow) == []  # below half a 100 ms step
-    assert [i for i, _ in _feed(StragglerCheck(AgreementConfig(straggler_samples=12)), slow)] == [11]
-    assert [i for i, _ in _feed(StragglerCheck(AgreementConfig(straggler_steps=4)), slow)] == [4]
+    assert _feed(StragglerCheck(_cfg(straggler_ratio=0.5)), slow) == []  # below half a 100 ms step
+    assert [i for i, _ in _feed(StragglerCheck(_cfg(straggler_samples=12)), slow)] == [11]
+    assert [i for i, _ in _feed(StragglerCheck(_cfg(straggler_steps=4)), slow)] == [4]
 
 
 def test_eviction_needs_the_option_and_its_threshold_and_is_retracted() -> None:
     slow = [{"n0": 30, "n1": 30, "n2": 30, "n3": 0}] * 20
-    assert [v.kind for _, v in _feed(StragglerCheck(AgreementConfig()), slow)] == ["report"]
-    evicting = AgreementConfig(evict_stragglers=True)
+    assert [v.kind for _, v in _feed(StragglerCheck(_cfg()), slow)] == ["report"]
+    evicting = _cfg(evict_stragglers=True)
     got = _feed(StragglerCheck(evicting), slow + [{n: 0 for n in RANKS}])
     assert [(i, v.kind) for i, v in got] == [(6, "report"), (15, "evict"), (20, "retract")]
     # 20 ms of a 100 ms step: reported, below the 25% eviction threshold

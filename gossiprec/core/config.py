@@ -278,6 +278,10 @@ class AgreementConfig:
     the first sample over the threshold comes when half of them lag at most: the figure then holds the whole
     lag); then it is reported once (a ``Straggler`` event, a warning),
     until its magnitude falls below half the threshold."""
+    straggler_warmup_steps: int = 16
+    """Steps of each view (from the first step of a rank this member sees in it) that the straggler check
+    ignores: a job's first steps, and those after a recovery (a spare warming up, figures that still hold
+    the steps before the change), are uneven without any straggler."""
     evict_stragglers: bool = False
     """Replace a persistent straggler by a spare, as a hung rank is (an alert of reason ``straggler``):
     one the others wait for at least max(straggler_floor_ms, straggler_evict_ratio * median step time)
@@ -346,7 +350,7 @@ class AgreementConfig:
                 if type(value) is not bool:
                     problems.append(f"{f.name} must be true or false, got {value!r}")
             elif f.type in ("int", int):
-                least = 0 if f.name == "direct_votes_max" else 1
+                least = 0 if f.name in ("direct_votes_max", "straggler_warmup_steps") else 1
                 if type(value) is not int or value < least:
                     problems.append(f"{f.name} must be an integer >= {least}, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \

@@ -9,7 +9,9 @@ milliseconds per step its trainer spent waiting inside its collectives over its 
 Rule: in synchronous training every rank waits in each collective for the last one to arrive, so the
 rank the others wait for is the one that waits least. A subject's *magnitude* is the median of its
 peers' waits minus its own wait (milliseconds per step that the others wait for it). A sample is taken
-each time the check runs and the subject's step has moved on since the last one. A subject is a
+each time the check runs and the subject's step has moved on since the last one, once the subject is
+``straggler_warmup_steps`` past the first step of it this member saw in the view (a job's first steps and
+those after a recovery are uneven without any straggler). A subject is a
 straggler once its magnitude has been at least ``max(straggler_floor_ms, straggler_ratio * median step
 time)`` for ``straggler_samples`` consecutive samples spanning at least ``straggler_steps`` of its steps
 (enough for the average its trainer reports, over its last 8 steps, to hold the whole lag): the floor
@@ -58,7 +60,8 @@ def behind_of(waits: Mapping[str, int]) -> dict[str, int]:
 class StragglerCheck:
     """The straggler check of one member (run by its hang check, see :mod:`gossiprec.core.hangs`)."""
 
-    __slots__ = ("acfg", "runs", "since", "evict_runs", "reported", "evicting", "last_step", "behind")
+    __slots__ = ("acfg", "runs", "since", "evict_runs", "reported", "evicting", "last_step", "first_step",
+                 "behind")
 
     def __init__(self, acfg: AgreementConfig) -> None:
         self.acfg = acfg
@@ -74,6 +77,8 @@ class StragglerCheck:
         """Subjects alerted for removal as stragglers."""
         self.last_step: dict[str, int] = {}
         """Subject -> its step at its last sample (a sample counts only when it moved on)."""
+        self.first_step: dict[str, int] = {}
+        """Subject -> the first of its steps seen in this view (the warm-up counts from it)."""
         self.behind: dict[str, int] = {}
         """Subject -> its magnitude at its last sample (ms per step; what metrics and ``members`` show)."""
 
@@ -86,6 +91,7 @@ class StragglerCheck:
         self.reported.clear()
         self.evicting.clear()
         self.last_step.clear()
+        self.first_step.clear()
         self.behind.clear()
 
     def judge(self, ranks: Mapping[str, tuple[int, int, int]], subjects: Iterable[str]) -> list[Verdict]:
@@ -105,6 +111,8 @@ class StragglerCheck:
             if row is None:
                 continue
             step = row[0]
+            if step < self.first_step.setdefault(s, step) + acfg.straggler_warmup_steps:
+                continue  # warming up (the job's first steps, or those after a recovery)
             if self.last_step.get(s) == step:
                 continue  # no new sample: the same step's figures again
             self.last_step[s] = step

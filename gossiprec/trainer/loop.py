@@ -470,11 +470,13 @@ class ResilientTrainer:
         now = time.monotonic()
         group = self.groups.current if self.groups is not None else None
         waited = group.waited_s if group is not None else 0.0
+        if group is not self._wait_mark[0]:
+            self._waited.clear()  # new groups (a recovery): the figure starts again
         if self._last_commit_at is not None:
             self._link.step_ms = int((now - self._last_commit_at) * 1000)
             if group is not None and group is self._wait_mark[0]:
-                # what this step waited for its peers (a step after a recovery is not counted: its
-                # groups are new); a rolling mean, so one slow step is no straggler
+                # what this step waited for its peers (the first step on new groups is not counted);
+                # a rolling mean, so one slow step is no straggler
                 self._waited.append(waited - self._wait_mark[1])
                 self._link.wait_ms = int(1000 * sum(self._waited) / len(self._waited))
         self._wait_mark = (group, waited)
