@@ -194,4 +194,4 @@ def test_booting_hands_over_to_the_node_and_keeps_the_trainers_inputs() -> None:
     assert [type(e) for e in m.take_events()] == [ViewZeroAgreed]
     node = m.node
     assert isinstance(node, FakeNode)
-    assert node.calls == [("set_state", 3, None, 100), ("set_progress", 2, 0, 5, 0.0, 0)]  # the latest of each
+    assert node.calls == [("set_state", 3, None, 100), ("set_progress", 2, 0, 5, 0.0, 0, 0)]  # the latest of each

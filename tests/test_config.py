@@ -194,6 +194,8 @@ AGREEMENT_WAN_RULE = {
     "unstable_timeout": "x5", "fallback_timeout": "x5", "fallback_jitter": "x5", "retry_interval": "x5",
     "fence_after": "x5", "hang_floor": "x5", "hang_mult": "=", "step_floor_ms": "=", "checkpoint_timeout": "x5",
     "answered_within": "x5", "progress_stale": "x5", "evict_stragglers": "=", "retract_after": "=",
+    "straggler_floor_ms": "=", "straggler_ratio": "=", "straggler_samples": "=", "straggler_evict_ratio": "=",
+    "straggler_evict_samples": "=", "straggler_steps": "=", "straggler_warmup_steps": "=",
     "join_retry": "x5", "rejoin_after": "x5", "catchup_interval": "x5", "direct_votes_max": "=",
     "watch_first": "x5", "watch_interval": "x5", "realert_interval": "x5", "reaggregate_first": "x5",
     "reaggregate_gap_max": "x5", "reaggregate_for": "x5", "report_hold": "x5", "report_poll": "x5",

@@ -73,7 +73,7 @@ def test_every_core_event_reads_back_as_itself_and_a_damaged_one_is_refused() ->
               ViewInstalled(4, "c0ffee", ("n0",), (), ("s1",), False, True, 2.0),
               PlanReady(plan.epoch, plan.digest(), plan, 12.5), Fenced(2, "no quorum", 3.0),
               JobFinished(5, 100, "n0", 4.0), MemberFailed("n1", 2, "n0", 5.0), AlertRaised("n1", "hung", 6.0),
-              Straggler("n3", 2, 7.0)]
+              Straggler("n3", 25, 40, 7.0)]
     for ev in events:
         frame = msgpack.unpackb(msgpack.packb(event_to_dict(ev), use_bin_type=True), raw=False)
         assert decode_event(frame) == ev

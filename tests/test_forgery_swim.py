@@ -95,8 +95,8 @@ async def test_forged_push_pull_rows_move_and_kill_nobody(workdir: str) -> None:
     async with keyed_cluster(workdir) as (agents, _):
         view, subs = await _setup(agents)
         moved, killed, src = agents[1], agents[2], agents[3]
-        rows = ((moved.name, "127.0.0.1:9", _inc(moved) + 1000, ALIVE, 0, 0, -1, 0, 0, 0, b"", b""),
-                (killed.name, killed.addr, _inc(killed), DEAD, 0, 0, -1, 0, 0, 0, b"", b""))
+        rows = ((moved.name, "127.0.0.1:9", _inc(moved) + 1000, ALIVE, 0, 0, -1, 0, 0, 0, 0, b"", b""),
+                (killed.name, killed.addr, _inc(killed), DEAD, 0, 0, -1, 0, 0, 0, 0, b"", b""))
         before_moved, before_killed = _records(agents, moved.name), _records(agents, killed.name)
         msg = PushPull(src.name, src.addr, False, True, rows)
         before = [_count(a, "rx_alive_unsigned") for a in agents]
@@ -117,7 +117,7 @@ async def test_forged_progress_in_a_healthy_members_name_is_refused_everywhere(w
         # the hang check would judge a healthy rank by it (unsigned, and with a signature not its own)
         frozen = 10**9
         forged = [Progress(victim.name, _inc(victim), frozen, 3, PHASES.index("compute"), 100),
-                  Progress(victim.name, _inc(victim), frozen + 1, 3, PHASES.index("compute"), 100, 0, bytes(64))]
+                  Progress(victim.name, _inc(victim), frozen + 1, 3, PHASES.index("compute"), 100, 0, 0, bytes(64))]
         targets = [a for a in agents if a is not victim]
         before = [_count(a, "rx_progress_unsigned") for a in targets]
         KeyHolder(KEY_A).send(forged, _addrs(agents, victim.name))

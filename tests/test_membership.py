@@ -533,8 +533,8 @@ def test_join_through_a_seed_from_an_empty_table(seed: int) -> None:
 def test_pushpull_reply_goes_back_on_the_stream() -> None:
     s = machine("s", ["s", "t"], seed=1)
     s.take_sends()
-    deliver(s, 1.0, PushPull("j", addr("j"), True, False, (("j", addr("j"), 3, ALIVE, 1, 0, -1, 0, 0, 0, b"", b""),)),
-            reliable=True)
+    row = ("j", addr("j"), 3, ALIVE, 1, 0, -1, 0, 0, 0, 0, b"", b"")
+    deliver(s, 1.0, PushPull("j", addr("j"), True, False, (row,)), reliable=True)
     replies = [x for x in s.take_sends() if x.addr == addr("j")]
     assert replies and replies[0].reliable
     reply = decode_packet(replies[0].payload, BIG)[0]
@@ -637,7 +637,7 @@ def test_malformed_datagram_is_counted_and_dropped(data: bytes, counter: str) ->
 
 
 def test_stream_messages_may_exceed_the_mtu_but_datagrams_may_not() -> None:
-    rows = tuple((f"m{i:04d}", addr(f"m{i:04d}"), 1, ALIVE, 0, 0, -1, 0, 0, 0, b"", b"") for i in range(100))
+    rows = tuple((f"m{i:04d}", addr(f"m{i:04d}"), 1, ALIVE, 0, 0, -1, 0, 0, 0, 0, b"", b"") for i in range(100))
     data = encode_packet([PushPull("m0000", addr("m0000"), False, True, rows)])
     assert len(data) > CFG.mtu
     m = machine("a", ["a"], seed=1)
@@ -671,7 +671,7 @@ def test_random_valid_messages_never_crash_and_keep_the_table_consistent(seed: i
         lambda: Dead(name(), inc(), name()),
         lambda: Progress(name(), inc(), rng.randrange(9), rng.randrange(-1, 50), rng.randrange(6), 5),
         lambda: PushPull(name(), addr(name()), rng.random() < 0.5, rng.random() < 0.5, tuple(
-            (name(), addr(name()), inc(), rng.randrange(4), rng.randrange(2), rng.randrange(3), 1, 0, 0, 0, b"", b"")
+            (name(), addr(name()), inc(), rng.randrange(4), rng.randrange(2), rng.randrange(3), 1, 0, 0, 0, 0, b"", b"")
             for _ in range(rng.randrange(4)))),
     ]
     for _ in range(3000):

@@ -97,9 +97,11 @@ async def test_members_lists_every_member_with_rank_epoch_and_progress(sockdir: 
         rc, out, err = await _run(cmd_members, n1.control_path, False)
         assert rc == 0, err
         lines = out.strip().splitlines()
-        assert lines[0].split() == ["Node", "Address", "Role", "Rank", "Status", "Epoch", "Step", "Step", "time"]
+        assert lines[0].split() == ["Node", "Address", "Role", "Rank", "Status", "Epoch", "Step", "Step", "time",
+                                    "Behind"]
         first = lines[1].split()
-        assert first[:7] == ["n0", n0.addr, "trainer", "0", "alive", "0", "41"] and first[7:] == ["812", "ms"]
+        # (Behind: "-" with one training rank heard, nobody to compare it with)
+        assert first[:7] == ["n0", n0.addr, "trainer", "0", "alive", "0", "41"] and first[7:] == ["812", "ms", "-"]
         assert lines[2].split()[:3] == ["*", "n1", n1.addr]  # this agent is starred
         assert lines[3].split()[:4] == ["n2", agents[2].addr, "spare", "-"]
 

@@ -111,7 +111,7 @@ def test_a_forged_push_pull_row_with_frozen_progress_changes_nothing(forgery: st
     forged = Progress("b", b.incarnation, FROZEN, 3, COMPUTE, 100)
     psig = book("a").sign(forged).sig if forgery == "another-key" else b""
     # b's row at its own incarnation and address (the Alive part tells c nothing new), with frozen progress
-    row = ("b", addr("b"), b.incarnation, ALIVE, 0, FROZEN, 3, COMPUTE, 100, 0, b"", psig)
+    row = ("b", addr("b"), b.incarnation, ALIVE, 0, FROZEN, 3, COMPUTE, 100, 0, 0, b"", psig)
     deliver(c, pump.now, PushPull("a", addr("a"), False, True, (row,)), reliable=True)
     assert c.progress("b") == before and c.member("b").addr == addr("b")  # type: ignore[union-attr]
     assert c.counters["rx_progress_unsigned"] == 1
@@ -120,8 +120,8 @@ def test_a_forged_push_pull_row_with_frozen_progress_changes_nothing(forgery: st
 def test_push_pull_rows_carry_the_owners_progress_signature_and_a_joiner_takes_them() -> None:
     pump = honest(1)
     rows = {r[0]: r for r in antientropy.pushpull(pump.machines["a"], False, True).members}
-    name, _, inc, _, _, pver, step, phase, step_ms, coll, _, psig = rows["b"]
-    assert book("c").check("b", Progress(name, inc, pver, step, phase, step_ms, coll, psig))
+    name, _, inc, _, _, pver, step, phase, step_ms, coll, wait_ms, _, psig = rows["b"]
+    assert book("c").check("b", Progress(name, inc, pver, step, phase, step_ms, coll, wait_ms, psig))
     j = Membership(CFG, "j", addr("j"), incarnation=1, rng=random.Random(7), now=3.0)
     j.auth = book("j")
     j.auth.counters = j.counters

@@ -35,6 +35,20 @@ def tmpdir_() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def test_the_wait_in_collectives_rides_on_the_record_until_changed(tmpdir_: str) -> None:
+    path = page_path_for(f"{tmpdir_}/w.sock")
+    with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as trainer:
+        trainer.report(3, PHASES.index("compute"), 100)
+        r = agent_side.read()
+        assert r is not None and r.wait_ms == 0
+        trainer.report(4, PHASES.index("compute"), 100, 0, 31)
+        r = agent_side.read()
+        assert r is not None and (r.step, r.wait_ms) == (4, 31)
+        trainer.report(4, PHASES.index("communicate"), 100, 1)  # (None: unchanged)
+        r = agent_side.read()
+        assert r is not None and (r.coll, r.wait_ms) == (1, 31)
+
+
 def test_round_trip_and_since(tmpdir_: str) -> None:
     path = page_path_for(f"{tmpdir_}/a.sock")
     with ProgressPage.create(path) as agent_side, ProgressPage.open(path) as trainer:

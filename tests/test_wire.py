@@ -27,7 +27,7 @@ from gossiprec.errors import DecodeError, GossiprecError
 
 MTU = 1400
 BIG = 64 * 1024 * 1024
-ROW = ("n1", "10.0.0.1:7946", 3, 1, 0, 2, 17, 1, 250, 3, bytes(64), bytes(64))
+ROW = ("n1", "10.0.0.1:7946", 3, 1, 0, 2, 17, 1, 250, 3, 12, bytes(64), bytes(64))
 
 SAMPLES: list[Message] = [
     Ping(1, "n2", "n1", "10.0.0.1:7946"),
@@ -40,10 +40,12 @@ SAMPLES: list[Message] = [
     Dead("n6", 9, "n6"),
     Progress("n7", 1, 12, 1000, 2, 431),
     Progress("n7", 1, 13, 1000, 2, 431, 2**32 - 1),
-    Progress("n7", 1, 14, 1000, 2, 431, 3, bytes(64)),
+    Progress("n7", 1, 14, 1000, 2, 431, 3, 0, bytes(64)),
+    Progress("n7", 1, 15, 1000, 2, 431, 3, 2**31 - 1, bytes(64)),
     Ack(9, "n2", 4, 17, 1, 30, 1234),
     Ack(10, "n2", 4, 17, 1, 30, 1234, 57),
-    PushPull("n1", "10.0.0.1:7946", True, False, (ROW, ("n2", "", 1, 3, 1, 0, -1, 0, 0, 0, b"", b""))),
+    Ack(11, "n2", 4, 17, 1, 30, 1234, 57, 2**31 - 1),
+    PushPull("n1", "10.0.0.1:7946", True, False, (ROW, ("n2", "", 1, 3, 1, 0, -1, 0, 0, 0, 0, b"", b""))),
     PushPull("n1", "a", False, True, ()),
 ]
 
@@ -86,11 +88,11 @@ def _u64(v: Any) -> bool:
 
 
 def _row(v: Any) -> bool:
-    return (type(v) is tuple and len(v) == 12 and _name(v[0]) and _addr(v[1]) and _u64(v[2])
+    return (type(v) is tuple and len(v) == 13 and _name(v[0]) and _addr(v[1]) and _u64(v[2])
             and _is_int(v[3], 0, len(STATUS_NAMES) - 1) and _is_int(v[4], 0, len(ROLES) - 1)
             and _u64(v[5]) and _is_int(v[6], -1, 2**62) and _is_int(v[7], 0, len(PHASES) - 1)
-            and _is_int(v[8], 0, 2**31 - 1) and _is_int(v[9], 0, 2**32 - 1)
-            and all(type(sig) is bytes and len(sig) <= 64 for sig in v[10:]))  # Alive's, Progress's
+            and _is_int(v[8], 0, 2**31 - 1) and _is_int(v[9], 0, 2**32 - 1) and _is_int(v[10], 0, 2**31 - 1)
+            and all(type(sig) is bytes and len(sig) <= 64 for sig in v[11:]))  # Alive's, Progress's
 
 
 FIELD_OK: dict[str, Callable[[Any], bool]] = {
@@ -100,7 +102,8 @@ FIELD_OK: dict[str, Callable[[Any], bool]] = {
     "nack": lambda v: type(v) is bool, "join": lambda v: type(v) is bool, "reply": lambda v: type(v) is bool,
     "step": lambda v: _is_int(v, -1, 2**62), "phase": lambda v: _is_int(v, 0, len(PHASES) - 1),
     "step_ms": lambda v: _is_int(v, 0, 2**31 - 1), "stall_ms": lambda v: _is_int(v, 0, 2**31 - 1),
-    "coll": lambda v: _is_int(v, 0, 2**32 - 1), "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
+    "coll": lambda v: _is_int(v, 0, 2**32 - 1), "wait_ms": lambda v: _is_int(v, 0, 2**31 - 1),
+    "role": lambda v: _is_int(v, 0, len(ROLES) - 1),
     "members": lambda v: type(v) is tuple and len(v) <= MAX_MEMBERS and all(_row(r) for r in v),
     "sig": lambda v: type(v) is bytes and len(v) <= 64,
 }
@@ -286,31 +289,36 @@ REFUSALS: list[tuple[str, bytes, str]] = [
     ("addr-101-chars-303-bytes", packet([1, 1, "n2", "n1", EURO * 101]), "bad_field"),
     ("nack-int", packet([2, 1, "t", "a", "s", "b", 1]), "bad_field"),
     ("nack-nil", packet([2, 1, "t", "a", "s", "b", None]), "bad_field"),
-    ("ack-step-minus-2", packet([3, 1, "n", 1, -2, 0, 0, 0, 0]), "bad_field"),
-    ("ack-step-too-big", packet([3, 1, "n", 1, 2**62 + 1, 0, 0, 0, 0]), "bad_field"),
-    ("ack-phase-6", packet([3, 1, "n", 1, 0, len(PHASES), 0, 0, 0]), "bad_field"),
-    ("ack-phase-negative", packet([3, 1, "n", 1, 0, -1, 0, 0, 0]), "bad_field"),
-    ("ack-step-ms-2^31", packet([3, 1, "n", 1, 0, 0, 2**31, 0, 0]), "bad_field"),
-    ("ack-step-ms-negative", packet([3, 1, "n", 1, 0, 0, -5, 0, 0]), "bad_field"),
-    ("ack-step-ms-float", packet([3, 1, "n", 1, 0, 0, 5.0, 0, 0]), "bad_field"),
-    ("ack-stall-ms-2^31", packet([3, 1, "n", 1, 0, 0, 5, 2**31, 0]), "bad_field"),
-    ("ack-stall-ms-negative", packet([3, 1, "n", 1, 0, 0, 5, -1, 0]), "bad_field"),
+    ("ack-step-minus-2", packet([3, 1, "n", 1, -2, 0, 0, 0, 0, 0]), "bad_field"),
+    ("ack-step-too-big", packet([3, 1, "n", 1, 2**62 + 1, 0, 0, 0, 0, 0]), "bad_field"),
+    ("ack-phase-6", packet([3, 1, "n", 1, 0, len(PHASES), 0, 0, 0, 0]), "bad_field"),
+    ("ack-phase-negative", packet([3, 1, "n", 1, 0, -1, 0, 0, 0, 0]), "bad_field"),
+    ("ack-step-ms-2^31", packet([3, 1, "n", 1, 0, 0, 2**31, 0, 0, 0]), "bad_field"),
+    ("ack-step-ms-negative", packet([3, 1, "n", 1, 0, 0, -5, 0, 0, 0]), "bad_field"),
+    ("ack-step-ms-float", packet([3, 1, "n", 1, 0, 0, 5.0, 0, 0, 0]), "bad_field"),
+    ("ack-stall-ms-2^31", packet([3, 1, "n", 1, 0, 0, 5, 2**31, 0, 0]), "bad_field"),
+    ("ack-stall-ms-negative", packet([3, 1, "n", 1, 0, 0, 5, -1, 0, 0]), "bad_field"),
     ("ack-without-stall-ms", packet([3, 1, "n", 1, 0, 0, 5]), "bad_message"),
     ("ack-without-coll", packet([3, 1, "n", 1, 0, 0, 5, 0]), "bad_message"),
-    ("ack-coll-negative", packet([3, 1, "n", 1, 0, 0, 5, 0, -1]), "bad_field"),
-    ("ack-coll-2^32", packet([3, 1, "n", 1, 0, 0, 5, 0, 2**32]), "bad_field"),
-    ("ack-coll-float", packet([3, 1, "n", 1, 0, 0, 5, 0, 1.0]), "bad_field"),
+    ("ack-coll-negative", packet([3, 1, "n", 1, 0, 0, 5, 0, -1, 0]), "bad_field"),
+    ("ack-coll-2^32", packet([3, 1, "n", 1, 0, 0, 5, 0, 2**32, 0]), "bad_field"),
+    ("ack-coll-float", packet([3, 1, "n", 1, 0, 0, 5, 0, 1.0, 0]), "bad_field"),
+    ("ack-without-wait-ms", packet([3, 1, "n", 1, 0, 0, 5, 0, 0]), "bad_message"),
+    ("ack-wait-ms-2^31", packet([3, 1, "n", 1, 0, 0, 5, 0, 0, 2**31]), "bad_field"),
+    ("ack-wait-ms-negative", packet([3, 1, "n", 1, 0, 0, 5, 0, 0, -1]), "bad_field"),
     ("alive-role-2", packet([5, "n", "a", 1, len(ROLES), b""]), "bad_field"),
     ("suspect-inc-negative", packet([6, "n", -1, "s", b""]), "bad_field"),
     ("dead-inc-str", packet([7, "n", "1", "s", b""]), "bad_field"),
     ("dead-sig-long", packet([7, "n", 1, "s", b"x" * 65]), "bad_field"),
-    ("progress-version-nil", packet([8, "n", 1, None, 0, 0, 0, 0, b""]), "bad_field"),
+    ("progress-version-nil", packet([8, "n", 1, None, 0, 0, 0, 0, 0, b""]), "bad_field"),
     ("progress-without-coll", packet([8, "n", 1, 1, 0, 0, 0]), "bad_message"),
-    ("progress-without-sig", packet([8, "n", 1, 1, 0, 0, 0, 0]), "bad_message"),
-    ("progress-coll-2^32", packet([8, "n", 1, 1, 0, 0, 0, 2**32, b""]), "bad_field"),
-    ("progress-coll-nil", packet([8, "n", 1, 1, 0, 0, 0, None, b""]), "bad_field"),
-    ("progress-sig-long", packet([8, "n", 1, 1, 0, 0, 0, 0, b"x" * 65]), "bad_field"),
-    ("progress-sig-str", packet([8, "n", 1, 1, 0, 0, 0, 0, "sig"]), "bad_field"),
+    ("progress-without-sig", packet([8, "n", 1, 1, 0, 0, 0, 0, 0]), "bad_message"),
+    ("progress-without-wait-ms", packet([8, "n", 1, 1, 0, 0, 0, 0, b""]), "bad_message"),
+    ("progress-wait-ms-2^31", packet([8, "n", 1, 1, 0, 0, 0, 0, 2**31, b""]), "bad_field"),
+    ("progress-coll-2^32", packet([8, "n", 1, 1, 0, 0, 0, 2**32, 0, b""]), "bad_field"),
+    ("progress-coll-nil", packet([8, "n", 1, 1, 0, 0, 0, None, 0, b""]), "bad_field"),
+    ("progress-sig-long", packet([8, "n", 1, 1, 0, 0, 0, 0, 0, b"x" * 65]), "bad_field"),
+    ("progress-sig-str", packet([8, "n", 1, 1, 0, 0, 0, 0, 0, "sig"]), "bad_field"),
     ("pushpull-members-map", packet([9, "s", "", False, False, {"n1": 1}]), "bad_field"),
     ("pushpull-members-str", packet([9, "s", "", False, False, "n1"]), "bad_field"),
     ("pushpull-row-short", packet([9, "s", "", False, False, [list(ROW[:9])]]), "bad_field"),
@@ -377,16 +385,16 @@ millis = st.integers(0, 2**31 - 1)
 sigs = st.binary(max_size=64)
 colls = st.integers(0, 2**32 - 1)
 rows = st.tuples(names, addrs, u64, st.integers(0, 3), st.integers(0, 1), u64, steps, phases, millis, colls,
-                 sigs, sigs)
+                 millis, sigs, sigs)
 messages = st.one_of(
     st.builds(Ping, u64, names, names, addrs),
     st.builds(IndirectPing, u64, names, addrs, names, addrs, st.booleans()),
-    st.builds(Ack, u64, names, u64, steps, phases, millis, millis, colls),
+    st.builds(Ack, u64, names, u64, steps, phases, millis, millis, colls, millis),
     st.builds(Nack, u64, names),
     st.builds(Alive, names, addrs, u64, st.integers(0, 1), sigs),
     st.builds(Suspect, names, u64, names, sigs),
     st.builds(Dead, names, u64, names, st.binary(max_size=64)),
-    st.builds(Progress, names, u64, u64, steps, phases, millis, colls, sigs),
+    st.builds(Progress, names, u64, u64, steps, phases, millis, colls, millis, sigs),
     st.builds(PushPull, names, addrs, st.booleans(), st.booleans(), st.lists(rows, max_size=4).map(tuple)),
 )
 HYP = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -118,6 +118,21 @@ class _StateCollector:
                     1 if st.get("fenced") else 0)
         yield gauge("gossiprec_leaving", "1 while this agent leaves the cluster.", 1 if st.get("leaving") else 0)
         transport = st.get("transport") or {}
+        ranks = {m.get("node"): m.get("rank") for m in (view["members"] if view else ())}
+        wait = core.GaugeMetricFamily("gossiprec_collective_wait_ms", "Mean milliseconds per step this agent's "
+                                      "trainer waits inside its collectives (its last few steps).", labels=["rank"])
+        me = ranks.get(st.get("node"))
+        if isinstance(me, int) and me >= 0:
+            wait.add_metric([str(me)], float(st.get("wait_ms") or 0))
+        yield wait
+        behind = core.GaugeMetricFamily("gossiprec_straggler_behind_ms", "Milliseconds per step the other ranks "
+                                        "wait for this rank (straggler magnitude), for the ranks this agent "
+                                        "judges.", labels=["rank"])
+        for node, ms in sorted((st.get("behind") or {}).items()):
+            rank = ranks.get(node)
+            if isinstance(rank, int) and rank >= 0 and isinstance(ms, (int, float)):
+                behind.add_metric([str(rank)], float(ms))
+        yield behind
         yield from _counter_family(core, "gossiprec_packets_rejected", "Packets and frames refused, by reason.",
                                    "reason", transport.get("rejects") or {})
         yield from _counter_family(core, "gossiprec_transport_events", "Transport counters by kind.",
@@ -160,6 +175,9 @@ class AgentMetrics:
         self.agreement = prom.Histogram(
             "gossiprec_agreement_seconds", "From this node's first evidence against a removed member to "
             "the view without it.", buckets=buckets, registry=reg)
+        self.straggler_reports = prom.Counter(
+            "gossiprec_straggler_reports", "Straggler episodes this agent reported (one per episode per "
+            "subject).", registry=reg)
         self.events_lost = prom.Counter(
             "gossiprec_metrics_events_lost", "Event subscriptions of the metrics follower that overflowed.",
             registry=reg)
@@ -204,6 +222,8 @@ class AgentMetrics:
                 del self._fail_since[name]  # bounded by the view's size
         elif kind == "Fenced":
             self.fences.inc()
+        elif kind == "Straggler":
+            self.straggler_reports.inc()
         elif kind == "Unfenced":
             self.unfences.inc()
 

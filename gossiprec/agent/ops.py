@@ -80,7 +80,8 @@ def fetch(path: str, *, members: bool = True, timeout: float = 5.0) -> dict[str,
 
 
 def member_rows(status: Mapping[str, Any], members: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per member: node, address, role, rank, status, epoch, step, step_ms, phase, self.
+    """One row per member: node, address, role, rank, status, epoch, step, step_ms, phase, behind_ms (how
+    long the other ranks wait for it per step: the straggler magnitude), self.
 
     View members come first in rank order (spares after trainers), then members outside the view."""
     view = status.get("view") or {}
@@ -100,6 +101,7 @@ def member_rows(status: Mapping[str, Any], members: Sequence[Mapping[str, Any]])
             "step": step if isinstance(step, int) and step >= 0 else None,
             "step_ms": m.get("step_ms") if isinstance(step, int) and step >= 0 else None,
             "phase": m.get("phase"),
+            "behind_ms": m.get("behind_ms"),
             "in_view": v is not None,
             "self": bool(m.get("self")),
         })
@@ -108,7 +110,7 @@ def member_rows(status: Mapping[str, Any], members: Sequence[Mapping[str, Any]])
         if name not in seen:
             rows.append({"node": name, "address": None, "role": v["role"], "rank": v.get("rank"),
                          "status": "unknown", "epoch": epoch, "step": None, "step_ms": None,
-                         "phase": None, "in_view": True, "self": False})
+                         "phase": None, "behind_ms": None, "in_view": True, "self": False})
 
     def order(r: dict[str, Any]) -> tuple[int, int, str]:
         if not r["in_view"]:
@@ -134,9 +136,11 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def format_members(rows: Sequence[Mapping[str, Any]]) -> str:
-    headers = ("Node", "Address", "Role", "Rank", "Status", "Epoch", "Step", "Step time")
+    headers = ("Node", "Address", "Role", "Rank", "Status", "Epoch", "Step", "Step time", "Behind")
     table = [(("* " if r["self"] else "") + r["node"], r["address"], r["role"], r["rank"], r["status"],
-              r["epoch"], r["step"], None if r["step_ms"] is None else f"{r['step_ms']} ms") for r in rows]
+              r["epoch"], r["step"], None if r["step_ms"] is None else f"{r['step_ms']} ms",
+              # (a rank that waits more than the median of the others is behind no one: 0)
+              None if r.get("behind_ms") is None else f"{max(0, r['behind_ms'])} ms") for r in rows]
     return format_table(headers, table)
 
 

@@ -130,6 +130,8 @@ class Agent:
         self._progress = (-1, 0, 0)
         self._coll = 0
         """The collectives the trainer entered in its current step, as its page last said."""
+        self.wait_ms = 0
+        """The trainer's mean wait per step inside its collectives (ms), as its page last said."""
         self.trainer_state: dict[str, Any] | None = None
         self.trainer_trained = False
         """Whether the trainer ever reported a committed step with state (sticky: a trainer that held state
@@ -618,12 +620,14 @@ class Agent:
                     raise ProtocolError(problem)
                 if self.trainer_state != dict(zip(_STATE_KEYS, state)):
                     self.control_set_state(*state)
-            if (rec.step, rec.phase, rec.step_ms) != self._progress or rec.coll != self._coll:
+            if ((rec.step, rec.phase, rec.step_ms) != self._progress or rec.coll != self._coll
+                    or rec.wait_ms != self.wait_ms):
                 now = self.clock()
                 since = now - (time.monotonic() - rec.since)  # the page's stamps are CLOCK_MONOTONIC
-                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(since, now), rec.coll)
+                self.machine.set_progress(rec.step, rec.phase, rec.step_ms, min(since, now), rec.coll, rec.wait_ms)
                 self._progress = (rec.step, rec.phase, rec.step_ms)
                 self._coll = rec.coll
+                self.wait_ms = rec.wait_ms
         except ProtocolError as exc:
             self._count("progress_page_invalid")
             self._throttle.warn("page", f"the trainer's progress page holds invalid values, ignored: {exc}")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sized
 from gossiprec import __version__
 from gossiprec.core.bootstrap import Booting
 from gossiprec.core.bootwords import boot_state
+from gossiprec.core.stragglers import behind_of
 from gossiprec.core.wire import PHASES, ROLES, STATUS_NAMES
 from gossiprec.local.protocol import ViewBrief
 
@@ -42,6 +43,8 @@ class StatusSource(Protocol):
     def incarnation(self) -> int: ...
     @property
     def my_progress(self) -> tuple[int, int, int]: ...
+    @property
+    def wait_ms(self) -> int: ...
     @property
     def state(self) -> str: ...
     @property
@@ -77,7 +80,9 @@ def role_name(role: Any) -> Any:
 
 def member_rows(agent: StatusSource, now: float) -> list[dict[str, Any]]:
     """One row per known member: address, status, role and the progress last heard (this node's own
-    is the trainer's as of now)."""
+    is the trainer's as of now), with its trainer's wait inside collectives (``wait_ms``) and how long
+    the other training ranks wait for it (``behind_ms``: the median of their waits minus its own, see
+    :mod:`gossiprec.core.stragglers`; None where it does not train or was not heard)."""
     m = agent.machine
     if m is None:
         return []
@@ -90,15 +95,20 @@ def member_rows(agent: StatusSource, now: float) -> list[dict[str, Any]]:
         }
         if rec.name == agent.name:
             step, phase, step_ms = agent.my_progress
-            row.update(step=step, phase=PHASES[phase], step_ms=step_ms, progress_age_s=0.0)
+            row.update(step=step, phase=PHASES[phase], step_ms=step_ms, progress_age_s=0.0, wait_ms=agent.wait_ms)
         else:
             p = m.progress(rec.name)
             if p is not None:
                 row.update(step=p.step, phase=PHASES[p.phase] if 0 <= p.phase < len(PHASES) else p.phase,
-                           step_ms=p.step_ms, progress_age_s=round(now - p.seen_at, 6))
+                           step_ms=p.step_ms, progress_age_s=round(now - p.seen_at, 6), wait_ms=p.wait_ms)
             else:
-                row.update(step=-1, phase=None, step_ms=0, progress_age_s=None)
+                row.update(step=-1, phase=None, step_ms=0, progress_age_s=None, wait_ms=0)
         rows.append(row)
+    training = {r["name"]: r["wait_ms"] for r in rows if r["role"] == "trainer" and r["step"] >= 0
+                and r["status"] in ("alive", "suspect") and r["phase"] != "recovering"}
+    behind = behind_of(training)
+    for r in rows:
+        r["behind_ms"] = behind.get(r["name"]) if len(training) > 1 else None
     return rows
 
 
@@ -125,6 +135,8 @@ def agent_status(agent: StatusSource, now: float) -> dict[str, Any]:
         "layout_registered": agent.layout is not None,
         "trainer_state": agent.trainer_state,
         "progress_page": agent.progress_page_path,
+        "wait_ms": agent.wait_ms,
+        "behind": m.behind() if m is not None else {},
         "machine": dict(m.counters) if m is not None else {},
         "agent": dict(agent.counters),
         "transport": agent.transport.stats() if agent.transport is not None else {},

@@ -43,10 +43,10 @@ def pushpull(m: MembershipPort, join: bool, reply: bool) -> PushPull:
         sig = a.sig if a is not None and a.incarnation == r.incarnation else b""
         if p is None or p.incarnation != r.incarnation:
             # (a row's progress is at the row's incarnation: an older one, signed at its own, is left out)
-            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, 0, sig, b""))
+            rows.append((r.name, r.addr, r.incarnation, r.status, r.role, 0, -1, 0, 0, 0, 0, sig, b""))
         else:
             rows.append((r.name, r.addr, r.incarnation, r.status, r.role, p.version, p.step, p.phase,
-                         p.step_ms, p.coll, sig, p.sig))
+                         p.step_ms, p.coll, p.wait_ms, sig, p.sig))
     return PushPull(m.name, m.addr, join, reply, tuple(rows))
 
 
@@ -83,7 +83,7 @@ def on_pushpull(m: MembershipPort, msg: PushPull, now: float) -> None:
         m.send_addr(msg.src_addr, pushpull(m, msg.join, True), reliable=True, before=keys)
     auth = m.auth
     signed = auth is not None
-    for name, addr, inc, status, role, pver, step, phase, step_ms, coll, sig, psig in msg.members:
+    for name, addr, inc, status, role, pver, step, phase, step_ms, coll, wait_ms, sig, psig in msg.members:
         if status <= SUSPECT:
             alive = Alive(name, addr, inc, role, sig)
             if auth is not None and m.member(name) is None and not (sig and auth.check(name, alive)):
@@ -102,4 +102,5 @@ def on_pushpull(m: MembershipPort, msg: PushPull, now: float) -> None:
         else:
             m.on_dead(Dead(name, inc, name), now)
         if pver > 0:
-            m.on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, psig), now)  # checked as gossip
+            # (checked as gossip)
+            m.on_progress(Progress(name, inc, pver, step, phase, step_ms, coll, wait_ms, psig), now)

@@ -688,8 +688,9 @@ class Booting:
         if self.node is not None:
             self.node.leave(now)
 
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
-        self._input("set_progress", (step, phase, step_ms, now, coll))
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0,
+                     wait_ms: int = 0) -> None:
+        self._input("set_progress", (step, phase, step_ms, now, coll, wait_ms))
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         self._input("set_state", (committed_step, inflight_step, state_bytes))
@@ -728,6 +729,9 @@ class Booting:
 
     def health(self) -> int:
         return self.node.health() if self.node is not None else 0
+
+    def behind(self) -> dict[str, int]:
+        return self.node.behind() if self.node is not None else {}
 
     # ------------------------------------------------------------------ inside
     def _after(self, now: float) -> None:

@@ -265,9 +265,34 @@ class AgreementConfig:
     progress_stale: float = 1.0
     """A member's progress last heard longer ago than this is stale: the hang check neither counts it in
     the frontier nor judges it (it may have crashed)."""
+    straggler_floor_ms: int = 10
+    """Milliseconds per step: the least magnitude reported as a straggler, whatever the step time. A rank's
+    magnitude is how long the other ranks wait for it per step: the median of their waits inside
+    collectives minus its own (``gossiprec/core/stragglers.py``)."""
+    straggler_ratio: float = 0.10
+    """A rank is a straggler once the others wait for it at least max(straggler_floor_ms, straggler_ratio *
+    median step time) per step (a ratio, not a time) ..."""
+    straggler_samples: int = 3
+    """... in this many consecutive samples (hang check rounds in which its step moved on) ..."""
+    straggler_steps: int = 6
+    """... spanning at least this many of its steps (the trainer averages its wait over its last 8 steps, and
+    the first sample over the threshold comes when half of them lag at most: the figure then holds the whole
+    lag); then it is reported once (a ``Straggler`` event, a warning),
+    until its magnitude falls below half the threshold."""
+    straggler_warmup_steps: int = 16
+    """Steps of each view (from the first step of a rank this member sees in it) that the straggler check
+    ignores: a job's first steps, and those after a recovery (a spare warming up, figures that still hold
+    the steps before the change), are uneven without any straggler."""
     evict_stragglers: bool = False
-    """Reserved: not read yet. Stragglers (two whole steps or more behind the frontier but moving) are only
-    reported, whatever its value."""
+    """Replace a persistent straggler by a spare, as a hung rank is (an alert of reason ``straggler``):
+    one the others wait for at least max(straggler_floor_ms, straggler_evict_ratio * median step time)
+    per step in ``straggler_evict_samples`` consecutive samples. False: stragglers are only reported."""
+    straggler_evict_ratio: float = 0.25
+    """With ``evict_stragglers``: the magnitude, as a part of the median step time, that eviction needs
+    (a ratio, not a time)."""
+    straggler_evict_samples: int = 16
+    """With ``evict_stragglers``: the consecutive samples at that magnitude after which a straggler is
+    alerted for removal."""
     retract_after: int = 3
     """Consecutive successful probes after which an observer withdraws its alert."""
     join_retry: float = 0.5
@@ -315,7 +340,7 @@ class AgreementConfig:
     report_poll: float = 0.005
     """While a state report is held, look at the trainer this often."""
 
-    RATIOS: ClassVar[frozenset[str]] = frozenset({"hang_mult"})
+    RATIOS: ClassVar[frozenset[str]] = frozenset({"hang_mult", "straggler_ratio", "straggler_evict_ratio"})
     """Float fields that are not times (the ``wan`` profile leaves them as they are)."""
 
     def __post_init__(self) -> None:
@@ -326,7 +351,7 @@ class AgreementConfig:
                 if type(value) is not bool:
                     problems.append(f"{f.name} must be true or false, got {value!r}")
             elif f.type in ("int", int):
-                least = 0 if f.name == "direct_votes_max" else 1
+                least = 0 if f.name in ("direct_votes_max", "straggler_warmup_steps") else 1
                 if type(value) is not int or value < least:
                     problems.append(f"{f.name} must be an integer >= {least}, got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 \

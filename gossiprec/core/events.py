@@ -144,8 +144,12 @@ class AlertRaised(CoreEvent):
 
 @dataclass(frozen=True, slots=True)
 class Straggler(CoreEvent):
+    """A straggler episode of ``node`` began: the other ranks wait ``behind_ms`` per step for it (see
+    :mod:`gossiprec.core.stragglers`); ``step``: its step then."""
+
     node: str
-    behind_steps: int
+    behind_ms: int
+    step: int
     at: float
 
 

@@ -1,45 +1,45 @@
 """The hang check: which of this member's subjects is hung (alive but stuck) or straggling.
 
-What it decides: a hang alert (or its retraction) about a subject, a :class:`Straggler` event, and when
-to check again. Inputs: the training progress (step, collectives entered, phase, step time, and since
-when that position is current) of a sample of members, as SWIM last heard it, and when each subject last answered
-one of our probes.
+What it decides: a hang alert (or its retraction) about a subject, and when to check again; it runs the
+straggler check (:mod:`gossiprec.core.stragglers`) on the same sample. Inputs: the training progress
+(step, collectives entered, phase, step time, wait inside collectives, and since when that position is
+current) of a sample of members, as SWIM last heard it, and when each subject last answered one of our
+probes.
 
-Rule: a rank's *position* is (step, collectives entered in that step, phase): ranks that run the same
-program issue the same collectives in the same order, so within a step the count says which collective
-each rank has reached. The *frontier* is the most advanced position in the sample (this member, its
-subjects and its observers: K random members each way, trainers only; in a hang every healthy rank waits
-at or near the frontier, so the sample shows it at O(K) per check instead of O(N)). A subject behind the
-frontier whose position has not changed for ``max(hang_floor, hang_mult * median step time)``
-(``checkpoint_timeout`` at least while it saves a checkpoint) *while others were ahead of it* is hung,
-with two exceptions that keep the ranks waiting for it out: a rank that reports ``waiting`` (inside a
-collective that waits on its peers) waits for someone else, and a rank with another one behind it (a
-smaller position, not waiting) is not the one the others wait for. So in a tensor-parallel hang (one
-rank stalled before collective k, its peer inside k, the other replica in the gradient all-reduce) only
-the first is judged: by the counts where the sample holds it, and where it does not because the
-others report ``waiting``. The stall is dated from when that position
-began (its owner's acks carry its age), but not before the earliest moment a member of the sample is
-known to have been past it (when its own current position began), and never before this view's
-install. So a stall every rank shares (a slow collective, a file system, a long GC) is no one's hang:
-when the job resumes, this member sees its own progress at once and others' only at their next answer,
-and without the second bound every rank it had not heard from yet would look stalled since the stall
-began. A subject is judged only on its own word heard once its threshold has passed: its answer to one
-of our probes (an ack carries its position and that position's age) received after the threshold, within
-``answered_within``. Its relayed progress may be stale, and an earlier answer may predate its moving on (a
-rank slowed just before a collective, then inside the next one waiting for a hung peer, still reads as
-stalled at the first): its own later answer shows it moved or waits, and clears it. An alert whose subject
-is then seen to have moved (a newer position, ``waiting`` included) is retracted. Only a live one is
-judged (a crashed one is the probes' business, and its relayed
-progress must not date a "hang"): it is probed as its threshold nears. One behind the frontier by two
-steps or more but still moving is a straggler, reported once. Progress older than ``progress_stale``
-counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts; but once a
-rank of the sample recovers from this view's change, the frontier is past every step: a rank still in
-its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
-change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of
-every other by more than synchronous training allows (one step, plus what the time between the reports
-and their possible staleness permit: see ``AgreementConfig.step_floor_ms``), with at least two others to
-witness it, is the anomaly, not the ranks waiting for it: it is left out of the frontier, and its
-observers alert it as ``implausible``.
+Rule: a rank's *position* is (step, collectives entered in that step, phase): ranks that run the same program
+issue the same collectives in the same order, so within a step the count says which collective each rank has
+reached. The *frontier* is the most advanced position in the sample (this member, its subjects and its
+observers: K random members each way, trainers only; in a hang every healthy rank waits at or near the
+frontier, so the sample shows it at O(K) per check instead of O(N)). A subject behind the frontier whose
+position has not changed for ``max(hang_floor, hang_mult * median step time)`` (``checkpoint_timeout`` at
+least while it saves a checkpoint) *while others were ahead of it* is hung, with two exceptions that keep the
+ranks waiting for it out: a rank that reports ``waiting`` (inside a collective that waits on its peers) waits
+for someone else, and a rank with another one behind it (a smaller position, not waiting) is not the one the
+others wait for. So in a tensor-parallel hang (one rank stalled before collective k, its peer inside k, the
+other replica in the gradient all-reduce) only the first is judged: by the counts where the sample holds it,
+and where it does not because the others report ``waiting``. The stall is dated from when that position began
+(its owner's acks carry its age), but not before the earliest moment a member of the sample is known to have
+been past it (when its own current position began), and never before this view's install. So a stall every
+rank shares (a slow collective, a file system, a long GC) is no one's hang: when the job resumes, this member
+sees its own progress at once and others' only at their next answer, and without the second bound every rank
+it had not heard from yet would look stalled since the stall began. A subject is judged only on its own word
+heard once its threshold has passed: its answer to one of our probes (an ack carries its position and that
+position's age) received after the threshold, within ``answered_within``. Its relayed progress may be stale,
+and an earlier answer may predate its moving on (a rank slowed just before a collective, then inside the next
+one waiting for a hung peer, still reads as stalled at the first): its own later answer shows it moved or
+waits, and clears it. An alert whose subject is then seen to have moved (a newer position, ``waiting``
+included) is retracted. Only a live one is judged (a crashed one is the probes' business, and its relayed
+progress must not date a "hang"): it is probed as its threshold nears. A rank that is slow but moves is no
+hang: synchronous training keeps it within a step of the others, and the straggler check finds it by how long
+the others wait for it in their collectives (``wait_ms``), not by its position. Progress older than
+``progress_stale`` counts for nothing, and a rank that is recovering is judged by the recovery's own timeouts;
+but once a rank of the sample recovers from this view's change, the frontier is past every step: a rank still
+in its step did not notice the change (stuck outside any collective) and the new groups wait for it. While a
+change is under way nothing is judged: every rank waits for the new view. A rank whose step is ahead of every
+other by more than synchronous training allows (one step, plus what the time between the reports and their
+possible staleness permit: see ``AgreementConfig.step_floor_ms``), with at least two others to witness it, is
+the anomaly, not the ranks waiting for it: it is left out of the frontier, and its observers alert it as
+``implausible``.
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.port import NodePort
+from gossiprec.core.stragglers import StragglerCheck
 from gossiprec.core.view import REMOVE, View
-from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES
+from gossiprec.core.wire import HUNG, IMPLAUSIBLE, PHASES, STRAGGLER
 
 RECOVERING = PHASES.index("recovering")
 CHECKPOINT = PHASES.index("checkpoint")
@@ -74,7 +75,7 @@ class HangCheck:
     when a lagging subject's threshold passes between two watchdog rounds, and when a subject past its
     threshold answers our probe)."""
 
-    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at", "judged", "awaiting")
+    __slots__ = ("node", "observer", "swim", "acfg", "sample", "check_at", "judged", "awaiting", "stragglers")
 
     def __init__(self, node: NodePort, observer: Observer, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -90,6 +91,8 @@ class HangCheck:
         self.awaiting: set[str] = set()
         """Subjects whose threshold has passed, waiting for their answer to a probe (their own word) to be
         judged: the check runs again when one answers (see :meth:`answered`)."""
+        self.stragglers = StragglerCheck(acfg)
+        """The straggler check, on the same sample (see :mod:`gossiprec.core.stragglers`)."""
 
     def start_view(self, view: View, ov: Overlay) -> None:
         # ourselves, our subjects and our observers (K random members each way), trainers only; fixed for
@@ -97,6 +100,7 @@ class HangCheck:
         me = self.node.name
         sample = sorted({me} | self.observer.subject_set | set(ov.observers(me))) if me in view else []
         self.sample = [n for n in sample if (m := view.member(n)) is not None and m.role == "trainer"]
+        self.stragglers.start_view()
         self.swim.read_progress_of(frozenset(self.sample))  # the records checked as they come (see progress)
         self.judged = {}
         self.awaiting = set()
@@ -133,10 +137,13 @@ class HangCheck:
         """name -> (step, collectives, phase, since): its position and since when it is current"""
         seen: dict[str, tuple[float, float]] = {}
         """name -> (when its record was heard, when its position began): for the plausibility check"""
+        waits: dict[str, tuple[int, int, int]] = {}
+        """name -> (step, step time, wait per step in collectives): for the straggler check"""
         for name in self.sample:
             if name == node.name:
                 step, phase, ms = node.my_progress
-                coll = self.swim.my_progress.coll
+                mine = self.swim.my_progress
+                coll, wait = mine.coll, mine.wait_ms
                 # (never judged: only the frontier, and when it was reached, count)
                 since = max(self.swim.progress_since, node.installed_at)
                 seen_at, began = now, self.swim.progress_since
@@ -146,7 +153,7 @@ class HangCheck:
                     continue  # stale (maybe crashed): neither frontier nor judged
                 # the stall clock starts when this position began (its age came on the wire), not at this
                 # check; and never before this view was installed
-                step, phase, ms, coll = p.step, p.phase, p.step_ms, p.coll
+                step, phase, ms, coll, wait = p.step, p.phase, p.step_ms, p.coll, p.wait_ms
                 since = max(p.since, node.installed_at)
                 seen_at, began = p.seen_at, p.since
             if step < 0:
@@ -158,6 +165,7 @@ class HangCheck:
                 continue
             table[name] = (step, coll, phase, since)
             seen[name] = (seen_at, began)
+            waits[name] = (step, ms, wait)
             if ms > 0:
                 times.append(ms)
             frontier = max(frontier, (step, coll, phase))
@@ -170,6 +178,7 @@ class HangCheck:
             # a rank ahead of every other by more than synchronous training allows (a counter gone wrong)
             # is the anomaly, not the ranks that wait for it: out of the frontier, and alerted if ours
             del table[bogus]
+            del waits[bogus]
             frontier = max((step, coll, phase) for step, coll, phase, _ in table.values())
             if bogus in obs.subject_set and bogus not in obs.alerted:
                 obs.alerted[bogus] = IMPLAUSIBLE
@@ -228,9 +237,8 @@ class HangCheck:
                 obs.alert(s, REMOVE, HUNG, now)
             elif not stalled:
                 due = min(due, limit)
-                if moved_on is None and frontier[0] - step >= 2 and f"straggler:{s}" not in alerted:
-                    alerted[f"straggler:{s}"] = HUNG
-                    node.emit(Straggler(s, frontier[0] - step, now))
+        if moved_on is None:
+            self._stragglers(waits, now)
         # a subject behind the frontier is judged the moment its threshold passes, not at the next
         # watchdog round (up to ``watch_interval`` later): one extra wake-up, only while someone lags
         if now < due < self.check_at and due < now + acfg.watch_interval:
@@ -250,6 +258,20 @@ class HangCheck:
                 del self.judged[s]
                 del obs.alerted[s]
                 obs.alert(s, REMOVE, HUNG, now, retract=True)
+
+    def _stragglers(self, waits: dict[str, tuple[int, int, int]], now: float) -> None:
+        """Run the straggler check on the sample's fresh rows; report, alert or retract as it says."""
+        obs, alerted = self.observer, self.observer.alerted
+        judged = [s for s in obs.subjects if alerted.get(s, STRAGGLER) == STRAGGLER]
+        for v in self.stragglers.judge(waits, judged):
+            if v.kind == "report":
+                self.node.emit(Straggler(v.subject, v.behind_ms, v.step, now))
+            elif v.kind == "evict" and v.subject not in alerted:
+                alerted[v.subject] = STRAGGLER
+                obs.alert(v.subject, REMOVE, STRAGGLER, now)
+            elif v.kind == "retract" and alerted.get(v.subject) == STRAGGLER:
+                del alerted[v.subject]
+                obs.alert(v.subject, REMOVE, STRAGGLER, now, retract=True)
 
 
 def _implausible(table: dict[str, tuple[int, int, int, float]], seen: dict[str, tuple[float, float]],

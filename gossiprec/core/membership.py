@@ -291,9 +291,11 @@ class Membership:
             if rec is not None:
                 self.send_packet(rec.addr, [dead], piggyback=True, dest=target)
 
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
-        """Our trainer's progress at ``now``, ``coll`` collectives into ``step`` (on acks, with its age, and gossip)."""
-        self.words.set_progress(step, phase, step_ms, now, coll)
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0,
+                     wait_ms: int = 0) -> None:
+        """Our trainer's progress at ``now``, ``coll`` collectives into ``step``, waiting ``wait_ms`` per step
+        in its collectives (on acks, with its age, and gossip)."""
+        self.words.set_progress(step, phase, step_ms, now, coll, wait_ms)
 
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""

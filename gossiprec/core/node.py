@@ -238,8 +238,10 @@ class Node:
         heapq.heappush(self._timers, (when, self._tok, kind, epoch))
 
     # ------------------------------------------------------------------ trainer side
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
-        """The trainer's progress (``coll``: collectives entered in ``step``); a report that jumps further
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0,
+                     wait_ms: int = 0) -> None:
+        """The trainer's progress (``coll``: collectives entered in ``step``; ``wait_ms``: its mean wait per
+        step inside collectives, for the straggler check); a report that jumps further
         ahead of the previous one than synchronous training can go in the time between them (see
         ``AgreementConfig.step_floor_ms``) raises :class:`~gossiprec.errors.ProtocolError`, nothing kept."""
         prev, prev_phase, prev_ms = self.my_progress
@@ -250,7 +252,7 @@ class Node:
             if step - prev > 2 + 2 * elapsed / per_step:
                 raise ProtocolError(f"step jumped from {prev} to {step} in {elapsed:.3f} s, more than synchronous "
                                     "training can do: report each step as it begins (a step counter gone wrong?)")
-        self.swim.set_progress(step, phase, step_ms, now, coll)  # validates: raises before anything is kept
+        self.swim.set_progress(step, phase, step_ms, now, coll, wait_ms)  # validates: raises before anything is kept
         self.my_progress = (step, phase, step_ms)
         if self.aggregates.held_until is not None:
             self.set_timer(self.now, timers.REPORT)  # on the next tick: a state written with this progress lands first
@@ -287,6 +289,11 @@ class Node:
 
     def progress(self, name: str) -> ProgressInfo | None:
         return self.swim.progress(name)
+
+    def behind(self) -> dict[str, int]:
+        """The straggler magnitude (ms per step the others wait for it) of each subject the straggler check
+        sampled in this view (see :mod:`gossiprec.core.stragglers`)."""
+        return dict(self.hangs.stragglers.behind)
 
     def health(self) -> int:
         return self.swim.health()

@@ -59,8 +59,8 @@ class Observer:
         """Subjects whose streak already lasts ``confirm_after``: they confirm another observer's alert as
         soon as it arrives, not at the next failed probe."""
         self.alerted: dict[str, int] = {}
-        """What we alerted about in this view: subject -> reason; ``join:<node>`` and ``straggler:<node>``
-        keys record a joiner admitted and a straggler reported."""
+        """What we alerted about in this view: subject -> reason; ``join:<node>`` keys record a joiner
+        admitted."""
         self.answered: dict[str, float] = {}
         """When each subject last answered one of our probes (the start of its silence, as we saw it)."""
         self.ok_since: dict[str, int] = {}

@@ -39,12 +39,13 @@ class OwnWords:
         self.book = book
         m.set_progress_check(None if book is None else self.vouch_progress)
         p = self.progress  # signed by this key when it is next sent (see signed_progress)
-        self.progress = Progress(p.name, p.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
+        self.progress = Progress(p.name, p.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll, p.wait_ms)
         own = self.alive()  # our push-pull rows carry it
         if isinstance(m.pending(m.name), Alive):  # queued before we had a key: signed now
             m.broadcast(m.name, own, m.now)
 
-    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0) -> None:
+    def set_progress(self, step: int, phase: int, step_ms: int, now: float, coll: int = 0,
+                     wait_ms: int = 0) -> None:
         """Our trainer's progress at ``now`` (see :meth:`Membership.set_progress`); raises
         :class:`~gossiprec.errors.ProtocolError` on a value out of range, nothing kept."""
         if not (isinstance(step, int) and -1 <= step <= 2**62):
@@ -53,16 +54,18 @@ class OwnWords:
             raise ProtocolError(f"phase must be 0..{len(PHASES) - 1} ({', '.join(PHASES)}), got {phase!r}")
         if not isinstance(step_ms, int) or step_ms < 0 or not isinstance(coll, int) or coll < 0:
             raise ProtocolError(f"step_ms must be a non-negative integer, and coll too; got {step_ms!r}, {coll!r}")
-        step_ms, coll = min(step_ms, MAX_MS), min(coll, 2**32 - 1)  # (coll: a u32 on the wire)
+        if not isinstance(wait_ms, int) or wait_ms < 0:
+            raise ProtocolError(f"wait_ms must be a non-negative integer, got {wait_ms!r}")
+        step_ms, coll, wait_ms = min(step_ms, MAX_MS), min(coll, 2**32 - 1), min(wait_ms, MAX_MS)
         p = self.progress
         if (step, phase, coll) != (p.step, p.phase, p.coll):
             self.since = now
-        self.progress = Progress(self.m.name, self.m.incarnation, p.version + 1, step, phase, step_ms, coll)
+        self.progress = Progress(self.m.name, self.m.incarnation, p.version + 1, step, phase, step_ms, coll, wait_ms)
 
     def renew(self) -> None:
         """Our incarnation changed: our progress record is at the new one."""
         p, m = self.progress, self.m
-        self.progress = Progress(m.name, m.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll)
+        self.progress = Progress(m.name, m.incarnation, p.version, p.step, p.phase, p.step_ms, p.coll, p.wait_ms)
 
     def alive(self) -> Alive:
         """Our Alive at our incarnation, signed, and kept as the one our push-pull rows carry."""

@@ -188,7 +188,7 @@ class Prober:
             return
         m.heard_from(msg.src)
         p, age = m.my_progress, age_ms(now - m.progress_since)
-        ack = Ack(msg.seq, m.name, m.incarnation, p.step, p.phase, p.step_ms, age, p.coll)
+        ack = Ack(msg.seq, m.name, m.incarnation, p.step, p.phase, p.step_ms, age, p.coll, p.wait_ms)
         m.send_packet(msg.src_addr, [ack], piggyback=True, dest=msg.src)
 
     def on_ack(self, msg: Ack, now: float) -> None:
@@ -214,7 +214,8 @@ class Prober:
         m.awareness.apply(-1)
         m.emit(ProbeResult(probe.target, True, now))
         if msg.step >= 0:  # (the ack's sender is the probe's target, never this node)
-            m.on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll), now,
+            m.on_progress(Progress(msg.src, msg.incarnation, 0, msg.step, msg.phase, msg.step_ms, msg.coll,
+                                   msg.wait_ms), now,
                           True, msg.stall_ms)
         rec = m.member(msg.src)
         if rec is not None and msg.incarnation > rec.incarnation:

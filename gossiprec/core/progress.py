@@ -113,7 +113,7 @@ class ProgressBook:
             cur = self.records[name]
             if (msg.incarnation, msg.version) > (cur.incarnation, cur.version):
                 self.records[name] = ProgressInfo(msg.incarnation, msg.version, cur.step, cur.phase, cur.step_ms,
-                                                  cur.seen_at, cur.since, cur.coll)
+                                                  cur.seen_at, cur.since, cur.coll, cur.wait_ms)
 
     def _take(self, msg: Progress, now: float, direct: bool, stall_ms: int, listed: bool) -> None:
         """Record ``msg`` (``listed``: its name joined the round robin when its news was held)."""
@@ -128,10 +128,10 @@ class ProgressBook:
             since = min(since, cur.since)  # the same position again: the stall clock keeps running
             if direct:
                 self.records[msg.name] = ProgressInfo(cur.incarnation, cur.version, cur.step, cur.phase,
-                                                      msg.step_ms, now, since, cur.coll)
+                                                      msg.step_ms, now, since, cur.coll, msg.wait_ms)
                 return
         self.records[msg.name] = ProgressInfo(msg.incarnation, version, msg.step, msg.phase, msg.step_ms, now,
-                                              since, msg.coll)
+                                              since, msg.coll, msg.wait_ms)
 
     def take_turns(self, want: int) -> list[Progress]:
         """The next ``want`` records of the round robin, as their owners' messages (the latest gossiped one

@@ -46,6 +46,8 @@ class ProgressInfo:
     """When this (step, phase, coll) was first heard: the start of a stall, as far as this member can tell."""
     coll: int = 0
     """Collectives its trainer had entered in ``step`` (see :attr:`gossiprec.core.wire.Progress.coll`)."""
+    wait_ms: int = 0
+    """Its trainer's mean wait inside collectives per step (see :attr:`gossiprec.core.wire.Progress.wait_ms`)."""
 
 
 @value_class

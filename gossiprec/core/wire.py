@@ -26,13 +26,15 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
 proof: :class:`BootHello` ... :class:`BootDecided`), 8 relays signed claims, confirms and votes in bundles
 (:class:`ClaimBundle`, :class:`ConfirmBundle`, :class:`VoteBundle`: many members' signatures of one payload),
-9 carries the launched mesh in the bootstrap's hello (:class:`BootHello` ``shards``)."""
+9 carries the launched mesh in the bootstrap's hello (:class:`BootHello` ``shards``), 10 carries each rank's
+mean wait inside its collectives (:class:`Progress`, :class:`Ack` and push-pull rows ``wait_ms``: the straggler
+check, :mod:`gossiprec.core.stragglers`)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -87,7 +89,7 @@ class IndirectPing(Message):
     nack: bool
 
 
-@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS, U32)
+@message(3, U64, NAME, U64, STEP, PHASE, MILLIS, MILLIS, U32, MILLIS)
 @value_class
 class Ack(Message):
     """Answer to a ping; carries the acker's incarnation and training progress."""
@@ -103,6 +105,7 @@ class Ack(Message):
     the trainer's own report. Only acks carry it (an observer probes a rank it is about to judge), so
     gossiped Progress records stay byte-identical as they spread and decode from a cache."""
     coll: int = 0  # as Progress.coll
+    wait_ms: int = 0  # as Progress.wait_ms
 
 
 @message(4, U64, NAME)
@@ -142,11 +145,13 @@ class Dead(Message):
     sig: bytes = b""
 
 
-@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32, SIG, cached=True)
+@message(8, NAME, U64, U64, STEP, PHASE, MILLIS, U32, MILLIS, SIG, cached=True)
 @value_class
 class Progress(Message):
     """A member's training progress; ``version`` grows with every update by its owner. ``coll``: the
-    collectives its trainer entered in ``step``, on every group (the hang check compares them)."""
+    collectives its trainer entered in ``step``, on every group (the hang check compares them).
+    ``wait_ms``: the mean milliseconds per step its trainer waited inside its collectives, over its last
+    few steps (the straggler check compares them: the rank the others wait for waits least)."""
 
     name: str
     incarnation: int
@@ -155,17 +160,18 @@ class Progress(Message):
     phase: int
     step_ms: int
     coll: int = 0
+    wait_ms: int = 0
     sig: bytes = b""  # by ``name`` itself (relayed copies carry it: only the owner speaks for its progress)
 
 
-MEMBER_RECORD = record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, SIG, SIG)
+MEMBER_RECORD = record(NAME, ADDR, U64, STATUS, ROLE, U64, STEP, PHASE, MILLIS, U32, MILLIS, SIG, SIG)
 
 
 @message(9, NAME, ADDR, boolean, boolean, seq(MEMBER_RECORD, MAX_MEMBERS))
 @value_class
 class PushPull(Message):
     """Anti-entropy: full state. ``members`` rows are (name, addr, incarnation, status, role, progress_version,
-    step, phase, step_ms, coll, the member's own signature of its Alive at that incarnation, the member's
+    step, phase, step_ms, coll, wait_ms, the member's own signature of its Alive at that incarnation, the member's
     own signature of its :class:`Progress` at that incarnation and version)."""
 
     src: str
@@ -268,8 +274,8 @@ CHANGES = seq(CHANGE, MAX_MEMBERS)
 BITMAP = blob(MAX_MEMBERS // 8 + 1)
 
 # Alert reasons
-UNREACHABLE, HUNG, DEPARTED, JOINING, RESTARTED, IMPLAUSIBLE = 0, 1, 2, 3, 4, 5
-ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "implausible")
+UNREACHABLE, HUNG, DEPARTED, JOINING, RESTARTED, IMPLAUSIBLE, STRAGGLER = 0, 1, 2, 3, 4, 5, 6
+ALERT_REASONS = ("unreachable", "hung", "departed", "joining", "restarted", "implausible", "straggler")
 
 
 @message(20, EPOCH, CFG, NAME, NAME, uint(1), uint(len(ALERT_REASONS) - 1), boolean, ADDR,

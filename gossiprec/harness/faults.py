@@ -2,7 +2,8 @@
 
 A :class:`Fault` is one of ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``hang`` (the trainer
 sleeps at its phase until it is killed: a hang its own agent cannot see, since the process runs and
-answers), ``slow`` (a stall of :data:`SLOW_S`), ``hold`` (a stall until the trainer's agent has the
+answers), ``slow`` (a stall of :data:`SLOW_S`), ``lag`` (a sleep of the injector's ``lag_s`` at its phase
+of *every* step from its step on: a straggler, slow but moving), ``hold`` (a stall until the trainer's agent has the
 plan of a newer view) or ``pause``
 (the whole node, agent and trainer, SIGSTOPped until the others have recovered without it, then
 SIGCONTed, the trainer first: the node is cut off, then heals, as a minority would) or ``reprovision``
@@ -34,7 +35,9 @@ from typing import Callable, Sequence
 
 from gossiprec.errors import ConfigError
 
-FAULT_KINDS = ("kill", "stop", "hang", "slow", "hold", "pause", "reprovision", "crash")
+FAULT_KINDS = ("kill", "stop", "hang", "slow", "lag", "hold", "pause", "reprovision", "crash")
+STALLS = ("slow", "lag", "hold")
+"""Kinds that only stall the trainer (not failures: not recorded as the fault, nor reported on)."""
 OUTSIDE_ONLY = ("pause", "reprovision", "crash")
 """Kinds sent to a whole node from outside (no phase)."""
 SLOW_S = 0.3
@@ -91,13 +94,15 @@ class Fault:
 class FaultInjector:
     """The trainer's ``on_phase`` hook: signals this process at the faults' phases (once each; every fault
     due at one call fires then, in the order given), and sleeps ``slow_fetch`` seconds per received
-    chunk (stretches a transfer). Before a signal it writes
+    chunk (stretches a transfer), and ``lag_s`` seconds at a ``lag`` fault's phase of every step from its
+    step on. Before a signal it writes
     ``{kind, phase, step, t}`` (``t``: ``time.monotonic()``) to ``record``."""
 
     def __init__(self, faults: Sequence[Fault], record: Path, slow_fetch: float = 0.0,
                  send: Callable[[int, int], None] = os.kill,
-                 plan_epoch: Callable[[], int] = lambda: -1) -> None:
+                 plan_epoch: Callable[[], int] = lambda: -1, lag_s: float = 0.0) -> None:
         self.faults = list(faults)
+        self.lag_s = lag_s
         self.record = record
         self.slow_fetch = slow_fetch
         self.send = send
@@ -115,7 +120,8 @@ class FaultInjector:
             if phase == "serve":
                 due = due[:1]
             for f in due:
-                self.faults.remove(f)
+                if f.kind != "lag":  # (a lag fault acts at every step)
+                    self.faults.remove(f)
         if not due:
             return
         if phase == "serve":  # answer first, die while sending
@@ -127,9 +133,9 @@ class FaultInjector:
             self.fire(f, step)
 
     def fire(self, fault: Fault, step: int) -> None:
-        if fault.kind in ("slow", "hold"):  # a stall, not a failure: not recorded as the fault
-            if fault.kind == "slow":
-                time.sleep(SLOW_S)
+        if fault.kind in STALLS:  # a stall, not a failure: not recorded as the fault
+            if fault.kind in ("slow", "lag"):
+                time.sleep(SLOW_S if fault.kind == "slow" else self.lag_s)
                 return
             start, deadline = self.plan_epoch(), time.monotonic() + HOLD_MAX_S
             while self.plan_epoch() <= start and time.monotonic() < deadline:

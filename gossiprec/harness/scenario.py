@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
 from gossiprec.errors import ConfigError, GossiprecError
-from gossiprec.harness.faults import Fault
+from gossiprec.harness.faults import STALLS, Fault
 from gossiprec.harness.job import Hosts, LocalJob, read_int, read_json
 from gossiprec.harness.timeline import timeline
 from gossiprec.harness.workload import reference_state
@@ -100,8 +100,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     tmp = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-demo-"))
     with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp, hosts=hosts) as job:
         names = job.names
-        # slow and hold are stalls the trainers make themselves, not faults to report on
-        everything, faults = list(faults), [f for f in faults if f.kind not in ("slow", "hold")]
+        # slow, lag and hold are stalls the trainers make themselves, not faults to report on
+        everything, faults = list(faults), [f for f in faults if f.kind not in STALLS]
         unknown = {f.node for f in everything} - set(names) - {STORE_HOST}
         if any(f.node == STORE_HOST and f.phase is not None for f in everything):
             raise ConfigError(f"a {STORE_HOST} fault is sent from outside: give it no phase")

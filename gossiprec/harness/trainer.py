@@ -91,7 +91,8 @@ def trainer_main(args: argparse.Namespace) -> int:
         plan = rt.control.status().get("plan")
         return int(plan["epoch"]) if plan else -1
 
-    hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=plan_epoch)
+    hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=plan_epoch,
+                          lag_s=args.lag_ms / 1000.0)
             if faults or args.slow_fetch else None)
     objects = objects_of(model, opt, cursor)
     if mistake == "no-data-position":
@@ -122,6 +123,8 @@ def trainer_main(args: argparse.Namespace) -> int:
         while rt.step < args.steps:
             rt.begin_step()
             t0 = time.monotonic()
+            if args.pace == "compute":
+                time.sleep(args.step_ms / 1000.0)  # a fixed compute time: waiting for peers is no credit
             if mistake == "data-write":
                 with torch.no_grad():
                     next(model.parameters()).data.mul_(0.999)  # a hand-made decay, in the forbidden window
@@ -143,7 +146,7 @@ def trainer_main(args: argparse.Namespace) -> int:
             if args.verbose and rt.step % 10 == 0:
                 print(f"{rt.node} step {rt.step} at {time.monotonic():.3f} ({rt.step_ms} ms)", file=sys.stderr,
                       flush=True)
-            left = args.step_ms / 1000.0 - (time.monotonic() - t0)
+            left = args.step_ms / 1000.0 - (time.monotonic() - t0) if args.pace == "step" else 0.0
             if left > 0:
                 time.sleep(left)  # pacing: stands in for a longer compute step
     except (Released, JobFinished, JobStopped) as exc:
@@ -180,6 +183,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="train until this step is committed")
     p.add_argument("--hidden", type=int, default=256, help="MLP width")
     p.add_argument("--step-ms", dest="step_ms", type=float, default=20.0, help="pace each step to this long")
+    p.add_argument("--pace", choices=("step", "compute"), default="step",
+                   help="step: sleep what is left of --step-ms after the step (time waiting for peers counts); "
+                        "compute: sleep --step-ms before the gradients, as a fixed compute time (a rank slowed "
+                        "by a lag fault makes the others wait that much)")
+    p.add_argument("--lag-ms", dest="lag_ms", type=float, default=0.0,
+                   help="how long a lag fault sleeps at its phase of every step")
     p.add_argument("--timeout", type=float, default=30.0, help="group and collective timeout, seconds")
     p.add_argument("--out", required=True, help="the report's path; the other files go beside it")
     p.add_argument("--late", type=float, default=0.0, help="sleep this long before anything else (a slow start)")

@@ -18,11 +18,12 @@ trainer; its threads take turns through a lock) and one reader (the agent).
 Layout (little-endian)::
 
     0   4s  magic  b"GRPP"
-    4   u32 version (1)
+    4   u32 version (4)
     8   u64 seq    seqlock: odd while a write is under way, +2 per record written, 0: never written
     16  record:  step i64, phase u32, step_ms u32, since f64 (CLOCK_MONOTONIC when (step, phase, coll)
                  last changed), committed_step i64 (-1: no state yet), inflight_step i64 (-1: none),
                  state_bytes u64, transfer_port i32 (-1: none), coll u32 (collectives entered in step),
+                 wait_ms u32 (mean ms per step spent waiting inside collectives, last few steps),
                  crc32 of the record's other bytes u32
 
     1024  the exit bell: a process-shared robust pthread mutex (64 bytes; see :mod:`gossiprec.local.bell`)
@@ -53,10 +54,10 @@ from gossiprec.errors import ConfigError
 from gossiprec.local import bell
 
 MAGIC = b"GRPP"
-VERSION = 3
+VERSION = 4
 _HEAD = struct.Struct("<4sI")
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qIIdqqQiI")
+_BODY = struct.Struct("<qIIdqqQiII")
 _CRC = struct.Struct("<I")
 SEQ_AT = _HEAD.size
 RECORD_AT = SEQ_AT + _SEQ.size
@@ -82,6 +83,7 @@ class ProgressRecord:
     state_bytes: int
     transfer_port: int
     coll: int = 0
+    wait_ms: int = 0
 
     @property
     def has_state(self) -> bool:
@@ -104,7 +106,7 @@ class ProgressPage:
         self._armed = False
         self._seq = 0
         # the writer's current values: every write stores the whole record
-        self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1, 0]
+        self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1, 0, 0]
         self._lock = threading.Lock()  # a report from a thread waiting in a collective meets the main one's
 
     @classmethod
@@ -168,14 +170,17 @@ class ProgressPage:
         _BELL_INFO.pack_into(self._mm, BELL_INFO_AT, ready, os.getpid())
         return True
 
-    def report(self, step: int, phase: int, step_ms: int, coll: int = 0) -> None:
+    def report(self, step: int, phase: int, step_ms: int, coll: int = 0, wait_ms: int | None = None) -> None:
         """Progress: step ``step`` in phase ``phase`` (index into ``PHASES``), ``coll`` collectives
-        entered in it so far, last step time ``step_ms``."""
+        entered in it so far, last step time ``step_ms``; ``wait_ms``: mean wait per step inside
+        collectives (None: unchanged)."""
         with self._lock:
             f = self._fields
             if (step, phase, coll) != (f[0], f[1], f[8]):
                 f[3] = time.monotonic()
             f[0], f[1], f[2], f[8] = step, phase, step_ms, coll
+            if wait_ms is not None:
+                f[9] = max(0, min(wait_ms, 2**31 - 1))
             self._write()
 
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,

@@ -32,7 +32,7 @@ from typing import Any, Callable, cast
 
 from gossiprec.core.auth import Crypto, DigestCrypto, KeyBook
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.events import Fenced, PlanReady, Unfenced, ViewInstalled
+from gossiprec.core.events import Fenced, PlanReady, Straggler, Unfenced, ViewInstalled
 from gossiprec.core.machine import Machine
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
@@ -410,17 +410,26 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
             return
         machine = node.machine
         step, phase = state["step"], state["phase"]
+        step_ms = int(params.step_time * 1000)
+        wait_ms = 0
         if i in recovering:
             phase = RECOVERING
-        elif i in slow and cluster.now >= t_fault:
-            step = max(0, step - 2)  # two steps behind, still moving
-        machine.set_progress(step, phase, int(params.step_time * 1000), cluster.now)
+        elif slow and cluster.now >= t_fault and i not in slow:
+            # synchronous training keeps a slow rank in step with the others; they wait for it in every
+            # collective (30% of a step), it waits for no one: what the straggler check compares
+            wait_ms = int(0.3 * step_ms)
+        machine.set_progress(step, phase, step_ms, cluster.now, 0, wait_ms)
         machine.set_state(max(0, step - 1), None, 1 << 20)
+
+    stragglers: dict[str, int] = {}
+    """Subject -> Straggler reports about it (one per observer per episode)."""
 
     def on_event(now: float, idx: int, ev: Any) -> None:
         if not (params.train or sc in ("hang", "straggler")):
             return
         t = type(ev)
+        if t is Straggler:
+            stragglers[ev.node] = stragglers.get(ev.node, 0) + 1
         machine = cluster.nodes[idx].machine
         if (t is Fenced or (t is ViewInstalled and machine.view is not None and names[idx] not in machine.view)) \
                 and not (idx in hung and now >= t_fault):
@@ -579,6 +588,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "removal_epoch_of": {name: checker.removed_at[name][0] for name in sorted(checker.removed_at)},
         "dont_care": sorted(names[i] for i in dont_care),  # may end in the view or out of it (a flapper, say)
         "healthy_removed": healthy_removed,
+        "stragglers": dict(sorted(stragglers.items())),
         "fenced": sorted(names[i] for i in checker.fenced),
         "joined": sorted(checker.joined),
         "training_step": state["step"],

@@ -7,7 +7,8 @@ over the control socket, never waited for. A socket that fails means the agent i
 so through ``on_lost`` (the follower's lost signal, which makes the loop recover and the recovery stop).
 
 What a rank reports is ``(step, phase)``, the collectives entered in that step (the position the agents
-compare across ranks to find the one the others wait for) and the last step time; what it announces is
+compare across ranks to find the one the others wait for), the last step time and the mean wait inside
+collectives per step (the straggler check's figure; the page only); what it announces is
 the committed step it could serve (and a newer one held in flight), its size and the donor's port.
 """
 
@@ -45,6 +46,9 @@ class AgentLink:
         """The agent's progress page; None: reports and state go through the control socket."""
         self.step_ms = 0
         """The last step time reported (ms): the period between two commits."""
+        self.wait_ms = 0
+        """The mean time per step spent waiting inside collectives over the last few steps (ms; on the
+        page only: the agents' straggler check compares it across ranks)."""
         self.at: tuple[int, str] = (-1, "idle")
         """The (step, phase) last reported."""
         self._resume_phase = "idle"
@@ -119,7 +123,7 @@ class AgentLink:
             self._resume_phase = phase
         page = self._page
         if page is not None:
-            page.report(step, _PHASE_INDEX[phase], self.step_ms, self._coll)
+            page.report(step, _PHASE_INDEX[phase], self.step_ms, self._coll, self.wait_ms)
             return
         try:
             self.control.report(step, phase, self.step_ms, wait=False)

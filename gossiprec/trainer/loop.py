@@ -59,6 +59,7 @@ ends a process that is not needed, released or stopped in good order, with the c
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 import logging
 import os
 import sys
@@ -79,7 +80,7 @@ from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
 from gossiprec.trainer.collectives.groups import (
-    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server)
+    CollectiveAborted, EpochGroup, EpochGroups, check_nccl_environment, start_store_server)
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
@@ -99,6 +100,9 @@ if TYPE_CHECKING:
     from gossiprec.trainer.collectives.groups import PendingCollective
 
 log = logging.getLogger(__name__)
+
+WAIT_WINDOW = 8
+"""Steps over which the wait inside collectives is averaged before it is reported to the agent."""
 _T = TypeVar("_T")
 
 class ResilientTrainer:
@@ -183,6 +187,10 @@ class ResilientTrainer:
         """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
         self._step_t0 = time.monotonic()
         self._last_commit_at: float | None = None
+        self._waited: deque[float] = deque(maxlen=WAIT_WINDOW)
+        """Seconds waited inside collectives in each of the last few steps (the straggler check's figure)."""
+        self._wait_mark: tuple[EpochGroup | None, float] = (None, 0.0)
+        """The current group and its wait total at the last commit."""
         self._donor: DonorServer | None = None
         self._buckets: GradientBuckets | None = None
         self._closed = threading.Event()
@@ -465,8 +473,18 @@ class ResilientTrainer:
             self._redo.disarm()  # (a redone step without a collective)
         self._commit_snapshot(step, verify=self._checks.checks_commit(step))
         now = time.monotonic()
+        group = self.groups.current if self.groups is not None else None
+        waited = group.waited_s if group is not None else 0.0
+        if group is not self._wait_mark[0]:
+            self._waited.clear()  # new groups (a recovery): the figure starts again
         if self._last_commit_at is not None:
             self._link.step_ms = int((now - self._last_commit_at) * 1000)
+            if group is not None and group is self._wait_mark[0]:
+                # what this step waited for its peers (the first step on new groups is not counted);
+                # a rolling mean, so one slow step is no straggler
+                self._waited.append(waited - self._wait_mark[1])
+                self._link.wait_ms = int(1000 * sum(self._waited) / len(self._waited))
+        self._wait_mark = (group, waited)
         self._last_commit_at = now
         record = self._recovery.first_step()
         if record is not None:

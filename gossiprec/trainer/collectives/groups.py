@@ -328,6 +328,7 @@ class PendingCollective:
         if self._done:
             return
         g = self.group
+        t0 = time.monotonic()
         try:
             wait_interruptible(self.work, g.abort_event, epoch=g.epoch, op=self.op,
                                poll_interval=g.poll_interval, deadline=self._deadline,
@@ -336,6 +337,9 @@ class PendingCollective:
         except CollectiveAborted as exc:
             g.abort(f"{self.op} raised: {exc}")  # poison the group; keep the work referenced there
             raise
+        # how long this rank waited for its peers here (a clock pair, no collective): the rank the others
+        # wait for waits least; its agents compare the figures to find stragglers
+        g.waited_s += time.monotonic() - t0
         g._forget(self)
         self._done = True
         if self._after is not None:
@@ -356,6 +360,9 @@ class EpochGroup:
         self.pg: Any = None
         self.abort_event = Alarm()
         self.abort_reason = ""
+        self.waited_s = 0.0
+        """Seconds spent inside :meth:`PendingCollective.wait` on this group so far (the straggler check's
+        measure: a rank that arrives last at a collective waits least)."""
         self._lock = threading.Lock()
         self._pending: list[PendingCollective] = []
 
