@@ -49,6 +49,7 @@ from gossiprec.agent.hub import AgentLeaving, EventHub, Subscription
 from gossiprec.agent.jobspec import node_factory
 from gossiprec.core.bootstrap import Booting
 from gossiprec.agent.logs import log_event
+from gossiprec.agent.recoveries import RecoveryLog, sample_steps, timeline_path
 from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
 )
@@ -151,6 +152,8 @@ class Agent:
         self._pump_waiters: list[asyncio.Future[None]] = []
         self._throttle = Throttle(log)
         self._signals: list[int] = []
+        self.recoveries = RecoveryLog(timeline_path(settings.timeline), lambda: self.name, self._count)
+        """The trainer's recoveries and steps, for the metrics and the timeline file (gossiprec.agent.recoveries)."""
         self.metrics: Any = None
         """The Prometheus endpoint (gossiprec.agent.metrics.MetricsServer) when ``metrics_port`` is set."""
 
@@ -204,7 +207,9 @@ class Agent:
             # in the control socket's directory, which bind_unix_socket checked
             self._page = ProgressPage.create(page_path_for(self.control_path), with_bell=s.exit_bell)
             stack.callback(self._close_page)
+            stack.callback(self.recoveries.close)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
+            tg.create_task(sample_steps(self, self.recoveries, self._closed_evt), name="gossiprec-steps")
             if self.keyring is not None and self.keyring.path is not None:
                 self._keyring_due = self.clock() + self.keyring_check_s
             if isinstance(self.machine, Booting):
@@ -575,6 +580,20 @@ class Agent:
         self._sync_page()
         m.finish(step, self.clock())
         self._flush()
+
+    def control_recovered(self, record: dict[str, Any]) -> None:
+        self.recoveries.recovered(record)
+
+    def control_checked(self, ok: bool) -> None:
+        self.recoveries.checked(ok)
+
+    def trainer_step(self) -> tuple[int, int] | None:
+        """(rank, step) of the trainer, when it holds a rank of the view and has stepped."""
+        self._sync_page()
+        view = self.machine.view if self.machine is not None else None
+        me = view.member(self.name) if view is not None else None
+        step = self._progress[0]
+        return (me.rank, step) if me is not None and me.rank is not None and step >= 0 else None
 
     def _sync_page(self) -> None:
         """Take the trainer's newest progress and state from the page, if it changed since the last look.

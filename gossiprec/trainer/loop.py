@@ -167,6 +167,7 @@ class ResilientTrainer:
         self.on_phase = on_phase
         if settings is None and (control is None or key is None):
             settings = TrainerSettings.from_env()  # the edge: only when the caller passed neither
+        (settings or TrainerSettings()).configure_logging()  # under `gossiprec run`: logs in the agent's format
         if control is None:
             assert settings is not None
             control = settings.connect(timeout=CONTROL_TIMEOUT)
