@@ -304,13 +304,7 @@ class Recovery:
         the replicas after it ended (default: ``ok`` if it ran, else ``off``)."""
         record = self._first_step()
         if record is not None:
-            wire = record.to_wire(digest or ("off" if self._checks.last_ok is None else "ok"))
-            self._link.recovered(wire)
-            phases = " ".join(f"{k}={v:.3f}" for k, v in wire["phases"].items())
-            log.info("recovery into epoch %d as rank %d/%d: rto %.3f s (%s), %d step(s) lost, %s as %s",
-                     record.epoch, record.rank, record.world_size, wire["rto_s"], phases, record.lost_steps,
-                     record.action, record.role,
-                     extra={"fields": {"recovery": {k: v for k, v in wire.items() if k != "cause"}}})
+            tell_recovery(self._link, record, digest or ("off" if self._checks.last_ok is None else "ok"))
         return record
 
     def _checked(self, ok: bool) -> None:
@@ -629,6 +623,18 @@ class Recovery:
     def _hook(self, step: int, phase: str) -> None:
         if self._t.on_phase is not None:
             self._t.on_phase(step, phase)
+
+
+def tell_recovery(link: AgentLink, record: RecoveryRecord, digest: str) -> dict[str, Any]:
+    """Tell the agent of a finished recovery (``recovered``) and log it, one info line; returns the record
+    as sent."""
+    wire = record.to_wire(digest)
+    link.recovered(wire)
+    phases = " ".join(f"{k}={v:.3f}" for k, v in wire["phases"].items())
+    log.info("recovery into epoch %d as rank %d/%d: rto %.3f s (%s), %d step(s) lost, %s as %s", record.epoch,
+             record.rank, record.world_size, wire["rto_s"], phases, record.lost_steps, record.action, record.role,
+             extra={"fields": {"recovery": {k: v for k, v in wire.items() if k != "cause"}}})
+    return wire
 
 
 def _check_same_step(group: EpochGroup, step: int, device: str,
