@@ -273,3 +273,59 @@ def test_the_trainer_leaves_configured_logging_alone(clean_logger: logging.Logge
         assert TrainerSettings(log_format="text").configure_logging()  # nobody did: it does
     with pytest.raises(Exception, match="GOSSIPREC_LOG_FORMAT"):
         read_launch_env({"GOSSIPREC_LOG_FORMAT": "xml"})
+
+
+# --- a demo-shaped job: its agents' metrics against its timeline file ------------------------------
+def _samples(text: str, name: str) -> dict[str, float]:
+    """``{labels: value}`` of metric ``name`` in an exposition (labels as written, "" for none)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            head, val = line.rsplit(" ", 1)
+            out[head[len(name):]] = float(val)
+    return out
+
+
+@pytest.mark.long  # (80 s on two loaded cores; the request, metrics and file are covered above in CI)
+def test_a_demo_jobs_metrics_match_its_timeline(tmp_path: Path) -> None:
+    from gossiprec.harness.faults import Fault
+    from gossiprec.harness.scenario import Action, run_scenario
+
+    def lines(path: Path) -> list[dict[str, Any]]:
+        text = path.read_text() if path.exists() else ""
+        return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+    scraped: dict[str, str] = {}
+
+    def scrape(job: Any) -> None:
+        for node, port in job.metrics_ports.items():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    scraped[node] = r.read().decode()
+            except OSError:
+                pass  # the killed and the hung node's agents have left
+
+    both = Action("scrape", lambda job: sum(x["kind"] == "recovery" for x in lines(job.timeline)) >= 8, scrape)
+    res = run_scenario(4, 2, 260, [Fault("n3", "kill", 60), Fault("n2", "stop", 120)], hidden=64, step_ms=20.0,
+                       workdir=str(tmp_path), timeout=150.0, metrics=True, actions=[both])
+    assert res["bit_identical"] and "scrape" in res["actions"]
+    recs = [x for x in lines(Path(res["timeline"])) if x["kind"] == "recovery"]
+    assert len(recs) == 8 and {x["epoch"] for x in recs} == {1, 2}  # four ranks, two recoveries
+    assert {x["action"] for x in recs} == {"resume"}
+    roles = [x["role"] for x in recs if x["node"] in ("n4", "n5")]  # the spares: each received its rank's state
+    assert len(roles) == 3 and roles.count("receiver") == 2 and set(roles) <= {"receiver", "survivor", "donor"}
+    for x in recs:
+        assert x["rto_s"] == pytest.approx(sum(x["phases"].values()), abs=1e-3)
+        assert 0 < x["rto_s"] < 30 and x["digest"] == "ok"
+    assert set(scraped) >= {"n0", "n1", "n4", "n5"}
+    for node, text in scraped.items():
+        mine = [x for x in recs if x["node"] == node]
+        assert _samples(text, "gossiprec_recoveries_total")['{action="resume"}'] == len(mine), node
+        assert _samples(text, "gossiprec_recovery_lost_steps_total")[""] == sum(x["lost_steps"] for x in mine)
+        assert _samples(text, "gossiprec_recovery_seconds_count")[""] == len(mine)
+        assert _samples(text, "gossiprec_recovery_seconds_sum")[""] == pytest.approx(
+            sum(x["rto_s"] for x in mine), abs=1e-3 * max(1, len(mine)))
+        phases = _samples(text, "gossiprec_recovery_phase_seconds_sum")
+        assert sum(phases.values()) == pytest.approx(sum(x["rto_s"] for x in mine), abs=2e-3 * max(1, len(mine)))
+    steps = [x for x in lines(Path(res["timeline"])) if x["kind"] == "steps"]
+    assert steps and all(x["step_s"] > 0 for x in steps)

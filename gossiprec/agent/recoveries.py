@@ -20,7 +20,8 @@ turns these into
   every :data:`SAMPLE_S` seconds while the trainer steps (``rank``, ``step``, ``step_s``: mean seconds per
   step since the last line, ``behind_ms``: 0, not measured here).
 
-Lines are appended by one thread (:class:`TimelineWriter`), so a slow disk never holds the agent's loop;
+Lines are appended by one thread (:class:`TimelineWriter`), each with one ``write`` on an ``O_APPEND``
+descriptor (so agents may share one file), and a slow disk never holds the agent's loop;
 at most :data:`MAX_QUEUED` lines wait (more are dropped and counted). A write that fails is counted and
 logged once (a warning); the next line tries again.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -107,9 +109,15 @@ class TimelineWriter:
 
     def _append(self, lines: list[str]) -> None:
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write("".join(lines))
-            self.written += len(lines)
+            # one write(2) per line on an O_APPEND descriptor: the agents of one host may share a file
+            # (a job's timeline), and their lines must not interleave
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                for line in lines:
+                    os.write(fd, line.encode())
+                    self.written += 1
+            finally:
+                os.close(fd)
         except OSError as exc:
             self._on_error("timeline_errors")
             if not self._warned:
