@@ -226,6 +226,7 @@ class Agent:
         except BaseException:
             self._closing = True
             self._state = "closed"
+            self._closed_evt.set()  # (ends the step sampler, which the task group waits for)
             self._disarm()
             await stack.aclose()
             raise
