@@ -18,7 +18,9 @@ measured from the fault: detected (the agents' first failure event), agreed (new
 state moved, group rebuilt, first step done. ``--json`` prints ``faults`` (one entry per fault:
 ``rto_s``, ``phases_s``, ``lost_steps``, ``transfer_mb_s``, ...) and, for the first fault, the same keys
 at the top level, with ``bit_identical`` and ``median_step_s`` (a hang's RTO bound is
-``3 * median_step_s + 1``).
+``3 * median_step_s + 1``), and ``timeline``: the job's timeline file in the work directory (every
+agent's recovery lines and step samples, :mod:`gossiprec.agent.recoveries`), whose ``gossiprec report``
+command the demo prints.
 """
 
 from __future__ import annotations
@@ -74,6 +76,11 @@ def _print_human(res: dict[str, Any], out: Any) -> None:
     for node, killed in res.get("hung_killed_by_launcher", {}).items():
         print(f"\nhung trainer of {node} killed by its launcher when removed from the view: {killed}", file=out)
     print(f"final state equals the failure-free run bit for bit: {res.get('bit_identical')}", file=out)
+    timeline = res.get("timeline")
+    if timeline:
+        plot = str(timeline).rsplit(".", 1)[0] + ".png"
+        print(f"\nevery recovery, phase by phase, is in {timeline}; to draw it:\n"
+              f"  gossiprec report {timeline} --plot {plot}", file=out)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

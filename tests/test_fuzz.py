@@ -43,7 +43,7 @@ from gossiprec.core.wire import PHASES, Message, decode_packet, encode_packet
 from gossiprec.errors import DecodeError, ProtocolError
 from gossiprec.agent.pump import Agent
 from gossiprec.local.client import AsyncControlClient
-from gossiprec.local.protocol import CONTROL_VERSION, DISCONNECTING, encode_frame
+from gossiprec.local.protocol import CONTROL_VERSION, DISCONNECTING, RECOVERY_ACTIONS, RECOVERY_FIELDS, encode_frame
 from gossiprec.local.server import ControlServer
 from gossiprec.security.crypto import REASONS, CryptoLimits, Opener, OpenError, Sealer
 from gossiprec.security.keyring import Keyring, key_id
@@ -495,6 +495,14 @@ class FakeBackend:
     def control_finished(self, step: int) -> None:
         self._check(type(step) is int and 0 <= step <= 2**62, f"finished {step!r}")
 
+    def control_recovered(self, record: dict[str, Any]) -> None:
+        self._check(set(record) == set(RECOVERY_FIELDS) and record["action"] in RECOVERY_ACTIONS
+                    and all(type(record[k]) is int and record[k] >= 0 for k in ("epoch", "rank", "bytes", "lost_steps"))
+                    and type(record["rto_s"]) is float and record["rto_s"] >= 0, f"recovered {record!r}"[:200])
+
+    def control_checked(self, ok: bool) -> None:
+        self._check(type(ok) is bool, f"checked {ok!r}")
+
     def control_members(self) -> list[dict[str, Any]]:
         return [{"name": "fz", "step": 3, "phase": "compute"}]
 
@@ -549,6 +557,12 @@ VALID_REQUESTS = [
     {"op": "state", "committed_step": 0, "inflight_step": None, "state_bytes": 0, "transfer_port": None,
      "id": "s"},
     {"op": "finished", "step": 40, "id": 6},
+    {"op": "recovered", "id": 7, "record": {
+        "epoch": 2, "cause": "peer lost", "action": "resume", "role": "receiver", "rank": 1, "world_size": 4,
+        "previous_world_size": 4, "target_step": 30, "lost_steps": 1, "rto_s": 1.5,
+        "phases": {"detect": 0.1, "agree": 0.2, "plan": 0.1, "group": 0.5, "state": 0.5, "first_step": 0.1},
+        "bytes": 1 << 20, "transfer_s": 0.4, "donors": ["n0"], "digest": "ok"}},
+    {"op": "checked", "ok": False},
     {"op": "members", "id": 3}, {"op": "status", "id": 4}, {"op": "subscribe"}, {"op": "unsubscribe"},
     {"op": "register_layout", "layout": {"world": 4, "0": [1, 2]}}, {"op": "get_layout", "id": 5},
     {"op": "hello", "version": 1},

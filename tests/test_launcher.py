@@ -67,6 +67,7 @@ async def test_child_gets_coordinates_and_its_exit_code_passes_through(sockdir: 
     seen = json.loads(await launcher.proc.stdout.read())
     assert seen == {"GOSSIPREC_CONTROL": f"{sockdir}/n0.sock", "GOSSIPREC_NODE": "n0",
                     "GOSSIPREC_ROLE": "spare", "GOSSIPREC_CLUSTER": "gossiprec",  # stale RANK removed
+                    "GOSSIPREC_LOG_FORMAT": "text", "GOSSIPREC_LOG_LEVEL": "info",  # the agent's, for its logs
                     "THP_MEM_ALLOC_ENABLE": "1"}  # huge pages for torch's CPU allocator by default
     assert launcher.agent is not None and launcher.agent.leave_reason == "training process exited with code 7"
     assert child_environment(launcher.agent, {"THP_MEM_ALLOC_ENABLE": "0"})["THP_MEM_ALLOC_ENABLE"] == "0"

@@ -21,6 +21,8 @@ the agent's coordinates in its environment (the launch contract, :mod:`gossiprec
                        read end of a pipe only the child inherits; the launcher writes the agent's keyring
                        into it before the child starts and again each time the agent reloads a changed
                        one (see :mod:`gossiprec.local.launch`), for a trainer that cannot read the file
+    GOSSIPREC_LOG_FORMAT, GOSSIPREC_LOG_LEVEL  the agent's log format and level: the trainer logs its
+                       recoveries in them (one line each) unless its process configured logging itself
     THP_MEM_ALLOC_ENABLE=1  unless already set: huge pages for PyTorch's CPU tensors (see THP_VAR)
     TORCH_NCCL_ASYNC_ERROR_HANDLING=2  unless already set: NCCL's default (3) kills the process on a
                        collective's timeout instead of letting the agent's abort end it (see NCCL_VAR)
@@ -185,7 +187,7 @@ def child_environment(agent: Agent, base: Mapping[str, str], *, keyring_fd: int 
     keyring = os.path.abspath(s.keyring) if s.keyring and not s.insecure and keyring_fd is None else None
     return trainer_environment(env, control=agent.control_path, node=agent.name, role=role, rank=rank,
                                cluster=s.cluster, keyring=keyring, keyring_fd=keyring_fd, local=local,
-                               world_size=world)
+                               world_size=world, log=(s.log_format, s.log_level))
 
 
 class _KeyPipe:

@@ -1,18 +1,18 @@
 """Log output of the agent processes: text for people or JSON lines for log shippers.
 
 Structured fields travel in a record's ``extra={"fields": {...}}``: the text formatter appends them as
-``key=value``, the JSON formatter merges them into the line's object. Machine events are logged with
+``key=value``, the JSON formatter merges them into the line's object (:mod:`gossiprec.local.logformat`,
+shared with the trainer). Machine events are logged with
 their fields (:func:`log_event`), the per-probe ones at debug level only. Nothing here runs at import:
 :func:`configure_logging` is called by the command-line entry points.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import sys
 from typing import Any
 
+from gossiprec.local.logformat import JsonFormatter as JsonFormatter, TextFormatter as TextFormatter, log_handler
 from gossiprec.local.protocol import event_to_dict
 
 _QUIET_EVENTS = frozenset({"ProbeResult"})
@@ -23,34 +23,9 @@ _LOUD_EVENTS = {"JobSpecMismatch": logging.ERROR, "BootMismatch": logging.ERROR,
 stopped (warnings: an operator, or a flaky test's logs at ``warning``, must show who accused whom, and why)."""
 
 
-class _TextFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
-        fields = getattr(record, "fields", None)
-        if fields:
-            base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
-        return base
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        doc: dict[str, Any] = {"ts": round(record.created, 6), "level": record.levelname.lower(),
-                               "logger": record.name, "msg": record.getMessage()}
-        fields = getattr(record, "fields", None)
-        if fields:
-            doc.update(fields)
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
 def configure_logging(fmt: str = "text", level: str = "info", stream: Any = None) -> None:
     """Log ``gossiprec.*`` to stderr as text or JSON lines. Called by the CLI only (never at import)."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler = log_handler(fmt, stream)
     root = logging.getLogger("gossiprec")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AsyncExitStack
-from typing import Any, Iterator, Mapping, Protocol, cast
+from typing import Any, Callable, Iterator, Mapping, Protocol, cast
 
 from gossiprec.errors import ConfigError
 
@@ -185,10 +185,14 @@ class AgentMetrics:
             reg.register(_StateCollector(source, prom))
         self._fail_since: dict[str, float] = {}
         self._trouble: dict[str, float] = {}
+        self.observers: list[Callable[[Any], None]] = []
+        """Told of every event :meth:`observe` gets (the recoveries' hang count)."""
 
     # ------------------------------------------------------------------ events
     def observe(self, ev: Any) -> None:
         """Account one machine event (unknown kinds are ignored)."""
+        for observer in self.observers:
+            observer(ev)
         kind = type(ev).__name__
         at = getattr(ev, "at", None)
         # (the kinds whose ``at`` is kept below all carry ``at: float``: the casts only tell mypy)
@@ -368,6 +372,10 @@ async def serve_agent_metrics(agent: _Agent, stack: AsyncExitStack, tg: asyncio.
     Returns the server (``.port``, ``.metrics``)."""
     s = agent.settings
     metrics = AgentMetrics(agent)
+    recoveries = getattr(agent, "recoveries", None)
+    if recoveries is not None:  # the trainer's recoveries and steps (gossiprec.agent.recoveries)
+        recoveries.attach(metrics._prom, metrics.registry)
+        metrics.observers.append(recoveries.observe)
     server = MetricsServer(metrics, s.metrics_host(getattr(agent, "addr", None)), s.metrics_port)
     await stack.enter_async_context(server)
     tg.create_task(metrics.follow(agent), name="gossiprec-metrics")

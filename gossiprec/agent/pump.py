@@ -52,6 +52,7 @@ from gossiprec.core.bootwords import boot_state, boot_words
 from gossiprec.core.events import BootProgress
 from gossiprec.agent.logs import log_event
 from gossiprec.agent.remote import RemoteOps, is_query
+from gossiprec.agent.recoveries import RecoveryLog, sample_steps, timeline_path
 from gossiprec.agent.settings import (
     AgentSettings, default_control_path, default_node_name, join_host_port, split_host_port,
 )
@@ -158,6 +159,8 @@ class Agent:
         self._pump_waiters: list[asyncio.Future[None]] = []
         self._throttle = Throttle(log)
         self._signals: list[int] = []
+        self.recoveries = RecoveryLog(timeline_path(settings.timeline), lambda: self.name, self._count)
+        """The trainer's recoveries and steps, for the metrics and the timeline file (gossiprec.agent.recoveries)."""
         self.metrics: Any = None
         """The Prometheus endpoint (gossiprec.agent.metrics.MetricsServer) when ``metrics_port`` is set."""
 
@@ -213,7 +216,9 @@ class Agent:
             # in the control socket's directory, which bind_unix_socket checked
             self._page = ProgressPage.create(page_path_for(self.control_path), with_bell=s.exit_bell)
             stack.callback(self._close_page)
+            stack.callback(self.recoveries.close)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
+            tg.create_task(sample_steps(self, self.recoveries, self._closed_evt), name="gossiprec-steps")
             if self.keyring is not None and self.keyring.path is not None:
                 self._keyring_due = self.clock() + self.keyring_check_s
             if isinstance(self.machine, Booting):
@@ -230,6 +235,7 @@ class Agent:
         except BaseException:
             self._closing = True
             self._state = "closed"
+            self._closed_evt.set()  # (ends the step sampler, which the task group waits for)
             self._disarm()
             await stack.aclose()
             raise
@@ -592,6 +598,20 @@ class Agent:
         self._sync_page()
         m.finish(step, self.clock())
         self._flush()
+
+    def control_recovered(self, record: dict[str, Any]) -> None:
+        self.recoveries.recovered(record)
+
+    def control_checked(self, ok: bool) -> None:
+        self.recoveries.checked(ok)
+
+    def trainer_step(self) -> tuple[int, int] | None:
+        """(rank, step) of the trainer, when it holds a rank of the view and has stepped."""
+        self._sync_page()
+        view = self.machine.view if self.machine is not None else None
+        me = view.member(self.name) if view is not None else None
+        step = self._progress[0]
+        return (me.rank, step) if me is not None and me.rank is not None and step >= 0 else None
 
     def _sync_page(self) -> None:
         """Take the trainer's newest progress and state from the page, if it changed since the last look.

@@ -25,7 +25,8 @@ Environment variables (``GOSSIPREC_CONTROL``, ``GOSSIPREC_NODE`` and ``GOSSIPREC
     GOSSIPREC_NODE GOSSIPREC_BIND GOSSIPREC_PORT GOSSIPREC_ADVERTISE GOSSIPREC_SEEDS (comma separated)
     GOSSIPREC_ROLE GOSSIPREC_RANK GOSSIPREC_PROFILE GOSSIPREC_CLUSTER GOSSIPREC_KEYRING
     GOSSIPREC_INSECURE (1/0, true/false, yes/no) GOSSIPREC_CONTROL GOSSIPREC_LOG_FORMAT
-    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_METRICS_BIND GOSSIPREC_JOB GOSSIPREC_ALIGN_TIMERS (1/0)
+    GOSSIPREC_LOG_LEVEL GOSSIPREC_METRICS_PORT GOSSIPREC_METRICS_BIND GOSSIPREC_TIMELINE GOSSIPREC_JOB
+    GOSSIPREC_ALIGN_TIMERS (1/0)
     GOSSIPREC_EXIT_BELL (1/0) GOSSIPREC_MESH (the device mesh, as --mesh) GOSSIPREC_CONFIG (path of the TOML file)
 
 TOML file: the same names as the dataclass fields at top level (``port = 7980``, ``seeds = ["a:7980"]``),
@@ -49,12 +50,15 @@ from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.mesh import MeshShape, parse_mesh
 from gossiprec.errors import ConfigError
 from gossiprec.local.launch import (
-    CLUSTER_ENV, CONTROL_ENV, DEFAULT_CLUSTER, KEYRING_ENV, NODE_ENV, PORTS_PER_AGENT, RANK_ENV, ROLE_ENV, ROLES,
+    CLUSTER_ENV, CONTROL_ENV, DEFAULT_CLUSTER, KEYRING_ENV, LOG_FORMAT_ENV, LOG_LEVEL_ENV, NODE_ENV, PORTS_PER_AGENT,
+    RANK_ENV, ROLE_ENV, ROLES,
 )
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 7980
+DEFAULT_TIMELINE = "gossiprec-timeline.jsonl"
+"""The timeline file of ``gossiprec agent`` and ``gossiprec run`` (in their working directory) when none is given."""
 """UDP and TCP port of the agent (both protocols share the number)."""
 AGENT_STARTUP_GRACE = 30.0
 """Seconds an agent waits before probing a view-0 member it has not heard from yet (see the core's
@@ -81,10 +85,11 @@ ENV: dict[str, str] = {
     "signing_key": "GOSSIPREC_SIGNING_KEY",
     "insecure": "GOSSIPREC_INSECURE",
     "control_socket": CONTROL_ENV,
-    "log_format": "GOSSIPREC_LOG_FORMAT",
-    "log_level": "GOSSIPREC_LOG_LEVEL",
+    "log_format": LOG_FORMAT_ENV,
+    "log_level": LOG_LEVEL_ENV,
     "metrics_port": "GOSSIPREC_METRICS_PORT",
     "metrics_bind": "GOSSIPREC_METRICS_BIND",
+    "timeline": "GOSSIPREC_TIMELINE",
     "job": "GOSSIPREC_JOB",
     "align_timers": "GOSSIPREC_ALIGN_TIMERS",
     "exit_bell": "GOSSIPREC_EXIT_BELL",
@@ -145,6 +150,11 @@ class AgentSettings:
     metrics_bind: str | None = None
     """Address the Prometheus endpoint listens on. None: :meth:`metrics_host` (the agent's own address,
     never every interface unless asked)."""
+    timeline: str | None = None
+    """File the agent appends its trainer's recoveries and step samples to, as JSON lines (see
+    gossiprec.agent.recoveries). ``gossiprec agent`` and ``gossiprec run`` default to
+    ``gossiprec-timeline.jsonl`` in their working directory; ``-`` or empty: none. None: none (an agent
+    built in code)."""
     protocol: tuple[tuple[str, Any], ...] = ()
     """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
     job: str | None = None
@@ -458,6 +468,7 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "signing_key": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
+    "timeline": _as_str,
     "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
     "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
     "host": _as_opt_str, "bootstrap_timeout": _as_seconds, "public_keys": _as_opt_str, "mesh": _as_opt_str,
@@ -593,6 +604,8 @@ def load_settings(
         if type(local) is int and local >= 0:
             values["port"] = DEFAULT_PORT + PORTS_PER_AGENT * local
             origins["port"] = f"{DEFAULT_PORT} + {PORTS_PER_AGENT} x {origins.get('local_index', 'local_index')}"
+    if "timeline" not in values:  # (an agent built in code writes none unless asked)
+        values["timeline"] = DEFAULT_TIMELINE
     if protocol:
         origins["protocol"] = "--protocol / [protocol]"
     return AgentSettings(**values, protocol=tuple(sorted(protocol.items())), config_file=path,
@@ -668,6 +681,9 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-bind", dest="metrics_bind", metavar="HOST", default=None,
                    help="address of the Prometheus endpoint (default: the agent's own address, else "
                         "127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument("--timeline", metavar="PATH", default=None,
+                   help="JSON lines file of the trainer's recoveries and steps (default gossiprec-timeline.jsonl "
+                        "in the working directory; - for none; env GOSSIPREC_TIMELINE)")
     g.add_argument("--align-timers", dest="align_timers", action=argparse.BooleanOptionalAction, default=None,
                    help="align the protocol timer with uvloop's millisecond clock (default on)")
     g.add_argument("--exit-bell", dest="exit_bell", action=argparse.BooleanOptionalAction, default=None,

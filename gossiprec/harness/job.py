@@ -167,7 +167,8 @@ class LocalJob:
 
     def __init__(self, workdir: Path, ranks: int, spares: int, *, allow_shrink: bool = False,
                  tp_pp: int = 1, env: Mapping[str, str] | None = None, outsiders: int = 0,
-                 hosts: Hosts | None = None, job_table: str | None = None, mesh: str | None = None) -> None:
+                 hosts: Hosts | None = None, job_table: str | None = None, mesh: str | None = None,
+                 metrics: bool = False) -> None:
         from gossiprec.security.keyring import Keyring, decode_key, generate_key
 
         self.dir = Path(os.path.abspath(workdir))  # the keyring's path marks the job's trainers (see _trainers)
@@ -190,8 +191,12 @@ class LocalJob:
                                                     allow_shrink=allow_shrink, tp_pp=tp_pp,
                                                     addrs=self.addrs[:listed], job_table=job_table))
         Keyring([decode_key(generate_key())]).save(self.dir / "keyring.json")
+        self.timeline = self.dir / "timeline.jsonl"
+        """The job's timeline file, every agent's recoveries and step samples (gossiprec.agent.recoveries)."""
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "GOSSIPREC_KEYRING": str(self.dir / "keyring.json")}
+                    "GOSSIPREC_KEYRING": str(self.dir / "keyring.json"), "GOSSIPREC_TIMELINE": str(self.timeline)}
+        self.metrics_ports: dict[str, int] = dict(zip(self.names, free_ports(len(self.names)))) if metrics else {}
+        """With ``metrics``: each node's Prometheus endpoint port (on its agent's address)."""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         """Each node's launcher (``gossiprec run``), in the order they were spawned."""
         self.replaced: list[subprocess.Popen[bytes]] = []
@@ -222,6 +227,8 @@ class LocalJob:
                      "--host", node, "--local-index", "0"]
             argv += [a for k in range(min(3, self.listed)) for a in ("--seed", f"{self.addrs[k]}:{self.ports[k]}")]
         argv += [a for k, v in protocol.items() for a in ("--protocol", f"{k}={v}")]
+        if node in self.metrics_ports:
+            argv += ["--metrics-port", str(self.metrics_ports[node])]
         if i >= self.listed:
             argv.append("--spare")  # a node the spec does not list joins as a spare (a trainer would be refused)
         with open(self.path(node, ".log"), "ab") as log:  # the child keeps its own copy of the file

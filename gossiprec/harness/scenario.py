@@ -72,7 +72,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                  verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
                  mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = (),
                  late: Mapping[str, float] = {}, trainer_args: Sequence[str] = (), hosts: Hosts | None = None,
-                 actions: Sequence[Action] = (), lockstep: bool = False) -> dict[str, Any]:
+                 actions: Sequence[Action] = (), lockstep: bool = False, metrics: bool = False) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
     ones without a phase sent from here, in list order) and compare the final states with the
     failure-free run.
@@ -89,7 +89,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     may exit with an error without failing the run; ``late``: node -> seconds its trainer sleeps before
     it starts (a slow import); ``trainer_args``: more options for every trainer; ``hosts``: a host of its
     own for each node (default: all on loopback); ``actions``: see :class:`Action`; ``lockstep``: see the
-    module docstring (the gate of step S is ``<workdir>/gate-S``). Once the job is done,
+    module docstring (the gate of step S is ``<workdir>/gate-S``); ``metrics``: every agent serves its
+    metrics (``job.metrics_ports``). The agents write the job's timeline file (``timeline`` in the result).
+    Once the job is done,
     every process left must end by itself: ``exits`` holds each launcher's exit code (None: still
     running :data:`END_WAIT_S` later).
     """
@@ -98,7 +100,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             print(msg, file=log, flush=True)
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-demo-"))
-    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp, hosts=hosts) as job:
+    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp, hosts=hosts, metrics=metrics) as job:
         names = job.names
         # slow, lag and hold are stalls the trainers make themselves, not faults to report on
         everything, faults = list(faults), [f for f in faults if f.kind not in STALLS]
@@ -126,7 +128,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         say(f"started {ranks} ranks + {spares} spare(s) in {tmp}")
         procs = job.procs
         result: dict[str, Any] = {"ranks": ranks, "spares": spares, "steps": steps,
-                                  "victim": faults[0].node if faults else None}
+                                  "victim": faults[0].node if faults else None, "timeline": str(job.timeline)}
         sent = [f for f in faults if f.phase is None]
         fault_at: dict[int, float] = {}
         deadline = time.monotonic() + timeout

@@ -112,6 +112,21 @@ class ControlClient:
         """Training is over at ``step`` (the job's last): the agents end the job, spares leave."""
         self.request("finished", step=step)
 
+    def recovered(self, record: Mapping[str, Any], *, wait: bool = True) -> None:
+        """One finished recovery of this trainer (the fields of :data:`~gossiprec.local.protocol.RECOVERY_FIELDS`),
+        for the agent's metrics and timeline file."""
+        if wait:
+            self.request("recovered", record=dict(record))
+        else:
+            self.notify("recovered", record=dict(record))
+
+    def checked(self, ok: bool, *, wait: bool = True) -> None:
+        """A comparison of the replicas' digests ended: ``ok`` false for a mismatch."""
+        if wait:
+            self.request("checked", ok=ok)
+        else:
+            self.notify("checked", ok=ok)
+
     def members(self) -> list[dict[str, Any]]:
         return list(self.request("members")["members"])
 

@@ -17,6 +17,10 @@ The environment::
     GOSSIPREC_CLUSTER     the cluster name (default :data:`DEFAULT_CLUSTER`)
     GOSSIPREC_KEYRING     the keyring file's path on a keyed cluster (never the key itself)
     GOSSIPREC_KEYRING_FD  instead of the path: the descriptor the keyring arrives on
+    GOSSIPREC_LOG_FORMAT  the agent's log format, ``text`` or ``json``, and
+    GOSSIPREC_LOG_LEVEL   its level: a trainer whose ``gossiprec`` logger has no handler, in a process whose
+                          root logger has none either (nobody configured logging), logs its ``gossiprec``
+                          lines (one per recovery, at info) to stderr in that format and level
 
 and torch's own variables, so that a script written for torchrun runs unchanged (but see the spares)::
 
@@ -64,6 +68,8 @@ CLUSTER_ENV = "GOSSIPREC_CLUSTER"
 KEYRING_ENV = "GOSSIPREC_KEYRING"
 KEYRING_FD_ENV = "GOSSIPREC_KEYRING_FD"
 """The variable naming the descriptor the keyring arrives on (``gossiprec run --keyring-fd``)."""
+LOG_FORMAT_ENV = "GOSSIPREC_LOG_FORMAT"
+LOG_LEVEL_ENV = "GOSSIPREC_LOG_LEVEL"
 
 DEFAULT_CLUSTER: str = Config().cluster
 """The cluster name when none is given: the protocol's own default (agent and trainer agree on it)."""
@@ -92,11 +98,12 @@ CONTROL_MISSING = (f"{CONTROL_ENV} is not set: start the training process with `
 def trainer_environment(
     base: Mapping[str, str], *, control: str, node: str, role: str, rank: int | None, cluster: str,
     keyring: str | None = None, keyring_fd: int | None = None, local: tuple[int, int] = (0, 1),
-    world_size: int | None = None,
+    world_size: int | None = None, log: tuple[str, str] | None = None,
 ) -> dict[str, str]:
     """``base`` with the launch variables set: each given value written, each absent one removed (a value
     inherited from elsewhere would be taken for this agent's). ``keyring`` and ``keyring_fd`` exclude
-    each other; ``local`` is ``(LOCAL_RANK, LOCAL_WORLD_SIZE)``; ``world_size`` the trainers of view 0.
+    each other; ``local`` is ``(LOCAL_RANK, LOCAL_WORLD_SIZE)``; ``world_size`` the trainers of view 0;
+    ``log`` the agent's (log format, log level), None: ``base``'s are kept.
     :class:`ConfigError` for a value the trainer could not read back."""
     if not control:
         raise ConfigError(f"{CONTROL_ENV}: the agent's control socket path is empty")
@@ -123,6 +130,8 @@ def trainer_environment(
     env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"] = str(index), str(count)
     _put(env, "RANK", None if rank is None else str(rank))
     _put(env, "WORLD_SIZE", None if world_size is None else str(world_size))
+    if log is not None:
+        env[LOG_FORMAT_ENV], env[LOG_LEVEL_ENV] = log
     return env
 
 
@@ -165,6 +174,10 @@ class LaunchEnv:
     """Path of the cluster's keyring (``GOSSIPREC_KEYRING``); None: an ``--insecure`` cluster."""
     keyring_fd: int | None = None
     """The descriptor the keyring arrives on (``GOSSIPREC_KEYRING_FD``), instead of a path."""
+    log_format: str | None = None
+    """The agent's log format (``GOSSIPREC_LOG_FORMAT``); None: not under ``gossiprec run``."""
+    log_level: str = "info"
+    """The agent's log level (``GOSSIPREC_LOG_LEVEL``)."""
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
@@ -175,8 +188,12 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     if fd_text is not None and not fd_text.isdigit():
         raise ConfigError(f"{KEYRING_FD_ENV}={fd_text!r} is not a descriptor number; `gossiprec run "
                           "--keyring-fd` sets it")
+    fmt = env.get(LOG_FORMAT_ENV) or None
+    if fmt is not None and fmt not in ("text", "json"):
+        raise ConfigError(f"{LOG_FORMAT_ENV}={fmt!r}: expected text or json")
     return LaunchEnv(control=env.get(CONTROL_ENV) or None, cluster=env.get(CLUSTER_ENV, DEFAULT_CLUSTER),
-                     keyring=env.get(KEYRING_ENV) or None, keyring_fd=None if fd_text is None else int(fd_text))
+                     keyring=env.get(KEYRING_ENV) or None, keyring_fd=None if fd_text is None else int(fd_text),
+                     log_format=fmt, log_level=(env.get(LOG_LEVEL_ENV) or "info").lower())
 
 
 def control_path_from_env(environ: Mapping[str, str] | None = None) -> str:

@@ -3,8 +3,8 @@
 Frames in both directions are a 4-byte big-endian length followed by one msgpack map. A connection
 starts with a handshake::
 
-    -> {"op": "hello", "version": 2}
-    <- {"ok": true, "version": 2, "node": NAME, "max_frame": BYTES}
+    -> {"op": "hello", "version": 3}
+    <- {"ok": true, "version": 3, "node": NAME, "max_frame": BYTES}
 
 then requests, each optionally carrying an ``"id"`` (int or string) echoed in its reply, and
 ``"noreply": true`` to skip the reply on success (errors are always answered)::
@@ -13,6 +13,8 @@ then requests, each optionally carrying an ``"id"`` (int or string) echoed in it
     {"op": "state", "committed_step": 12, "inflight_step": None,
      "state_bytes": N, "transfer_port": P}                              -> machine.set_state
     {"op": "finished", "step": 100}                                     -> machine.finish
+    {"op": "recovered", "record": {...}}                                -> the agent's recovery log
+    {"op": "checked", "ok": true}                                       -> a replica check's result
     {"op": "members"}                                                   -> {"members": [...]}
     {"op": "status"}                                                    -> {"status": {...}}
     {"op": "subscribe"} / {"op": "unsubscribe"}                         -> event stream on/off
@@ -32,6 +34,11 @@ the two sides share one definition. A peer of another version is refused at the 
 that falls ``queue`` events behind is never disconnected for it: the events that do not fit are dropped
 and one ``{"event": "Gap", "dropped": N, "at": T, "time": T}`` takes their place. An agent older than
 ``follow`` answers ``unknown_op`` (the op is new, the version is not).
+
+``recovered`` carries one finished recovery of the trainer (:data:`RECOVERY_FIELDS`, checked by
+:func:`recovered_args`): the fields of a ``recovery`` line of the agent's timeline file
+(:mod:`gossiprec.agent.recoveries`), which the agent completes with the time and its name. ``checked``
+says how one comparison of the replicas' digests ended (``ok`` false: a mismatch).
 
 Error codes: ``bad_frame`` (a length of 0 or above the limit), ``bad_msgpack``, ``bad_request`` (not a
 map with a string ``op``), ``bad_handshake``, ``unsupported_version``, ``unknown_op``, ``timeout``,
@@ -60,7 +67,7 @@ from gossiprec.errors import DecodeError, ProtocolError
 if TYPE_CHECKING:
     from gossiprec.core.view import View
 
-CONTROL_VERSION = 2
+CONTROL_VERSION = 3
 MAX_REQUEST_FRAME = 1024 * 1024
 """Largest frame a client may send the agent (bytes)."""
 MAX_REPLY_FRAME = 64 * 1024 * 1024
@@ -338,3 +345,59 @@ def layout_args(req: Mapping[str, Any]) -> dict[Any, Any]:
     if not isinstance(layout, dict):
         raise ControlError("bad_args", "layout must be a map")
     return layout
+
+
+RECOVERY_ACTIONS = ("resume", "shrink", "checkpoint", "stop")
+RECOVERY_ROLES = ("receiver", "survivor", "donor", "checkpoint")
+RECOVERY_PHASES = ("detect", "agree", "plan", "group", "state", "first_step")
+"""The phases of a recovery's time, in the order of the timeline's ``phases`` object."""
+DIGEST_RESULTS = ("ok", "mismatch", "off")
+RECOVERY_FIELDS: dict[str, Any] = {
+    "epoch": int, "cause": str, "action": RECOVERY_ACTIONS, "role": RECOVERY_ROLES, "rank": int,
+    "world_size": int, "previous_world_size": int, "target_step": int, "lost_steps": int, "rto_s": float,
+    "phases": dict, "bytes": int, "transfer_s": float, "donors": list, "digest": DIGEST_RESULTS,
+}
+"""A ``recovered`` record's fields: a type, or the strings the field may be."""
+MAX_CAUSE = 1000
+"""Characters of a recovery's cause kept (a longer one is cut)."""
+
+
+def recovered_args(req: Mapping[str, Any]) -> dict[str, Any]:
+    """``recovered`` -> the record, its fields in :data:`RECOVERY_FIELDS` order and checked (a number
+    of seconds finite and not negative, an int not negative, the phases all there)."""
+    rec = req.get("record")
+    if not isinstance(rec, dict):
+        raise ControlError("bad_args", "record must be a map")
+    out: dict[str, Any] = {}
+    for name, kind in RECOVERY_FIELDS.items():
+        v: Any = rec.get(name)
+        if isinstance(kind, tuple):
+            ok = v in kind
+        elif kind is float:
+            ok = type(v) in (int, float) and math.isfinite(v) and v >= 0
+            v = float(v) if ok else v
+        elif kind is int:
+            ok = type(v) is int and 0 <= v <= 2**62
+        elif kind is str:
+            ok = isinstance(v, str)
+            v = v[:MAX_CAUSE] if ok else v
+        elif kind is list:
+            ok = isinstance(v, list) and len(v) <= 4096 and all(isinstance(d, str) and len(d) <= 256 for d in v)
+        else:  # the phases
+            ok = (isinstance(v, dict) and set(v) == set(RECOVERY_PHASES)
+                  and all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in v.values()))
+            v = {p: float(v[p]) for p in RECOVERY_PHASES} if ok else v
+        if not ok:
+            want = " | ".join(kind) if isinstance(kind, tuple) else (
+                f"the phases {', '.join(RECOVERY_PHASES)} in seconds" if kind is dict else kind.__name__)
+            raise ControlError("bad_args", f"record.{name} must be {want}, got {v!r}"[:300])
+        out[name] = v
+    return out
+
+
+def checked_args(req: Mapping[str, Any]) -> bool:
+    """``checked`` -> whether the replicas matched."""
+    ok = req.get("ok")
+    if type(ok) is not bool:
+        raise ControlError("bad_args", f"ok must be true or false, got {ok!r}")
+    return ok

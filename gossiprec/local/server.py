@@ -40,7 +40,8 @@ from typing import Any, Mapping, Protocol
 from gossiprec.errors import ConfigError, ProtocolError
 from gossiprec.local.protocol import (
     CONTROL_VERSION, LENGTH_PREFIX, MAX_REQUEST_FRAME, ControlError, check_request, decode_body, encode_frame,
-    event_to_dict, finished_args, follow_args, frame_length, layout_args, report_args, state_args, to_plain,
+    checked_args, event_to_dict, finished_args, follow_args, frame_length, layout_args, recovered_args, report_args,
+    state_args, to_plain,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class ControlBackend(Protocol):
     def control_set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int,
                           transfer_port: int | None) -> None: ...
     def control_finished(self, step: int) -> None: ...
+    def control_recovered(self, record: dict[str, Any]) -> None: ...
+    def control_checked(self, ok: bool) -> None: ...
     def control_members(self) -> list[dict[str, Any]]: ...
     def control_status(self) -> dict[str, Any]: ...
     def control_set_layout(self, layout: dict[Any, Any]) -> None: ...
@@ -458,6 +461,14 @@ class ControlServer:
         self.backend.control_finished(finished_args(req))
         return {}
 
+    def _op_recovered(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
+        self.backend.control_recovered(recovered_args(req))
+        return {}
+
+    def _op_checked(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
+        self.backend.control_checked(checked_args(req))
+        return {}
+
     def _op_members(self, req: dict[str, Any], c: _Conn, tg: asyncio.TaskGroup) -> dict[str, Any]:
         return {"members": self.backend.control_members()}
 
@@ -532,6 +543,8 @@ _OPS = {
     "report": ControlServer._op_report,
     "state": ControlServer._op_state,
     "finished": ControlServer._op_finished,
+    "recovered": ControlServer._op_recovered,
+    "checked": ControlServer._op_checked,
     "members": ControlServer._op_members,
     "status": ControlServer._op_status,
     "subscribe": ControlServer._op_subscribe,

@@ -178,6 +178,22 @@ class AgentLink:
         except ControlError:
             pass
 
+    def recovered(self, record: Mapping[str, Any]) -> None:
+        """A finished recovery (:meth:`~gossiprec.trainer.recovery.RecoveryRecord.to_wire`), for the agent's
+        metrics and timeline file: over the control socket, never waited for, a failure ignored (figures,
+        not control: a lost agent is noticed by the reports)."""
+        try:
+            self.control.recovered(record, wait=False)
+        except ControlError as exc:
+            log.debug("could not tell the agent of the recovery: %s", exc)
+
+    def checked(self, ok: bool) -> None:
+        """How a comparison of the replicas ended, for the agent's counters (as :meth:`recovered`)."""
+        try:
+            self.control.checked(ok, wait=False)
+        except ControlError as exc:
+            log.debug("could not tell the agent of the replica check: %s", exc)
+
     def close(self) -> None:
         """Close the page (the socket is the caller's)."""
         page, self._page = self._page, None

@@ -19,30 +19,29 @@
 before that, a failure rolls this rank back to ``s - 1`` (RNG and data position included). Commits and phase changes
 reach the agent through its progress page (:mod:`gossiprec.local.progress`) or the control socket.
 
-**Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current
-group, so a waiting collective raises within a poll slice, and the trainer recovers in place
-(:mod:`gossiprec.trainer.recovery`); replicas are compared along the way (:mod:`gossiprec.trainer.state.checks`).
+**Interruption.** A newer view or a fence (:mod:`gossiprec.trainer.follower`) aborts the current group, so a waiting
+collective raises within a poll slice, and the trainer recovers in place (:mod:`gossiprec.trainer.recovery`); replicas
+are compared along the way (:mod:`gossiprec.trainer.state.checks`). Redone steps start clean: after a recovery every
+gradient of the registered objects is dropped, and the redone step's first collective refuses one it did not produce
+(:mod:`gossiprec.trainer.redo`).
 
 **Hooks.** ``on_phase(step, phase)`` is called at every phase boundary of a step (``compute``, ``communicate`` with
-the collective in flight, ``optimizer``, ``committed``) and, during a recovery, ``serve`` (a receiver asked this
-donor for state; from a donor thread) and ``fetch`` (a chunk arrived; from a receiving thread): for tracing and
-fault injection, not for long work.
+the collective in flight, ``optimizer``, ``committed``) and, during a recovery, ``serve`` (a receiver asked this donor
+for state; from a donor thread) and ``fetch`` (a chunk arrived; from a receiving thread): for tracing and fault
+injection, not for long work.
 
-**Hangs.** A stuck rank stays in its collective; the agents find it by its position (step, collectives
-entered in the step, phase) stalled behind the others' and agree on a view without it (a rank whose
-collective waits on peers reports ``waiting``). Its launcher kills it once its node is out of the view;
-one that wakes first drops its state and waits as a spare (:mod:`gossiprec.trainer.recovery`).
+**Hangs.** A stuck rank stays in its collective; the agents find it by its position (step, collectives entered in the
+step, phase) stalled behind the others' and agree on a view without it (a rank whose collective waits on peers reports
+``waiting``). Its launcher kills it once its node is out of the view; one that wakes first drops its state and waits
+as a spare (:mod:`gossiprec.trainer.recovery`).
 
-**Redone steps** start clean: after a recovery every gradient of the registered objects is dropped, and
-the redone step's first collective refuses one it did not produce (:mod:`gossiprec.trainer.redo`).
-
-**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the
-objects, :meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the
-rank is known, builds the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with
-``build(mesh)`` (a spare when a plan gives it a rank; a shrink's survivors again, smaller), and every
-epoch gives all of the mesh's groups that epoch's backend (:mod:`gossiprec.trainer.collectives.sharded`).
-The state is each rank's local shard; its donor is the same coordinate in another replica. The step runs inside
-:meth:`~ResilientTrainer.training_step`, which recovers from a collective interrupted anywhere in it::
+**Sharded jobs.** Given ``mesh=MeshSpec(...)`` and ``build=lambda mesh: objects`` instead of the objects,
+:meth:`~ResilientTrainer.start` makes the ``gossiprec`` backend torch's default group once the rank is known, builds
+the ``DeviceMesh`` (:attr:`~ResilientTrainer.mesh`) and then the objects with ``build(mesh)`` (a spare when a plan
+gives it a rank; a shrink's survivors again, smaller), and every epoch gives all of the mesh's groups that epoch's
+backend (:mod:`gossiprec.trainer.collectives.sharded`). The state is each rank's local shard; its donor is the same
+coordinate in another replica. The step runs inside :meth:`~ResilientTrainer.training_step`, which recovers from a
+collective interrupted anywhere in it::
 
     rt = ResilientTrainer(None, config, mesh=MeshSpec((2, 2), ("dp", "tp")), build=make_objects)
     rt.start()
@@ -53,13 +52,11 @@ The state is each rank's local shard; its donor is the same coordinate in anothe
 **The end.** :meth:`~ResilientTrainer.finish` tells the agents that training is over; spares still waiting in
 :meth:`~ResilientTrainer.start` raise :class:`~gossiprec.trainer.exits.JobFinished`. :meth:`~ResilientTrainer.leave`
 ends a process that is not needed, released or stopped in good order, with the codes of
-:mod:`gossiprec.trainer.exits`.
-"""
+:mod:`gossiprec.trainer.exits`."""
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
 import logging
 import os
 import sys
@@ -80,7 +77,7 @@ from gossiprec.trainer.exits import JobStopped, TrainingEnded, exit_code
 from gossiprec.trainer.follower import Follower
 from gossiprec.trainer.gate import OptimizerGate
 from gossiprec.trainer.collectives.groups import (
-    CollectiveAborted, EpochGroup, EpochGroups, check_nccl_environment, start_store_server)
+    CollectiveAborted, EpochGroups, check_nccl_environment, start_store_server)
 from gossiprec.trainer.keys import TransferKeys
 from gossiprec.trainer.objects import JOB_ENTRY, JobState, Stateful, check_objects
 from gossiprec.trainer.peers import Peers
@@ -88,6 +85,7 @@ from gossiprec.trainer.state.receive import held_by, materialize_optimizers
 from gossiprec.trainer.redo import RedoGuard, clear_gradients
 from gossiprec.trainer.recovery import NoReplica, RecoveryRecord, Recovery, prepare_donation, replica_groups_of
 from gossiprec.trainer.settings import CONTROL_TIMEOUT, TrainerSettings
+from gossiprec.trainer.waits import WaitMeter
 from gossiprec.trainer.collectives.sharded import MeshSpec, ShardedWorld, check_sharded_args
 from gossiprec.trainer.state.snapshots import Snapshots
 from gossiprec.trainer.steps import StepResult
@@ -100,36 +98,32 @@ if TYPE_CHECKING:
     from gossiprec.trainer.collectives.groups import PendingCollective
 
 log = logging.getLogger(__name__)
-
-WAIT_WINDOW = 8
-"""Steps over which the wait inside collectives is averaged before it is reported to the agent."""
 _T = TypeVar("_T")
 
 class ResilientTrainer:
     """Wraps one rank's training loop; see the module docstring for the calls and their contract.
 
-    ``objects``: name -> Stateful, the complete replica state (model, optimizer, data position, RNG);
-    it must be identical on every replica at a given step (rank-specific choices, such as which
-    shard of data a rank reads, are computed from :attr:`rank`, not stored). ``config``: the tunables
-    (:class:`~gossiprec.trainer.config.TrainerConfig`). ``control``: a connected client of the agent,
-    ``key``: the 32-byte key (or the :class:`~gossiprec.trainer.keys.TransferKeys`) state transfers and
-    stores are authenticated with; either one not given comes from ``settings`` (default
-    :meth:`TrainerSettings.from_env() <gossiprec.trainer.settings.TrainerSettings.from_env>`: the
-    keyring ``gossiprec run`` names, followed as it rotates).
-    ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world, new_world)``:
-    the world size changed (shrink; a mesh job's :attr:`objects` and :attr:`mesh` are new ones by then);
-    ``on_no_replica(NoReplica) -> step``: load the user's checkpoint into the objects (see
-    :mod:`gossiprec.trainer.recovery`); ``on_phase(step, phase)``: tracing / fault-injection hook (see the
-    module docstring); ``on_drop(why)``: this process dropped its state to wait as a spare (fenced, removed).
+    ``objects``: name -> Stateful, the complete replica state (model, optimizer, data position, RNG); it must be
+    identical on every replica at a given step (rank-specific choices, such as which shard of data a rank reads,
+    are computed from :attr:`rank`, not stored). ``config``: the tunables
+    (:class:`~gossiprec.trainer.config.TrainerConfig`). ``control``: a connected client of the agent, ``key``: the
+    32-byte key (or the :class:`~gossiprec.trainer.keys.TransferKeys`) state transfers and stores are
+    authenticated with; either one not given comes from ``settings`` (default :meth:`TrainerSettings.from_env()
+    <gossiprec.trainer.settings.TrainerSettings.from_env>`: the keyring ``gossiprec run`` names, followed as it
+    rotates). ``on_recovered(record)``: called after each recovery's first step; ``on_resize(old_world,
+    new_world)``: the world size changed (shrink; a mesh job's :attr:`objects` and :attr:`mesh` are new ones by
+    then); ``on_no_replica(NoReplica) -> step``: load the user's checkpoint into the objects (see
+    :mod:`gossiprec.trainer.recovery`); ``on_phase(step, phase)``: tracing / fault-injection hook (see the module
+    docstring); ``on_drop(why)``: this process dropped its state to wait as a spare (fenced, removed).
 
     ``mesh`` and ``build(mesh) -> objects``: a sharded job (see the module docstring); ``objects`` is then None.
 
-    What the loop reads: :attr:`step` (the last committed step), :attr:`rank` and :attr:`world_size`
-    (-1 and 0 on a spare), :attr:`epoch` (the view the rank's groups belong to), :attr:`role`
-    (``trainer`` or ``spare``), :attr:`objects` (the registered state; in a sharded job what
-    ``build(mesh)`` returned) and :attr:`mesh` (a sharded job's ``DeviceMesh``, once built; a spare's
-    ``build(mesh)`` runs on the recovery path, between the plan and the state transfer, and its time
-    is part of the recovery record's). :attr:`records`: the :class:`RecoveryRecord` of each recovery.
+    What the loop reads: :attr:`step` (the last committed step), :attr:`rank` and :attr:`world_size` (-1 and 0 on a
+    spare), :attr:`epoch` (the view the rank's groups belong to), :attr:`role` (``trainer`` or ``spare``),
+    :attr:`objects` (the registered state; in a sharded job what ``build(mesh)`` returned) and :attr:`mesh` (a
+    sharded job's ``DeviceMesh``, once built; a spare's ``build(mesh)`` runs on the recovery path, between the
+    plan and the state transfer, and its time is part of the recovery record's). :attr:`records`: the
+    :class:`RecoveryRecord` of each recovery.
     """
 
     epoch: IdentityField[int] = IdentityField()
@@ -171,6 +165,7 @@ class ResilientTrainer:
         self.on_phase = on_phase
         if settings is None and (control is None or key is None):
             settings = TrainerSettings.from_env()  # the edge: only when the caller passed neither
+        (settings or TrainerSettings()).configure_logging()  # under `gossiprec run`: logs in the agent's format
         if control is None:
             assert settings is not None
             control = settings.connect(timeout=CONTROL_TIMEOUT)
@@ -187,10 +182,9 @@ class ResilientTrainer:
         """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
         self._step_t0 = time.monotonic()
         self._last_commit_at: float | None = None
-        self._waited: deque[float] = deque(maxlen=WAIT_WINDOW)
-        """Seconds waited inside collectives in each of the last few steps (the straggler check's figure)."""
-        self._wait_mark: tuple[EpochGroup | None, float] = (None, 0.0)
-        """The current group and its wait total at the last commit."""
+        self._waits = WaitMeter()
+        self._trains = lambda: self.role == "trainer" and self.rank >= 0  # (not a spare)
+        self._check_all_reduce = lambda tensor, op: self._collective(tensor, op, hook=False)  # the digest check's
         self._donor: DonorServer | None = None
         self._buckets: GradientBuckets | None = None
         self._closed = threading.Event()
@@ -219,10 +213,6 @@ class ResilientTrainer:
                                   checks=self._checks, peers=self._peers, closed=self._closed,
                                   link=self._link, commit=self._commit_snapshot, announce=self._announce,
                                   on_drop=on_drop)
-
-    def _trains(self) -> bool:
-        """Whether this rank trains now (started with a rank, not a spare)."""
-        return self.role == "trainer" and self.rank >= 0
 
     @property
     def identity(self) -> RankIdentity:
@@ -400,7 +390,7 @@ class ResilientTrainer:
         self._snaps.settle()  # the optimizer step comes next: the last commit's copies must be done
         if self._snaps.background:
             self._snaps.update_late(plist)
-        if self._checks.pending and not self._checks.run(self._check_collective, self.rank, self.world_size):
+        if self._checks.pending and not self._checks.run(self._check_all_reduce, self.rank, self.world_size):
             return False
         self._link.report(self.step + 1, "optimizer")
         self._hook(self.step + 1, "optimizer")
@@ -425,7 +415,7 @@ class ResilientTrainer:
         """
         while True:  # the replicas' comparison runs first; a recovery during it begins the step again
             step = self.begin_step()
-            if not self._checks.pending or self._checks.run(self._check_collective, self.rank, self.world_size):
+            if not self._checks.pending or self._checks.run(self._check_all_reduce, self.rank, self.world_size):
                 break
         try:
             yield step
@@ -473,18 +463,10 @@ class ResilientTrainer:
             self._redo.disarm()  # (a redone step without a collective)
         self._commit_snapshot(step, verify=self._checks.checks_commit(step))
         now = time.monotonic()
-        group = self.groups.current if self.groups is not None else None
-        waited = group.waited_s if group is not None else 0.0
-        if group is not self._wait_mark[0]:
-            self._waited.clear()  # new groups (a recovery): the figure starts again
         if self._last_commit_at is not None:
             self._link.step_ms = int((now - self._last_commit_at) * 1000)
-            if group is not None and group is self._wait_mark[0]:
-                # what this step waited for its peers (the first step on new groups is not counted);
-                # a rolling mean, so one slow step is no straggler
-                self._waited.append(waited - self._wait_mark[1])
-                self._link.wait_ms = int(1000 * sum(self._waited) / len(self._waited))
-        self._wait_mark = (group, waited)
+        self._link.wait_ms = self._waits.commit(self.groups.current if self.groups is not None else None,
+                                                counted=self._last_commit_at is not None)
         self._last_commit_at = now
         record = self._recovery.first_step()
         if record is not None:
@@ -615,9 +597,6 @@ class ResilientTrainer:
             self._recover(f"{exc.reason}: {exc}")
         return False
 
-    def _check_collective(self, tensor: torch.Tensor, op: str) -> bool:
-        return self._collective(tensor, op, hook=False)
-
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
         self._gate.abandon()
@@ -678,9 +657,7 @@ class ResilientTrainer:
 
     def _on_slow(self) -> None:
         """A managed collective waits on peers: say so (the agents tell this rank from a frozen one)."""
-        on_slow = self._link.on_slow(self.step + 1)
-        if on_slow is not None:
-            on_slow()
+        (self._link.on_slow(self.step + 1) or (lambda: None))()
 
     def _entered(self, guard: bool = True) -> None:
         """A collective is entered (on any group): the position the agents compare moves on (on the page

@@ -137,6 +137,40 @@ class RecoveryRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def phases(self) -> dict[str, float]:
+        """Seconds of each phase, keyed as the timeline's (:data:`~gossiprec.local.protocol.RECOVERY_PHASES`)
+        and summing to :meth:`rto`. In time the state is loaded before the group is built, so ``state``
+        runs from the plan and ``group`` from the state. A stamp missing or earlier than the one before
+        counts as that one (the agent may see a failure before this rank noticed it): its phase is 0.
+        A spare's first rank counts from the failure's detection (or the plan), not from its wait."""
+        start = self.noticed_at
+        if self.previous_role == "spare":
+            start = max(start, next(t for t in (self.detected_at, self.agreed_at, self.planned_at) if t is not None))
+        marks = {"detect": self.detected_at, "agree": self.agreed_at, "plan": self.planned_at,
+                 "state": self.state_at, "group": self.group_at, "first_step": self.first_step_at}
+        out: dict[str, float] = {}
+        last = start
+        for name, at in marks.items():
+            at = last if at is None else max(last, at)
+            out[name] = at - last
+            last = at
+        return {name: out[name] for name in ("detect", "agree", "plan", "group", "state", "first_step")}
+
+    def rto(self) -> float:
+        """Seconds from noticing the failure to the first step done: the sum of :meth:`phases`."""
+        return sum(self.phases().values())
+
+    def to_wire(self, digest: str) -> dict[str, Any]:
+        """The ``recovered`` request's record (the agent's timeline line, less its time and node);
+        ``digest``: how the check of the replicas after this recovery ended (``ok``, ``mismatch``, ``off``)."""
+        phases = self.phases()
+        return {"epoch": self.epoch, "cause": self.cause, "action": self.action, "role": self.role,
+                "rank": self.rank, "world_size": self.world_size, "previous_world_size": self.previous_world_size,
+                "target_step": self.target_step, "lost_steps": self.lost_steps,
+                "rto_s": round(sum(phases.values()), 6), "phases": {k: round(v, 6) for k, v in phases.items()},
+                "bytes": self.bytes_received, "transfer_s": self.transfer_s, "donors": list(self.donors),
+                "digest": digest}
+
 
 @dataclass(slots=True)
 class _Pending:
@@ -224,6 +258,7 @@ class Recovery:
         self._last_recovered_at = 0.0
         self.building_epoch: int | None = None
         """The epoch whose group is being built, if one is."""
+        checks.on_result = self._checked
 
     def recover(self, cause: str, spare: bool = False) -> None:
         """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
@@ -263,8 +298,23 @@ class Recovery:
                 deadline = time.monotonic() + t.config.recovery_timeout
                 continue
 
-    def first_step(self) -> RecoveryRecord | None:
-        """The record of the last recovery, once its first step has committed (None if none waits)."""
+    def first_step(self, digest: str | None = None) -> RecoveryRecord | None:
+        """The record of the last recovery, once its first step has committed (None if none waits), told
+        to the agent (its metrics and timeline file) and logged, one line. ``digest``: how the check of
+        the replicas after it ended (default: ``ok`` if it ran, else ``off``)."""
+        record = self._first_step()
+        if record is not None:
+            tell_recovery(self._link, record, digest or ("off" if self._checks.last_ok is None else "ok"))
+        return record
+
+    def _checked(self, ok: bool) -> None:
+        """A comparison of the replicas ended: the agent counts it; a mismatch right after a recovery ends
+        that recovery's record (digest ``mismatch``: its first step never commits)."""
+        self._link.checked(ok)
+        if not ok:
+            self.first_step("mismatch")
+
+    def _first_step(self) -> RecoveryRecord | None:
         p = self._record_open
         if p is None:
             return None
@@ -573,6 +623,18 @@ class Recovery:
     def _hook(self, step: int, phase: str) -> None:
         if self._t.on_phase is not None:
             self._t.on_phase(step, phase)
+
+
+def tell_recovery(link: AgentLink, record: RecoveryRecord, digest: str) -> dict[str, Any]:
+    """Tell the agent of a finished recovery (``recovered``) and log it, one info line; returns the record
+    as sent."""
+    wire = record.to_wire(digest)
+    link.recovered(wire)
+    phases = " ".join(f"{k}={v:.3f}" for k, v in wire["phases"].items())
+    log.info("recovery into epoch %d as rank %d/%d: rto %.3f s (%s), %d step(s) lost, %s as %s", record.epoch,
+             record.rank, record.world_size, wire["rto_s"], phases, record.lost_steps, record.action, record.role,
+             extra={"fields": {"recovery": {k: v for k, v in wire.items() if k != "cause"}}})
+    return wire
 
 
 def _check_same_step(group: EpochGroup, step: int, device: str,

@@ -18,12 +18,14 @@ agent says the cluster is keyed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Mapping
 
 from gossiprec.errors import ConfigError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.launch import CONTROL_MISSING, DEFAULT_CLUSTER, read_launch_env
+from gossiprec.local.logformat import log_handler
 from gossiprec.trainer.keys import TransferKeys
 
 CONTROL_TIMEOUT = 30.0
@@ -45,13 +47,31 @@ class TrainerSettings:
     """Path of the cluster's keyring (``GOSSIPREC_KEYRING``); None: an ``--insecure`` cluster."""
     keyring_fd: int | None = None
     """The descriptor the keyring arrives on (``GOSSIPREC_KEYRING_FD``), instead of a path."""
+    log_format: str | None = None
+    """The agent's log format (``GOSSIPREC_LOG_FORMAT``, ``text`` or ``json``); None: not under ``gossiprec run``."""
+    log_level: str = "info"
+    """The agent's log level (``GOSSIPREC_LOG_LEVEL``)."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TrainerSettings:
         """The settings ``environ`` (default :data:`os.environ`) holds; unset variables stay None.
         :class:`~gossiprec.errors.ConfigError` for a malformed one."""
         env = read_launch_env(environ)
-        return cls(control_path=env.control, cluster=env.cluster, keyring=env.keyring, keyring_fd=env.keyring_fd)
+        return cls(control_path=env.control, cluster=env.cluster, keyring=env.keyring, keyring_fd=env.keyring_fd,
+                   log_format=env.log_format, log_level=env.log_level)
+
+    def configure_logging(self, stream: object = None) -> bool:
+        """Under ``gossiprec run`` (a log format is set), log the ``gossiprec`` logger's lines in the agent's
+        format and level, unless this process configured logging (the ``gossiprec`` logger or the root
+        has a handler): a library leaves the user's logging alone. Returns whether it configured."""
+        logger = logging.getLogger("gossiprec")
+        if self.log_format is None or logger.handlers or logging.getLogger().handlers:
+            return False
+        logger.addHandler(log_handler(self.log_format, stream))
+        level = logging.getLevelName(self.log_level.upper())
+        logger.setLevel(level if isinstance(level, int) else logging.INFO)
+        logger.propagate = False  # (the root has no handler: its last resort would print warnings twice)
+        return True
 
     def connect(self, *, timeout: float = CONTROL_TIMEOUT) -> ControlClient:
         """A client connected to the agent's control socket (requests wait ``timeout`` seconds)."""

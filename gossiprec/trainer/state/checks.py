@@ -51,6 +51,10 @@ class ReplicaChecks:
         self._snaps = snaps
         self._due: tuple[str, PendingDigest | StateDigest] | None = None
         """A cross-replica comparison due at the next all-reduce of gradients: (when, digest)."""
+        self.on_result: Callable[[bool], None] | None = None
+        """Told how each comparison across replicas ended (False: a mismatch, before it raises)."""
+        self.last_ok: bool | None = None
+        """True once the comparison :meth:`expect` asked for passed (None until then, and when disabled)."""
         self._live: StateSnapshot | None = None
         """A checksummed commit whose parameters and optimizer state must still equal the live ones at
         the next all-reduce of gradients (catches writes torch does not see, e.g. through ``.data``)."""
@@ -76,6 +80,7 @@ class ReplicaChecks:
         of gradients. ``overlap``: the tensors only the optimizer step changes are hashed on a thread
         meanwhile (only sound where the loop promises not to write them before that all-reduce)."""
         self._live = None
+        self.last_ok = None
         if not self.enabled:
             self._due = None
             return
@@ -103,6 +108,8 @@ class ReplicaChecks:
             return False
         rows = rows.cpu()
         differ = differing_groups(rows, self.groups)
+        if differ and self.on_result is not None:
+            self.on_result(False)
         if differ:
             layouts = [g for g in differ if len({tuple(rows[r, :2].tolist()) for r in g}) > 1]
             if layouts:
@@ -121,6 +128,9 @@ class ReplicaChecks:
                 return False
             raise describe(result, full.cpu(), differ, when, layouts=[int(x) for x in rows[:, 1]])
         self._due = None
+        self.last_ok = True
+        if self.on_result is not None:
+            self.on_result(True)
         return True
 
     def _check_live(self, snap: StateSnapshot) -> None:
