@@ -64,10 +64,11 @@ def test_phases_follow_the_recovery_and_sum_to_its_rto() -> None:
     assert w["phases"] == {"detect": 0.25, "agree": 0.5, "plan": 0.25, "group": 1.5, "state": 1.0, "first_step": 0.5}
     assert w["rto_s"] == 4.0 == pytest.approx(sum(w["phases"].values()), abs=1e-3)
     assert recovered_args({"record": w}) == w  # what the trainer sends, the agent takes
-    # the agent saw the failure before this rank noticed it, and no agreement event was seen
+    # the agent saw the failure 1 s before this rank noticed it (a hang alert): the recovery counts from
+    # there, detect lasts until the rank knows; and no agreement event was seen
     w = wire(detected_at=99.0, agreed_at=None)
-    assert w["phases"]["detect"] == 0.0 and w["phases"]["agree"] == 0.0 and w["phases"]["plan"] == 1.0
-    assert w["rto_s"] == pytest.approx(sum(w["phases"].values()), abs=1e-3) == 4.0
+    assert w["phases"]["detect"] == 1.0 and w["phases"]["agree"] == 0.0 and w["phases"]["plan"] == 1.0
+    assert w["rto_s"] == pytest.approx(sum(w["phases"].values()), abs=1e-3) == 5.0
     # a spare's first rank counts from the detection, not from the start of its wait
     w = wire(previous_role="spare", noticed_at=10.0)
     assert w["rto_s"] == pytest.approx(104.0 - 100.25)

@@ -99,6 +99,15 @@ def _when(t: float) -> str:
     return _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(t)) + f".{int(t * 10 % 10)}Z"
 
 
+CAUSE_WIDTH = 48
+"""Characters of a recovery's cause in the table (an aborted collective's error can run to 300; --json
+has it whole)."""
+
+
+def _short(cause: str) -> str:
+    return cause if len(cause) <= CAUSE_WIDTH else cause[:CAUSE_WIDTH - 3] + "..."
+
+
 def _bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
@@ -120,8 +129,8 @@ def render_text(report: dict[str, Any]) -> str:
     else:
         header = ["time (UTC)", "node", "epoch", "rank", "role", "action", "cause", "RTO s",
                   *(f"{p} s" for p in PHASES), "lost", "bytes", "MB/s", "donors", "digest"]
-        body = [[_when(r["time"]), r["node"], str(r["epoch"]), str(r["rank"]), r["role"], r["action"], r["cause"],
-                 f"{r['rto_s']:.3f}", *(f"{r['phases'][p]:.3f}" for p in PHASES), str(r["lost_steps"]),
+        body = [[_when(r["time"]), r["node"], str(r["epoch"]), str(r["rank"]), r["role"],
+                 r["action"], _short(r["cause"]), f"{r['rto_s']:.3f}", *(f"{r['phases'][p]:.3f}" for p in PHASES), str(r["lost_steps"]),
                  _bytes(r["bytes"]), "-" if r["mb_s"] is None else f"{r['mb_s']:.1f}",
                  ",".join(r["donors"]) or "-", r["digest"]] for r in rows]
         out += _table(header, body)

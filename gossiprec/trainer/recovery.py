@@ -141,12 +141,18 @@ class RecoveryRecord:
         """Seconds of each phase, keyed as the timeline's (:data:`~gossiprec.local.protocol.RECOVERY_PHASES`)
         and summing to :meth:`rto`. In time the state is loaded before the group is built, so ``state``
         runs from the plan and ``group`` from the state. A stamp missing or earlier than the one before
-        counts as that one (the agent may see a failure before this rank noticed it): its phase is 0.
-        A spare's first rank counts from the failure's detection (or the plan), not from its wait."""
-        start = self.noticed_at
+        counts as that one: its phase is 0. The recovery counts from the first evidence of the failure,
+        this rank's (a collective failed, a view came) or its agent's (a failure event, e.g. a hang alert),
+        and ``detect`` lasts until both have it. A spare's first rank counts from the failure's detection
+        (or the plan), not from its wait. (The time from the fault itself to its first evidence, such as
+        a hang's threshold, is not on this rank's clock.)"""
+        start = known = self.noticed_at
+        if self.detected_at is not None:
+            start, known = min(start, self.detected_at), max(start, self.detected_at)
         if self.previous_role == "spare":
-            start = max(start, next(t for t in (self.detected_at, self.agreed_at, self.planned_at) if t is not None))
-        marks = {"detect": self.detected_at, "agree": self.agreed_at, "plan": self.planned_at,
+            start = known = max(self.noticed_at, next(t for t in (self.detected_at, self.agreed_at,
+                                                                 self.planned_at) if t is not None))
+        marks = {"detect": known, "agree": self.agreed_at, "plan": self.planned_at,
                  "state": self.state_at, "group": self.group_at, "first_step": self.first_step_at}
         out: dict[str, float] = {}
         last = start
@@ -157,7 +163,7 @@ class RecoveryRecord:
         return {name: out[name] for name in ("detect", "agree", "plan", "group", "state", "first_step")}
 
     def rto(self) -> float:
-        """Seconds from noticing the failure to the first step done: the sum of :meth:`phases`."""
+        """Seconds from the first evidence of the failure to the first step done: the sum of :meth:`phases`."""
         return sum(self.phases().values())
 
     def to_wire(self, digest: str) -> dict[str, Any]:
