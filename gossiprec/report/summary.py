@@ -130,7 +130,8 @@ def render_text(report: dict[str, Any]) -> str:
         header = ["time (UTC)", "node", "epoch", "rank", "role", "action", "cause", "RTO s",
                   *(f"{p} s" for p in PHASES), "lost", "bytes", "MB/s", "donors", "digest"]
         body = [[_when(r["time"]), r["node"], str(r["epoch"]), str(r["rank"]), r["role"],
-                 r["action"], _short(r["cause"]), f"{r['rto_s']:.3f}", *(f"{r['phases'][p]:.3f}" for p in PHASES), str(r["lost_steps"]),
+                 r["action"], _short(r["cause"]), f"{r['rto_s']:.3f}", *(f"{r['phases'][p]:.3f}" for p in PHASES),
+                 str(r["lost_steps"]),
                  _bytes(r["bytes"]), "-" if r["mb_s"] is None else f"{r['mb_s']:.1f}",
                  ",".join(r["donors"]) or "-", r["digest"]] for r in rows]
         out += _table(header, body)
