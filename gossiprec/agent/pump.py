@@ -218,7 +218,8 @@ class Agent:
             stack.callback(self._close_page)
             stack.callback(self.recoveries.close)
             tg = await stack.enter_async_context(asyncio.TaskGroup())
-            tg.create_task(sample_steps(self, self.recoveries, self._closed_evt), name="gossiprec-steps")
+            tg.create_task(sample_steps(self, self.recoveries, self._closed_evt, self.settings.timeline_interval),
+                           name="gossiprec-steps")
             if self.keyring is not None and self.keyring.path is not None:
                 self._keyring_due = self.clock() + self.keyring_check_s
             if isinstance(self.machine, Booting):

@@ -90,6 +90,7 @@ ENV: dict[str, str] = {
     "metrics_port": "GOSSIPREC_METRICS_PORT",
     "metrics_bind": "GOSSIPREC_METRICS_BIND",
     "timeline": "GOSSIPREC_TIMELINE",
+    "timeline_interval": "GOSSIPREC_TIMELINE_INTERVAL",
     "job": "GOSSIPREC_JOB",
     "align_timers": "GOSSIPREC_ALIGN_TIMERS",
     "exit_bell": "GOSSIPREC_EXIT_BELL",
@@ -155,6 +156,8 @@ class AgentSettings:
     gossiprec.agent.recoveries). ``gossiprec agent`` and ``gossiprec run`` default to
     ``gossiprec-timeline.jsonl`` in their working directory; ``-`` or empty: none. None: none (an agent
     built in code)."""
+    timeline_interval: float = 5.0
+    """Seconds between two ``steps`` samples of the timeline (step and step time of the trainer)."""
     protocol: tuple[tuple[str, Any], ...] = ()
     """Overrides of :class:`~gossiprec.core.config.Config` fields, as sorted (name, value) pairs."""
     job: str | None = None
@@ -282,6 +285,9 @@ class AgentSettings:
         if self.public_keys is not None and self.nnodes is None:
             bad("public_keys", "pins the keys of a bootstrap (--nnodes); a job spec pins them in its own "
                                "[public_keys] table")
+        if isinstance(self.timeline_interval, bool) or not isinstance(self.timeline_interval, (int, float)) \
+                or not 0 < self.timeline_interval < math.inf:
+            bad("timeline_interval", f"expected seconds > 0, got {self.timeline_interval!r}")
         if isinstance(self.bootstrap_timeout, bool) or not isinstance(self.bootstrap_timeout, (int, float)) \
                 or not 0 < self.bootstrap_timeout < math.inf:
             bad("bootstrap_timeout", f"expected seconds > 0, got {self.bootstrap_timeout!r}")
@@ -468,7 +474,7 @@ _CONVERT: dict[str, Callable[[Any, str], Any]] = {
     "seeds": _as_seeds, "role": _as_str, "rank": _as_opt_int, "profile": _as_str, "cluster": _as_str,
     "keyring": _as_opt_str, "signing_key": _as_opt_str, "insecure": _as_bool, "control_socket": _as_opt_str,
     "log_format": _as_str, "log_level": _as_str, "metrics_port": _as_opt_int, "metrics_bind": _as_opt_str,
-    "timeline": _as_str,
+    "timeline": _as_str, "timeline_interval": _as_seconds,
     "job": _as_opt_str, "align_timers": _as_bool, "exit_bell": _as_bool, "nnodes": _as_opt_int,
     "nproc_per_node": _as_int, "spares": _as_int, "allow_shrink": _as_bool, "local_index": _as_opt_int,
     "host": _as_opt_str, "bootstrap_timeout": _as_seconds, "public_keys": _as_opt_str, "mesh": _as_opt_str,
@@ -684,6 +690,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--timeline", metavar="PATH", default=None,
                    help="JSON lines file of the trainer's recoveries and steps (default gossiprec-timeline.jsonl "
                         "in the working directory; - for none; env GOSSIPREC_TIMELINE)")
+    g.add_argument("--timeline-interval", dest="timeline_interval", type=float, metavar="SECONDS", default=None,
+                   help="seconds between two step samples of the timeline (default 5)")
     g.add_argument("--align-timers", dest="align_timers", action=argparse.BooleanOptionalAction, default=None,
                    help="align the protocol timer with uvloop's millisecond clock (default on)")
     g.add_argument("--exit-bell", dest="exit_bell", action=argparse.BooleanOptionalAction, default=None,

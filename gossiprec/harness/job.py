@@ -194,7 +194,8 @@ class LocalJob:
         self.timeline = self.dir / "timeline.jsonl"
         """The job's timeline file, every agent's recoveries and step samples (gossiprec.agent.recoveries)."""
         self.env = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-                    "GOSSIPREC_KEYRING": str(self.dir / "keyring.json"), "GOSSIPREC_TIMELINE": str(self.timeline)}
+                    "GOSSIPREC_KEYRING": str(self.dir / "keyring.json"), "GOSSIPREC_TIMELINE": str(self.timeline),
+                    "GOSSIPREC_TIMELINE_INTERVAL": "1"}
         self.metrics_ports: dict[str, int] = dict(zip(self.names, free_ports(len(self.names)))) if metrics else {}
         """With ``metrics``: each node's Prometheus endpoint port (on its agent's address)."""
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -4,7 +4,7 @@ Two panels, one above the other:
 
 (a) the recovery timelines: one horizontal bar per recovery per rank, its phases stacked left to right
     in :data:`~gossiprec.report.timeline.PHASES` order, one colour per phase; the x axis is seconds
-    since the rank noticed the failure, so the bar's length is its RTO. Past :data:`MAX_BARS` rank
+    since the first evidence of the failure, so the bar's length is its RTO. Past :data:`MAX_BARS` rank
     lines (a large job), one bar per recovery: its slowest rank's; past :data:`MAX_BARS` recoveries,
     the last ones (the title says so);
 (b) the step time over the run: each rank's ``step_s`` samples against time since the first line of
@@ -76,7 +76,7 @@ def plot(tl: Timeline, path: str) -> None:
         else:
             a.set_yticks([])
             a.text(0.5, 0.5, "no recoveries", transform=a.transAxes, ha="center", va="center")
-        a.set_xlabel("seconds since the rank noticed the failure")
+        a.set_xlabel("seconds since the first evidence of the failure (the rank's or its agent's)")
         a.set_title(f"(a) recovery timelines: {len(groups)} recoveries, {what}")
         a.grid(axis="x", alpha=0.3)
 
