@@ -8,6 +8,10 @@ import asyncio
 import contextlib
 import io
 import json
+import signal
+import subprocess
+import sys
+import time
 import logging
 import shutil
 import tempfile
@@ -306,10 +310,33 @@ def test_a_demo_jobs_metrics_match_its_timeline(tmp_path: Path) -> None:
             except OSError:
                 pass  # the killed and the hung node's agents have left
 
+    followers: list[subprocess.Popen[bytes]] = []
+    events_out = tmp_path / "events.jsonl"
+
+    def follow(job: Any) -> None:  # `gossiprec events --json` on n0, as an operator would run it
+        with open(events_out, "wb") as out:
+            followers.append(subprocess.Popen([sys.executable, "-m", "gossiprec", "events", "--json",
+                                               "--control-socket", str(job.path("n0", ".sock"))], stdout=out))
+        time.sleep(0.5)  # subscribed before the first fault (at step 60, about 2 s in)
+
+    start = Action("events", lambda job: job.path("n0", ".sock").exists(), follow)
     both = Action("scrape", lambda job: sum(x["kind"] == "recovery" for x in lines(job.timeline)) >= 8, scrape)
-    res = run_scenario(4, 2, 260, [Fault("n3", "kill", 60), Fault("n2", "stop", 120)], hidden=64, step_ms=20.0,
-                       workdir=str(tmp_path), timeout=150.0, metrics=True, actions=[both])
+    try:
+        res = run_scenario(4, 2, 260, [Fault("n3", "kill", 60), Fault("n2", "stop", 120)], hidden=64,
+                           step_ms=20.0, workdir=str(tmp_path), timeout=150.0, metrics=True, actions=[start, both])
+    finally:
+        for f in followers:
+            f.send_signal(signal.SIGINT)
+            assert f.wait(10) in (0, 1)  # Ctrl-C: 0; the agent gone first (job over): 1
     assert res["bit_identical"] and "scrape" in res["actions"]
+    # the event stream saw the kill, then the hang, each removal with its cause, in order
+    records = lines(events_out)
+    removed = [(i, who, cause) for i, r in enumerate(records) if r["kind"] == "view"
+               for who, cause in (r.get("causes") or {}).items()]
+    order = [who for _, who, _ in removed]
+    assert order[:2] == ["n3", "n2"], removed
+    assert "hung" in removed[1][2], removed
+    assert [r["time"] for r in records] == sorted(r["time"] for r in records)
     recs = [x for x in lines(Path(res["timeline"])) if x["kind"] == "recovery"]
     assert len(recs) == 8 and {x["epoch"] for x in recs} == {1, 2}  # four ranks, two recoveries
     assert {x["action"] for x in recs} == {"resume"}
