@@ -311,15 +311,15 @@ def test_a_demo_jobs_metrics_match_its_timeline(tmp_path: Path) -> None:
                 pass  # the killed and the hung node's agents have left
 
     followers: list[subprocess.Popen[bytes]] = []
-    events_out = tmp_path / "events.jsonl"
 
-    def follow(job: Any) -> None:  # `gossiprec events --json` on n0, as an operator would run it
-        with open(events_out, "wb") as out:
-            followers.append(subprocess.Popen([sys.executable, "-m", "gossiprec", "events", "--json",
-                                               "--control-socket", str(job.path("n0", ".sock"))], stdout=out))
+    def follow(job: Any) -> None:  # `gossiprec events --json` on n0 and on n2 (hung later), as an operator would
+        for node in ("n0", "n2"):
+            with open(tmp_path / f"events-{node}.jsonl", "wb") as out:
+                followers.append(subprocess.Popen([sys.executable, "-m", "gossiprec", "events", "--json",
+                                                   "--control-socket", str(job.path(node, ".sock"))], stdout=out))
         time.sleep(0.5)  # subscribed before the first fault (at step 60, about 2 s in)
 
-    start = Action("events", lambda job: job.path("n0", ".sock").exists(), follow)
+    start = Action("events", lambda job: all(job.path(n, ".sock").exists() for n in ("n0", "n2")), follow)
     both = Action("scrape", lambda job: sum(x["kind"] == "recovery" for x in lines(job.timeline)) >= 8, scrape)
     try:
         res = run_scenario(4, 2, 260, [Fault("n3", "kill", 60), Fault("n2", "stop", 120)], hidden=64,
@@ -329,14 +329,15 @@ def test_a_demo_jobs_metrics_match_its_timeline(tmp_path: Path) -> None:
             f.send_signal(signal.SIGINT)
             assert f.wait(10) in (0, 1)  # Ctrl-C: 0; the agent gone first (job over): 1
     assert res["bit_identical"] and "scrape" in res["actions"]
-    # the event stream saw the kill, then the hang, each removal with its cause, in order
-    records = lines(events_out)
-    removed = [(i, who, cause) for i, r in enumerate(records) if r["kind"] == "view"
-               for who, cause in (r.get("causes") or {}).items()]
-    order = [who for _, who, _ in removed]
-    assert order[:2] == ["n3", "n2"], removed
-    assert "hung" in removed[1][2], removed
+    # n0's stream saw the kill, then the hang, in order: each member left (the killed trainer's agent rang
+    # its exit bell; the hung one's saw its trainer stopped), and the views removed them in that order
+    records = lines(tmp_path / "events-n0.jsonl")
+    removed = [(who, cause) for r in records if r["kind"] == "view" for who, cause in (r.get("causes") or {}).items()]
+    assert removed[:2] == [("n3", "departed"), ("n2", "departed")], removed
     assert [r["time"] for r in records] == sorted(r["time"] for r in records)
+    # the hung member's own agent said why it left (the cause the others see as "departed")
+    leaving = [r for r in lines(tmp_path / "events-n2.jsonl") if r["kind"] == "leaving"]
+    assert leaving and "stopped" in leaving[0]["reason"], leaving
     recs = [x for x in lines(Path(res["timeline"])) if x["kind"] == "recovery"]
     assert len(recs) == 8 and {x["epoch"] for x in recs} == {1, 2}  # four ranks, two recoveries
     assert {x["action"] for x in recs} == {"resume"}
