@@ -229,7 +229,8 @@ def clean_logger() -> Iterator[logging.Logger]:
     :func:`bare_root` in the test itself (pytest adds its capture handlers to the root for each phase)."""
     logger = logging.getLogger("gossiprec")
     saved = logger.handlers[:], logger.level, logger.propagate
-    logger.handlers[:] = []
+    # a fresh process's logger, whatever an earlier test left (the CLI run in-process configures it)
+    logger.handlers[:], logger.level, logger.propagate = [], logging.NOTSET, True
     try:
         yield logger
     finally:
@@ -238,13 +239,16 @@ def clean_logger() -> Iterator[logging.Logger]:
 
 @contextlib.contextmanager
 def bare_root() -> Iterator[logging.Logger]:
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    root.handlers[:] = []
+    """No handler on the root nor on the ``gossiprec`` logger (pytest's capture handlers, added for the
+    test's call phase, are put back after)."""
+    root, mine = logging.getLogger(), logging.getLogger("gossiprec")
+    saved = root.handlers[:], mine.handlers[:]
+    root.handlers[:], mine.handlers[:] = [], []
     try:
         yield root
     finally:
-        root.handlers[:] = saved
+        root.handlers[:] = saved[0]
+        mine.handlers[:] = [h for h in saved[1] if h not in mine.handlers] + mine.handlers
 
 
 def test_one_json_line_per_recovery_in_the_agents_format(clean_logger: logging.Logger) -> None:
