@@ -131,7 +131,7 @@ def test_a_shrink_that_changes_a_local_shard_is_refused_with_exit_75() -> None:
 
     trainer = SimpleNamespace(node="n2", role="trainer", on_no_replica=None, prepare_rank=lambda rank, world: True)
     follower = SimpleNamespace(planned_at={})
-    recovery = Recovery(trainer, job=None, follower=follower, snaps=None, checks=None, peers=None,  # type: ignore[arg-type]
+    recovery = Recovery(trainer, job=None, follower=follower, snaps=None, checks=SimpleNamespace(), peers=None,  # type: ignore[arg-type]
                         closed=None, link=SimpleNamespace(report=lambda s, p: None), commit=lambda s: None)  # type: ignore[arg-type]
     recovery._move_state = mismatch  # type: ignore[method-assign]
     with pytest.raises(MeshShrinkRefused, match=r"local shards do not keep their shapes.*model\.w") as exc:
