@@ -4,7 +4,7 @@ A :class:`Fault` is one of ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``han
 sleeps at its phase until it is killed: a hang its own agent cannot see, since the process runs and
 answers), ``slow`` (a stall of :data:`SLOW_S`), ``lag`` (a sleep of the injector's ``lag_s`` at its phase
 of *every* step from its step on: a straggler, slow but moving), ``hold`` (a stall until the trainer's agent has the
-plan of a newer view) or ``pause``
+plan of a newer view and the trainer knows that view) or ``pause``
 (the whole node, agent and trainer, SIGSTOPped until the others have recovered without it, then
 SIGCONTed, the trainer first: the node is cut off, then heals, as a minority would) or ``reprovision``
 (the whole node SIGKILLed, then started again with the same job spec once the others have recovered
@@ -43,7 +43,8 @@ OUTSIDE_ONLY = ("pause", "reprovision", "crash")
 SLOW_S = 0.3
 """How long a ``slow`` fault stalls its trainer at its phase."""
 HOLD_MAX_S = 10.0
-"""A ``hold`` fault stalls its trainer until its agent has the plan of a newer epoch, at most this long."""
+"""A ``hold`` fault stalls its trainer until its agent has the plan of a newer epoch (and the trainer knows
+that view), at most this long."""
 FAULT_PHASES = ("compute", "communicate", "optimizer", "committed", "serve", "forward", "backprop", "checkpoint")
 SERVE_KILL_DELAY = 0.2
 """A donor with a ``serve`` fault signals itself this long after a receiver asked it for state (it

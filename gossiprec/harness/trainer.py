@@ -88,8 +88,11 @@ def trainer_main(args: argparse.Namespace) -> int:
             f.write(json.dumps(records[-1]) + "\n")
 
     def plan_epoch() -> int:
+        # the newest plan the agent has, once this trainer's own follower knows that view too: a hold
+        # that ended on the agent's word alone let the held commit run before the trainer knew of the
+        # view (a commit that overwrites its one copy; seen under load)
         plan = rt.control.status().get("plan")
-        return int(plan["epoch"]) if plan else -1
+        return min(int(plan["epoch"]) if plan else -1, rt._follower.newest_view)
 
     hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=plan_epoch,
                           lag_s=args.lag_ms / 1000.0)
