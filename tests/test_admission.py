@@ -3,17 +3,18 @@
 
 from __future__ import annotations
 
-from gossiprec.agent.admission import BACKOFF_MAX, SourceBackoff, WasteBudget
+from gossiprec.agent.admission import BACKOFF_MAX, PAUSE_QUANTUM, SourceBackoff
+from gossiprec.security.refusals import TokenBucket
 
 
 def test_waste_budget_pauses_once_spent_and_refills_at_its_rate() -> None:
-    b = WasteBudget(rate=100.0, burst=5, now=0.0)
+    b = TokenBucket(rate=100.0, burst=5)
     for _ in range(5):
-        assert b.pause(0.0) == 0.0
+        assert b.pause(0.0, PAUSE_QUANTUM) == 0.0
         b.spend(0.0)
-    pause = b.pause(0.0)
+    pause = b.pause(0.0, PAUSE_QUANTUM)
     assert 0.0 < pause <= 0.02 + 1e-9  # waits for a quantum (2 tokens at 100/s), not a whole burst
-    assert b.pause(pause) == 0.0
+    assert b.pause(pause, PAUSE_QUANTUM) == 0.0
     b.spend(10.0)
     assert b.tokens == 4.0  # refilled to the burst, never above it, then one spent
 

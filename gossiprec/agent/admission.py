@@ -8,9 +8,11 @@ accept, before a task exists:
 * per source, a backoff: a source whose unauthenticated connection was evicted for holding more than its
   share, or closed idle, has its new connections refused for a window that doubles with each strike
   (10 ms up to 1 s), and forgiven when one of its connections authenticates;
-* globally, a budget of wasted connections a second: when it is spent the accept loop stops accepting
-  until it refills, so further connections wait in the kernel's backlog at no cost to the agent (a
-  genuine peer's connection waits there too, behind at most a backlog of the attacker's).
+* globally, a budget of wasted connections a second (a
+  :class:`~gossiprec.security.refusals.TokenBucket`): when it is spent the accept loop stops accepting
+  until :data:`PAUSE_QUANTUM` of it has refilled, so further connections wait in the kernel's backlog at
+  no cost to the agent (a genuine peer's connection waits there too, behind at most a backlog of the
+  attacker's).
 """
 
 from __future__ import annotations
@@ -25,33 +27,6 @@ PAUSE_QUANTUM = 0.02
 """Seconds of refill a spent budget waits for before accepting again."""
 MAX_SOURCES = 4096
 """Sources whose strikes are remembered; the oldest is forgotten past this."""
-
-
-class WasteBudget:
-    """A token bucket of unauthenticated connections the agent may spend on, ``rate`` a second."""
-
-    def __init__(self, rate: float, burst: int, now: float) -> None:
-        self.rate = rate
-        self.burst = float(burst)
-        self.tokens = float(burst)
-        self._at = now
-
-    def _refill(self, now: float) -> None:
-        self.tokens = min(self.burst, self.tokens + (now - self._at) * self.rate)
-        self._at = now
-
-    def spend(self, now: float) -> None:
-        """One connection wasted (never below zero: the pause is at most one token's refill)."""
-        self._refill(now)
-        self.tokens = max(0.0, self.tokens - 1.0)
-
-    def pause(self, now: float) -> float:
-        """Seconds to wait before the next accept (0: accept now). A spent budget waits until 20 ms
-        worth of it is back, so that an attack costs ~50 wake-ups a second, not one per token."""
-        self._refill(now)
-        if self.tokens >= 1.0:
-            return 0.0
-        return (min(self.burst, max(1.0, self.rate * PAUSE_QUANTUM)) - self.tokens) / self.rate
 
 
 class SourceBackoff:

@@ -63,10 +63,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
-from gossiprec.agent.admission import SourceBackoff, WasteBudget
+from gossiprec.agent.admission import PAUSE_QUANTUM, SourceBackoff
 from gossiprec.errors import ConfigError
 from gossiprec.security.crypto import CryptoLimits, Opener, OpenError, RejectCounter, RejectLog, Sealer, SealError
 from gossiprec.security.keyring import Keyring
+from gossiprec.security.refusals import TokenBucket
 from gossiprec.agent.settings import join_host_port, split_host_port
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ class NetTransport:
         self._inbound: set[asyncio.Task[None]] = set()
         self._pending: OrderedDict[_Inbound, None] = OrderedDict()
         """Inbound connections not authenticated yet, oldest first."""
-        self._waste = WasteBudget(self.limits.waste_rate, self.limits.waste_burst, time.monotonic())
+        self._waste = TokenBucket(self.limits.waste_rate, self.limits.waste_burst)
         self._backoff = SourceBackoff()
         self._buffered = 0
         """Bytes reserved by inbound connections (what they buffer, and their next read)."""
@@ -560,7 +561,7 @@ class NetTransport:
     async def _accept_loop(self, listen: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while not self._closing:
-            pause = self._waste.pause(time.monotonic())
+            pause = self._waste.pause(time.monotonic(), PAUSE_QUANTUM)
             if pause > 0:
                 # the budget for connections that never authenticate is spent: leave the rest in the
                 # kernel's backlog, where they cost nothing, until it refills

@@ -136,11 +136,34 @@ class TokenBucket:
         self._tokens = float(burst)
         self._at: float | None = None
 
-    def take(self, now: float) -> bool:
+    def _refill(self, now: float) -> None:
         if self._at is not None and now > self._at:
             self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now if self._at is None or now > self._at else self._at
+
+    @property
+    def tokens(self) -> float:
+        """Tokens left at the last call."""
+        return self._tokens
+
+    def take(self, now: float) -> bool:
+        self._refill(now)
         if self._tokens >= 1.0:
             self._tokens -= 1.0
             return True
         return False
+
+    def spend(self, now: float) -> None:
+        """Spend one whether or not there is one (never below zero: what was done is done, and the
+        :meth:`pause` that follows is at most one quantum)."""
+        self._refill(now)
+        self._tokens = max(0.0, self._tokens - 1.0)
+
+    def pause(self, now: float, quantum: float) -> float:
+        """Seconds until a token is back (0: one is here now); once spent, waits until ``quantum``
+        seconds' worth is back, so that a caller held off wakes ~1/quantum times a second, not once
+        per token."""
+        self._refill(now)
+        if self._tokens >= 1.0:
+            return 0.0
+        return (min(self.burst, max(1.0, self.rate * quantum)) - self._tokens) / self.rate
