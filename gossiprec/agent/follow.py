@@ -129,6 +129,25 @@ def _plan_words(p: Mapping[str, Any]) -> str:
     return out
 
 
+_TEMPLATES = {
+    "MemberFailed": "{name} failed (declared dead by {by})",
+    "MemberSuspected": "{name} suspected by {by}",
+    "MemberLeft": "{name} left",
+    "MemberAlive": "{name} alive again (incarnation {incarnation})",
+    "MemberJoined": "{name} joined at {addr} as {role}",
+    "Fenced": "this agent fenced at epoch {epoch}: {reason}",
+    "Unfenced": "this agent unfenced at epoch {epoch}",
+    "JobFinished": "job finished at step {step} (epoch {epoch}, said first by {source})",
+    "Gap": "{dropped} events dropped: this reader fell behind the agent",
+}
+"""The events whose line is their fields in a sentence (a field missing reads None)."""
+
+
+class _Missing(dict[str, Any]):
+    def __missing__(self, key: str) -> None:
+        return None
+
+
 def _fields(rec: Mapping[str, Any]) -> str:
     skip = {"v", "time", "node", "kind", "event"}
     return " ".join(f"{k}={v}" for k, v in rec.items() if k not in skip)
@@ -147,27 +166,13 @@ def words(rec: Mapping[str, Any]) -> str:
                 f"joined {_names(r.get('joined'))}" + ("; STOPPED: " + str(r["stopped"]) if r.get("stopped") else ""))
     elif ev == "PlanReady" and isinstance(r.get("plan"), Mapping):
         text = _plan_words(r["plan"])
-    elif ev == "MemberFailed":
-        text = f"{r.get('name')} failed (declared dead by {r.get('by')})"
-    elif ev == "MemberSuspected":
-        text = f"{r.get('name')} suspected by {r.get('by')}"
-    elif ev == "MemberLeft":
-        text = f"{r.get('name')} left"
-    elif ev == "MemberAlive":
-        text = f"{r.get('name')} alive again (incarnation {r.get('incarnation')})"
-    elif ev == "MemberJoined":
-        text = f"{r.get('name')} joined at {r.get('addr')} as {r.get('role')}"
+    elif ev in _TEMPLATES:
+        text = _TEMPLATES[ev].format_map(_Missing(r))
     elif ev == "AlertRaised":
         what = "hang report" if r.get("reason") == "hung" else "alert"
         text = f"{what}: {r.get('subject')} {r.get('reason')}"
-    elif ev == "Fenced":
-        text = f"this agent fenced at epoch {r.get('epoch')}: {r.get('reason')}"
-    elif ev == "Unfenced":
-        text = f"this agent unfenced at epoch {r.get('epoch')}"
     elif ev == "Straggler":
         text = f"{r.get('node')} straggles: " + _fields({k: v for k, v in r.items() if k != "node"})
-    elif ev == "JobFinished":
-        text = f"job finished at step {r.get('step')} (epoch {r.get('epoch')}, said first by {r.get('source')})"
     elif ev == "BootProgress":
         text = f"{r.get('known')} of {r.get('expected')} agents found ({_names(r.get('names'))})"
     elif ev == "ViewZeroAgreed":
@@ -175,8 +180,6 @@ def words(rec: Mapping[str, Any]) -> str:
             "" if r.get("member") else "; this agent joins as a spare")
     elif ev == "AgentLeaving":
         text = f"the agent is leaving: {r.get('reason')}" + (" (failure)" if r.get("failed") else "")
-    elif ev == "Gap":
-        text = f"{r.get('dropped')} events dropped: this reader fell behind the agent"
     else:
         text = _fields(r)
     return f"{stamp} {str(k):<10} {text}"

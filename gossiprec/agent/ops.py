@@ -196,6 +196,19 @@ def _no_agent(prog: str, path: str, exc: ControlError, err: TextIO) -> int:
     return EXIT_NO_AGENT
 
 
+def _fetch(prog: str, args: argparse.Namespace, what: str, err: TextIO) -> dict[str, Any] | None:
+    """``what`` ("status" or "members") from the agent ``--agent`` names, else from the local agent; None
+    when there is no answer (the error printed)."""
+    if getattr(args, "agent", None):
+        return _fetch_remote(prog, args, what, err)
+    path = resolve_control_path(args.control_socket, args.port)
+    try:
+        return fetch(path, members=what == "members", timeout=5.0 if args.timeout is None else args.timeout)
+    except ControlError as exc:
+        _no_agent(prog, path, exc, err)
+        return None
+
+
 def _fetch_remote(prog: str, args: argparse.Namespace, what: str, err: TextIO) -> dict[str, Any] | None:
     """The answer of the agent ``--agent`` names, or None (the error printed)."""
     timeout = DEFAULT_TIMEOUT if args.timeout is None else args.timeout
@@ -212,18 +225,9 @@ def _fetch_remote(prog: str, args: argparse.Namespace, what: str, err: TextIO) -
 
 def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
-    err = err or sys.stderr
-    if getattr(args, "agent", None):
-        remote = _fetch_remote("gossiprec members", args, "members", err)
-        if remote is None:
-            return EXIT_NO_AGENT
-        got = remote
-    else:
-        path = resolve_control_path(args.control_socket, args.port)
-        try:
-            got = fetch(path, members=True, timeout=5.0 if args.timeout is None else args.timeout)
-        except ControlError as exc:
-            return _no_agent("gossiprec members", path, exc, err)
+    got = _fetch("gossiprec members", args, "members", err or sys.stderr)
+    if got is None:
+        return EXIT_NO_AGENT
     rows = member_rows(got["status"], got["members"])
     boot = got["status"].get("bootstrap")
     if args.json:
@@ -240,18 +244,9 @@ def cmd_members(args: argparse.Namespace, out: TextIO | None = None, err: TextIO
 
 def cmd_status(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     out = out or sys.stdout
-    err = err or sys.stderr
-    if getattr(args, "agent", None):
-        remote = _fetch_remote("gossiprec status", args, "status", err)
-        if remote is None:
-            return EXIT_NO_AGENT
-        got = remote
-    else:
-        path = resolve_control_path(args.control_socket, args.port)
-        try:
-            got = fetch(path, members=False, timeout=5.0 if args.timeout is None else args.timeout)
-        except ControlError as exc:
-            return _no_agent("gossiprec status", path, exc, err)
+    got = _fetch("gossiprec status", args, "status", err or sys.stderr)
+    if got is None:
+        return EXIT_NO_AGENT
     if args.json:
         print(json.dumps(got["status"], indent=2, default=str), file=out)
     else:
