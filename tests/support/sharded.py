@@ -68,11 +68,14 @@ def check_job(res: dict[str, Any], reference: dict[int, str], copies: int = 1, b
         # (a kill in the optimizer step: the survivors' agents hold their reports until the survivors
         # committed that step, so nothing they commit is rolled back)
         assert targets == {committed}, (f, where)
-        lost = next(r for r in f["assignment"] if f["roles"][r] == "receiver")
-        peer = next(r for g in groups if lost in g for r in g if r != lost)
-        # the spare took the lost coordinate and received its shard from the same coordinate of the other replica
-        assert f["donors"] == {lost: [f["assignment"][peer]]}, (f, where)
-        assert f["assignment"][lost] != f["node"], (f, where)
+        # a spare took the lost coordinate; every receiver (that spare, and on a loaded machine also a survivor
+        # a commit behind the target) got its shard from the same coordinate of the other replica
+        receivers = [r for r in f["assignment"] if f["roles"][r] == "receiver"]
+        spares = [r["rank"] for r in f["records"] if r["previous_role"] == "spare" and r["role"] == "receiver"]
+        assert len(spares) == 1 and spares[0] in receivers, (f, where)
+        peers = {r: next(p for g in groups if r in g for p in g if p != r) for r in receivers}
+        assert f["donors"] == {r: [f["assignment"][p]] for r, p in peers.items()}, (f, where)
+        assert f["assignment"][spares[0]] != f["node"], (f, where)
 
 
 def plain_torchrun(layout: str, nproc: int, work: Path, *args: str,
