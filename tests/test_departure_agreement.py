@@ -16,19 +16,27 @@ import pytest
 
 from gossiprec.core.config import AgreementConfig
 from gossiprec.core.events import ViewInstalled
+from gossiprec.core.machine import Machine
 from gossiprec.sim.agree import AgreeParams, build_cluster
+from gossiprec.sim.cluster import SimCluster
 
 T0 = 2.0
 DRAIN = 0.05
 
 
-def _depart(seed: int, leavers: list[int], gaps: list[float]) -> tuple[list[int], list[tuple[float, int, Any]]]:
-    """Members ``leavers`` announce their departure, the k-th ``gaps[k]`` seconds after the one before
-    (the first at T0). Returns the survivors and every (time, member, ViewInstalled) they saw."""
+def _cluster(seed: int) -> tuple[SimCluster[Machine], list[tuple[float, int, Any]]]:
+    """16 members run until T0; the list gets every (time, member, ViewInstalled) from then on."""
     cl, _, _ = build_cluster(AgreeParams(scenario="crash", nodes=16, spares=2, seed=seed))
     seen: list[tuple[float, int, Any]] = []
     cl.observers.append(lambda now, i, ev: seen.append((now, i, ev)) if isinstance(ev, ViewInstalled) else None)
     cl.run_until(T0)
+    return cl, seen
+
+
+def _depart(seed: int, leavers: list[int], gaps: list[float]) -> tuple[list[int], list[tuple[float, int, Any]]]:
+    """Members ``leavers`` announce their departure, the k-th ``gaps[k]`` seconds after the one before
+    (the first at T0). Returns the survivors and every (time, member, ViewInstalled) they saw."""
+    cl, seen = _cluster(seed)
 
     def leave(i: int) -> None:
         node = cl.nodes[i]
@@ -89,10 +97,7 @@ def test_a_silent_rack_still_goes_in_one_view_change() -> None:
     # normal settle window (untouched by the departures' short one), all in one view change
     rack = [3, 7, 11]
     for seed in (1, 2):
-        cl, _, _ = build_cluster(AgreeParams(scenario="crash", nodes=16, spares=2, seed=seed))
-        seen: list[tuple[float, int, Any]] = []
-        cl.observers.append(lambda now, i, ev: seen.append((now, i, ev)) if isinstance(ev, ViewInstalled) else None)
-        cl.run_until(T0)
+        cl, seen = _cluster(seed)
         for i in rack:
             cl.crash(i)
         cl.run_until(T0 + 4.0)
