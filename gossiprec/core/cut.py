@@ -133,18 +133,20 @@ class CutDetector:
             self._doubt[subject] = now
 
     def returned(self, subject: str, now: float) -> None:
-        """SWIM holds ``subject`` alive again, at a newer incarnation, after it suspected it or held it dead."""
+        """SWIM held ``subject`` dead, and it is alive again (a newer incarnation)."""
         if self.overlay.observers(subject):
             self._returned[subject] = now
 
-    def supports(self, changes: list[Change]) -> bool:
+    def supports(self, changes: list[Change], now: float) -> bool:
         """Whether the alerts counted here still stand behind every removal in ``changes``: the subject
-        announced its departure, or it has at least L alerts (implicit ones included) and did not come
-        back after the last of them. A side of a partition votes on what it saw while cut off; after the
-        heal, the members it removes answer again (they come back in SWIM at once, their observers
-        retract within a few probes), and that vote must not become a decision (see
-        :mod:`~gossiprec.core.consensus`). A restarted process comes back *before* its observers' alerts,
-        a crashed one never: their removals stand."""
+        announced its departure, or it has at least L alerts (implicit ones included) and has not come
+        back from the dead after the last of them within ``unstable_timeout``.
+
+        Why: a side of a partition votes on what it saw while cut off. After the heal, the members it
+        removes answer again: SWIM has them back at once, their observers retract within a few probes,
+        and until then that vote must not become a decision (see :mod:`~gossiprec.core.consensus`). A
+        restarted process comes back *before* its observers' alerts, a crashed one never, and a flapping
+        one whose observers keep their alerts stands again once the window is over."""
         counts: dict[tuple[str, int], int] | None = None
         for c in changes:
             if c.kind != REMOVE:
@@ -154,7 +156,8 @@ class CutDetector:
                 return False
             if t.departed:
                 continue
-            if self._returned.get(c.node, float("-inf")) > t.alerted_at:
+            back = self._returned.get(c.node)
+            if back is not None and back > t.alerted_at and now < back + self.unstable_timeout:
                 return False
             if counts is None:
                 counted = self._counted
