@@ -34,6 +34,19 @@ stand behind abstains rather than pick another (a removed member leaves coordina
 members the value keeps form a majority, so one of them coordinates it), and a member that stands behind
 no proposal of the epoch starts no round.
 
+Evidence from before a heal (``fresh``: the node passes :meth:`~gossiprec.core.cut.CutDetector.supports`): a
+side of a partition may vote, while cut off, to remove part of the other side (a member there that it has
+no news of looks reachable), and its coordinators keep asking for promises; healed, one promise from the
+other side would make the majority. So a round starts, and a free choice takes a change set, only while
+the alerts behind each of its removals still stand and the subject has not come back from the dead since.
+A coordinator that gets a promise from a member its SWIM holds suspect or dead (its picture predates a
+heal) chooses nothing freely in that round; a value that may have been chosen in the fast round, but that
+it no longer backs (or with such a promise in), it does not take yet: each further promise leaves fewer
+silent members that could have voted for it, and a value really chosen stays possible to the end. The
+members a change set removes never voted for it (``backs``), so they do not count among those silent
+voters. A member with nothing accepted in a classic round and no change set its evidence stands behind
+has no change pending (:meth:`Consensus.change_pending`), so its fence can end after the heal.
+
 Signed ballots (with a :class:`~gossiprec.core.auth.KeyBook`): every vote, prepare, promise, accept and
 accepted carries its author's signature and counts only if it checks, so one holder of the cluster key
 is at most one faulty member. Fast votes then are each voter's own signed :class:`Vote` (sent alone by
