@@ -137,9 +137,10 @@ class Consensus:
     unheard: Callable[[str], bool] = field(default=lambda name: False)
     """Whether this member's failure detector holds a member suspect or dead: a promise from it shows that
     our evidence is out of date (see :meth:`_choose`)."""
-    unstable: Callable[[str], bool] = field(default=lambda name: False)
-    """Whether this member's cut holds a member unstable: its promise does not count as one the free
-    choice keeps (see :meth:`_kept_promisers`)."""
+    unstable: Callable[[str, set[str]], bool] = field(default=lambda name, but: False)
+    """Whether this member's cut holds a member unstable, not counting the alerts raised by ``but`` (the
+    members a change set removes): its promise does not count as one the free choice keeps (see
+    :meth:`_kept_promisers`)."""
     proposals: dict[bytes, list[Change]] = field(default_factory=dict)
     votes: dict[bytes, int] = field(default_factory=dict)
     my_vote: bytes | None = None
@@ -423,7 +424,7 @@ class Consensus:
         """Promisers the change set keeps, less those our cut holds unstable (their answer shows our
         evidence is out of date, a partition just healed, not that the change set keeps a majority)."""
         removed = {c.node for c in changes if c.kind == REMOVE}
-        return sum(1 for p in self.promises if p not in removed and not self.unstable(p))
+        return sum(1 for p in self.promises if p not in removed and not self.unstable(p, removed))
 
     def _silent_voters(self, digest: bytes) -> int:
         """Members that did not promise and may have voted for ``digest`` (not those it removes)."""
