@@ -329,6 +329,11 @@ class Consensus:
         """(Re)send this coordinator's current phase to members that have not answered."""
         if self.my_round is None or self.decided is not None:
             return
+        if self.accept_value is None and not any(self.backs(c) and self.fresh(c) for c in self.proposals.values()):
+            # the evidence behind every change set of the epoch is gone (a healed partition's vote): the round
+            # ends, or its Prepare would go out every retry_interval until the view changes
+            self.my_round = None
+            return
         r, me = self.my_round
         v = self.view
         if self.accept_value is None:
