@@ -41,8 +41,8 @@ other side would make the majority. So a round starts, and a free choice takes a
 the alerts behind each of its removals still stand and the subject has not come back from the dead since.
 A coordinator that gets a promise from a member its SWIM holds suspect or dead (its picture predates a
 heal) chooses nothing freely in that round; a value that may have been chosen in the fast round, but that
-it no longer backs (or with such a promise in), it does not take yet: each further promise leaves fewer
-silent members that could have voted for it, and a value really chosen stays possible to the end. The
+it no longer backs (or with such a promise in), it does not take while silent members remain: each
+further promise leaves fewer that could have voted for it, and with none left it was chosen. The
 members a change set removes never voted for it (``backs``), so they do not count among those silent
 voters. A member with nothing accepted in a classic round and no change set its evidence stands behind
 has no change pending (:meth:`Consensus.change_pending`), so its fence can end after the heal.
@@ -399,11 +399,11 @@ class Consensus:
         possible = [d for d, c in counts.items() if c >= fq - self._silent_voters(d)]
         if possible:
             d = min(possible)
-            if stale or not self.fresh(self.proposals[d]):
+            if (stale or not self.fresh(self.proposals[d])) and self._silent_voters(d) > 0:
                 # it may have been chosen, but our evidence no longer backs it, or a promise came from a
-                # member we hold dead (a partition just healed, and the silent voters this value needs
-                # may be the other side, which did not vote for it): wait. Each promise that comes in
-                # leaves fewer silent voters; a value really chosen stays possible to the end.
+                # member we hold suspect or dead (a partition just healed, and the silent voters this value
+                # needs may be the other side, which did not vote for it): wait. Each promise that comes in
+                # leaves fewer silent voters; once none is left, a fast quorum did vote for it: it is taken.
                 return None
             return self._if_mine(d)
         # free choice: only among the values this member may stand behind, and that keep a majority of the
