@@ -207,7 +207,9 @@ def trainer_main(args: argparse.Namespace) -> int:
         while rt.step < args.steps:
             if args.model == "lm":
                 done = rt.run_step(lambda _s: tiny_lm.train_step(layout, rt.objects, rt.mesh, clip=not args.no_clip))
-                if done.committed:
+                if done.committed and done.value is not None:
+                    # (a step interrupted on this rank but committed by the plan, its state taken from the
+                    # replica peer, has no loss of this rank's own)
                     losses[done.step] = done.value
             else:
                 with rt.training_step() as step:
