@@ -545,3 +545,69 @@ def test_a_member_that_backs_no_proposal_starts_no_round() -> None:
     c.propose(C)
     c.start_round()
     assert c.my_round is not None and any(isinstance(m, Prepare) for _, m in out)
+
+
+# -- a vote cast by one side of a partition, after the heal -----------------------------------------------
+
+def _side_promises(c: Consensus, view: View, v: list[Change], others: list[str]) -> None:
+    """Promises to ``c``'s round from m0..m7 (one side, all voted ``v``), then from ``others`` (no vote)."""
+    r, me = c.my_round  # type: ignore[misc]
+    vd = digest(view, v)
+    for i in range(8):
+        c.on_promise(Promise(view.epoch, view.config_id, r, me, f"m{i}", 0, "", vd, rows(v)))
+    for acceptor in others:
+        c.on_promise(Promise(view.epoch, view.config_id, r, me, acceptor, 0, "", None, None))
+
+
+def _side_coordinator(view: View, v: list[Change], **kw: Callable) -> tuple[Consensus, list]:
+    out: list[tuple[str, Message]] = []
+    c = Consensus(view, "m0", lambda k, m: None, lambda dst, m: out.append((dst, m)),
+                  lambda ch: keeps_quorum(view, ch, "m0"), **kw)
+    c.propose(v)
+    c.start_round()
+    return c, out
+
+
+def test_the_members_a_value_removes_are_not_counted_as_its_silent_fast_voters() -> None:
+    # N = 16, majority 9, fast quorum 13. m0..m7 voted V = "remove m8..m11" while cut off; healed, m8
+    # promises too. Counting every silent member, V had 8 >= 13 - 7 votes and might have been chosen; but
+    # m9..m11 never vote for their own removal, so at most 8 + 4 < 13: the choice is free, and V keeps
+    # only 8 of the 9 promisers
+    view = make_view(16)
+    v = [Change(f"m{i}", REMOVE) for i in range(8, 12)]
+    c, out = _side_coordinator(view, v)
+    _side_promises(c, view, v, ["m8"])
+    assert c.accept_value is None and _accepts(out) == set()
+
+
+def test_a_promise_from_a_member_held_dead_holds_a_value_that_may_have_been_chosen() -> None:
+    # V = "remove m12, m13": with 9 promises, 8 >= 13 - (7 - 2), so V may have been chosen in the fast
+    # round and a coordinator whose evidence is current takes it. One whose SWIM holds the promiser dead
+    # (a partition just healed) waits: each further promise leaves fewer silent voters.
+    view = make_view(16)
+    v = [Change("m12", REMOVE), Change("m13", REMOVE)]
+    current, out = _side_coordinator(view, v)
+    _side_promises(current, view, v, ["m8"])
+    assert _accepts(out) == {digest(view, v)}  # the Fast Paxos rule, as before
+    healed, out = _side_coordinator(view, v, unheard=lambda name: name not in {f"m{i}" for i in range(8)})
+    _side_promises(healed, view, v, ["m8", "m9", "m10", "m11"])
+    assert healed.accept_value is None and _accepts(out) == set()
+
+
+def test_no_round_and_no_free_choice_for_a_change_set_the_evidence_no_longer_backs() -> None:
+    view = make_view(16)
+    v = [Change("m12", REMOVE), Change("m13", REMOVE)]
+    others = ["m8", "m9", "m14", "m15"]  # 12 promises: 8 < 13 - (4 - 2), the choice is free
+    backed, out = _side_coordinator(view, v)
+    _side_promises(backed, view, v, others)
+    assert _accepts(out) == {digest(view, v)}
+    stale = {"yes": False}
+    c, out = _side_coordinator(view, v, fresh=lambda ch: not stale["yes"])
+    assert c.change_pending()
+    stale["yes"] = True  # m12 and m13 came back, their alerts were retracted
+    _side_promises(c, view, v, others)
+    assert c.accept_value is None and _accepts(out) == set()
+    assert not c.change_pending()  # a fence may end
+    c.my_round = None
+    c.start_round()
+    assert c.my_round is None

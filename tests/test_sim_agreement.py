@@ -161,6 +161,20 @@ def test_fencing_ends_after_the_final_heal() -> None:
         _settled(r, within=6.0)
 
 
+def test_a_vote_cast_while_cut_off_removes_no_one_after_the_heal() -> None:
+    # in these seeds one half, cut off, votes to remove part of the other half (a member of it that it had
+    # no news of counted as reachable), and its coordinators keep asking for promises. Healed, the first
+    # promise from the other side used to make a majority and remove four healthy members. They answer
+    # again (back from the dead in SWIM, their alerts retracted): nothing may be decided
+    for seed in (14, 27, 32):
+        try:
+            r = run_agreement(AgreeParams(scenario="heal", seed=seed, nodes=16, duration=18.0, heal_after=6.0))
+        except InvariantViolation as exc:
+            pytest.fail(str(exc))
+        assert r["views_decided"] == 0 and r["removed"] == [], f"seed {seed}: removed {r['removed']}"
+        _settled(r, within=6.0)
+
+
 def test_forty_percent_crashed_at_once_go_in_one_view_change() -> None:
     for r in _runs("mass", nodes=16, duration=10.0):
         assert r["removed_all_expected"] and r["healthy_removed"] == [], f"seed {r['seed']}"

@@ -34,6 +34,19 @@ stand behind abstains rather than pick another (a removed member leaves coordina
 members the value keeps form a majority, so one of them coordinates it), and a member that stands behind
 no proposal of the epoch starts no round.
 
+Evidence from before a heal (``fresh``: the node passes :meth:`~gossiprec.core.cut.CutDetector.supports`): a
+side of a partition may vote, while cut off, to remove part of the other side (a member there that it has
+no news of looks reachable), and its coordinators keep asking for promises; healed, one promise from the
+other side would make the majority. So a round starts, and a free choice takes a change set, only while
+the alerts behind each of its removals still stand and the subject has not come back from the dead since.
+A coordinator that gets a promise from a member its SWIM holds suspect or dead (its picture predates a
+heal) chooses nothing freely in that round; a value that may have been chosen in the fast round, but that
+it no longer backs (or with such a promise in), it does not take while silent members remain: each
+further promise leaves fewer that could have voted for it, and with none left it was chosen. The
+members a change set removes never voted for it (``backs``), so they do not count among those silent
+voters. A member with nothing accepted in a classic round and no change set its evidence stands behind
+has no change pending (:meth:`Consensus.change_pending`), so its fence can end after the heal.
+
 Signed ballots (with a :class:`~gossiprec.core.auth.KeyBook`): every vote, prepare, promise, accept and
 accepted carries its author's signature and counts only if it checks, so one holder of the cluster key
 is at most one faulty member. Fast votes then are each voter's own signed :class:`Vote` (sent alone by
@@ -117,6 +130,17 @@ class Consensus:
     send_to: Callable[[str, Message], None]
     backs: Callable[[list[Change]], bool] = field(default=lambda changes: True)
     """Whether this member may vote for, accept or coordinate a change set (see the module docstring)."""
+    fresh: Callable[[list[Change]], bool] = field(default=lambda changes: True)
+    """Whether this member's evidence still stands behind a change set's removals (the node passes
+    :meth:`~gossiprec.core.cut.CutDetector.supports`): rounds start for, and a free choice takes, only
+    such change sets (see the module docstring)."""
+    unheard: Callable[[str], bool] = field(default=lambda name: False)
+    """Whether this member's failure detector holds a member suspect or dead: a promise from it shows that
+    our evidence is out of date (see :meth:`_choose`)."""
+    unstable: Callable[[str, set[str]], bool] = field(default=lambda name, but: False)
+    """Whether this member's cut holds a member unstable, not counting the alerts raised by ``but`` (the
+    members a change set removes): its promise does not count as one the free choice keeps (see
+    :meth:`_kept_promisers`)."""
     proposals: dict[bytes, list[Change]] = field(default_factory=dict)
     votes: dict[bytes, int] = field(default_factory=dict)
     my_vote: bytes | None = None
@@ -292,7 +316,7 @@ class Consensus:
     def start_round(self) -> None:
         """Become coordinator of the next round, unless decided or this member stands behind no proposal
         (a member the cut removes leaves coordinating to the members it keeps)."""
-        if self.decided is not None or not any(self.backs(c) for c in self.proposals.values()):
+        if self.decided is not None or not any(self.backs(c) and self.fresh(c) for c in self.proposals.values()):
             return
         self.highest_round += 1
         self.my_round = (self.highest_round, self.me)
@@ -304,6 +328,11 @@ class Consensus:
     def resend(self) -> None:
         """(Re)send this coordinator's current phase to members that have not answered."""
         if self.my_round is None or self.decided is not None:
+            return
+        if self.accept_value is None and not any(self.backs(c) and self.fresh(c) for c in self.proposals.values()):
+            # the evidence behind every change set of the epoch is gone (a healed partition's vote): the round
+            # ends, or its Prepare would go out every retry_interval until the view changes
+            self.my_round = None
             return
         r, me = self.my_round
         v = self.view
@@ -357,21 +386,34 @@ class Consensus:
             best = max(classic, key=lambda p: (p.vround, p.vcoordinator))
             assert best.vdigest is not None
             return self._if_mine(best.vdigest)
+        # a promise from a member our failure detector holds suspect or dead: a partition has just healed,
+        # and our evidence (alerts, votes) is from before it. Nothing is chosen freely in this round.
+        stale = any(self.unheard(p) for p in self.promises)
         counts: dict[bytes, int] = {}
         for p in promises:
             if p.vdigest is not None:
                 counts[p.vdigest] = counts.get(p.vdigest, 0) + 1
-        n = len(self.view)
-        need = self.view.fast_quorum() - (n - len(promises))
-        possible = [d for d, c in counts.items() if c >= need]
+        # a member never votes for its own removal (keeps_quorum), so the silent members a value removes
+        # cannot have voted for it in the fast round
+        fq = self.view.fast_quorum()
+        possible = [d for d, c in counts.items() if c >= fq - self._silent_voters(d)]
         if possible:
-            return self._if_mine(min(possible))
+            d = min(possible)
+            if (stale or not self.fresh(self.proposals[d])) and self._silent_voters(d) > 0:
+                # it may have been chosen, but our evidence no longer backs it, or a promise came from a
+                # member we hold suspect or dead (a partition just healed, and the silent voters this value
+                # needs may be the other side, which did not vote for it): wait. Each promise that comes in
+                # leaves fewer silent voters; once none is left, a fast quorum did vote for it: it is taken.
+                return None
+            return self._if_mine(d)
         # free choice: only among the values this member may stand behind, and that keep a majority of the
         # view among the members that answered (a value one side voted that removes the other, answering
         # now, is passed over; with too few such promisers the choice waits for more promises)
+        if stale:
+            return None
         majority = self.view.majority()
         ok = [d for d, ch in self.proposals.items()
-              if self.backs(ch) and self._kept_promisers(ch) >= majority]
+              if self.backs(ch) and self.fresh(ch) and self._kept_promisers(ch) >= majority]
         voted = [d for d in counts if d in ok]
         if voted:
             d = min(voted, key=lambda x: (-counts[x], x))
@@ -384,8 +426,26 @@ class Consensus:
         return None
 
     def _kept_promisers(self, changes: list[Change]) -> int:
+        """Promisers the change set keeps, less those our cut holds unstable (their answer shows our
+        evidence is out of date, a partition just healed, not that the change set keeps a majority)."""
         removed = {c.node for c in changes if c.kind == REMOVE}
-        return sum(1 for p in self.promises if p not in removed)
+        return sum(1 for p in self.promises if p not in removed and not self.unstable(p, removed))
+
+    def _silent_voters(self, digest: bytes) -> int:
+        """Members that did not promise and may have voted for ``digest`` (not those it removes)."""
+        changes = self.proposals.get(digest)
+        removed = {c.node for c in changes if c.kind == REMOVE} if changes is not None else set()
+        return sum(1 for m in self.view.members if m.node not in self.promises and m.node not in removed)
+
+    def change_pending(self) -> bool:
+        """Whether a change of this epoch may still be decided: a value accepted in a classic round, a vote
+        whose change set is not known here, or a change set this member's evidence stands behind. (A vote
+        cast by a side of a healed partition, whose evidence was since retracted, is none of these.)"""
+        if self.decided is not None:
+            return False
+        if self.accepted_rank != FAST or any(d not in self.proposals for d in self.votes):
+            return True
+        return any(self.fresh(ch) for ch in self.proposals.values())
 
     def _if_mine(self, digest: bytes) -> tuple[bytes, list[Change]] | None:
         changes = self.proposals[digest]

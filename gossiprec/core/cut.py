@@ -40,6 +40,8 @@ class _Tally:
     rack: str = ""
     unstable_since: float | None = None
     departed: bool = False  # the subject announced its own departure (graceful leave / process exit)
+    alerted_at: float = float("-inf")
+    """When the last alert about the subject arrived (a repeat too): see :meth:`CutDetector.supports`."""
 
 
 @dataclass(slots=True)
@@ -64,6 +66,8 @@ class CutDetector:
     _marks: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     """(subject, kind) -> its (H, L): a pure function of the overlay, computed once per view (evaluate
     reads it for every tally, and a partition or a hang storm evaluates often)."""
+    _returned: dict[str, float] = field(default_factory=dict)
+    """Members SWIM held suspect or dead that came back (a newer incarnation) -> when, last."""
 
     def fresh(self, observer: str, subject: str, kind: int, seq: int) -> bool:
         """Whether an alert (or retraction) numbered ``seq`` is newer than every one of ``observer``'s
@@ -91,6 +95,7 @@ class CutDetector:
                 return False
             if tally is None:
                 tally = self._tallies[key] = _Tally(kind, addr=addr, host=host, rack=rack)
+            tally.alerted_at = now
             if observer in tally.observers:
                 return False
             stable = not tally.departed and len(tally.observers) >= self._thresholds(subject, kind)[0]
@@ -126,6 +131,41 @@ class CutDetector:
         come (each first accusation waits ``alert_after`` from its observer's own first failed probe)."""
         if subject not in self._doubt and self.overlay.observers(subject):
             self._doubt[subject] = now
+
+    def returned(self, subject: str, now: float) -> None:
+        """SWIM held ``subject`` dead, and it is alive again (a newer incarnation)."""
+        if self.overlay.observers(subject):
+            self._returned[subject] = now
+
+    def supports(self, changes: list[Change], now: float) -> bool:
+        """Whether the alerts counted here still stand behind every removal in ``changes``: the subject
+        announced its departure, or it has at least L alerts (implicit ones included) and has not come
+        back from the dead after the last of them within ``unstable_timeout``.
+
+        Why: a side of a partition votes on what it saw while cut off. After the heal, the members it
+        removes answer again: SWIM has them back at once, their observers retract within a few probes,
+        and until then that vote must not become a decision (see :mod:`~gossiprec.core.consensus`). A
+        restarted process comes back *before* its observers' alerts, a crashed one never, and a flapping
+        one whose observers keep their alerts stands again once the window is over."""
+        counts: dict[tuple[str, int], int] | None = None
+        for c in changes:
+            if c.kind != REMOVE:
+                continue
+            t = self._tallies.get((c.node, REMOVE))
+            if t is None:
+                return False
+            if t.departed:
+                continue
+            back = self._returned.get(c.node)
+            if back is not None and back > t.alerted_at and now < back + self.unstable_timeout:
+                return False
+            if counts is None:
+                counted = self._counted
+                counts = counted[1] if counted is not None and counted[0] == self._version else self._count_all()
+                self._counted = (self._version, counts)
+            if counts.get((c.node, REMOVE), 0) < self._thresholds(c.node, REMOVE)[1]:
+                return False
+        return True
 
     def count(self, subject: str, kind: int = REMOVE) -> int:
         tally = self._tallies.get((subject, kind))

@@ -52,8 +52,18 @@ class Decider:
         def allowed(changes: list[Change]) -> bool:
             return keeps_quorum(view, changes, me)
 
+        swim = self.swim
+
+        def unheard(name: str) -> bool:
+            rec = swim.member(name)
+            return name != me and (rec is None or rec.status != ALIVE)
+
+        def fresh(changes: list[Change]) -> bool:
+            return cut.supports(changes, node.now)
+
         self.cut = cut
-        self.consensus = Consensus(view, me, node.broadcast, node.send_to, allowed, auth=node.auth, chunk=chunk)
+        self.consensus = Consensus(view, me, node.broadcast, node.send_to, allowed, fresh, unheard, cut.unstable,
+                                   auth=node.auth, chunk=chunk)
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False

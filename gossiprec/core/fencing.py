@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from gossiprec.core.catchup import CatchUp
 from gossiprec.core.config import AgreementConfig
-from gossiprec.core.consensus import FAST
 from gossiprec.core.events import Fenced, JobSpecMismatch, Unfenced
 from gossiprec.core.membership import Membership
 from gossiprec.core.observer import Observer
@@ -120,8 +119,8 @@ class Fencing:
         # answers (the minority side of a partition; its members do not all see a cut of their own)
         cons = self.node.consensus
         withheld = self.node.withheld
-        pending = cons.decided is None and (cons.my_vote is not None or bool(cons.votes) or bool(cons.proposals)
-                                            or cons.promised != FAST or withheld)
+        # (a vote that a healed partition left behind, whose removals the alerts no longer back, is not)
+        pending = cons.decided is None and (withheld or cons.change_pending())
         # every subject we watch is unreachable from here: most likely we are the one cut off (a node
         # that hears nobody; Lifeguard keeps such a node from suspecting, so SWIM's count stays high)
         subjects = obs.subjects

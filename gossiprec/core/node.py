@@ -47,7 +47,8 @@ from gossiprec.core.decide import Decider
 from gossiprec.core.election import Plan
 from gossiprec.core.fencing import RESTART_FENCE, Fencing
 from gossiprec.core.events import (
-    CoreEvent, JobFinished, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult, ViewInstalled,
+    CoreEvent, JobFinished, MemberAlive, MemberFailed, MemberJoined, MemberLeft, MemberSuspected, ProbeResult,
+    ViewInstalled,
 )
 from gossiprec.core.hangs import RECOVERING, HangCheck
 from gossiprec.core.membership import Membership
@@ -446,6 +447,12 @@ class Node:
                 self._observe_departure(ev.name, now)  # type: ignore[union-attr]
             elif t is MemberJoined:
                 self._departed.discard(ev.name)  # type: ignore[union-attr]  # back with a new incarnation
+                if self.view is not None:  # (held dead, answering again: see CutDetector.supports)
+                    self.cut.returned(ev.name, now)  # type: ignore[union-attr]
+                    obs.back(ev.name)  # type: ignore[union-attr]
+            elif t is MemberAlive:
+                if self.view is not None:
+                    obs.back(ev.name)  # type: ignore[union-attr]
             self._events.append(ev)
         if answered is not None:
             # a subject past its hang threshold answered (its own word): judged now, once the rest is in

@@ -41,7 +41,7 @@ class Observer:
     """The observer part of one :class:`~gossiprec.core.node.Node` (its state lives for one view)."""
 
     __slots__ = ("node", "swim", "acfg", "subjects", "subject_set", "streak", "refresh", "ready", "alerted",
-                 "answered", "ok_since", "my_alerts", "knocking", "alert_seq")
+                 "answered", "ok_since", "my_alerts", "my_retractions", "knocking", "alert_seq")
 
     def __init__(self, node: NodePort, swim: Membership, acfg: AgreementConfig) -> None:
         self.node = node
@@ -67,6 +67,8 @@ class Observer:
         """Answers in a row from a subject we alerted as unreachable."""
         self.my_alerts: dict[str, Alert] = {}
         """Our own alerts of this view, by broadcast key (re-sent by the watchdog until the view changes)."""
+        self.my_retractions: dict[str, Alert] = {}
+        """Our own retractions of this view, by broadcast key (see :meth:`back`)."""
         self.alert_seq = 0
         """The number of our last alert or retraction in this view (see :class:`~gossiprec.core.wire.Alert`)."""
         self.knocking: dict[str, JoinRequest] = {}
@@ -80,6 +82,7 @@ class Observer:
         self.refresh = set()
         self.ready = set()
         self.my_alerts = {}
+        self.my_retractions = {}
         self.ok_since = {}
         self.alert_seq = 0
         self.alerted = {}
@@ -252,6 +255,15 @@ class Observer:
         node.broadcast(key, msg)
         if retract:
             self.my_alerts.pop(key, None)
+            self.my_retractions[key] = msg
         else:
             self.my_alerts[key] = msg
+            self.my_retractions.pop(key, None)
         node.count_alert(msg, now)
+
+    def back(self, member: str) -> None:
+        """SWIM held ``member`` suspect or dead, and it answers again: cut off, it may have missed our
+        retractions (gossip sends each a few times, then drops it), and would count the alerts we withdrew
+        for good (a member of a healed partition that kept them stayed fenced). They go to it once more."""
+        for msg in self.my_retractions.values():
+            self.node.send_to(member, msg)
