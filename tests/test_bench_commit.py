@@ -37,3 +37,31 @@ def test_host_memory_kept_is_two_one_or_almost_no_copies_of_the_state() -> None:
     assert rows["deferred"]["host_bytes_kept"] == 2 * rows["single"]["host_bytes_kept"]
     assert rows["single"]["host_copies_of_state"] == pytest.approx(1.0, abs=0.01)
     assert rows["live"]["host_copies_of_state"] < 0.01  # the RNG state only
+
+
+def test_sizes_report_the_floor_of_one_copy_and_each_modes_added_cpu() -> None:
+    from gossiprec.bench.commit import TARGETS, run_sizes
+
+    report = run_sizes("cpu", [1.0, 2.0], 16, steps=3, warmup=1, modes=["none", "live", "single"], step_ms=5.0,
+                       rounds=2)
+    assert [s["state_mb"] for s in report["sizes"]] == [1.0, 2.0] and report["targets"] == TARGETS
+    small, large = report["sizes"]
+    assert large["state_bytes"] > small["state_bytes"] > 0
+    for size in report["sizes"]:
+        assert size["floor_copy_ms"] > 0
+        none = size["modes"]["none"]
+        assert none["added_cpu_ms"] is None and none["cpu_s"] > 0
+        assert none["median_s"] >= 0.005  # padded to --step-ms at least
+        for mode in ("live", "single"):
+            row = size["modes"][mode]
+            assert row["snapshot_identical"] is True
+            assert row["added_cpu_ms"] == pytest.approx(1000 * (row["cpu_s"] - none["cpu_s"]), abs=0.02)
+        single = size["modes"]["single"]
+        assert size["met"] == {"single_cpu": single["added_cpu_ms"] <= size["floor_copy_ms"] + 0.5}
+
+
+def test_sizes_need_the_loop_without_gossiprec() -> None:
+    from gossiprec.bench.commit import run_sizes
+
+    with pytest.raises(ConfigError, match="must hold none"):
+        run_sizes("cpu", [1.0], 8, 2, 0, ["live"])

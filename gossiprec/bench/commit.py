@@ -21,6 +21,13 @@ after ``--warmup`` steps, in the order given by ``--modes``:
     no host copy of parameters and optimizer state (``snapshot_copies=0``): a commit holds views of
     the live tensors; only buffers, RNG and data position are copied.
 
+``--sizes-mb 1,100,1000`` runs the loops at each state size and adds, per size, the floor: one memory copy
+of the whole state into buffers allocated beforehand (the least a commit that keeps a copy can cost),
+and per mode the process's CPU per step (every thread: the background copies count) and what it adds to
+``none``'s. ``--step-ms`` pads each step with a sleep to at least that long (it stands in for the
+accelerator's compute, during which the host is idle). ``--rounds`` repeats the loops, in reverse order
+every other round, so that a drifting load biases no mode; figures are medians over all rounds' steps.
+
 The trainer runs without an agent and without a process group (a stub stands in for the control
 socket): the loop calls ``commit()`` after the optimizer step and, before the next optimizer step,
 what ``allreduce_gradients`` does once its collective is done (wait for the last commit's copies,
@@ -80,7 +87,7 @@ def _build(device: str, nbytes: int, batch: int, seed: int = 0) -> tuple[Any, An
 
 
 def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: int,
-          say: Any) -> tuple[list[float], int, bool | None, int]:
+          say: Any, step_s: float = 0.0) -> tuple[list[float], list[float], int, bool | None, int]:
     import torch
 
     from gossiprec.trainer.state.capture import capture_state
@@ -98,8 +105,10 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         rt = ResilientTrainer({"model": model, "optimizer": opt, "rng": RNGState(numpy=False)}, config,
                               control=_StubControl(), key=bytes(32))  # type: ignore[arg-type]
     times: list[float] = []
+    cpus: list[float] = []
     sync(device)
     t_prev = time.perf_counter()
+    c_prev = time.process_time()
     for i in range(warmup + steps):
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad(set_to_none=False)
@@ -112,10 +121,13 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         if rt is not None:
             rt.commit()
         sync(device)  # the step's kernels; copies still queued on the side stream count in a later step
-        t = time.perf_counter()
+        if step_s:  # the rest of the step is the accelerator's: the host sleeps (background copies run)
+            time.sleep(max(0.0, step_s - (time.perf_counter() - t_prev)))
+        t, c = time.perf_counter(), time.process_time()
         if i >= warmup:
             times.append(t - t_prev)
-        t_prev = t
+            cpus.append(c - c_prev)
+        t_prev, c_prev = t, c
     same: bool | None = None
     state_bytes = kept = 0
     if rt is not None:
@@ -126,8 +138,9 @@ def _loop(mode: str, device: str, nbytes: int, batch: int, steps: int, warmup: i
         ref = capture_state(rt.objects, step=rt.step, copy=True, checksum=True)
         same = [zlib.crc32(tensor_bytes(t)) for t in snap.tensors] == [s.crc32 for s in ref.header.tensors]
         rt.close()
-    say(f"{mode}: median step {statistics.median(times) * 1000:.2f} ms over {steps} steps")
-    return times, state_bytes, same, kept
+    say(f"{mode}: median step {statistics.median(times) * 1000:.2f} ms, CPU {statistics.median(cpus) * 1000:.2f} ms "
+        f"over {steps} steps")
+    return times, cpus, state_bytes, same, kept
 
 
 def _stats(xs: list[float]) -> dict[str, float]:
@@ -144,16 +157,94 @@ def run(device: str, nbytes: int, batch: int, steps: int, warmup: int, modes: li
         raise ConfigError("--device cuda: torch sees no CUDA device here (use --device cpu)")
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
                            "torch": torch.__version__, "batch": batch, "steps": steps, "modes": {}}
+    out.update(_measure(device, nbytes, batch, steps, warmup, modes, say))
+    return out
+
+
+def _measure(device: str, nbytes: int, batch: int, steps: int, warmup: int, modes: list[str], say: Any,
+             step_s: float = 0.0, rounds: int = 1) -> dict[str, Any]:
+    """Every mode's loop, ``rounds`` times (reversed every other round); figures over all rounds' steps."""
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}
+    rows: dict[str, dict[str, Any]] = {}
+    out: dict[str, Any] = {}
+    for r in range(rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            t, c, state_bytes, same, kept = _loop(mode, device, nbytes, batch, steps, warmup, say, step_s)
+            times[mode] += t
+            cpus[mode] += c
+            row = rows.setdefault(mode, {"snapshot_identical": same, "host_bytes_kept": kept})
+            if same is False:
+                row["snapshot_identical"] = False
+            if state_bytes:
+                out["state_bytes"] = state_bytes
+                row["host_copies_of_state"] = round(kept / state_bytes, 3)
+    base = times.get("none")
     for mode in modes:
-        times, state_bytes, same, kept = _loop(mode, device, nbytes, batch, steps, warmup, say)
-        out["modes"][mode] = {**_stats(times), "snapshot_identical": same, "host_bytes_kept": kept}
-        if state_bytes:
-            out["state_bytes"] = state_bytes
-            out["modes"][mode]["host_copies_of_state"] = round(kept / state_bytes, 3)
-    base = out["modes"].get("none")
-    for mode, row in out["modes"].items():
-        row["overhead_pct"] = (round(100 * (row["median_s"] / base["median_s"] - 1), 2)
+        row = rows[mode]
+        row.update(_stats(times[mode]), cpu_s=round(statistics.median(cpus[mode]), 5))
+        row["overhead_pct"] = (round(100 * (row["median_s"] / statistics.median(base) - 1), 2)
                                if base and mode != "none" else None)
+        row["added_cpu_ms"] = (round(1000 * (row["cpu_s"] - statistics.median(cpus["none"])), 3)
+                               if base and mode != "none" else None)
+    out["modes"] = {m: rows[m] for m in modes}
+    return out
+
+
+def floor_copy_s(device: str, nbytes: int, batch: int, reps: int = 5) -> float:
+    """The median time of one memory copy of the loops' whole state (weights and AdamW moments, after a
+    step) into buffers allocated beforehand: the least a commit that keeps one copy can cost."""
+    import torch
+
+    model, opt, x, y = _build(device, nbytes, batch)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    src = [p.detach() for p in model.parameters()] + [
+        t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    dst = [torch.empty_like(t, device="cpu", pin_memory=device.startswith("cuda")) for t in src]
+    took = []
+    for _ in range(reps + 1):  # (the first touches the buffers' pages: not counted)
+        sync(device)
+        t0 = time.perf_counter()
+        for d, t in zip(dst, src):
+            d.copy_(t, non_blocking=device.startswith("cuda"))
+        sync(device)
+        took.append(time.perf_counter() - t0)
+    return statistics.median(took[1:])
+
+
+TARGETS = {"live_overhead_pct_at_100mb": 0.5, "single_added_cpu_ms_over_floor": 0.5}
+"""Issue 38's targets for the per-step cost: no copy at most 0.5% of the step at 100 MB; one copy at most
+the floor (one memory copy of the state) plus 0.5 ms of CPU per step."""
+
+
+def run_sizes(device: str, sizes_mb: list[float], batch: int, steps: int, warmup: int, modes: list[str],
+              say: Any = lambda m: None, step_ms: float = 0.0, rounds: int = 1) -> dict[str, Any]:
+    """:func:`run` at every size of ``sizes_mb``, with the floor of one copy per size and each mode's
+    added CPU per step; ``met`` says per size whether the targets (:data:`TARGETS`) hold."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no CUDA device here (use --device cpu)")
+    if "none" not in modes:
+        raise ConfigError("--sizes-mb compares every mode with the loop without gossiprec: --modes must hold none")
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu",
+                           "torch": torch.__version__, "batch": batch, "steps": steps, "rounds": rounds,
+                           "step_ms": step_ms, "targets": TARGETS, "sizes": []}
+    for mb in sizes_mb:
+        nbytes = int(mb * 1e6)
+        floor = floor_copy_s(device, nbytes, batch)
+        say(f"{mb:g} MB: one copy of the state {floor * 1000:.2f} ms")
+        row: dict[str, Any] = {"state_mb": mb, "floor_copy_ms": round(floor * 1000, 3)}
+        row.update(_measure(device, nbytes, batch, steps, warmup, modes, say, step_ms / 1000, rounds))
+        met: dict[str, bool] = {}
+        if "live" in row["modes"] and mb == 100:
+            met["live_overhead"] = row["modes"]["live"]["overhead_pct"] <= TARGETS["live_overhead_pct_at_100mb"]
+        if "single" in row["modes"]:
+            met["single_cpu"] = (row["modes"]["single"]["added_cpu_ms"]
+                                 <= row["floor_copy_ms"] + TARGETS["single_added_cpu_ms_over_floor"])
+        row["met"] = met
+        out["sizes"].append(row)
     return out
 
 
@@ -168,9 +259,23 @@ def _cmd(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
-    report = run(args.device, int(args.gb * 1e9), args.batch, args.steps, args.warmup, modes, say)
+    if args.step_ms < 0 or args.rounds < 1:
+        raise ConfigError("--step-ms must not be negative and --rounds at least 1")
+    if args.sizes_mb:
+        try:
+            sizes = [float(x) for x in args.sizes_mb.split(",") if x.strip()]
+        except ValueError:
+            sizes = []
+        if not sizes or any(x <= 0 for x in sizes):
+            raise ConfigError(f"--sizes-mb takes positive sizes in MB separated by commas, got {args.sizes_mb!r}")
+        report = run_sizes(args.device, sizes, args.batch, args.steps, args.warmup, modes, say, args.step_ms,
+                           args.rounds)
+        rows = [r for size in report["sizes"] for r in size["modes"].values()]
+    else:
+        report = run(args.device, int(args.gb * 1e9), args.batch, args.steps, args.warmup, modes, say)
+        rows = list(report["modes"].values())
     print(json.dumps(report) if args.json else json.dumps(report, indent=2), flush=True)
-    return 0 if all(r["snapshot_identical"] is not False for r in report["modes"].values()) else 1
+    return 0 if all(r["snapshot_identical"] is not False for r in rows) else 1
 
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
@@ -186,6 +291,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="timed steps per mode (30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (5)")
     p.add_argument("--modes", default=",".join(MODES), help=f"loops to run, in order ({','.join(MODES)})")
+    p.add_argument("--sizes-mb", dest="sizes_mb", default="",
+                   help="state sizes in MB, e.g. 1,100,1000: the loops at each, with the floor of one memory copy "
+                        "of the state and each mode's added CPU per step (instead of --gb)")
+    p.add_argument("--step-ms", dest="step_ms", type=float, default=0.0,
+                   help="pad every step with a sleep to at least this long (the accelerator's compute; 0: none)")
+    p.add_argument("--rounds", type=int, default=1, help="repeat the loops, in reverse order every other round (1)")
     p.add_argument("--json", action="store_true", help="one JSON line")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=_cmd)
