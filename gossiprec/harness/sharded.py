@@ -47,6 +47,18 @@ SPARES_UP_S = 120.0
 RANKS = 4
 
 
+def _tails(job: LocalJob, nodes: Sequence[str], lines: int = 25) -> str:
+    """The last ``lines`` of each node's log, for the error: a CI machine keeps no work directory."""
+    out = []
+    for node in nodes:
+        try:
+            text = job.path(node, ".log").read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            continue
+        out.append(f"\n--- {node}.log (last {len(text)} lines)\n" + "\n".join(line[:400] for line in text))
+    return "".join(out)
+
+
 def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares: int = 1,
                 workdir: str | None = None, timeout: float = 120.0, step_ms: float = 0.0,
                 trainer_timeout: float = 30.0, hidden: int = 16, agent_log_level: str = "warning",
@@ -108,10 +120,11 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             if (until_exit or stops) and all(p.poll() is not None for p in job.procs.values()):
                 break
             if dead:
-                raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}")
+                raise GossiprecError(f"node(s) {dead} exited with an error; logs in {work}"
+                                     f"{_tails(job, dead)}")
             if time.monotonic() >= deadline:
                 raise GossiprecError(f"the sharded job did not finish within {timeout:.0f} s (ranks done: "
-                                     f"{sorted(reports)}); logs in {work}")
+                                     f"{sorted(reports)}); logs in {work}{_tails(job, job.names)}")
             time.sleep(0.05)
         say(f"ranks {sorted(reports)} finished")
         end = time.monotonic() + END_WAIT_S
