@@ -113,6 +113,24 @@ def normal_step_s(commits: Sequence[Sequence[float]], t_kill: float, warmup: int
     return percentile(gaps, 50) if gaps else None
 
 
+def step_times(outs: Sequence[dict[str, Any]], t_kill: float,
+               warmup: int = WARMUP) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """``(wall, cpu)`` of each rank's first step after the recovery, and of its normal steps (after
+    ``warmup``, committed before ``t_kill``), from the trainers' ``steps`` (begin_step() returned to
+    commit() returned; cpu: the process's CPU time, every thread)."""
+    first: list[tuple[float, float]] = []
+    normal: list[tuple[float, float]] = []
+    for o in outs:
+        after = False
+        for (step, wall, cpu, new_epoch), (_, t) in zip(o.get("steps", ()), o["commits"], strict=False):
+            if t >= t_kill and new_epoch and not after:
+                first.append((wall, cpu))
+                after = True
+            elif t < t_kill and step > warmup and not new_epoch:
+                normal.append((wall, cpu))
+    return first, normal
+
+
 # --------------------------------------------------------------------------------------------------
 # the trainer (one rank or the spare, under ``gossiprec run``)
 
@@ -138,10 +156,12 @@ def trainer_main(args: argparse.Namespace) -> int:
     progress = out.with_suffix(".step")
     commits: list[tuple[int, float]] = []
     busy: list[float] = []
+    steps: list[tuple[int, float, float, bool]] = []
+    epoch = 0  # a spare's first commit is in a later epoch: it counts as a first step after a recovery
     pace = args.step_ms / 1000.0
     while rt.step < args.steps:
         rt.begin_step()
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         local_gradients(model, cursor, rt.rank)
         left = pace - (time.monotonic() - t0)
         if left > 0:
@@ -152,13 +172,15 @@ def trainer_main(args: argparse.Namespace) -> int:
         opt.step()
         cursor.index += 1
         rt.commit()
-        t1 = time.monotonic()
+        t1, c1 = time.monotonic(), time.process_time()
         commits.append((rt.step, t1))
         busy.append(t1 - t0 - slept)
+        steps.append((rt.step, t1 - t0, c1 - c0, rt.epoch != epoch))  # a new epoch's first commit: after a recovery
+        epoch = rt.epoch
         progress.write_text(str(rt.step))
     sha256, nbytes = state_digest(objects_of(model, opt, cursor), rt.step)
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "step": rt.step, "records": records,
-                               "commits": commits, "busy_s": busy, "state_sha256": sha256,
+                               "commits": commits, "busy_s": busy, "steps": steps, "state_sha256": sha256,
                                "state_bytes": nbytes}))
     rt.finish()
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
@@ -228,6 +250,16 @@ class TrialResult:
     rto_minus_step_s: float | None = None
     step_compute_s: float | None = None
     """Median busy time of a step (everything but the pacing sleep), before the kill."""
+    step_s: float | None = None
+    """Median wall time of a normal step, begin_step() returned to commit() returned (before the kill)."""
+    step_cpu_s: float | None = None
+    """The process CPU time (all threads) of those steps, median."""
+    first_step_s: float | None = None
+    """Median over the recovered ranks of the same wall time for their first step after the recovery."""
+    first_step_cpu_s: float | None = None
+    first_step_over_step_s: float | None = None
+    """``first_step_s - step_s``: what the first step after a recovery costs beyond a normal one."""
+    first_step_over_step_cpu_s: float | None = None
     phases_s: dict[str, float | None] = field(default_factory=dict)
     lost_steps: int | None = None
     transfer_bytes: int = 0
@@ -330,6 +362,14 @@ def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float) ->
     res.step_compute_s = round(percentile(pre, 50), 4) if pre else None
     if res.rto_s is not None and res.normal_step_s is not None:
         res.rto_minus_step_s = round(res.rto_s - res.normal_step_s, 4)
+    first, normal = step_times(outs, t_kill)
+    for i, name in ((0, ""), (1, "_cpu")):
+        a = round(percentile([f[i] for f in first], 50), 4) if first else None
+        b = round(percentile([n[i] for n in normal], 50), 4) if normal else None
+        setattr(res, f"first_step{name}_s", a)
+        setattr(res, f"step{name}_s", b)
+        if a is not None and b is not None:
+            setattr(res, f"first_step_over_step{name}_s", round(a - b, 4))
 
 
 def run_config(spec: RecoverySpec, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
@@ -379,6 +419,9 @@ def summarize(spec: RecoverySpec, results: Sequence[TrialResult], workdir: str |
         "normal_step_s": step,
         "rto_minus_step_s": over,
         "step_compute_s": stats([r.step_compute_s for r in ok]),
+        **{k: stats([getattr(r, k) for r in ok]) for k in (
+            "step_s", "first_step_s", "first_step_over_step_s", "step_cpu_s", "first_step_cpu_s",
+            "first_step_over_step_cpu_s")},
         "phases_s": {p: stats([r.phases_s.get(p) for r in ok]) for p in phase_names},
         "transfer_mb_s": xfer,
         "tcp_mb_s": tcp,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import msgpack
 
@@ -128,6 +128,44 @@ class PendingDigest:
         assert len(values) == len(self._names)
         return StateDigest(self.step, tuple(self._names) + tuple(n for n, _ in self._trees),
                            tuple(values) + tuple(c for _, c in self._trees))
+
+
+class SnapshotDigest:
+    """The digest of a committed snapshot (a copy), computed on a thread: it waits for the snapshot's
+    background copies (``wait``) and hashes every tensor of the copy. Nothing writes a snapshot's
+    buffers before the commit after next, so the hash may run through the whole next step.
+
+    ``result()`` waits for the thread."""
+
+    def __init__(self, snap: StateSnapshot, wait: Callable[[], object]) -> None:
+        import threading
+
+        self.step = snap.step
+        self._names = tuple(s.name for s in snap.header.tensors)
+        self._trees = tree_entries(snap.header.trees)  # (copied at commit: small)
+        self._values: tuple[int, ...] = ()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._hash, args=(snap, wait), name="gossiprec-digest", daemon=True)
+        self._thread.start()
+
+    def _hash(self, snap: StateSnapshot, wait: Callable[[], object]) -> None:
+        try:
+            wait()
+            # zlib releases the GIL for large buffers: this overlaps the step's compute
+            self._values = tuple(zlib.crc32(tensor_bytes(t)) for t in snap.tensors)
+        except BaseException as exc:  # reported by result()
+            self._error = exc
+
+    def result(self) -> StateDigest:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise RecoveryError(f"computing the state digest failed: {self._error}") from self._error
+        assert len(self._values) == len(self._names)
+        return StateDigest(self.step, self._names + tuple(n for n, _ in self._trees),
+                           self._values + tuple(c for _, c in self._trees))
 
 
 def digest_of_snapshot(snap: StateSnapshot) -> StateDigest:
