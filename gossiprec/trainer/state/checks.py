@@ -7,14 +7,15 @@ every ``verify_every`` steps; a mismatch raises :class:`~gossiprec.trainer.state
 After a recovery with background snapshots, the state compared is that of the recovery's first commit
 (step ``target + 1``): a thread hashes that commit's snapshot, a copy, while step ``target + 2``
 computes, and the comparison runs at step ``target + 2``'s all-reduce of gradients, before its optimizer
-step, so the first step after a recovery runs as fast as any other. A rank whose state came out of
-the recovery different (restored or received wrong) trains its first step from that state: its gradients are averaged like
-everyone's, so the difference is still in the parameters, optimizer state, buffers, RNG or data
-position it commits, and the comparison finds it one step later. (A value that the first step
+step, so the first step after a recovery runs as fast as any other. A rank whose state came out of the
+recovery different (restored or received wrong) trains its first step from that state: its gradients are
+averaged like everyone's, so the difference is still in the parameters, optimizer state, buffers, RNG or
+data position it commits, and the comparison finds it one step later. (A value that the first step
 overwrites whatever it held, such as a buffer a forward pass recomputes, is compared as overwritten.)
-Without background snapshots the live state is hashed at the recovery and compared at the first
-all-reduce of gradients, as at the start. A job that finishes right after a recovery's first step
-compares in ``finish()``.
+Without background snapshots the live state is hashed at the recovery and compared at the first all-
+reduce of gradients, as at the start. A job that finishes right after a recovery's first step compares
+in ``finish()``.
+
 The commits that are checked (the first step's, every ``verify_every``-th) are copied and
 checksummed in place, and the next all-reduce hashes the live parameters and optimizer state again:
 a write torch does not track (``.data``) between the two raises :class:`~gossiprec.errors.RecoveryError`,
