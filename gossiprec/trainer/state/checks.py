@@ -12,9 +12,9 @@ recovery different (restored or received wrong) trains its first step from that 
 averaged like everyone's, so the difference is still in the parameters, optimizer state, buffers, RNG or
 data position it commits, and the comparison finds it one step later. (A value that the first step
 overwrites whatever it held, such as a buffer a forward pass recomputes, is compared as overwritten.)
-Without background snapshots the live state is hashed at the recovery and compared at the first all-
-reduce of gradients, as at the start. A job that finishes right after a recovery's first step compares
-in ``finish()``.
+Without background snapshots the live state is hashed at the recovery and compared at the first
+all-reduce of gradients, as at the start. A job that finishes right after a recovery's first step
+compares in ``finish()``.
 
 The commits that are checked (the first step's, every ``verify_every``-th) are copied and
 checksummed in place, and the next all-reduce hashes the live parameters and optimizer state again:
