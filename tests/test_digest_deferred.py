@@ -121,11 +121,12 @@ def test_a_replica_restored_wrong_raises_at_the_second_step_for_the_first_commit
     assert all(isinstance(e, ReplicaMismatch) for e in errors), errors
     e = errors[0]
     assert isinstance(e, ReplicaMismatch)
-    entry = f"model/{corrupt}" if corrupt != "exp_avg" else "optimizer/state/0/exp_avg"
-    # the state compared is the first commit's after the recovery (step 7), and rank 1 is named
-    assert e.step == TARGET + 1 and e.entries == (entry,) and e.ranks == (1,), (e.step, e.entries, e.ranks)
+    # the state compared is the first commit's after the recovery (step 7), and rank 1 is named; a moment
+    # restored wrong has moved its parameter in that step too
+    entries = (f"model/{corrupt}",) if corrupt != "exp_avg" else ("model/0.weight", "optimizer/state/0/exp_avg")
+    assert (e.step, e.entries, e.ranks) == (TARGET + 1, entries, (1,))
     assert (f"replicas hold different state at step {TARGET + 1} (after the recovery into epoch 1, as its "
-            f"first step {TARGET + 1} committed it): {entry} (ranks [1])") in str(e)
+            f"first step {TARGET + 1} committed it): {entries[0]} (ranks [1])") in str(e)
 
 
 def test_identical_replicas_pass_with_one_collective_in_the_second_step() -> None:
