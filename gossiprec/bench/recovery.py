@@ -113,22 +113,25 @@ def normal_step_s(commits: Sequence[Sequence[float]], t_kill: float, warmup: int
     return percentile(gaps, 50) if gaps else None
 
 
-def step_times(outs: Sequence[dict[str, Any]], t_kill: float,
-               warmup: int = WARMUP) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """``(wall, cpu)`` of each rank's first step after the recovery, and of its normal steps (after
-    ``warmup``, committed before ``t_kill``), from the trainers' ``steps`` (begin_step() returned to
+Times = list[tuple[float, float]]
+
+
+def step_times(outs: Sequence[dict[str, Any]], t_kill: float, warmup: int = WARMUP) -> tuple[Times, Times, Times]:
+    """``(wall, cpu)`` of each rank's first and second steps after the recovery, and of its normal steps
+    (after ``warmup``, committed before ``t_kill``), from the trainers' ``steps`` (begin_step() returned to
     commit() returned; cpu: the process's CPU time, every thread)."""
-    first: list[tuple[float, float]] = []
-    normal: list[tuple[float, float]] = []
+    first: Times = []
+    second: Times = []
+    normal: Times = []
     for o in outs:
-        after = False
+        after = 0
         for (step, wall, cpu, new_epoch), (_, t) in zip(o.get("steps", ()), o["commits"], strict=False):
-            if t >= t_kill and new_epoch and not after:
-                first.append((wall, cpu))
-                after = True
+            if t >= t_kill and (after == 1 or new_epoch and after == 0):
+                (first if after == 0 else second).append((wall, cpu))
+                after += 1
             elif t < t_kill and step > warmup and not new_epoch:
                 normal.append((wall, cpu))
-    return first, normal
+    return first, second, normal
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,6 +263,11 @@ class TrialResult:
     first_step_over_step_s: float | None = None
     """``first_step_s - step_s``: what the first step after a recovery costs beyond a normal one."""
     first_step_over_step_cpu_s: float | None = None
+    second_step_s: float | None = None
+    """The same for the second step after the recovery (where the replicas' comparison runs)."""
+    second_step_cpu_s: float | None = None
+    second_step_over_step_s: float | None = None
+    second_step_over_step_cpu_s: float | None = None
     phases_s: dict[str, float | None] = field(default_factory=dict)
     lost_steps: int | None = None
     transfer_bytes: int = 0
@@ -362,14 +370,15 @@ def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float) ->
     res.step_compute_s = round(percentile(pre, 50), 4) if pre else None
     if res.rto_s is not None and res.normal_step_s is not None:
         res.rto_minus_step_s = round(res.rto_s - res.normal_step_s, 4)
-    first, normal = step_times(outs, t_kill)
+    first, second, normal = step_times(outs, t_kill)
     for i, name in ((0, ""), (1, "_cpu")):
-        a = round(percentile([f[i] for f in first], 50), 4) if first else None
         b = round(percentile([n[i] for n in normal], 50), 4) if normal else None
-        setattr(res, f"first_step{name}_s", a)
         setattr(res, f"step{name}_s", b)
-        if a is not None and b is not None:
-            setattr(res, f"first_step_over_step{name}_s", round(a - b, 4))
+        for which, times in (("first", first), ("second", second)):
+            a = round(percentile([f[i] for f in times], 50), 4) if times else None
+            setattr(res, f"{which}_step{name}_s", a)
+            if a is not None and b is not None:
+                setattr(res, f"{which}_step_over_step{name}_s", round(a - b, 4))
 
 
 def run_config(spec: RecoverySpec, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
@@ -420,8 +429,9 @@ def summarize(spec: RecoverySpec, results: Sequence[TrialResult], workdir: str |
         "rto_minus_step_s": over,
         "step_compute_s": stats([r.step_compute_s for r in ok]),
         **{k: stats([getattr(r, k) for r in ok]) for k in (
-            "step_s", "first_step_s", "first_step_over_step_s", "step_cpu_s", "first_step_cpu_s",
-            "first_step_over_step_cpu_s")},
+            "step_s", "first_step_s", "first_step_over_step_s", "second_step_s", "second_step_over_step_s",
+            "step_cpu_s", "first_step_cpu_s", "first_step_over_step_cpu_s", "second_step_cpu_s",
+            "second_step_over_step_cpu_s")},
         "phases_s": {p: stats([r.phases_s.get(p) for r in ok]) for p in phase_names},
         "transfer_mb_s": xfer,
         "tcp_mb_s": tcp,
