@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable, Mapping
 from gossiprec.errors import RecoveryError
 from gossiprec.trainer.state.digest import (
     PendingDigest, ReplicaMismatch, SnapshotDigest, StateDigest, describe, differing_groups, digest_of_snapshot,
-    rows_tensor,
+    gmac32, rows_tensor,
 )
 from gossiprec.trainer.state.header import tensor_bytes, walk_objects
 from gossiprec.trainer.state.snapshots import Snapshots, late_tensors
@@ -104,7 +104,7 @@ class ReplicaChecks:
             return
         when = f"{when}, as its first step {step} committed it"
         if snap.live:  # views of the live tensors (one copy held live): hash those before the optimizer step
-            self._due = (when, PendingDigest(self.objects, step, late=self._late_tensors()))
+            self._due = (when, PendingDigest(self.objects, step, late=self._late_tensors(), hasher=gmac32))
         else:
             self._due = (when, SnapshotDigest(snap, lambda: self._snaps.copier.wait(take=False)))
 
