@@ -505,7 +505,7 @@ class ResilientTrainer:
         self._link.report(self.step, "idle")
         if barrier and self.groups is not None and self.groups.current is not None:
             group, timeout = self.groups.current, self.config.finish_timeout
-            if self._checks.awaiting and self._checks.pending and self.role == "trainer":
+            if self._checks.recovery_due and self.role == "trainer":
                 # the job ends right after a recovery's first step: its comparison runs here (a mismatch raises)
                 try:
                     self._checks.run(lambda t, op: group.allreduce(t, op, timeout=timeout) is None,

@@ -69,6 +69,8 @@ class ReplicaChecks:
         """A recovery's comparison that takes the next commit's snapshot (see :meth:`expect`): its ``when``."""
         self.awaiting = False
         """The comparison :meth:`expect` asked for has not ended yet."""
+        self._took_commit = False
+        """The comparison due is one a recovery deferred to its first commit."""
         self.on_result: Callable[[bool], None] | None = None
         """Told how each comparison across replicas ended (False: a mismatch, before it raises)."""
         self.last_ok: bool | None = None
@@ -76,6 +78,11 @@ class ReplicaChecks:
         self._live: StateSnapshot | None = None
         """A checksummed commit whose parameters and optimizer state must still equal the live ones at
         the next all-reduce of gradients (catches writes torch does not see, e.g. through ``.data``)."""
+
+    @property
+    def recovery_due(self) -> bool:
+        """The comparison due is the one a recovery deferred to its first commit (see :meth:`expect`)."""
+        return self._took_commit and self._due is not None
 
     @property
     def pending(self) -> bool:
@@ -93,6 +100,7 @@ class ReplicaChecks:
         when = f"after step {step}"
         if self._deferred is not None:  # (this comparison is also the one a recovery deferred to this commit)
             when, self._deferred = f"{self._deferred}, as its first step {step} committed it", None
+            self._took_commit = True
         self._due = (when, digest_of_snapshot(snap).without(self.exclude))
         self._live = snap if self._snaps.background else None
 
@@ -103,6 +111,7 @@ class ReplicaChecks:
         if when is None:
             return
         when = f"{when}, as its first step {step} committed it"
+        self._took_commit = True
         if snap.live:  # views of the live tensors (one copy held live): hash those before the optimizer step
             self._due = (when, PendingDigest(self.objects, step, late=self._late_tensors(), hasher=gmac32))
         else:
@@ -117,6 +126,7 @@ class ReplicaChecks:
         self._live = None
         self.last_ok = None
         self._deferred = None
+        self._took_commit = False
         self.awaiting = self.enabled
         if not self.enabled:
             self._due = None
@@ -150,7 +160,7 @@ class ReplicaChecks:
         rows = rows.cpu()
         differ = differing_groups(rows, self.groups)
         if differ:
-            self.awaiting = False
+            self.awaiting = self._took_commit = False
         if differ and self.on_result is not None:
             self.on_result(False)
         if differ:
@@ -172,7 +182,7 @@ class ReplicaChecks:
             raise describe(result, full.cpu(), differ, when, layouts=[int(x) for x in rows[:, 1]])
         self._due = None
         self.last_ok = True
-        self.awaiting = False
+        self.awaiting = self._took_commit = False
         if self.on_result is not None:
             self.on_result(True)
         return True
