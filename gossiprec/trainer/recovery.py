@@ -310,7 +310,8 @@ class Recovery:
     def first_step(self, digest: str | None = None) -> RecoveryRecord | None:
         """The record of the last recovery, once its first step has committed (None if none waits), told
         to the agent (its metrics and timeline file) and logged, one line. ``digest``: how the check of
-        the replicas after it ended (default: ``ok`` if it ran, else ``off``)."""
+        the replicas after it ended (default: ``ok`` if it ran, else ``off``); a check deferred to the
+        next step (background snapshots) tells the record when it ends (:meth:`_checked`)."""
         record = self._first_step()
         if record is not None:
             if digest is None and self._checks.awaiting:
