@@ -8,7 +8,12 @@ is not reported: the replicas are identical at the compared step.)"""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -160,3 +165,21 @@ def test_gmac32_is_a_checksum_of_the_bytes_in_pieces_too(monkeypatch: pytest.Mon
     pieces = gmac32(memoryview(data))
     data[9000] ^= 0x01  # a byte of the last piece
     assert gmac32(memoryview(data)) != pieces
+
+
+@pytest.mark.slow
+def test_a_job_that_ends_after_the_first_step_compares_in_finish(tmp_path: Path) -> None:
+    # the kill at step 5, one step after it: the comparison deferred to step 7's all-reduce never comes,
+    # so finish() runs it, and every recovered rank's record says it passed
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GOSSIPREC_")}
+    out = subprocess.run(
+        [sys.executable, "-m", "gossiprec.bench.recovery", "--ranks", "2", "--hidden", "16", "--trials", "1",
+         "--step-ms", "30", "--kill-at", "5", "--post-steps", "1", "--trial-timeout", "90", "--json",
+         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=150, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    trial = json.loads(out.stdout)["per_trial"][0]
+    assert trial["error"] is None and trial["final_step"] == [6] and trial["replicas_identical"] is True
+    assert trial["first_step_s"] is not None and trial["second_step_s"] is None  # (no second step)
+    records = [json.loads(line) for line in (tmp_path / "trial0" / "timeline.jsonl").read_text().splitlines()]
+    digests = {r["role"]: r["digest"] for r in records if r["kind"] == "recovery"}
+    assert digests == {"donor": "ok", "receiver": "ok"}, digests
