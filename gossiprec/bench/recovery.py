@@ -18,7 +18,13 @@ phases of :func:`gossiprec.harness.timeline.timeline` in seconds after the kill,
 every rank has committed its first step after the recovery), ``normal_step_s`` (the median
 commit-to-commit interval before the kill, after ``WARMUP``, pooled over the survivors),
 ``rto_minus_step_s`` (what :data:`RTO_TARGET_S` bounds), ``replicas_identical`` (every survivor ended
-with the same state hash) and ``loadavg_1m`` at the kill (how much other work shared the CPUs). A
+with the same state hash) and ``loadavg_1m`` at the kill (how much other work shared the CPUs). Each
+trainer also times every step from ``begin_step()`` returned to ``commit()`` returned, in wall and process
+CPU time (every thread: the snapshot copier and the replicas' digest too): ``step_s`` / ``step_cpu_s``
+(median of the normal steps), ``first_step_s`` / ``first_step_cpu_s`` and ``second_step_*`` (the steps
+after the recovery, median over the recovered ranks) and ``first_step_over_step_s`` /
+``first_step_over_step_cpu_s`` (and ``second_step_over_*``): what those steps cost beyond a normal one
+(on shared CPUs the CPU times are the steadier figures). A
 phase that comes out negative (a failure event before the kill, e.g. a starved member suspected
 during start-up, is the earliest one a record holds) is reported as None with a note.
 
