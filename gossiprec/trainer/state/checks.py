@@ -10,8 +10,9 @@ computes, and the comparison runs at step ``target + 2``'s all-reduce of gradien
 step, so the first step after a recovery runs as fast as any other. A rank whose state came out of the
 recovery different (restored or received wrong) trains its first step from that state: its gradients are
 averaged like everyone's, so the difference is still in the parameters, optimizer state, buffers, RNG or
-data position it commits, and the comparison finds it one step later. (A value that the first step
-overwrites whatever it held, such as a buffer a forward pass recomputes, is compared as overwritten.)
+data position it commits, and the comparison finds it one step later. (A difference the first step
+wipes out, such as a buffer a forward pass recomputes or a last bit a moment's decay rounds away, is
+not reported: the replicas are identical at the step compared.)
 Without background snapshots the live state is hashed at the recovery and compared at the first
 all-reduce of gradients, as at the start. A job that finishes right after a recovery's first step
 compares in ``finish()``.
