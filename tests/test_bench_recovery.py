@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from gossiprec.bench.recovery import (
-    RecoverySpec, TrialResult, _sizes, hidden_for_state, normal_step_s, stats, summarize,
+    RecoverySpec, TrialResult, _sizes, hidden_for_state, normal_step_s, stats, step_times, summarize,
 )
 from gossiprec.errors import ConfigError
 from gossiprec.harness.timeline import PHASES
@@ -91,6 +91,17 @@ def test_normal_step_skips_warmup_and_the_kill() -> None:
     # a gap across a rollback (step numbers not consecutive) is not a step
     assert normal_step_s([(3, 0.0), (3, 5.0), (4, 5.2)], t_kill=10.0) == pytest.approx(0.2)
     assert normal_step_s(commits[:2], t_kill=2.0) is None
+
+
+def test_step_times_take_the_first_and_second_steps_after_the_recovery() -> None:
+    # (step, wall, cpu, first commit of a new epoch) per commit, and the commit times; the kill at t = 5
+    survivor = {"steps": [(1, 9.0, 9.0, False), (2, 9.0, 9.0, False), (3, 0.1, 0.05, False), (4, 0.2, 0.07, False),
+                          (5, 0.3, 0.2, True), (6, 0.15, 0.1, False), (7, 0.1, 0.06, False)],
+                "commits": [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0), (5, 6.0), (6, 7.0), (7, 8.0)]}
+    spare = {"steps": [(5, 0.4, 0.3, True), (6, 0.2, 0.12, False)], "commits": [(5, 6.1), (6, 7.1)]}
+    first, second, normal = step_times([survivor, spare], t_kill=5.0)
+    assert first == [(0.3, 0.2), (0.4, 0.3)] and second == [(0.15, 0.1), (0.2, 0.12)]
+    assert normal == [(0.1, 0.05), (0.2, 0.07)]  # after the warm-up, before the kill
 
 
 def _trial(i: int, rto: float, step: float, xfer: float, tcp: list[float]) -> TrialResult:

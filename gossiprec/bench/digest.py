@@ -7,11 +7,16 @@ after one training step. Timed, ``--trials`` times each (median, min, max):
 ``digest_all_s``
     crc32 of every tensor and of the non-tensor values, in the calling thread.
 ``digest_critical_s``
-    what the trainer's main thread spends after a recovery: the buffers, RNG and other small values are
-    hashed at once; the parameters and optimizer state (changed only by the optimizer step) on a thread.
+    what the main thread spends on a digest of the live state that overlaps a step (after a recovery
+    without background snapshots nothing overlaps; a sharded job's commits held live use this one): the
+    buffers, RNG and other small values are hashed at once; the parameters and optimizer state (changed
+    only by the optimizer step) on a thread.
 ``digest_thread_s``
-    the rest, on that thread: the first all-reduce of gradients after a recovery waits for it, so it is
-    free when the step's compute takes longer.
+    the rest, on that thread: the next all-reduce of gradients waits for it, so it is free when the
+    step's compute takes longer.
+``snapshot_digest_s``
+    the comparison after a recovery with background snapshots: every tensor of the first commit's
+    snapshot (a copy) hashed with ``gmac32`` on a thread while the next step computes (here timed alone).
 ``compare_s``
     the comparison: one all-reduce of a ``world x 3`` int64 matrix, here on a gloo group of ``--world``
     ranks in threads of this process (a mismatch adds one of ``world x entries``).
@@ -96,7 +101,7 @@ def run(mb: float, batch: int, trials: int, world: int, say: Any = lambda m: Non
     import torch
 
     from gossiprec.bench.commit import _build
-    from gossiprec.trainer.state.digest import PendingDigest
+    from gossiprec.trainer.state.digest import PendingDigest, SnapshotDigest
     from gossiprec.trainer.state.capture import capture_deferred
     from gossiprec.trainer.state.header import tensor_bytes
     from gossiprec.trainer.objects import training_state
@@ -135,6 +140,7 @@ def run(mb: float, batch: int, trials: int, world: int, say: Any = lambda m: Non
         deferred.run()
 
     out["plain_commit_s"] = _timed(plain, trials)
+    out["snapshot_digest_s"] = _timed(lambda: SnapshotDigest(snap, lambda: None).result(), trials)
     out["verify_commit_s"] = _timed(lambda: capture_deferred(objects, step=1, copy=True, checksum=True, reuse=snap),
                                     trials)
     hashed = [t for t, s in zip(snap.tensors, snap.header.tensors, strict=True)

@@ -18,7 +18,13 @@ phases of :func:`gossiprec.harness.timeline.timeline` in seconds after the kill,
 every rank has committed its first step after the recovery), ``normal_step_s`` (the median
 commit-to-commit interval before the kill, after ``WARMUP``, pooled over the survivors),
 ``rto_minus_step_s`` (what :data:`RTO_TARGET_S` bounds), ``replicas_identical`` (every survivor ended
-with the same state hash) and ``loadavg_1m`` at the kill (how much other work shared the CPUs). A
+with the same state hash) and ``loadavg_1m`` at the kill (how much other work shared the CPUs). Each
+trainer also times every step from ``begin_step()`` returned to ``commit()`` returned, in wall and process
+CPU time (every thread: the snapshot copier and the replicas' digest too): ``step_s`` / ``step_cpu_s``
+(median of the normal steps), ``first_step_s`` / ``first_step_cpu_s`` and ``second_step_*`` (the steps
+after the recovery, median over the recovered ranks) and ``first_step_over_step_s`` /
+``first_step_over_step_cpu_s`` (and ``second_step_over_*``): what those steps cost beyond a normal one
+(on shared CPUs the CPU times are the steadier figures). A
 phase that comes out negative (a failure event before the kill, e.g. a starved member suspected
 during start-up, is the earliest one a record holds) is reported as None with a note.
 
@@ -113,6 +119,27 @@ def normal_step_s(commits: Sequence[Sequence[float]], t_kill: float, warmup: int
     return percentile(gaps, 50) if gaps else None
 
 
+Times = list[tuple[float, float]]
+
+
+def step_times(outs: Sequence[dict[str, Any]], t_kill: float, warmup: int = WARMUP) -> tuple[Times, Times, Times]:
+    """``(wall, cpu)`` of each rank's first and second steps after the recovery, and of its normal steps
+    (after ``warmup``, committed before ``t_kill``), from the trainers' ``steps`` (begin_step() returned to
+    commit() returned; cpu: the process's CPU time, every thread)."""
+    first: Times = []
+    second: Times = []
+    normal: Times = []
+    for o in outs:
+        after = 0
+        for (step, wall, cpu, new_epoch), (_, t) in zip(o.get("steps", ()), o["commits"], strict=False):
+            if t >= t_kill and (after == 1 or new_epoch and after == 0):
+                (first if after == 0 else second).append((wall, cpu))
+                after += 1
+            elif t < t_kill and step > warmup and not new_epoch:
+                normal.append((wall, cpu))
+    return first, second, normal
+
+
 # --------------------------------------------------------------------------------------------------
 # the trainer (one rank or the spare, under ``gossiprec run``)
 
@@ -138,10 +165,12 @@ def trainer_main(args: argparse.Namespace) -> int:
     progress = out.with_suffix(".step")
     commits: list[tuple[int, float]] = []
     busy: list[float] = []
+    steps: list[tuple[int, float, float, bool]] = []
+    epoch = 0  # a spare's first commit is in a later epoch: it counts as a first step after a recovery
     pace = args.step_ms / 1000.0
     while rt.step < args.steps:
         rt.begin_step()
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), time.process_time()
         local_gradients(model, cursor, rt.rank)
         left = pace - (time.monotonic() - t0)
         if left > 0:
@@ -152,13 +181,15 @@ def trainer_main(args: argparse.Namespace) -> int:
         opt.step()
         cursor.index += 1
         rt.commit()
-        t1 = time.monotonic()
+        t1, c1 = time.monotonic(), time.process_time()
         commits.append((rt.step, t1))
         busy.append(t1 - t0 - slept)
+        steps.append((rt.step, t1 - t0, c1 - c0, rt.epoch != epoch))  # a new epoch's first commit: after a recovery
+        epoch = rt.epoch
         progress.write_text(str(rt.step))
     sha256, nbytes = state_digest(objects_of(model, opt, cursor), rt.step)
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "step": rt.step, "records": records,
-                               "commits": commits, "busy_s": busy, "state_sha256": sha256,
+                               "commits": commits, "busy_s": busy, "steps": steps, "state_sha256": sha256,
                                "state_bytes": nbytes}))
     rt.finish()
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
@@ -228,6 +259,21 @@ class TrialResult:
     rto_minus_step_s: float | None = None
     step_compute_s: float | None = None
     """Median busy time of a step (everything but the pacing sleep), before the kill."""
+    step_s: float | None = None
+    """Median wall time of a normal step, begin_step() returned to commit() returned (before the kill)."""
+    step_cpu_s: float | None = None
+    """The process CPU time (all threads) of those steps, median."""
+    first_step_s: float | None = None
+    """Median over the recovered ranks of the same wall time for their first step after the recovery."""
+    first_step_cpu_s: float | None = None
+    first_step_over_step_s: float | None = None
+    """``first_step_s - step_s``: what the first step after a recovery costs beyond a normal one."""
+    first_step_over_step_cpu_s: float | None = None
+    second_step_s: float | None = None
+    """The same for the second step after the recovery (where the replicas' comparison runs)."""
+    second_step_cpu_s: float | None = None
+    second_step_over_step_s: float | None = None
+    second_step_over_step_cpu_s: float | None = None
     phases_s: dict[str, float | None] = field(default_factory=dict)
     lost_steps: int | None = None
     transfer_bytes: int = 0
@@ -330,6 +376,15 @@ def _collect(res: TrialResult, outs: Sequence[dict[str, Any]], t_kill: float) ->
     res.step_compute_s = round(percentile(pre, 50), 4) if pre else None
     if res.rto_s is not None and res.normal_step_s is not None:
         res.rto_minus_step_s = round(res.rto_s - res.normal_step_s, 4)
+    first, second, normal = step_times(outs, t_kill)
+    for i, name in ((0, ""), (1, "_cpu")):
+        b = round(percentile([n[i] for n in normal], 50), 4) if normal else None
+        setattr(res, f"step{name}_s", b)
+        for which, times in (("first", first), ("second", second)):
+            a = round(percentile([f[i] for f in times], 50), 4) if times else None
+            setattr(res, f"{which}_step{name}_s", a)
+            if a is not None and b is not None:
+                setattr(res, f"{which}_step_over_step{name}_s", round(a - b, 4))
 
 
 def run_config(spec: RecoverySpec, say: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
@@ -379,6 +434,10 @@ def summarize(spec: RecoverySpec, results: Sequence[TrialResult], workdir: str |
         "normal_step_s": step,
         "rto_minus_step_s": over,
         "step_compute_s": stats([r.step_compute_s for r in ok]),
+        **{k: stats([getattr(r, k) for r in ok]) for k in (
+            "step_s", "first_step_s", "first_step_over_step_s", "second_step_s", "second_step_over_step_s",
+            "step_cpu_s", "first_step_cpu_s", "first_step_over_step_cpu_s", "second_step_cpu_s",
+            "second_step_over_step_cpu_s")},
         "phases_s": {p: stats([r.phases_s.get(p) for r in ok]) for p in phase_names},
         "transfer_mb_s": xfer,
         "tcp_mb_s": tcp,

@@ -68,6 +68,7 @@ from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError
 from gossiprec.trainer.state.checks import ReplicaChecks
+from gossiprec.trainer.state.digest import ReplicaMismatch
 from gossiprec.trainer.collectives.buckets import allreduce_flat
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.transfer.donor import DonorServer
@@ -503,8 +504,18 @@ class ResilientTrainer:
         """
         self._link.report(self.step, "idle")
         if barrier and self.groups is not None and self.groups.current is not None:
+            group, timeout = self.groups.current, self.config.finish_timeout
+            if self._checks.recovery_due and self.role == "trainer":
+                # the job ends right after a recovery's first step: its comparison runs here (a mismatch raises)
+                try:
+                    self._checks.run(lambda t, op: group.allreduce(t, op, timeout=timeout) is None,
+                                     self.rank, self.world_size)
+                except ReplicaMismatch:
+                    raise
+                except GossiprecError as exc:
+                    log.warning("the replicas' comparison at the end failed: %s", exc)
             try:
-                self.groups.current.barrier(timeout=self.config.finish_timeout)
+                group.barrier(timeout=timeout)
             except GossiprecError:
                 pass
         if self.role == "trainer" and self.rank >= 0 and not self._left:
@@ -536,6 +547,7 @@ class ResilientTrainer:
 
     def close(self) -> None:
         """Stop following the agent and serving state (copies in flight are waited for)."""
+        self._recovery.flush_record()  # (a recovery whose deferred comparison never ran)
         self._snaps.close()
         self._closed.set()
         if self._donor is not None:
@@ -619,6 +631,8 @@ class ResilientTrainer:
         snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
         if verify:
             self._checks.committed(step, snap)
+        else:
+            self._checks.commit_taken(step, snap)  # a recovery's comparison may take this commit
         self.install(self.identity.but(step=step))
         self._gate.committed(step)
         older = self._snaps.kept_previous()

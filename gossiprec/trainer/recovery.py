@@ -261,6 +261,8 @@ class Recovery:
         """The recovery in progress."""
         self._record_open: _Pending | None = None
         """The last recovery, until its first step commits."""
+        self._untold: RecoveryRecord | None = None
+        """The last recovery's record, its first step committed, until its deferred comparison ends."""
         self._last_recovered_at = 0.0
         self.building_epoch: int | None = None
         """The epoch whose group is being built, if one is."""
@@ -269,6 +271,7 @@ class Recovery:
     def recover(self, cause: str, spare: bool = False) -> None:
         """Wait for the plan, move state, rebuild the group; loops until one plan succeeds."""
         t = self._t
+        self.flush_record()  # (the last recovery's deferred comparison will not run now)
         pending = self._pending or self._record_open or _Pending(cause, time.monotonic(), self._last_recovered_at)
         if pending is self._record_open:  # the last recovery's first step never completed: still that one
             pending.attempts.append((t.epoch, t.step, f"superseded before its first step ({cause})"))
@@ -307,17 +310,32 @@ class Recovery:
     def first_step(self, digest: str | None = None) -> RecoveryRecord | None:
         """The record of the last recovery, once its first step has committed (None if none waits), told
         to the agent (its metrics and timeline file) and logged, one line. ``digest``: how the check of
-        the replicas after it ended (default: ``ok`` if it ran, else ``off``)."""
+        the replicas after it ended (default: ``ok`` if it ran, else ``off``); a check deferred to the
+        next step (background snapshots) tells the record when it ends (:meth:`_checked`)."""
         record = self._first_step()
         if record is not None:
-            tell_recovery(self._link, record, digest or ("off" if self._checks.last_ok is None else "ok"))
+            if digest is None and self._checks.awaiting:
+                self._untold = record  # its comparison runs at the next all-reduce of gradients (deferred)
+            else:
+                tell_recovery(self._link, record, digest or ("off" if self._checks.last_ok is None else "ok"))
         return record
+
+    def flush_record(self) -> None:
+        """Tell the agent of a recovery record still waiting for its comparison, which will not run
+        (another recovery, the end of the job): digest ``off``."""
+        record, self._untold = self._untold, None
+        if record is not None:
+            tell_recovery(self._link, record, "off")
 
     def _checked(self, ok: bool) -> None:
         """A comparison of the replicas ended: the agent counts it; a mismatch right after a recovery ends
-        that recovery's record (digest ``mismatch``: its first step never commits)."""
+        that recovery's record (digest ``mismatch``: its first step never commits), and a deferred one
+        tells the record of the recovery it checked."""
         self._link.checked(ok)
-        if not ok:
+        record, self._untold = self._untold, None
+        if record is not None:
+            tell_recovery(self._link, record, "ok" if ok else "mismatch")
+        elif not ok:
             self.first_step("mismatch")
 
     def _first_step(self) -> RecoveryRecord | None:
@@ -478,7 +496,9 @@ class Recovery:
             t.on_resize(old_world, world)
         self._job.world_size = world
         self._checks.groups = replica_groups_of(plan.replica_groups, world)
-        self._checks.expect(f"after the recovery into epoch {epoch}", target, overlap=self._snaps.background)
+        # background snapshots: the first commit's snapshot is compared, while the step after it computes
+        self._checks.expect(f"after the recovery into epoch {epoch}", target, overlap=self._snaps.background,
+                            defer=self._snaps.background)
         self._record_open, self._pending = pending, None
         self._last_recovered_at = time.monotonic()
         log.info("recovered into epoch %d as rank %d/%d at step %d (%s, %s)", epoch, my_rank, world, target,

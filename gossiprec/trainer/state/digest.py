@@ -3,7 +3,8 @@
 What it decides: whether the ranks of each replica group hold identical state at a given step, and if
 not, which entries differ on which ranks. An entry is one tensor of the state (by its path, e.g.
 ``optimizer/state/0/exp_avg``) or one top-level key of an object's non-tensor values (``rng/numpy``,
-``data/index``); its value is a crc32 of its bytes.
+``data/index``); its value is a crc32 of its bytes (a tensor's: :func:`gmac32`, faster, in the
+comparison after a recovery, where nothing reuses checksums made at a commit).
 
 The comparison takes one small all-reduce: every rank fills its row of a ``world x 3`` int64 matrix
 with (entry count, crc of the entry names, crc of all values) and the others' rows are zero, so the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import msgpack
 
@@ -68,6 +69,28 @@ class StateDigest:
         return len(self.names), names, values
 
 
+GMAC_PIECE = 1 << 30
+"""Bytes hashed by one GMAC call (AES-GCM takes less than 2**31 bytes of associated data at once)."""
+_GMAC: list[Any] = []
+
+
+def gmac32(data: memoryview) -> int:
+    """A 32-bit checksum of ``data``, 1.5 to 2 times as fast as crc32 here: GMAC (AES-GCM with the bytes as
+    associated data) under a fixed, public key and nonce, the first 4 bytes of the tag (of the pieces'
+    tags, beyond :data:`GMAC_PIECE`). GHASH is a polynomial hash that AES-NI and carry-less multiplication
+    compute at several GB/s, with the GIL released. Public, it catches accidental differences, as crc32
+    does, not forged ones: nothing here is secret, and the transfer authenticates the state on its own."""
+    if not _GMAC:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        _GMAC.append(AESGCM(bytes(16)))
+    aead, nonce = _GMAC[0], bytes(12)
+    if len(data) > GMAC_PIECE:
+        data = memoryview(b"".join(aead.encrypt(nonce, b"", data[i:i + GMAC_PIECE])
+                                   for i in range(0, len(data), GMAC_PIECE)))
+    return int.from_bytes(aead.encrypt(nonce, b"", data)[:4], "little")
+
+
 def tree_entries(trees: Mapping[str, Any]) -> list[tuple[str, int]]:
     """``(object/key, crc32)`` of each object's non-tensor values (tensors appear as references)."""
     out: list[tuple[str, int]] = []
@@ -83,13 +106,16 @@ class PendingDigest:
     """A digest being computed: the values of ``late`` tensors (changed only by the optimizer step) are
     hashed on a thread, the rest at once (a forward pass may change buffers and consumes the RNG).
 
-    ``result()`` waits for the thread. Built from the live objects (``copy=False``: views, no copy)."""
+    ``result()`` waits for the thread. Built from the live objects (``copy=False``: views, no copy).
+    ``hasher``: each tensor's value (crc32, or :func:`gmac32` to compare with a :class:`SnapshotDigest`)."""
 
-    def __init__(self, objects: Mapping[str, Stateful], step: int, late: Container[int] = ()) -> None:
+    def __init__(self, objects: Mapping[str, Stateful], step: int, late: Container[int] = (),
+                 hasher: Callable[[memoryview], int] = zlib.crc32) -> None:
         import threading
 
         snap = capture_state(objects, step=step, copy=False, checksum=False)
         self.step = step
+        self._hasher = hasher
         self._names = [s.name for s in snap.header.tensors]
         self._values: list[int | None] = [None] * len(self._names)
         later: list[int] = []
@@ -97,7 +123,7 @@ class PendingDigest:
             if t.data_ptr() in late:  # a view of the live tensor (copy=False); copies are hashed now
                 later.append(i)
             else:
-                self._values[i] = zlib.crc32(tensor_bytes(t))
+                self._values[i] = hasher(tensor_bytes(t))
         self._trees = tree_entries(snap.header.trees)
         self._snap: StateSnapshot | None = snap
         self._error: BaseException | None = None
@@ -114,7 +140,7 @@ class PendingDigest:
         assert snap is not None
         try:
             for i in indices:  # zlib releases the GIL for large buffers: this overlaps the step's compute
-                self._values[i] = zlib.crc32(tensor_bytes(snap.tensors[i]))
+                self._values[i] = self._hasher(tensor_bytes(snap.tensors[i]))
         except BaseException as exc:  # reported by result()
             self._error = exc
 
@@ -128,6 +154,44 @@ class PendingDigest:
         assert len(values) == len(self._names)
         return StateDigest(self.step, tuple(self._names) + tuple(n for n, _ in self._trees),
                            tuple(values) + tuple(c for _, c in self._trees))
+
+
+class SnapshotDigest:
+    """The digest of a committed snapshot (a copy), computed on a thread: it waits for the snapshot's
+    background copies (``wait``) and hashes every tensor of the copy (:func:`gmac32`). Nothing writes a
+    snapshot's buffers before the commit after next, so the hash may run through the whole next step.
+
+    ``result()`` waits for the thread."""
+
+    def __init__(self, snap: StateSnapshot, wait: Callable[[], object]) -> None:
+        import threading
+
+        self.step = snap.step
+        self._names = tuple(s.name for s in snap.header.tensors)
+        self._trees = tree_entries(snap.header.trees)  # (copied at commit: small)
+        self._values: tuple[int, ...] = ()
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._hash, args=(snap, wait), name="gossiprec-digest", daemon=True)
+        self._thread.start()
+
+    def _hash(self, snap: StateSnapshot, wait: Callable[[], object]) -> None:
+        try:
+            wait()
+            # zlib releases the GIL for large buffers: this overlaps the step's compute
+            self._values = tuple(gmac32(tensor_bytes(t)) for t in snap.tensors)
+        except BaseException as exc:  # reported by result()
+            self._error = exc
+
+    def result(self) -> StateDigest:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise RecoveryError(f"computing the state digest failed: {self._error}") from self._error
+        assert len(self._values) == len(self._names)
+        return StateDigest(self.step, self._names + tuple(n for n, _ in self._trees),
+                           self._values + tuple(c for _, c in self._trees))
 
 
 def digest_of_snapshot(snap: StateSnapshot) -> StateDigest:
