@@ -94,7 +94,7 @@ class CryptoCosts:
             raise ConfigError(f"--crypto-cost-us takes SIGN_US,VERIFY_US[,PER_KB_US] (non-negative "
                               f"microseconds), got {text!r}")
         per_kb = parts[2] if len(parts) == 3 else 0.0
-        return cls(parts[0] * 1e-6, parts[1] * 1e-6, per_kb * 1e-6 / 1024)
+        return cls(parts[0] / 1e6, parts[1] / 1e6, per_kb / 1e6 / 1024)
 
     def as_dict(self) -> dict[str, Any]:
         return {"sign_us": round(self.sign_s * 1e6, 1), "verify_us": round(self.verify_s * 1e6, 1),
