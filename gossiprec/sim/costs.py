@@ -38,7 +38,6 @@ IDLE_FROM = 1.0
 TAIL_S = 1.0
 """Seconds after the plan is ready everywhere still counted to the recovery (confirmations, relays)."""
 WARMUP, IDLE, RECOVERY, TAIL, AFTER = range(5)
-PHASE_NAMES = ("warmup", "idle", "recovery", "tail", "after")
 KIND_NAMES: dict[int, str] = {cls.TYPE: cls.__name__ for cls in ROWS}  # type: ignore[attr-defined]
 KIND_NAMES[-1] = "Candidate"  # a bootstrap candidate's own row (tagged, not a wire message)
 MEASURE_BYTES = 200
@@ -220,11 +219,13 @@ class CostMeter:
         out: dict[str, Any] = {"crypto_cost": self.costs.as_dict()}
         ready = [plan_at[i] - t_fault for i in survivors if i in plan_at]
         out["plan_ready_s"] = {**quantiles(ready), "agents": len(ready), "of": len(survivors)}
-        if len(snaps) < 3 or not survivors or self.end is None:
-            # the run ended before the plan was ready everywhere: no recovery to measure
-            out["cost_phases"] = [PHASE_NAMES[k + 1] for k in range(len(snaps))]
-            return out
-        idle0, rec0, rec1 = snaps[0], snaps[1], snaps[2]
+        if len(snaps) < 2 or not survivors or self.end is None:
+            return out  # the run ended before the kill
+        # the run may end before the plan is ready everywhere: the recovery is then measured to the end
+        # (what the agents did so far: a lower bound), and said so
+        out["plan_ready_everywhere"] = len(snaps) > 2
+        idle0, rec0 = snaps[0], snaps[1]
+        rec1 = snaps[2] if len(snaps) > 2 else self.end
         tail1 = snaps[3] if len(snaps) > 3 else self.end
         idle_len, rec_len, win_len = rec0.at - idle0.at, rec1.at - rec0.at, tail1.at - rec0.at
         idle_frac = win_len / idle_len if idle_len > 0 else 0.0
