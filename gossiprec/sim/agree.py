@@ -41,6 +41,7 @@ from gossiprec.core.view import View, ViewMember
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError, InvariantViolation
 from gossiprec.sim.cluster import CRASHED, Action, SimCluster
+from gossiprec.sim.costs import IDLE_FROM, RECOVERY, TAIL_S, CostMeter, CryptoCosts
 from gossiprec.sim.metrics import Progress, quantiles
 from gossiprec.sim.network import NetworkModel
 from gossiprec.sim.quorum import QuorumAudit
@@ -73,6 +74,9 @@ class AgreeParams:
     signing: str = "digest"
     """Per-member signatures (:func:`sim_keys`): "digest" (cheap, deterministic, insecure), "ed25519"
     (the agents' own scheme), or "none"."""
+    crypto_costs: CryptoCosts | None = None
+    """Charge each agent Ed25519's CPU for every signature it makes and checks (``--real-crypto``, see
+    :mod:`gossiprec.sim.costs`; with "digest" signing): the result then has the cost figures."""
 
     def validate(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -83,6 +87,8 @@ class AgreeParams:
             raise ConfigError("--spares must be within 0..nodes-1")
         if self.signing not in SIGNING:
             raise ConfigError(f"signing must be one of {', '.join(SIGNING)}, got {self.signing!r}")
+        if self.crypto_costs is not None and self.signing != "digest":
+            raise ConfigError("charged crypto costs need the digest stand-in (signing='digest')")
 
     def replay_command(self) -> str:
         return (f"python -m gossiprec sim --scenario {self.scenario} --nodes {self.nodes} "
@@ -92,10 +98,12 @@ class AgreeParams:
 SIGNING = ("digest", "ed25519", "none")
 
 
-def sim_keys(names: list[str], signing: str) -> Callable[[str], KeyBook | None]:
+def sim_keys(names: list[str], signing: str,
+             wrap: Callable[[int, Crypto], Crypto] | None = None) -> Callable[[str], KeyBook | None]:
     """Each simulated member's key book. Every key is pinned (as a job spec may pin them), so no key
     claims are gossiped; "digest" signs with a keyed hash (the same code paths at a fraction of the
-    cost, no security), "ed25519" with the agents' real scheme."""
+    cost, no security), "ed25519" with the agents' real scheme. ``wrap(index, crypto)``: the crypto a
+    member's key book uses (a metered one, :mod:`gossiprec.sim.costs`)."""
     if signing == "none":
         return lambda name: None
     if signing == "ed25519":
@@ -104,6 +112,9 @@ def sim_keys(names: list[str], signing: str) -> Callable[[str], KeyBook | None]:
     else:
         cryptos = {name: DigestCrypto.for_name(name) for name in names}
     pinned = {name: c.public_key for name, c in cryptos.items()}
+    if wrap is not None:
+        index = {name: i for i, name in enumerate(names)}
+        return lambda name: KeyBook(name, wrap(index[name], cryptos[name]), pinned=pinned, claims=False)
     return lambda name: KeyBook(name, cryptos[name], pinned=pinned, claims=False)
 
 
@@ -201,7 +212,9 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster[Machine], list[str], 
         return view0.member(name) or ViewMember(name, name, "spare", None, f"h{idx}", f"r{idx % racks}")
 
     index = {name: i for i, name in enumerate(names)}
-    keys = sim_keys(names, params.signing)
+    meter = CostMeter(params.crypto_costs, n) if params.crypto_costs is not None else None
+    extra["meter"] = meter
+    keys = sim_keys(names, params.signing, meter.wrap if meter is not None else None)
 
     def identity(name: str) -> tuple[str, str, str]:
         m = member_of(index[name])
@@ -226,7 +239,33 @@ def build_cluster(params: AgreeParams) -> tuple[SimCluster[Machine], list[str], 
 
     model = NetworkModel(loss=params.loss)
     cluster: SimCluster[Machine] = SimCluster(n, make, seed=params.seed, model=model, names=names)
+    if meter is not None:
+        cluster.charge = meter.charge
     return cluster, names, extra
+
+
+def _plan_watch(cluster: SimCluster[Machine], checker: AgreementChecker, meter: CostMeter, victims: list[int],
+                t_fault: float) -> Callable[[float, int, Any], None]:
+    """An observer that moves the cost meter from the recovery to its tail when the plan of the view
+    without every killed member is ready on every live member, and to "after" ``TAIL_S`` later."""
+    names = cluster.names
+    alive: list[int] = []
+
+    def watch(now: float, idx: int, ev: Any) -> None:
+        if type(ev) is not PlanReady or meter.phase != RECOVERY or not victims or now < t_fault:
+            return
+        removed = checker.removed_at
+        if not all(names[v] in removed for v in victims) or \
+                ev.epoch < max(removed[names[v]][0] for v in victims):
+            return
+        plans = checker.plans[ev.epoch]
+        if not alive or len(plans) + len(victims) >= len(alive):  # (a cheap bound first: N checks)
+            alive[:] = [i for i, node in enumerate(cluster.nodes) if node.state != CRASHED and i not in victims]
+            if all(i in plans for i in alive):
+                meter.snapshot(now, cluster.nodes)
+                cluster.at(now + TAIL_S, lambda: meter.snapshot(cluster.now, cluster.nodes))
+
+    return watch
 
 
 def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str, Any]:
@@ -253,6 +292,10 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     last_fault = t_fault
     """The last fault's time (a heal, a restart): the settle time counts from there."""
     sc = params.scenario
+    meter: CostMeter | None = extra["meter"]
+    if meter is not None:
+        cluster.at(min(IDLE_FROM, t_fault / 2), lambda: meter.snapshot(cluster.now, cluster.nodes))
+        cluster.at(t_fault, lambda: meter.snapshot(cluster.now, cluster.nodes))
 
     # --- faults -----------------------------------------------------------------------------------
     # (an action that is a list display runs its calls for their effects: mypy's func-returns-value)
@@ -447,6 +490,8 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
             cluster.at(now, lambda: report(idx))
 
     cluster.observers.append(on_event)
+    if meter is not None:
+        cluster.observers.append(_plan_watch(cluster, checker, meter, victims, t_fault))
 
     def blocked() -> bool:
         if cluster.now < t_fault:
@@ -548,6 +593,8 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
     final_epoch = max(checker.view_of_epoch, default=0)
     agree = []
     plan = []
+    plan_at: dict[int, float] = {}
+    """Survivor -> when the plan of the view without the failed nodes was ready there (real costs)."""
     if expect_removed:
         # fault -> every survivor installed the view that removes the last expected victim
         removal_epochs = {checker.removed_at[names[v]][0] for v in expect_removed if names[v] in checker.removed_at}
@@ -562,7 +609,10 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
                 plans = checker.plans[epoch]
                 if all(i in plans for i in survivors):
                     plan.append(max(plans[i] for i in survivors) - t_fault)
+                    plan_at = plans
                     break
+            else:
+                plan_at = checker.plans.get(last_epoch, {})  # not ready everywhere: where it was
     removed_names = set(checker.removed_at)
     healthy_removed = sorted(names[i] for i in expect_kept if names[i] in removed_names and i not in slow_node
                              and sc not in ("partition", "flappart"))
@@ -599,4 +649,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "fenced_at_end": sorted(names[i] for i in range(n) if cluster.nodes[i].state != CRASHED
                                 and i not in dont_care and cluster.nodes[i].machine.fenced),
     }
+    if meter is not None:
+        meter.snapshot(cluster.now, cluster.nodes, end=True)
+        result.update(meter.figures(survivors, t_fault, plan_at))
     return result

@@ -10,6 +10,7 @@ from typing import Any
 
 from gossiprec.errors import GossiprecError, InvariantViolation
 from gossiprec.sim.agree import SCENARIOS, AgreeParams, run_agreement
+from gossiprec.sim.costs import CryptoCosts
 from gossiprec.sim.run import SimParams, run_membership
 from gossiprec.sim.seeds import run_seeds
 
@@ -38,9 +39,22 @@ They report agree_s (fault -> every survivor installed the view without the fail
 --seeds N repeats a scenario over seeds 1..N; --sweep 16,128,1024 measures a one-node crash per size
 (with --seeds N, over seeds 1..N per size: agree_s and plan_s are then quantiles across the runs).
 
+Real signature costs (--real-crypto; an agreement scenario, crash unless --scenario says otherwise, or
+--sweep): every Ed25519 signature an agent makes or checks is charged, on its own virtual clock, the CPU
+it takes on this machine (measured at startup: sign, verify, per KiB; or fixed with --crypto-cost-us),
+so a busy agent handles later packets later. The JSON adds crypto_cost (the costs used), plan_ready_s
+(p50, p99, max over survivors: kill -> the plan ready on that agent), cpu_per_recovery_s (per agent, p50,
+max, mean: CPU charged from the kill to 1 s after the plan was ready everywhere, less its idle rate),
+bytes_per_agent_s (bytes sent per agent per idle second) and per_agent (verifications and signatures per
+recovery, by message kind too; CPU; bytes sent and received per second idle and during the recovery).
+
 The same --seed always gives the same result (wall_s and cpu_s aside); a failed invariant prints the seed and the
 command that replays it.
 """
+
+
+COST_KEYS = ("crypto_cost", "plan_ready_s", "cpu_per_recovery_s", "bytes_per_agent_s", "per_agent")
+"""What a --sweep row adds with --real-crypto."""
 
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
@@ -73,6 +87,10 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=2, help="worker processes for --seeds (2)")
     p.add_argument("--sweep", default=None, metavar="N1,N2,...",
                    help="crash of one node at each cluster size: one JSON line per size")
+    p.add_argument("--real-crypto", action="store_true",
+                   help="charge each agent Ed25519's measured CPU per signature made and checked (see below)")
+    p.add_argument("--crypto-cost-us", default=None, metavar="SIGN,VERIFY[,PER_KB]",
+                   help="with --real-crypto: these costs in microseconds instead of measuring them")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress stays on stderr)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--plot", metavar="FILE.png", help="draw the detection CDF and membership size")
@@ -104,7 +122,26 @@ def params_from_args(args: argparse.Namespace) -> SimParams:
     )
 
 
+def crypto_costs(args: argparse.Namespace) -> CryptoCosts | None:
+    """The costs ``--real-crypto`` charges (measured here, unless ``--crypto-cost-us`` fixes them)."""
+    if args.crypto_cost_us is not None and not args.real_crypto:
+        raise GossiprecError("--crypto-cost-us needs --real-crypto")
+    if not args.real_crypto:
+        return None
+    if args.seeds:
+        raise GossiprecError("--real-crypto measures one run per size: drop --seeds")
+    costs = CryptoCosts.parse(args.crypto_cost_us) if args.crypto_cost_us else CryptoCosts.measure()
+    if not args.quiet:
+        c = costs.as_dict()
+        print(f"charging Ed25519 costs ({'measured' if costs.measured else 'given'}): sign {c['sign_us']} us, "
+              f"verify {c['verify_us']} us, +{c['per_kb_us']} us per KiB", file=sys.stderr)
+    return costs
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    args.costs = crypto_costs(args)
+    if args.costs is not None and not args.sweep and not args.scenario:
+        args.scenario = "crash"
     if args.sweep:
         return run_sweep(args)
     if args.scenario:
@@ -131,7 +168,7 @@ def run_cli(args: argparse.Namespace) -> int:
 def _agree_params(args: argparse.Namespace, **over: Any) -> AgreeParams:
     fields = dict(scenario=args.scenario or "crash", nodes=args.nodes, spares=args.spares, seed=args.seed,
                   duration=args.duration, loss=args.loss, profile=args.profile,
-                  crash=max(1, args.crash))
+                  crash=max(1, args.crash), crypto_costs=getattr(args, "costs", None))
     if args.crash_at is not None:
         fields["fault_at"] = args.crash_at
     fields.update(over)
@@ -175,7 +212,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         else:
             r = run_agreement(params, show_progress=not args.quiet)
             row = {k: r[k] for k in ("nodes", "seed", "agree_s", "plan_s", "views_decided", "fast_path_ratio",
-                                     "invariant_violations", "wall_s", "cpu_s", "events")}
+                                     "invariant_violations", "wall_s", "cpu_s", "events", *COST_KEYS) if k in r}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.plot:

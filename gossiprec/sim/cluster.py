@@ -13,6 +13,12 @@ timers and inbound traffic vanish), pause (nothing runs; inbound traffic piles u
 arrival order, when it resumes, followed by its overdue timers), restart (a fresh machine with a newer
 incarnation that rejoins through seeds).
 
+CPU charges (``charge``, off by default): after a node handled a packet or a timer, ``charge(index,
+now)`` says how many virtual seconds of CPU that took it (the signatures it made and checked, see
+:mod:`gossiprec.sim.costs`); the node is busy until then. What it sent and emitted leaves at the end
+of that time, and what reaches it meanwhile (packets, its due timer) queues and is handled in arrival
+order once it is free (a ``WAKE`` entry at the end of the busy time), each charged again.
+
 Observers are called with ``(now, node_index, event)`` for every event a machine emits, wiretaps with
 ``(now, node_index, payload, reliable)`` for every packet just before a machine receives it (what the
 network delivered, for checkers that must not trust the machines' own accounts), and ``check(now)`` may
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Generic, Protocol, Sequence, TypeVar
@@ -34,7 +41,7 @@ if TYPE_CHECKING:
     from gossiprec.core.events import CoreEvent
     from gossiprec.core.records import Send
 
-DELIVER, TIMER, ACTION, DELIVER_RELIABLE = 0, 1, 2, 3
+DELIVER, TIMER, ACTION, DELIVER_RELIABLE, WAKE = 0, 1, 2, 3, 4
 UP, CRASHED, PAUSED = "up", "crashed", "paused"
 INF = math.inf
 BUCKETS_PER_S = 1000.0
@@ -75,6 +82,15 @@ class SimNode(Generic[M]):
     backlog: list[tuple[float, bytes, bool]] = field(default_factory=list)
     sent_msgs: int = 0
     sent_bytes: int = 0
+    received_bytes: int = 0
+    busy_until: float = 0.0
+    """With CPU charges: the virtual time until which the node is busy (see ``SimCluster.charge``)."""
+    queue: deque[tuple[float, bytes, bool]] = field(default_factory=deque)
+    """Packets that reached the node while it was busy: (arrival, payload, reliable), in arrival order."""
+    tick_due: float = INF
+    """The deadline of a timer that fell due while the node was busy (INF: none)."""
+    waking: bool = False
+    """A WAKE entry is pending for this node."""
     incarnation: int = 1
     crashed_at: float | None = None
     paused_total: float = 0.0
@@ -112,6 +128,8 @@ class SimCluster(Generic[M]):
         self.observers: list[Callable[[float, int, Any], None]] = []
         self.wiretaps: list[Callable[[float, int, bytes, bool], None]] = []
         self.checkers: list[Callable[[float], None]] = []
+        self.charge: Callable[[int, float], float] | None = None
+        """(node index, now) -> virtual CPU seconds the input it just handled cost it (see the module)."""
         self.nodes: list[SimNode[M]] = []
         for i in range(n):
             machine = factory(i, 0.0, 1, random.Random(self.rng.getrandbits(64)))
@@ -213,6 +231,8 @@ class SimCluster(Generic[M]):
         nodes = self.nodes
         checkers = self.checkers
         flush = self._flush
+        charge = self.charge
+        charged = self._charged_flush
         pop = heapq.heappop
         near = self._near
         processed = self.events_processed
@@ -232,11 +252,20 @@ class SimCluster(Generic[M]):
                     node = nodes[idx]
                     state = node.state
                     if state is UP:
-                        if taps:
-                            for tap in taps:
-                                tap(when, idx, payload, kind == DELIVER_RELIABLE)
-                        node.machine.receive(payload, when, kind == DELIVER_RELIABLE)
-                        flush(node)
+                        if charge is not None and (node.busy_until > when or node.queue):
+                            node.queue.append((when, payload, kind == DELIVER_RELIABLE))
+                            if not node.waking:
+                                self._wake_at(node)
+                        else:
+                            node.received_bytes += len(payload)
+                            if taps:
+                                for tap in taps:
+                                    tap(when, idx, payload, kind == DELIVER_RELIABLE)
+                            node.machine.receive(payload, when, kind == DELIVER_RELIABLE)
+                            if charge is None:
+                                flush(node)
+                            else:
+                                charged(node, when)
                     elif state is PAUSED:
                         node.backlog.append((when, payload, kind == DELIVER_RELIABLE))
                 elif kind == TIMER:
@@ -245,10 +274,20 @@ class SimCluster(Generic[M]):
                         state = node.state
                         if state is UP:
                             node.timer_at = INF
-                            node.machine.tick(when)
-                            flush(node)
+                            if charge is not None and (node.busy_until > when or node.queue):
+                                node.tick_due = min(node.tick_due, payload)
+                                if not node.waking:
+                                    self._wake_at(node)
+                            else:
+                                node.machine.tick(when)
+                                if charge is None:
+                                    flush(node)
+                                else:
+                                    charged(node, when)
                         elif state is PAUSED:
                             node.timer_at = INF  # re-armed on resume
+                elif kind == WAKE:
+                    self._wake(nodes[idx])
                 else:
                     self.events_processed = processed  # visible to the action
                     payload()
@@ -260,6 +299,49 @@ class SimCluster(Generic[M]):
             self.events_processed = processed
         self.now = max(self.now, t_end)
 
+    # ------------------------------------------------------------------ CPU charges
+    def _charged_flush(self, node: SimNode[M], when: float) -> None:
+        """Flush what ``node`` just did at ``when``, once the CPU it was charged for that is spent."""
+        assert self.charge is not None
+        c = self.charge(node.index, when)
+        if c > 0:
+            node.busy_until = when + c
+            self.now = when + c  # its sends and events leave when it is done
+            try:
+                self._flush(node)
+            finally:
+                self.now = when
+        else:
+            self._flush(node)
+
+    def _wake_at(self, node: SimNode[M]) -> None:
+        node.waking = True
+        self._push(max(node.busy_until, self.now), WAKE, node.index, None)
+
+    def _wake(self, node: SimNode[M]) -> None:
+        """A busy node is free: handle what waited for it, in arrival order, until it is busy again."""
+        node.waking = False
+        if node.state is not UP:
+            return  # crashed (its queue is gone) or paused (the queue is handled on resume)
+        now = self.now
+        queue = node.queue
+        while node.busy_until <= now:
+            due = node.tick_due
+            if due != INF and (not queue or due <= queue[0][0]):
+                node.tick_due = INF
+                node.machine.tick(now)
+            elif queue:
+                _, data, reliable = queue.popleft()
+                node.received_bytes += len(data)
+                for tap in self.wiretaps:
+                    tap(now, node.index, data, reliable)
+                node.machine.receive(data, now, reliable)
+            else:
+                return
+            self._charged_flush(node, now)
+        if queue or node.tick_due != INF:
+            self._wake_at(node)
+
     # ------------------------------------------------------------------ faults
     def crash(self, idx: int) -> None:
         node = self.nodes[idx]
@@ -268,6 +350,8 @@ class SimCluster(Generic[M]):
         node.state = CRASHED
         node.crashed_at = self.now
         node.backlog.clear()
+        node.queue.clear()
+        node.tick_due = INF
         node.timer_at = INF
 
     def pause(self, idx: int, duration: float) -> None:
@@ -284,14 +368,20 @@ class SimCluster(Generic[M]):
         if node.state is not PAUSED:
             return
         node.state = UP
-        backlog, node.backlog = node.backlog, []
+        backlog, node.backlog = [*node.queue, *node.backlog], []
+        node.queue.clear()
+        node.tick_due = INF
         for _, data, reliable in backlog:
+            node.received_bytes += len(data)
             for tap in self.wiretaps:
                 tap(self.now, idx, data, reliable)
             node.machine.receive(data, self.now, reliable)
         node.machine.tick(self.now)
         node.timer_at = INF
-        self._flush(node)
+        if self.charge is not None:
+            self._charged_flush(node, self.now)
+        else:
+            self._flush(node)
 
     def restart(self, idx: int, incarnation: int | None = None) -> None:
         """A fresh process on the same node, with a newer incarnation (virtual milliseconds)."""
@@ -300,9 +390,15 @@ class SimCluster(Generic[M]):
         node.incarnation = inc
         node.state = UP
         node.backlog.clear()
+        node.queue.clear()
+        node.tick_due = INF
         node.timer_at = INF
         node.machine = self.factory(idx, self.now, inc, random.Random(self.rng.getrandbits(64)))
-        self._flush(node)
+        if self.charge is not None:
+            node.busy_until = self.now
+            self._charged_flush(node, self.now)
+        else:
+            self._flush(node)
 
     def up_nodes(self) -> list[int]:
         return [n.index for n in self.nodes if n.state is UP]
