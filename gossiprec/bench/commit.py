@@ -179,14 +179,14 @@ def _measure(device: str, nbytes: int, batch: int, steps: int, warmup: int, mode
             if state_bytes:
                 out["state_bytes"] = state_bytes
                 row["host_copies_of_state"] = round(kept / state_bytes, 3)
-    base = times.get("none")
+    for mode in modes:
+        rows[mode].update(_stats(times[mode]), cpu_s=round(statistics.median(cpus[mode]), 5))
+    base = rows.get("none")  # (the figures as reported, so that each overhead follows from the report)
     for mode in modes:
         row = rows[mode]
-        row.update(_stats(times[mode]), cpu_s=round(statistics.median(cpus[mode]), 5))
-        row["overhead_pct"] = (round(100 * (row["median_s"] / statistics.median(base) - 1), 2)
+        row["overhead_pct"] = (round(100 * (row["median_s"] / base["median_s"] - 1), 2)
                                if base and mode != "none" else None)
-        row["added_cpu_ms"] = (round(1000 * (row["cpu_s"] - statistics.median(cpus["none"])), 3)
-                               if base and mode != "none" else None)
+        row["added_cpu_ms"] = round(1000 * (row["cpu_s"] - base["cpu_s"]), 3) if base and mode != "none" else None
     out["modes"] = {m: rows[m] for m in modes}
     return out
 

@@ -68,7 +68,6 @@ from gossiprec.errors import ConfigError, GossiprecError, RecoveryError
 from gossiprec.local.client import ControlClient
 from gossiprec.local.protocol import ControlError
 from gossiprec.trainer.state.checks import ReplicaChecks
-from gossiprec.trainer.state.digest import ReplicaMismatch
 from gossiprec.trainer.collectives.buckets import allreduce_flat
 from gossiprec.trainer.config import TrainerConfig
 from gossiprec.trainer.transfer.donor import DonorServer
@@ -268,8 +267,7 @@ class ResilientTrainer:
         self._peers.refresh()
         host, my_port = self._peers.agent_of(self.node)
         bind = config.bind_host or host
-        self._peers.store_server, _ = start_store_server(bind, my_port + config.store_offset,
-                                                         timeout=config.timeout)
+        self._peers.store_server, _ = start_store_server(bind, my_port + config.store_offset, timeout=config.timeout)
         self._donor = DonorServer(self._serve, self.keys, bind, my_port + config.donor_offset).start()
         self._follower.newest_view = view.epoch
         self._follower.start()
@@ -495,25 +493,15 @@ class ResilientTrainer:
             self._link.report(self.step, "idle")
 
     def finish(self, barrier: bool = True, exit_code: int | None = None) -> None:
-        """End of training: a last barrier (errors ignored), tell the agents the job is done (unused
-        spares then leave: their :meth:`start` raises :class:`~gossiprec.trainer.exits.JobFinished`),
-        stop following the agent.
-
-        ``exit_code``: end the process with ``os._exit`` (no interpreter teardown): a retired group
-        hung in the graveyard would block in its destructor otherwise.
-        """
+        """End of training: a comparison a recovery deferred, a last barrier (errors ignored), tell the agents
+        the job is done (unused spares then leave: their :meth:`start` raises
+        :class:`~gossiprec.trainer.exits.JobFinished`), stop following the agent. ``exit_code``: end the
+        process with ``os._exit`` (no teardown: a retired group hung in the graveyard would block in its destructor)."""
         self._link.report(self.step, "idle")
         if barrier and self.groups is not None and self.groups.current is not None:
             group, timeout = self.groups.current, self.config.finish_timeout
-            if self._checks.recovery_due and self.role == "trainer":
-                # the job ends right after a recovery's first step: its comparison runs here (a mismatch raises)
-                try:
-                    self._checks.run(lambda t, op: group.allreduce(t, op, timeout=timeout) is None,
-                                     self.rank, self.world_size)
-                except ReplicaMismatch:
-                    raise
-                except GossiprecError as exc:
-                    log.warning("the replicas' comparison at the end failed: %s", exc)
+            if self.role == "trainer":
+                self._checks.run_at_finish(group, timeout, self.rank, self.world_size)
             try:
                 group.barrier(timeout=timeout)
             except GossiprecError:
@@ -629,10 +617,8 @@ class ResilientTrainer:
         # a view change already known: the recovery comes before any optimizer step, so one copy can keep
         # the previous step too (a plan whose reports lag a commit may name it)
         snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
-        if verify:
-            self._checks.committed(step, snap)
-        else:
-            self._checks.commit_taken(step, snap)  # a recovery's comparison may take this commit
+        # (an unchecked commit: a comparison a recovery deferred may take it)
+        (self._checks.committed if verify else self._checks.commit_taken)(step, snap)
         self.install(self.identity.but(step=step))
         self._gate.committed(step)
         older = self._snaps.kept_previous()

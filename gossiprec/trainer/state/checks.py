@@ -25,10 +25,11 @@ since the background copies of later commits would silently miss such writes.
 
 from __future__ import annotations
 
+import logging
 import zlib
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from gossiprec.errors import RecoveryError
+from gossiprec.errors import GossiprecError, RecoveryError
 from gossiprec.trainer.state.digest import (
     PendingDigest, ReplicaMismatch, SnapshotDigest, StateDigest, describe, differing_groups, digest_of_snapshot,
     gmac32, rows_tensor,
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
 
     from gossiprec.trainer.state.capture import StateSnapshot
     from gossiprec.trainer.objects import Stateful
+
+log = logging.getLogger(__name__)
 
 Collective = Callable[["torch.Tensor", str], bool]
 """``(tensor, op) -> False`` when the all-reduce was interrupted (and recovery ran)."""
@@ -144,6 +147,18 @@ class ReplicaChecks:
         params = [p for o in self.objects.values() if isinstance(o, torch.optim.Optimizer)
                   for g in o.param_groups for p in g["params"]]
         return late_tensors(self.objects, params)
+
+    def run_at_finish(self, group: Any, timeout: float, rank: int, world_size: int) -> None:
+        """The job ends right after a recovery's first step: the comparison that recovery deferred runs
+        now, on ``group`` (a mismatch raises; a failed collective is only logged: the job is ending)."""
+        if not self.recovery_due:
+            return
+        try:
+            self.run(lambda t, op: group.allreduce(t, op, timeout=timeout) is None, rank, world_size)
+        except ReplicaMismatch:
+            raise
+        except GossiprecError as exc:
+            log.warning("the replicas' comparison at the end failed: %s", exc)
 
     def run(self, collective: Collective, rank: int, world_size: int) -> bool:
         """Run the checks due at this all-reduce; False when a collective was interrupted (recovered)."""
