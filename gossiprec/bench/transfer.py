@@ -21,9 +21,12 @@ from gossiprec.trainer.transfer.wire import DEFAULT_CHUNK, KEY_SIZE, recv_into_e
 
 def loopback_tcp_baseline(nbytes: int, chunk_size: int = 4 * 1024 * 1024) -> float:
     """Plain TCP throughput on loopback, MB/s (10**6 bytes): one connection, sendall / recv_into of
-    preallocated buffers, no authentication; the reference :func:`fetch_state` is compared with."""
+    preallocated buffers, no authentication; the reference :func:`fetch_state` is compared with.
+
+    The receiver's buffer is written once before the clock starts, as the tensors a fetch lands in
+    are: a fresh one would fault its pages in during the measurement and flatter the transfer."""
     src = memoryview(bytearray(os.urandom(min(nbytes, 1 << 20)) * (nbytes // (1 << 20) + 1))[:nbytes])
-    dst = memoryview(bytearray(nbytes))
+    dst = memoryview(bytearray(src))
     server = socket.create_server(("127.0.0.1", 0))
     result: list[float] = []
 
