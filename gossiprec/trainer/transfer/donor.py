@@ -247,11 +247,14 @@ class DonorServer:
                                       name=f"gossiprec-donor-tag-{peer}")
             tagger.start()
         sent = 0
+        tag: list[memoryview] = []
         try:
-            for g in sel:
+            for g in sel:  # a chunk's tag goes out with the next chunk: asked for once its bytes are sent
                 ti, lo, hi = sealed.chunks[g]
-                send_all(conn, [views[ti][lo:hi], memoryview(sealed.tag(g))])
+                send_all(conn, [*tag, views[ti][lo:hi]])
+                tag = [memoryview(sealed.tag(g))]
                 sent += hi - lo
+            send_all(conn, tag)
         finally:
             stop.set()
             if tagger is not None:
