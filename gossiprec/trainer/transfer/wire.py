@@ -24,9 +24,10 @@ and faster than HMAC-SHA256 or even unkeyed crc32. Keys are never used directly,
   that stripe one transfer each tag their own stripe, and a donor tags ahead of its sends on a second
   thread: tagging overlaps the stream instead of preceding it (each tag follows its chunk on the wire).
 * The response header carries the seal salt and is tagged under ``salt = transfer id + donor salt``
-  (label "response", nonce 0). Only a holder of the key makes a chunk's tag, and its nonce is the
-  chunk's index, so no chunk can be altered, moved or swapped for another's; the receiver expects
-  every chunk of its stripe, so none can be dropped. The receiver draws a fresh random transfer id per
+  (label "response", nonce 0). A chunk's tag is checked under the key of the seal salt that header
+  names, which only a holder of the cluster key can make tags under, and its nonce is the chunk's
+  index: no chunk can be altered, moved or taken from another seal; the receiver expects every chunk
+  of its stripe, so none can be dropped. The receiver draws a fresh random transfer id per
   fetch, so a recorded old header cannot be replayed into a new transfer.
 * The request is tagged under ``salt = transfer id`` (label "request"); a donor refuses a transfer id
   it has already served (bounded memory). Payload bytes are authenticated, not encrypted.
