@@ -333,6 +333,11 @@ def test_bad_arguments() -> None:
 def test_benchmark_reports_both_numbers() -> None:
     out = benchmark(4_000_000)
     assert out["tcp_mb_s"] > 0 and out["transfer_mb_s"] > 0 and out["ratio"] > 0
+    lazy = benchmark(4_000_000, n_donors=2, trials=2, lazy=True)
+    assert len(lazy["per_trial"]) == 2
+    for row in lazy["per_trial"]:
+        assert row["ratio"] == pytest.approx(row["transfer_mb_s"] / row["tcp_mb_s"], rel=0.01)
+        assert row["tcp_cpu_ms_per_mb"] > 0 and row["transfer_cpu_ms_per_mb"] > 0
 
 
 def test_no_pickle_anywhere_in_the_state_path() -> None:
