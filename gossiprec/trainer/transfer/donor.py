@@ -1,12 +1,12 @@
 """The donor: serves byte ranges of this process's committed state to receivers over TCP.
 
 One thread per connection, on blocking sockets: ``sendmsg`` gathers each chunk straight from the
-snapshot's tensors and its tag into one system call, with no copy in Python; the chunks of a raw
-snapshot are tagged on a second thread, ahead of the sends. A request must authenticate under one of the keys the donor
-accepts (every installed key of a keyring that rotates, :mod:`gossiprec.trainer.keys`; the answer goes
-out under the key that opened it) and carry a transfer id not served before
-(:mod:`gossiprec.trainer.transfer.wire`); anything else gets an unauthenticated refusal, and errors on
-one connection never reach the others or the training loop.
+snapshot's tensors, with the previous chunk's tag, into one system call, with no copy in Python; the
+chunks of a raw snapshot are tagged on a second thread, ahead of the sends. A request must
+authenticate under one of the keys the donor accepts (every installed key of a keyring that rotates,
+:mod:`gossiprec.trainer.keys`; the answer goes out under the key that opened it) and carry a transfer
+id not served before (:mod:`gossiprec.trainer.transfer.wire`); anything else gets an unauthenticated
+refusal, and errors on one connection never reach the others or the training loop.
 """
 
 from __future__ import annotations
