@@ -21,7 +21,7 @@ from gossiprec.errors import ConfigError, SecurityError, TransferError
 from gossiprec.bench.transfer import benchmark
 from gossiprec.trainer.transfer import wire as transfer_wire
 from gossiprec.trainer.state.capture import StateSnapshot, capture_state
-from gossiprec.trainer.state.header import TensorSpec
+from gossiprec.trainer.state.header import TensorSpec, tensor_bytes
 from gossiprec.trainer.objects import training_state
 from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state
 from gossiprec.trainer.transfer.donor import DonorServer
@@ -191,6 +191,10 @@ def test_corrupted_tag_in_transit_is_refused(donor_objects: dict[str, Any]) -> N
         with pytest.raises(TransferAuthError, match=r"chunk 0 from donor .* failed authentication"):
             fetch_state([(LOCAL, proxy.port)], KEY, target, step=3, epoch=0)
     assert proxy.flipped
+    # the flipped byte was the tag's: chunk 0's bytes landed intact, and were refused all the same
+    ti, lo, hi = sealed.chunks[0]
+    landed = tensor_bytes(target.bind(snap.header).tensors[ti])[lo:hi]
+    assert bytes(landed) == bytes(snap.views()[ti][lo:hi])
     # the same stream unflipped lands bit-exact (so the offset above is the tag's, not a header's)
     objects, target = spare()
     with serve(sealed) as donor, FlipProxy(LOCAL, donor.port, flip_at=1 << 40) as proxy:
