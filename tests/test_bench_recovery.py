@@ -8,11 +8,13 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from gossiprec.bench.recovery import (
     RecoverySpec, TrialResult, _sizes, hidden_for_state, normal_step_s, stats, step_times, summarize,
+    trial_ratio,
 )
 from gossiprec.errors import ConfigError
 from gossiprec.harness.timeline import PHASES
@@ -57,6 +59,7 @@ def test_one_kill_trial_reports_sane_values() -> None:
     assert t["rto_minus_step_s"] == pytest.approx(t["rto_s"] - t["normal_step_s"], abs=1e-3)
     assert len(t["tcp_mb_s"]) == 3 and min(t["tcp_mb_s"]) > 0  # latency-bound at a few kB
     assert t["transfer_mb_s"] > 0
+    assert t["transfer_vs_tcp"] == pytest.approx(t["transfer_mb_s"] / sorted(t["tcp_mb_s"])[1], abs=1e-3)
     assert report["transfer_vs_tcp"] == pytest.approx(report["transfer_mb_s"]["median"]
                                                       / report["tcp_mb_s"]["median"], abs=1e-3)
     assert report["targets"]["state_ge_100mb"] is False  # 16-wide MLP: a few kB
@@ -120,14 +123,20 @@ def test_summary_and_targets() -> None:
     assert rep["rto_s"]["median"] == 0.7 and rep["rto_s"]["n"] == 3
     assert rep["rto_minus_step_s"]["median"] == pytest.approx(0.4)
     assert rep["transfer_vs_tcp"] == 0.8
+    assert rep["transfer_vs_tcp_per_trial"] is None  # (the trials here carry no ratio of their own)
     assert rep["phases_s"]["first_step_done"]["median"] == 0.7
     assert rep["targets"] == {"state_ge_100mb": True, "rto_median_le_0.3s_plus_step": False,
-                              "transfer_ge_70pct_tcp": True}
-    fast = summarize(spec, [_trial(0, 0.4, 0.3, 100.0, [1000.0])])
+                              "transfer_ge_90pct_tcp": False}
+    fast = summarize(spec, [_trial(0, 0.4, 0.3, 950.0, [1000.0])])
     assert fast["targets"]["rto_median_le_0.3s_plus_step"] is True
-    assert fast["targets"]["transfer_ge_70pct_tcp"] is False
+    assert fast["targets"]["transfer_ge_90pct_tcp"] is True
     none = summarize(spec, [TrialResult(0, error="x")])
-    assert none["rto_s"] is None and none["targets"]["transfer_ge_70pct_tcp"] is None
+    assert none["rto_s"] is None and none["targets"]["transfer_ge_90pct_tcp"] is None
+    assert trial_ratio(900.0, [1000.0, 800.0, 1200.0]) == 0.9  # over the trial's own median TCP
+    assert trial_ratio(None, [1000.0]) is None and trial_ratio(900.0, []) is None
+    ratios = [replace(t, transfer_vs_tcp=trial_ratio(t.transfer_mb_s, t.tcp_mb_s)) for t in ok]
+    assert summarize(spec, ratios)["transfer_vs_tcp_per_trial"] == {"median": 0.8, "p90": 0.88, "min": 0.7,
+                                                                    "max": 0.9, "n": 3}
     assert stats([None, 2.0, 1.0, 3.0]) == {"median": 2.0, "p90": 2.8, "min": 1.0, "max": 3.0, "n": 3}
 
 

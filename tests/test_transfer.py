@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import msgpack
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from gossiprec.errors import ConfigError, SecurityError, TransferError
 from gossiprec.bench.transfer import benchmark
 from gossiprec.trainer.transfer import wire as transfer_wire
 from gossiprec.trainer.state.capture import StateSnapshot, capture_state
-from gossiprec.trainer.state.header import TensorSpec
+from gossiprec.trainer.state.header import TensorSpec, tensor_bytes
 from gossiprec.trainer.objects import training_state
 from gossiprec.trainer.state.receive import LayoutMismatch, ReceiveTarget, materialize_optimizer_state
 from gossiprec.trainer.transfer.donor import DonorServer
@@ -177,6 +178,92 @@ def test_snapshot_changed_after_sealing_is_refused(donor_objects: dict[str, Any]
         fetch_state([(LOCAL, donor.port)], KEY, target, step=3, epoch=0)
 
 
+def test_corrupted_tag_in_transit_is_refused(donor_objects: dict[str, Any]) -> None:
+    # each chunk's tag follows the chunk on the wire: flip a bit of the first chunk's tag, not its bytes
+    snap = capture_state(donor_objects, step=3)
+    sealed = seal_state(snap, KEY, chunk_size=4096)
+    req = TransferRequest(0, 3, 0, transfer_wire.WHOLE)
+    body = msgpack.packb({**req.to_wire(), "chunk": 4096, "salt": sealed.salt, "state": snap.header.to_wire()},
+                         use_bin_type=True)
+    first_tag = transfer_wire.RESP_PREFIX.size + len(body) + transfer_wire.TAG_SIZE + sealed.chunks[0][2]
+    _, target = spare()
+    with serve(sealed) as donor, FlipProxy(LOCAL, donor.port, flip_at=first_tag + 5) as proxy:
+        with pytest.raises(TransferAuthError, match=r"chunk 0 from donor .* failed authentication"):
+            fetch_state([(LOCAL, proxy.port)], KEY, target, step=3, epoch=0)
+    assert proxy.flipped
+    # the flipped byte was the tag's: chunk 0's bytes landed intact, and were refused all the same
+    ti, lo, hi = sealed.chunks[0]
+    landed = tensor_bytes(target.bind(snap.header).tensors[ti])[lo:hi]
+    assert bytes(landed) == bytes(snap.views()[ti][lo:hi])
+    # the same stream unflipped lands bit-exact (so the offset above is the tag's, not a header's)
+    objects, target = spare()
+    with serve(sealed) as donor, FlipProxy(LOCAL, donor.port, flip_at=1 << 40) as proxy:
+        fetch_state([(LOCAL, proxy.port)], KEY, target, step=3, epoch=0)
+    assert_same_state(donor_objects, objects)
+
+
+def test_lazy_seal_threads_tag_every_chunk_once_and_in_parallel(donor_objects: dict[str, Any]) -> None:
+    snap = capture_state(donor_objects, step=3)
+    seal = transfer_wire.LazySeal(snap, KEY, 4096)
+    n = len(seal.chunks)
+    assert n >= 8
+    calls: list[int] = []
+    real = seal._aead
+
+    class Counting:
+        def encrypt(self, nonce: bytes, data: bytes, aad: Any) -> bytes:
+            calls.append(int.from_bytes(nonce, "big"))
+            time.sleep(0.002)  # long enough that the threads meet on the same chunks
+            return real.encrypt(nonce, data, aad)
+
+    seal._aead = Counting()  # type: ignore[assignment]
+    stop = threading.Event()
+    threads = [threading.Thread(target=seal.tag_ahead, args=(range(n), stop.is_set)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    tags = [seal.tag(g) for g in reversed(range(n))][::-1]  # a sender from the other end
+    for t in threads:
+        t.join(10)
+    assert sorted(calls) == list(range(n))  # every chunk tagged, none twice
+    assert b"".join(tags) == seal.tags_for(range(n))
+    views = snap.views()
+    for g, (ti, lo, hi) in enumerate(seal.chunks):
+        real.decrypt(transfer_wire.nonce(g), tags[g], views[ti][lo:hi])  # raises InvalidTag if wrong
+    # a stopped tagger stops: none of a fresh seal's chunks get tagged
+    fresh = transfer_wire.LazySeal(snap, KEY, 4096)
+    fresh.tag_ahead(range(n), lambda: True)
+    assert all(t is None for t in fresh._tags)
+
+
+def test_scatter_gather_helpers_land_every_byte_and_time_out() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        for s in (a, b):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)  # force partial sends and receives
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8192)
+            transfer_wire.set_stall_timeout(s, 2.0)
+        data = [os.urandom(n) for n in (300_000, 16, 1, 70_000, 16)]
+        dst = [memoryview(bytearray(len(d))) for d in data]
+        sender = threading.Thread(target=transfer_wire.send_all, args=(a, [memoryview(d) for d in data]))
+        sender.start()
+        transfer_wire.recv_into_all(b, list(dst))
+        sender.join(10)
+        assert [bytes(d) for d in dst] == data
+        assert transfer_wire._advance([memoryview(b"abc"), memoryview(b"de")], 4) == [memoryview(b"e")]
+        # no byte for the stall timeout: TimeoutError, from the kernel's own timeout, promptly
+        transfer_wire.set_stall_timeout(b, 0.2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            transfer_wire.recv_into_all(b, [memoryview(bytearray(10))])
+        with pytest.raises(TimeoutError):
+            transfer_wire.recv_into_exact(b, memoryview(bytearray(10)))
+        assert time.monotonic() - t0 < 2.0
+        # a peer gone: ConnectionError
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionError):
+            transfer_wire.recv_into_all(b, [memoryview(bytearray(10))])
+
+
 def test_wrong_key_is_refused(donor_objects: dict[str, Any]) -> None:
     _, target = spare()
     with serve(capture_state(donor_objects, step=3)) as donor:
@@ -250,6 +337,11 @@ def test_bad_arguments() -> None:
 def test_benchmark_reports_both_numbers() -> None:
     out = benchmark(4_000_000)
     assert out["tcp_mb_s"] > 0 and out["transfer_mb_s"] > 0 and out["ratio"] > 0
+    lazy = benchmark(4_000_000, n_donors=2, trials=2, lazy=True)
+    assert len(lazy["per_trial"]) == 2
+    for row in lazy["per_trial"]:
+        assert row["ratio"] == pytest.approx(row["transfer_mb_s"] / row["tcp_mb_s"], rel=0.01)
+        assert row["tcp_cpu_ms_per_mb"] > 0 and row["transfer_cpu_ms_per_mb"] > 0
 
 
 def test_no_pickle_anywhere_in_the_state_path() -> None:

@@ -2,7 +2,8 @@
 
 :func:`fetch_state` runs one thread per donor on blocking sockets: ``recv_into`` lands the bytes in
 the receiver's pre-allocated tensors (:class:`~gossiprec.trainer.state.receive.ReceiveTarget`) with no copy
-in Python, and a second thread per donor checks each chunk's tag while the next one arrives. The
+in Python (``recvmsg_into`` with ``MSG_WAITALL``: a chunk and the tag that follows it in one system call),
+and a second thread per donor checks each chunk's tag while the next one arrives. The
 crc32s of the state header are checked after assembly only when asked (``verify_crc``): the seal
 already covers every byte from seal time on (:mod:`gossiprec.trainer.transfer.wire`).
 
@@ -33,7 +34,8 @@ from gossiprec.trainer.state.receive import BoundTarget, ReceiveTarget
 from gossiprec.trainer.transfer.wire import (
     ID_SIZE, KIND_OK, KIND_REFUSED, KIND_UNAUTHENTICATED_REFUSAL, MAX_CHUNK, MAX_RESPONSE_BODY, MIN_CHUNK,
     RESP_MAGIC, RESP_PREFIX, TAG_SIZE, VERSION, WHOLE, TransferAuthError, TransferRequest, check_key, derive_aead,
-    encode_request, even_stripes, nonce, plan_chunks, recv_exact, recv_into_exact, select_chunks, shutdown,
+    encode_request, even_stripes, nonce, plan_chunks, recv_exact, recv_into_all, select_chunks, set_stall_timeout,
+    shutdown,
 )
 
 Address = tuple[str, int]
@@ -245,18 +247,16 @@ def _receive_stripe(fetch: _Fetch, index: int, donor: Address, stripe: tuple[int
             sock.close()
             return
         with sock:
-            sock.settimeout(stall_timeout)
+            set_stall_timeout(sock, stall_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             req = TransferRequest(epoch, step, start, end)
             phase = "requesting"
             sock.sendall(encode_request(key, tid, req, context))
             phase = "waiting for the header"
-            header, chunk_size, salt, tags = _read_header(sock, key, tid, req, context, name)
+            header, chunk_size, salt = _read_header(sock, key, tid, req, context, name)
             chunks = plan_chunks(header.tensors, 0, header.total_nbytes, chunk_size)
             sel = select_chunks(chunks, header.tensors, start, end)
-            if len(tags) != TAG_SIZE * len(sel):
-                raise TransferError(f"donor {name} sent {len(tags) // TAG_SIZE} chunk tags for "
-                                    f"{len(sel)} chunks")
+            tags = memoryview(bytearray(TAG_SIZE * len(sel)))
             bound = fetch.bind(header, chunk_size, name)
             want = sum(chunks[g][2] - chunks[g][1] for g in sel)
             views = bound.views()
@@ -271,7 +271,7 @@ def _receive_stripe(fetch: _Fetch, index: int, donor: Address, stripe: tuple[int
                 for k, g in enumerate(sel):
                     ti, lo, hi = chunks[g]
                     view = views[ti][lo:hi]
-                    recv_into_exact(sock, view)
+                    recv_into_all(sock, [view, tags[k * TAG_SIZE:(k + 1) * TAG_SIZE]])
                     queue.put((k, g, view))
                     got += hi - lo
                     if on_progress is not None:
@@ -285,7 +285,7 @@ def _receive_stripe(fetch: _Fetch, index: int, donor: Address, stripe: tuple[int
     except TransferError as exc:
         fetch.fail(exc)
         return
-    except TimeoutError as exc:
+    except (TimeoutError, BlockingIOError) as exc:
         err = TransferError(f"donor {name} sent nothing for {stall_timeout:.1f}s while {phase} "
                             f"({got} of {want} bytes of its stripe): stalled or hung; retry with other "
                             "donors")
@@ -305,7 +305,7 @@ def _receive_stripe(fetch: _Fetch, index: int, donor: Address, stripe: tuple[int
 
 
 def _check_chunks(fetch: _Fetch, queue: SimpleQueue[tuple[int, int, memoryview] | None], aead: AESGCM,
-                  tags: bytes, header: StateHeader, chunks: Sequence[tuple[int, int, int]],
+                  tags: memoryview, header: StateHeader, chunks: Sequence[tuple[int, int, int]],
                   name: str) -> None:
     """Verify chunks as they arrive, overlapping GMAC with the next ``recv_into``."""
     failed = False
@@ -325,7 +325,7 @@ def _check_chunks(fetch: _Fetch, queue: SimpleQueue[tuple[int, int, memoryview] 
 
 
 def _read_header(sock: socket.socket, key: bytes, tid: bytes, req: TransferRequest, context: bytes,
-                 name: str) -> tuple[StateHeader, int, bytes, bytes]:
+                 name: str) -> tuple[StateHeader, int, bytes]:
     prefix = recv_exact(sock, RESP_PREFIX.size)
     magic, version, kind, salt, n = RESP_PREFIX.unpack(prefix)
     if magic != RESP_MAGIC or version != VERSION:
@@ -355,14 +355,14 @@ def _read_header(sock: socket.socket, key: bytes, tid: bytes, req: TransferReque
     echo = {k: body.get(k) for k in ("epoch", "step", "start", "end")}
     if echo != req.to_wire():
         raise TransferError(f"donor {name} answered another request ({echo}, asked {req.to_wire()})")
-    chunk_size, seal_salt, tags = body.get("chunk"), body.get("salt"), body.get("tags")
+    chunk_size, seal_salt = body.get("chunk"), body.get("salt")
     if (not isinstance(chunk_size, int) or not MIN_CHUNK <= chunk_size <= MAX_CHUNK
-            or not isinstance(seal_salt, bytes) or len(seal_salt) != ID_SIZE or not isinstance(tags, bytes)):
-        raise TransferError(f"donor {name} sent a malformed header (chunk size, salt or tags)")
+            or not isinstance(seal_salt, bytes) or len(seal_salt) != ID_SIZE):
+        raise TransferError(f"donor {name} sent a malformed header (chunk size or salt)")
     try:
         header = StateHeader.from_wire(body.get("state"))
     except DecodeError as exc:
         raise TransferError(f"donor {name} sent a malformed state header: {exc}") from exc
     if header.step != req.step:
         raise TransferError(f"donor {name} sent state for step {header.step}, asked for {req.step}")
-    return header, chunk_size, seal_salt, tags
+    return header, chunk_size, seal_salt

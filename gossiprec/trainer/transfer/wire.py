@@ -5,9 +5,9 @@ flat payload (:mod:`gossiprec.trainer.state.header`). Wire format (big-endian)::
 
     request   "GRXQ" | ver u8 | transfer id (16) | len u32 | msgpack {epoch, step, start, end} | tag
     response  "GRXS" | ver u8 | kind u8 | donor salt (16) | len u32 | msgpack body | tag
-    data      the raw bytes of every chunk of the stripe, back to back
+    data      for every chunk of the stripe, in order: its raw bytes, then its tag (16 bytes)
 
-The response body is ``{epoch, step, start, end, chunk, salt, tags, state: <state header>}`` (kind 0)
+The response body is ``{epoch, step, start, end, chunk, salt, state: <state header>}`` (kind 0)
 or ``{error, epoch, step}`` (kind 1, authenticated refusal). Kind 2 is an *unauthenticated* refusal
 with a short reason and no tag: a donor sends it when the request does not authenticate (wrong cluster
 key), so the receiver can say why; the receiver never treats it as anything but a failure.
@@ -21,11 +21,14 @@ and faster than HMAC-SHA256 or even unkeyed crc32. Keys are never used directly,
   and tags chunk ``g`` under the snapshot key (salt = 16 random bytes per seal, label "state",
   nonce = g). The tags are the per-chunk checksums: computed where the state was captured, verified
   where it lands. A :class:`LazySeal` tags only the chunks receivers ask for, each once, so donors
-  that stripe one transfer each tag their own stripe.
-* The response header carries the seal salt and the stripe's tags and is tagged under
-  ``salt = transfer id + donor salt`` (label "response", nonce 0). The receiver draws a fresh random
-  transfer id per fetch, so a recorded old header cannot be replayed into a new transfer; chunks are
-  checked against tags from that fresh header, so none can be altered, reordered or dropped.
+  that stripe one transfer each tag their own stripe, and a donor tags ahead of its sends on a second
+  thread: tagging overlaps the stream instead of preceding it (each tag follows its chunk on the wire).
+* The response header carries the seal salt and is tagged under ``salt = transfer id + donor salt``
+  (label "response", nonce 0). A chunk's tag is checked under the key of the seal salt that header
+  names, which only a holder of the cluster key can make tags under, and its nonce is the chunk's
+  index: no chunk can be altered, moved or taken from another seal; the receiver expects every chunk
+  of its stripe, so none can be dropped. The receiver draws a fresh random transfer id per
+  fetch, so a recorded old header cannot be replayed into a new transfer.
 * The request is tagged under ``salt = transfer id`` (label "request"); a donor refuses a transfer id
   it has already served (bounded memory). Payload bytes are authenticated, not encrypted.
 
@@ -41,7 +44,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 from cryptography.hazmat.primitives import hashes
@@ -54,7 +57,8 @@ from gossiprec.trainer.state.header import TensorSpec
 
 REQ_MAGIC = b"GRXQ"
 RESP_MAGIC = b"GRXS"
-VERSION = 1
+VERSION = 2
+"""2: each chunk's tag follows the chunk (1 sent a stripe's tags in the header, before any byte)."""
 KIND_OK = 0
 KIND_REFUSED = 1
 KIND_UNAUTHENTICATED_REFUSAL = 2
@@ -216,11 +220,20 @@ class SealedState:
         """The tags of chunks ``sel`` (contiguous chunk indices), concatenated."""
         return self.tags[sel.start * TAG_SIZE:sel.stop * TAG_SIZE]
 
+    def tag(self, g: int) -> bytes:
+        """The tag of chunk ``g``."""
+        return self.tags[g * TAG_SIZE:(g + 1) * TAG_SIZE]
+
+    def tag_ahead(self, sel: range, stop: Callable[[], bool]) -> None:
+        """Nothing to do: every chunk was tagged when sealed."""
+
 
 class LazySeal:
     """A snapshot whose chunks are tagged on first demand, each once (what a donor makes of a raw
     snapshot): a donor serving one stripe of several tags only that stripe, so the GMAC work of a
-    striped transfer is split among its donors instead of repeated by each. Thread-safe."""
+    striped transfer is split among its donors instead of repeated by each. Thread-safe: threads that
+    tag the same chunks (a prepare, a sender, its tagger) each claim the next untagged chunk, so they
+    tag in parallel and never twice."""
 
     def __init__(self, snapshot: StateSnapshot, key: bytes, chunk_size: int, context: bytes = b"") -> None:
         if not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
@@ -231,27 +244,65 @@ class LazySeal:
         self.chunks = tuple(plan_chunks(snapshot.header.tensors, 0, snapshot.header.total_nbytes, chunk_size))
         self._aead = derive_aead(key, self.salt, b"state", context)
         self._tags: list[bytes | None] = [None] * len(self.chunks)
+        self._busy: set[int] = set()
+        """Chunks a thread is tagging now (claimed under the lock, tagged outside it)."""
         self._views: list[memoryview] | None = None
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
 
     @property
     def step(self) -> int:
         return self.snapshot.step
 
+    def _claim(self, g: int) -> bool:
+        """Under the lock: whether the caller is to tag chunk ``g`` now (False: done or being done)."""
+        if self._tags[g] is not None or g in self._busy:
+            return False
+        self._busy.add(g)
+        if self._views is None:
+            self._views = self.snapshot.views()
+        return True
+
+    def _compute(self, g: int) -> None:
+        """Tag claimed chunk ``g`` (outside the lock: the GMAC releases the GIL, other threads tag on)."""
+        assert self._views is not None
+        ti, lo, hi = self.chunks[g]
+        tag: bytes | None = None
+        try:
+            tag = self._aead.encrypt(nonce(g), b"", self._views[ti][lo:hi])
+        finally:
+            with self._cond:
+                self._busy.discard(g)
+                self._tags[g] = tag
+                self._cond.notify_all()
+
+    def tag(self, g: int) -> bytes:
+        """The tag of chunk ``g``: tagged now if no thread has, waited for if one is tagging it."""
+        while True:
+            with self._cond:
+                while (done := self._tags[g]) is None and g in self._busy:
+                    self._cond.wait()
+                if done is not None:
+                    return done
+                self._claim(g)
+            self._compute(g)
+
+    def tag_ahead(self, sel: range, stop: Callable[[], bool]) -> None:
+        """Tag the chunks of ``sel`` that no thread has tagged or is tagging, in order, until ``stop()``:
+        what a donor's tagger thread runs while the sender streams (and sends chunks the tagger has not
+        reached, tagging them itself)."""
+        for g in sel:
+            if stop():
+                return
+            with self._cond:
+                mine = self._claim(g)
+            if mine:
+                self._compute(g)
+
     def tags_for(self, sel: range) -> bytes:
         """Tag the chunks of ``sel`` not tagged yet, then return their tags concatenated. A second
         caller for the same chunks waits for the first instead of tagging them again."""
-        tags = self._tags
-        if any(tags[g] is None for g in sel):
-            with self._lock:
-                if self._views is None:
-                    self._views = self.snapshot.views()
-                views, encrypt = self._views, self._aead.encrypt
-                for g in sel:
-                    if tags[g] is None:
-                        ti, lo, hi = self.chunks[g]
-                        tags[g] = encrypt(nonce(g), b"", views[ti][lo:hi])
-        return b"".join(tags[g] for g in sel)  # type: ignore[misc]
+        self.tag_ahead(sel, lambda: False)
+        return b"".join(self.tag(g) for g in sel)
 
     def stripe(self, start: int, end: int) -> range:
         """Indices of the chunks a request for bytes ``[start, end)`` is served."""
@@ -278,6 +329,28 @@ WHOLE = 2**62
 # sockets
 
 
+WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+def set_stall_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking, with the kernel's own send and receive timeouts of ``seconds``.
+
+    Why not ``settimeout``: Python's timeout mode polls before every send and receive, and a receive
+    then returns whatever has arrived; a blocking socket with ``MSG_WAITALL`` takes a whole chunk in
+    one call. A timeout then surfaces as :class:`TimeoutError` from the helpers below (only a receive
+    that got no byte for ``seconds``, or a send that could put none, times out). Where the options
+    are not accepted, falls back to ``settimeout``.
+    """
+    secs = max(0.001, float(seconds))  # (0 would mean no timeout at all)
+    tv = struct.pack("ll", int(secs), int(round(secs % 1 * 1e6)))
+    try:
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    except (OSError, AttributeError):
+        sock.settimeout(seconds)
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_into_exact(sock, memoryview(buf))
@@ -285,13 +358,51 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (one call per ``view`` on a blocking socket, see :func:`set_stall_timeout`)."""
     got, n = 0, len(view)
     while got < n:
-        r = sock.recv_into(view[got:], n - got)
+        try:
+            r = sock.recv_into(view[got:], n - got, WAITALL)
+        except BlockingIOError as exc:  # the kernel's receive timeout: no byte for that long
+            raise TimeoutError("timed out") from exc
         if r == 0:
             raise ConnectionError("connection closed by peer")
         got += r
 
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """``bufs`` without their first ``n`` bytes (and without empty buffers)."""
+    out: list[memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+        else:
+            out.append(b[n:])
+            n = 0
+    return out
+
+
+def recv_into_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """Fill every buffer of ``bufs`` in order, scattering with ``recvmsg_into``: a chunk and its tag land
+    in their places with one system call."""
+    while bufs:
+        try:
+            r = sock.recvmsg_into(bufs, 0, WAITALL)[0]
+        except BlockingIOError as exc:
+            raise TimeoutError("timed out") from exc
+        if r == 0:
+            raise ConnectionError("connection closed by peer")
+        bufs = _advance(bufs, r)
+
+
+def send_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """Send every buffer of ``bufs`` in order, gathering with ``sendmsg`` (no copy in Python)."""
+    while bufs:
+        try:
+            r = sock.sendmsg(bufs)
+        except BlockingIOError as exc:  # the kernel's send timeout: the receiver took nothing for that long
+            raise TimeoutError("timed out") from exc
+        bufs = _advance(bufs, r)
 
 
 def send_frame(conn: socket.socket, aead: AESGCM, kind: int, salt: bytes, body: bytes) -> None:
