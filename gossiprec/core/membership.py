@@ -297,6 +297,20 @@ class Membership:
         in its collectives (on acks, with its age, and gossip)."""
         self.words.set_progress(step, phase, step_ms, now, coll, wait_ms)
 
+    def learn(self, name: str, addr: str, role: str, now: float) -> bool:
+        """A member of the view this node installed that the table has no record of: known at incarnation 0
+        (as a push-pull row nobody could vouch for), so it is counted live and probed, and any word of its
+        own outranks the record (an ack to our probe, its Alive). Gossip reaches each member with high
+        probability only: a joiner's Alive can miss one, and push-pull would bring it only within
+        ``pushpull_period`` (30 s), while that member held an agreed member for unknown (its live count
+        one short, the member unreachable in its quorum counts). Returns whether the record is new."""
+        if name == self.name or self.member(name) is not None:
+            return False
+        self._table.set(MemberInfo(name, addr, 0, ALIVE, ROLES.index(role)), now)
+        self._count("view_members_learned")
+        self._events.append(MemberJoined(name, addr, 0, role, now))
+        return True
+
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
         self.prober.schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))

@@ -335,11 +335,15 @@ class Node:
         acfg = self.acfg
         self.cut: CutDetector = CutDetector(ov, acfg.settle, acfg.unstable_timeout, acfg.settle_departed,
                                             doubt_timeout=acfg.unstable_timeout)
-        if self.name in view:
-            for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
-                rec = self.swim.member(node)
-                if rec is not None and rec.status != ALIVE and node != self.name:
-                    self.cut.doubt(node, now)
+        in_view = self.name in view
+        swim = self.swim
+        for m in view.members:  # (one pass: O(N) per install, on every node of a large simulation)
+            rec = swim.member(m.node)
+            if rec is None:
+                # agreed, yet unknown here (its Alive's gossip missed us): SWIM takes it from the view
+                swim.learn(m.node, m.addr, m.role, now)
+            elif in_view and rec.status != ALIVE and m.node != self.name:
+                self.cut.doubt(m.node, now)  # SWIM doubts it already (not ALIVE): see CutDetector.doubt
         self.decider.start_view(view, self.cut, self.aggregates.chunk)
         if self.name in view:
             obs.watch(ov, now)
