@@ -21,6 +21,7 @@ from gossiprec.core.config import AgreementConfig, Config
 from gossiprec.core.consensus import change_rows
 from gossiprec.core.events import MemberJoined
 from gossiprec.core.node import Node
+from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
 from gossiprec.core.view import JOIN, Change, View, ViewMember
@@ -84,9 +85,10 @@ def test_a_member_swim_holds_dead_is_not_revived_by_a_view_that_still_lists_it()
     node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v0,
                 members={n: MemberInfo(n, n, 1) for n in names if n != "n0"})
     node.swim.declare_dead("n5", 1, 0.5)
-    v1 = v0.next([Change("j", JOIN, "addr-j")])
-    node.receive(encode_packet([ViewDelta(0, v0.config_id, ((v1.config_id, change_rows([Change("j", JOIN, "addr-j")])),),
-                                          "n1")]), 1.0, reliable=True)
+    join = [Change("j", JOIN, "addr-j")]
+    v1 = v0.next(join)
+    node.receive(encode_packet([ViewDelta(0, v0.config_id, ((v1.config_id, change_rows(join)),), "n1")]), 1.0,
+                 reliable=True)
     assert node.view == v1
     rec = node.swim.member("n5")
     assert rec is not None and not rec.live  # learning fills gaps only; a death stands
@@ -139,7 +141,6 @@ def _kill_and_rejoin(deaf: bool, seed: int = 1, n: int = 16) -> dict[str, Any]:
         if deaf:
             v = cl.nodes[0].machine.view
             assert v is not None
-            from gossiprec.core.overlay import Overlay
             observers = set(Overlay.build(v.config_id, v.nodes, acfg.k).joiner_observers("j"))
             target = next(i for i in range(2, n) if names[i] != victim and names[i] not in observers)
             out["deaf"] = names[target]
