@@ -24,7 +24,7 @@ from gossiprec.core.node import Node
 from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.topology import JobTopology
-from gossiprec.core.view import JOIN, Change, View, ViewMember
+from gossiprec.core.view import JOIN, REMOVE, Change, View, ViewMember
 from gossiprec.core.wire import ALIVE, Ack, Alive, Ping, ViewDelta, decode_packet, encode_packet
 from gossiprec.sim.cluster import CRASHED, SimCluster
 
@@ -93,6 +93,31 @@ def test_a_member_swim_holds_dead_is_not_revived_by_a_view_that_still_lists_it()
     rec = node.swim.member("n5")
     assert rec is not None and not rec.live  # learning fills gaps only; a death stands
     assert node.n_live == 6  # n0..n4 and j
+
+
+def test_a_member_known_from_a_view_only_goes_with_its_place_in_the_view() -> None:
+    # a joiner that took a dead member from a view still listing it (or a member that took a joiner
+    # from the view, then saw it removed before it ever answered) would otherwise count it live for good:
+    # no probe of its own goes to a member outside its subjects, and signed push-pull rows say nothing of
+    # deaths. A member known by its own word (n5, incarnation 1) is left to SWIM.
+    names = [f"n{i}" for i in range(6)]
+    v0 = _view0(names)
+    node = Node(CFG, "n0", "n0", incarnation=1, rng=random.Random(3), now=0.0, view=v0,
+                members={n: MemberInfo(n, n, 1) for n in names if n != "n0"})
+    join = [Change("j", JOIN, "addr-j")]
+    v1 = v0.next(join)
+    node.receive(encode_packet([ViewDelta(0, v0.config_id, ((v1.config_id, change_rows(join)),), "n1")]), 1.0,
+                 reliable=True)
+    assert node.swim.member("j") is not None and node.n_live == 7
+    out = [Change("j", REMOVE), Change("n5", REMOVE)]
+    v2 = v1.next(out)
+    node.receive(encode_packet([ViewDelta(1, v1.config_id, ((v2.config_id, change_rows(out)),), "n1")]), 2.0,
+                 reliable=True)
+    assert node.view == v2
+    assert node.swim.member("j") is None
+    rec = node.swim.member("n5")
+    assert rec is not None and rec.live and rec.incarnation == 1
+    assert node.n_live == 6
 
 
 # -- the bench's sequence in the simulator -----------------------------------------------------------

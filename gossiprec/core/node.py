@@ -325,9 +325,13 @@ class Node:
         self.fencing.start_view()
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
-        if self.auth is not None and old is not None:
-            # a removed member's key goes with it: a new process of that name (a new key) can rejoin
-            self.auth.forget(set(old.nodes) - set(view.nodes))
+        if old is not None:
+            gone = set(old.nodes) - set(view.nodes)
+            for node in gone:
+                self.swim.unlearn(node, now)  # known from a view only: it goes with its place
+            if self.auth is not None:
+                # a removed member's key goes with it: a new process of that name (a new key) can rejoin
+                self.auth.forget(gone)
         ov = self.overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
