@@ -297,6 +297,35 @@ class Membership:
         in its collectives (on acks, with its age, and gossip)."""
         self.words.set_progress(step, phase, step_ms, now, coll, wait_ms)
 
+    def learn(self, name: str, addr: str, role: str, now: float) -> bool:
+        """A member of the view this node installed that the table has no record of: known at incarnation 0
+        (as a push-pull row nobody could vouch for), so it is counted live and probed, and any word of its
+        own outranks the record (an ack to our probe, its Alive). Gossip reaches each member with high
+        probability only: a joiner's Alive can miss one, and push-pull would bring it only within
+        ``pushpull_period`` (30 s), while that member held an agreed member for unknown (its live count
+        one short, the member unreachable in its quorum counts). Returns whether the record is new."""
+        if name == self.name or self.member(name) is not None:
+            return False
+        self._table.set(MemberInfo(name, addr, 0, ALIVE, ROLES.index(role)), now)
+        self._count("view_members_learned")
+        self._events.append(MemberJoined(name, addr, 0, role, now))
+        return True
+
+    def unlearn(self, name: str, now: float) -> bool:
+        """A member the view no longer lists that this node knows by hearsay only (incarnation 0: a view's
+        or an unvouched push-pull row's word, never its own; an ack or its Alive would have raised it):
+        forgotten with its place in the view, which no probe of ours may otherwise ever correct (a
+        joiner that learned a dead member from a view that still listed it would count it live for good).
+        A member that spoke for itself is left to SWIM. Returns whether it was forgotten."""
+        rec = self.member(name)
+        if rec is None or name == self.name or rec.incarnation != 0 or not rec.live:
+            return False
+        self._table.set(MemberInfo(name, rec.addr, 0, DEAD, rec.role), now)
+        self._table.forget(name, 0)
+        self._suspicions.pop(name, None)
+        self._count("view_members_unlearned")
+        return True
+
     def set_probe_targets(self, names: Iterable[str] | None) -> None:
         """Restrict probing to ``names`` (the agreement overlay's subjects), or None for everyone."""
         self.prober.schedule.set_targets(None if names is None else tuple(sorted(set(names) - {self.name})))

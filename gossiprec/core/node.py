@@ -325,9 +325,13 @@ class Node:
         self.fencing.start_view()
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
-        if self.auth is not None and old is not None:
-            # a removed member's key goes with it: a new process of that name (a new key) can rejoin
-            self.auth.forget(set(old.nodes) - set(view.nodes))
+        if old is not None:
+            gone = set(old.nodes) - set(view.nodes)
+            for node in gone:
+                self.swim.unlearn(node, now)  # known from a view only: it goes with its place
+            if self.auth is not None:
+                # a removed member's key goes with it: a new process of that name (a new key) can rejoin
+                self.auth.forget(gone)
         ov = self.overlay(view)
         obs = self.observer
         obs.start_view(view, ov)
@@ -335,11 +339,15 @@ class Node:
         acfg = self.acfg
         self.cut: CutDetector = CutDetector(ov, acfg.settle, acfg.unstable_timeout, acfg.settle_departed,
                                             doubt_timeout=acfg.unstable_timeout)
-        if self.name in view:
-            for node in view.nodes:  # members SWIM doubts already (not ALIVE): see CutDetector.doubt
-                rec = self.swim.member(node)
-                if rec is not None and rec.status != ALIVE and node != self.name:
-                    self.cut.doubt(node, now)
+        in_view = self.name in view
+        swim = self.swim
+        for m in view.members:  # (one pass: O(N) per install, on every node of a large simulation)
+            rec = swim.member(m.node)
+            if rec is None:
+                # agreed, yet unknown here (its Alive's gossip missed us): SWIM takes it from the view
+                swim.learn(m.node, m.addr, m.role, now)
+            elif in_view and rec.status != ALIVE and m.node != self.name:
+                self.cut.doubt(m.node, now)  # SWIM doubts it already (not ALIVE): see CutDetector.doubt
         self.decider.start_view(view, self.cut, self.aggregates.chunk)
         if self.name in view:
             obs.watch(ov, now)
