@@ -83,8 +83,10 @@ class MembershipPort(Protocol):
     def set_timer(self, when: float, kind: int, arg: object) -> int:
         """Arm a timer of ``kind`` (above) with ``arg``; returns its token."""
     def cancel_timer(self, token: int) -> None: ...
-    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
-        """``msgs`` in one datagram (``piggyback``: with progress records and queued news for member ``dest``)."""
+    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None,
+                    progress: bool = True) -> None:
+        """``msgs`` in one datagram (``piggyback``: with queued news for member ``dest``, and with progress
+        records unless ``progress`` is False)."""
     def emit(self, event: MemberEvent) -> None: ...
     def heard_from(self, name: str) -> None:
         """``name`` was heard from directly (see :meth:`unproven`)."""

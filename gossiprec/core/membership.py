@@ -404,20 +404,20 @@ class Membership:
         self._broadcast(key, msg, merge)
 
     def send_to(self, name: str, msg: Message, now: float, extra: tuple[Message, ...] = ()) -> bool:
-        """Send ``msg`` (and ``extra`` messages, plus piggyback) to a known member in one packet; False
-        if its address is unknown."""
+        """Send ``msg`` (and ``extra`` messages, plus queued news, no progress records) to a known member in
+        one packet; False if its address is unknown."""
         rec = self.member(name)
         if rec is None:
             return False
         self._now = now
-        self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name)
+        self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name, progress=False)
         return True
 
     def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
         if reliable:
             self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
-            self.send_packet(addr, [msg], piggyback=True)
+            self.send_packet(addr, [msg], piggyback=True, progress=False)
 
     def unproven(self, target: str, now: float) -> bool:
         """True while the startup grace lasts for a member never heard from: its silence is not judged."""
@@ -620,11 +620,15 @@ class Membership:
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
     # ------------------------------------------------------------------ sending
-    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
+    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None,
+                    progress: bool = True) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             book, mine = self._book, self.words.progress
-            if book.names or mine.version:  # ours, then others' in turn
+            # progress rides SWIM's own packets only (probes, acks, refutations): they reach every member
+            # several times a second already; on the agreement's and the catch-up's messages (a hello, a
+            # view request, a vote) it was a third of an idle agent's bytes and a recovery's relayed records
+            if progress and (book.names or mine.version):  # ours, then others' in turn
                 if mine.version > 0:
                     parts.append(encode_message(self.words.signed_progress()))
                 parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))
