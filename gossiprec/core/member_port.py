@@ -94,7 +94,8 @@ class MembershipPort(Protocol):
         """Restart the suspicion of ``name`` (its verification was inconclusive)."""
     def declare_dead(self, name: str, incarnation: int, now: float) -> None: ...
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None: ...
-    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = (),
+                  progress: bool = False) -> None:
         ...
     def set_progress_check(self, check: Callable[[Progress], bool] | None) -> None:
         """Whether a gossiped progress record is its owner's own word (None: every record is)."""

@@ -413,11 +413,14 @@ class Membership:
         self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name, progress=False)
         return True
 
-    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = (),
+                  progress: bool = False) -> None:
+        """``msg`` to ``addr``: on the stream (``reliable``, after ``before``), or in a datagram with queued
+        news, and with progress records where ``progress`` (a hello: it goes to our observers, who read them)."""
         if reliable:
             self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
-            self.send_packet(addr, [msg], piggyback=True, progress=False)
+            self.send_packet(addr, [msg], piggyback=True, progress=progress)
 
     def unproven(self, target: str, now: float) -> bool:
         """True while the startup grace lasts for a member never heard from: its silence is not judged."""
@@ -625,9 +628,9 @@ class Membership:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             book, mine = self._book, self.words.progress
-            # progress rides SWIM's own packets only (probes, acks, refutations): they reach every member
-            # several times a second already; on the agreement's and the catch-up's messages (a hello, a
-            # view request, a vote) it was a third of an idle agent's bytes and a recovery's relayed records
+            # progress rides SWIM's own packets (probes, acks, refutations) and a new process's hellos to its
+            # observers (who read it), not the agreement's messages (votes, claims, confirms: a recovery's
+            # busiest packets) nor view requests
             if progress and (book.names or mine.version):  # ours, then others' in turn
                 if mine.version > 0:
                     parts.append(encode_message(self.words.signed_progress()))
