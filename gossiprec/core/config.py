@@ -110,11 +110,8 @@ class Config:
     """Largest datagram (bytes of encoded payload); compound packets are filled up to it."""
     max_stream: int = 64 * 1024 * 1024
     """Largest reliable (stream) message in bytes; state sync for 10,000 members is about 0.5 MB."""
-    progress_piggyback: int = 1
-    """Other members' progress records carried on each ping and ack (round robin), besides our own. The
-    hang check reads its sample's records from their own pings and acks; relayed ones serve other readers
-    (a status query, a sample that grew). Each relayed record was about a third of an idle agent's bytes
-    at 2 (at N = 64, 1.2 of 4.7 KB/s), and hang, stall and straggler detection did not change at 1."""
+    progress_piggyback: int = 2
+    """Other members' progress records carried on each ping and ack (round robin)."""
 
     # --- Identity ------------------------------------------------------------------------------------
     max_name: int = 128
