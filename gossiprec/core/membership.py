@@ -404,13 +404,13 @@ class Membership:
         self._broadcast(key, msg, merge)
 
     def send_to(self, name: str, msg: Message, now: float, extra: tuple[Message, ...] = ()) -> bool:
-        """Send ``msg`` (and ``extra`` messages, plus queued news, no progress records) to a known member in
-        one packet; False if its address is unknown."""
+        """Send ``msg`` (and ``extra`` messages, plus piggyback) to a known member in one packet; False
+        if its address is unknown."""
         rec = self.member(name)
         if rec is None:
             return False
         self._now = now
-        self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name, progress=False)
+        self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name)
         return True
 
     def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = (),
@@ -628,9 +628,9 @@ class Membership:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             book, mine = self._book, self.words.progress
-            # progress rides SWIM's own packets (probes, acks, refutations) and a new process's hellos to its
-            # observers (who read it), not the agreement's messages (votes, claims, confirms: a recovery's
-            # busiest packets) nor view requests
+            # progress rides SWIM's own packets, the agreement's (during a recovery the records they bring
+            # spare the hang check refresh probes, which would take rounds from the failed member's probes)
+            # and a new process's hellos to its observers (who read them); not view requests
             if progress and (book.names or mine.version):  # ours, then others' in turn
                 if mine.version > 0:
                     parts.append(encode_message(self.words.signed_progress()))
