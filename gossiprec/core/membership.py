@@ -628,9 +628,9 @@ class Membership:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             book, mine = self._book, self.words.progress
-            # progress rides SWIM's own packets, the agreement's (during a recovery the records they bring
-            # spare the hang check refresh probes, which would take rounds from the failed member's probes)
-            # and a new process's hellos to its observers (who read them); not view requests
+            # progress rides SWIM's packets, the agreement's (without it there, recoveries at N = 16 came
+            # later: the hang check then probes for fresher records) and hellos to our observers (who read
+            # them); not what goes by address alone (view and join requests, a new process's every 0.5 s)
             if progress and (book.names or mine.version):  # ours, then others' in turn
                 if mine.version > 0:
                     parts.append(encode_message(self.words.signed_progress()))
