@@ -199,6 +199,27 @@ def test_ping_is_answered_with_ack_carrying_progress() -> None:
     assert {a for a, _ in out} == {addr("a")}
 
 
+def test_a_view_request_goes_without_progress_records_a_hello_with() -> None:
+    # a datagram sent by address (a view request, ``send_addr``) goes without progress records (three per
+    # datagram: a new process asks for the view every 0.5 s while it says hello); a hello to the observers
+    # (``progress=True``: they read them) and a message to a member (``send_to``) still carry ours
+    b = machine("b", ["a", "b", "c"], seed=1)
+    b.take_sends()
+    b.set_progress(42, 2, 250, 0.0)
+    deliver(b, 0.01, Progress("c", 1, 3, 41, 2, 250))  # another member's record, to relay in turn
+    b.take_sends()
+    mine = Progress("b", 1, 1, 42, 2, 250)
+    request = Nack(5, "b")  # any message: what rides with it matters
+    b.send_addr(addr("c"), request)
+    assert sent_msgs(b) == [(addr("c"), request)]
+    b.send_addr(addr("c"), request, progress=True)
+    out = sent_msgs(b)
+    assert out[0] == (addr("c"), request) and (addr("c"), mine) in out
+    assert b.send_to("a", request, 0.02)
+    out = sent_msgs(b)
+    assert out[0] == (addr("a"), request) and (addr("a"), mine) in out
+
+
 def test_ping_for_someone_else_is_counted_not_answered() -> None:
     b = machine("b", ["a", "b"], seed=1)
     b.take_sends()

@@ -328,7 +328,7 @@ class CatchUp:
         for name in dict.fromkeys(ov.observers(node.name) + ov.joiner_observers(node.name)):
             m = v.member(name)
             if m is not None and name != node.name:
-                self.swim.send_addr(m.addr, msg)
+                self.swim.send_addr(m.addr, msg, progress=True)
         for addr in seeds:
             if addr != node.addr:
                 self.swim.send_addr(addr, msg)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from gossiprec.core import timers
 from gossiprec.core.config import AgreementConfig
-from gossiprec.core.consensus import Consensus, change_rows, keeps_quorum, removes_majority
+from gossiprec.core.consensus import FAST, Consensus, Rank, change_rows, keeps_quorum, removes_majority
 from gossiprec.core.cut import CutDetector
 from gossiprec.core.membership import Membership
 from gossiprec.core.port import NodePort
@@ -27,7 +27,7 @@ class Decider:
     """The proposing and deciding part of one node, for its current view."""
 
     __slots__ = ("node", "swim", "acfg", "cut", "consensus", "withheld", "_fallback_armed", "_early_round",
-                 "_resend_armed", "_eval_due")
+                 "_resend_armed", "_eval_due", "_mark")
 
     cut: CutDetector
     consensus: Consensus
@@ -43,6 +43,9 @@ class Decider:
         self._early_round = False
         self._resend_armed = False
         self._eval_due: float | None = None
+        self._mark: tuple[int, Rank] = (0, FAST)
+        """The fast round's leading vote count and the highest round promised when the fallback was armed
+        (see :meth:`_fast_round_moves`)."""
 
     def start_view(self, view: View, cut: CutDetector, chunk: int) -> None:
         """A new view: its cut detector, and a consensus of its own (``chunk``: members per vote bundle)."""
@@ -68,6 +71,7 @@ class Decider:
         self._early_round = False
         self._resend_armed = False
         self._eval_due = None
+        self._mark = (0, FAST)
         self.withheld = False
 
     # ------------------------------------------------------------------ agreement messages
@@ -122,9 +126,33 @@ class Decider:
             self._early_round = True
             node.set_timer(now, timers.FALLBACK)
         elif not self._fallback_armed:
-            self._fallback_armed = True
-            node.set_timer(now + self.acfg.fallback_timeout + node.rng.random() * self.acfg.fallback_jitter,
-                           timers.FALLBACK)
+            self._arm_fallback(now, self.acfg.fallback_timeout)
+
+    def _arm_fallback(self, now: float, after: float) -> None:
+        c, node = self.consensus, self.node
+        self._fallback_armed = True
+        self._mark = (c.vote_count(), c.promised)
+        node.set_timer(now + after + node.rng.random() * self.acfg.fallback_jitter, timers.FALLBACK)
+
+    def _fast_round_moves(self) -> bool:
+        """Whether a classic round of ours is not needed yet: since the fallback was armed, another member
+        began coordinating a round (we promised it: it is under way, and a second coordinator would only
+        compete with it), or the fast round's leading proposal gained signed votes and can still reach the
+        fast quorum (members that have voted for nothing yet remain). At N = 1,024 the votes take longer
+        than the timeout to reach everyone and be checked, and some 40 members each ran a round that the
+        fast path made moot, every member signing a promise to each. Deferring a round only delays it:
+        the vote count is bounded, and a round that stops moving leaves the promise where it is."""
+        c = self.consensus
+        lead, promised = self._mark
+        if c.my_round is None and c.promised != promised and c.promised[1] != self.node.name:
+            return True
+        count = c.vote_count()
+        if count <= lead:
+            return False
+        voted = 0
+        for bits in c.votes.values():
+            voted |= bits
+        return count + len(c.view) - voted.bit_count() >= c.view.fast_quorum()
 
     def _hopeless_fast_coordinator(self) -> str | None:
         """When our own vote removes so many members that the rest cannot form a fast quorum (any
@@ -264,13 +292,14 @@ class Decider:
             return
         if not self.consensus.votes and not self.consensus.proposals:
             return  # nothing to agree on in this epoch
+        if self.consensus.my_round is None and not self._early_round and self._fast_round_moves():
+            self._arm_fallback(now, self.acfg.fallback_timeout)
+            return
         self.consensus.start_round()
         if not self._resend_armed:  # one retry chain per epoch, however many rounds we start
             self._resend_armed = True
             node.set_timer(now + self.acfg.retry_interval, timers.RESEND)
-        self._fallback_armed = True
-        node.set_timer(now + self.acfg.fallback_timeout * 2 + node.rng.random() * self.acfg.fallback_jitter,
-                       timers.FALLBACK)
+        self._arm_fallback(now, self.acfg.fallback_timeout * 2)
 
     def resend(self, now: float) -> None:
         """The coordinator's phase again, while its round is undecided."""

@@ -83,8 +83,10 @@ class MembershipPort(Protocol):
     def set_timer(self, when: float, kind: int, arg: object) -> int:
         """Arm a timer of ``kind`` (above) with ``arg``; returns its token."""
     def cancel_timer(self, token: int) -> None: ...
-    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
-        """``msgs`` in one datagram (``piggyback``: with progress records and queued news for member ``dest``)."""
+    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None,
+                    progress: bool = True) -> None:
+        """``msgs`` in one datagram (``piggyback``: with queued news for member ``dest``, and with progress
+        records unless ``progress`` is False)."""
     def emit(self, event: MemberEvent) -> None: ...
     def heard_from(self, name: str) -> None:
         """``name`` was heard from directly (see :meth:`unproven`)."""
@@ -92,7 +94,8 @@ class MembershipPort(Protocol):
         """Restart the suspicion of ``name`` (its verification was inconclusive)."""
     def declare_dead(self, name: str, incarnation: int, now: float) -> None: ...
     def broadcast(self, key: str, msg: Message, now: float, merge: bool = False) -> None: ...
-    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = (),
+                  progress: bool = False) -> None:
         ...
     def set_progress_check(self, check: Callable[[Progress], bool] | None) -> None:
         """Whether a gossiped progress record is its owner's own word (None: every record is)."""

@@ -442,11 +442,14 @@ class Membership:
         self.send_packet(rec.addr, [msg, *extra], piggyback=True, dest=name)
         return True
 
-    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = ()) -> None:
+    def send_addr(self, addr: str, msg: Message, reliable: bool = False, before: tuple[Message, ...] = (),
+                  progress: bool = False) -> None:
+        """``msg`` to ``addr``: on the stream (``reliable``, after ``before``), or in a datagram with queued
+        news, and with progress records where ``progress`` (a hello: it goes to our observers, who read them)."""
         if reliable:
             self._sends.append(Send(addr, encode_packet([*before, msg]), True))
         else:
-            self.send_packet(addr, [msg], piggyback=True)
+            self.send_packet(addr, [msg], piggyback=True, progress=progress)
 
     def unproven(self, target: str, now: float) -> bool:
         """True while the startup grace lasts for a member never heard from: its silence is not judged."""
@@ -649,11 +652,15 @@ class Membership:
             self._sends.append(Send(rec.addr, encode_parts(parts)))
 
     # ------------------------------------------------------------------ sending
-    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None) -> None:
+    def send_packet(self, addr: str, msgs: list[Message], piggyback: bool, dest: str | None = None,
+                    progress: bool = True) -> None:
         parts = [encode_message(msgs[0])] if len(msgs) == 1 else [encode_message(m) for m in msgs]
         if piggyback:
             book, mine = self._book, self.words.progress
-            if book.names or mine.version:  # ours, then others' in turn
+            # progress rides SWIM's packets, the agreement's (without it there, recoveries at N = 16 came
+            # later: the hang check then probes for fresher records) and hellos to our observers (who read
+            # them); not what goes by address alone (view and join requests, a new process's every 0.5 s)
+            if progress and (book.names or mine.version):  # ours, then others' in turn
                 if mine.version > 0:
                     parts.append(encode_message(self.words.signed_progress()))
                 parts.extend(encode_message(m) for m in book.take_turns(self.config.progress_piggyback))

@@ -44,7 +44,8 @@ Real signature costs (--real-crypto; an agreement scenario, crash unless --scena
 it takes on this machine (measured at startup: sign, verify, per KiB; or fixed with --crypto-cost-us),
 so a busy agent handles later packets later. The JSON adds crypto_cost (the costs used), plan_ready_s
 (p50, p99, max over survivors: kill -> the plan ready on that agent), cpu_per_recovery_s (per agent, p50,
-max, mean: CPU charged from the kill to 1 s after the plan was ready everywhere, less its idle rate),
+max, mean: CPU charged from the kill to 1 s after the plan was ready everywhere, less its idle rate,
+kind by kind),
 bytes_per_agent_s (bytes sent per agent per idle second) and per_agent (verifications and signatures per
 recovery, by message kind too; CPU; bytes sent and received per second idle and during the recovery).
 

@@ -115,7 +115,7 @@ def kind_of(data: bytes) -> int:
 class AgentMeter:
     """One agent's charged CPU and operations (cumulative; ``pending_s`` until the simulator drains it)."""
 
-    __slots__ = ("costs", "pending_s", "cpu_s", "ops")
+    __slots__ = ("costs", "pending_s", "cpu_s", "ops", "cpu_by")
 
     def __init__(self, costs: CryptoCosts) -> None:
         self.costs = costs
@@ -123,6 +123,8 @@ class AgentMeter:
         self.cpu_s = 0.0
         self.ops: dict[tuple[int, int], int] = {}
         """(SIGN or VERIFY, message type id) -> operations."""
+        self.cpu_by: dict[tuple[int, int], float] = {}
+        """The same keys -> CPU seconds charged for them."""
 
     def op(self, what: int, data: bytes) -> None:
         c = self.costs
@@ -132,6 +134,7 @@ class AgentMeter:
         key = (what, kind_of(data))
         ops = self.ops
         ops[key] = ops.get(key, 0) + 1
+        self.cpu_by[key] = self.cpu_by.get(key, 0.0) + cost
 
 
 @dataclass(slots=True)
@@ -161,6 +164,7 @@ class Snapshot:
     at: float
     cpu_s: list[float]
     ops: list[dict[tuple[int, int], int]]
+    cpu_by: list[dict[tuple[int, int], float]]
     sent: list[int]
     received: list[int]
 
@@ -199,8 +203,10 @@ class CostMeter:
     def snapshot(self, now: float, nodes: Sequence[Any], end: bool = False) -> None:
         """Enter the next phase at ``now`` (or note the run's ``end``); ``nodes``: the simulator's, for
         their byte counters."""
-        snap = Snapshot(now, [a.cpu_s + a.pending_s for a in self.agents], [dict(a.ops) for a in self.agents],
-                        [n.sent_bytes for n in nodes], [n.received_bytes for n in nodes])
+        agents = self.agents
+        snap = Snapshot(now, [a.cpu_s + a.pending_s for a in agents], [dict(a.ops) for a in agents],
+                        [dict(a.cpu_by) for a in agents], [n.sent_bytes for n in nodes],
+                        [n.received_bytes for n in nodes])
         if end:
             self.end = snap
         else:
@@ -213,7 +219,9 @@ class CostMeter:
 
         Per recovery (CPU, signatures, verifications, by kind too) is what an agent did from the kill to
         ``TAIL_S`` after the plan was ready everywhere, less what it does idle in as long (its rate from
-        ``IDLE_FROM`` to the kill; never below 0); bytes per second are over the idle window and over the
+        ``IDLE_FROM`` to the kill), kind by kind and never below 0 (idle work a recovery displaces, fewer
+        progress records checked, say, is not taken off the rest: the CPU is the operations counted at
+        their cost); bytes per second are over the idle window and over the
         recovery proper (the kill to the plan ready everywhere)."""
         snaps = self.snapshots
         out: dict[str, Any] = {"crypto_cost": self.costs.as_dict()}
@@ -241,9 +249,11 @@ class CostMeter:
             idle_cpu = rec0.cpu_s[i] - idle0.cpu_s[i]
             add("cpu_window", window_cpu)
             add("cpu_idle_rate", idle_cpu / idle_len if idle_len > 0 else 0.0)
-            add("cpu_recovery", max(0.0, window_cpu - idle_cpu * idle_frac))
             totals = [0.0, 0.0, 0.0, 0.0]  # signs, verifies per recovery; per idle second
             w0, w1, i0 = rec0.ops[i], tail1.ops[i], idle0.ops[i]
+            c0, c1, ci = rec0.cpu_by[i], tail1.cpu_by[i], idle0.cpu_by[i]
+            add("cpu_recovery", sum(max(0.0, c1.get(key, 0.0) - c0.get(key, 0.0)
+                                        - (c0.get(key, 0.0) - ci.get(key, 0.0)) * idle_frac) for key in keys))
             for key in keys:
                 window = w1.get(key, 0) - w0.get(key, 0)
                 idle = w0.get(key, 0) - i0.get(key, 0)
