@@ -541,11 +541,15 @@ def _cmd_agents(args: argparse.Namespace) -> int:
                          secure=not args.insecure, restore=args.restore,
                          trial_timeout=args.trial_timeout, seed=args.seed, workdir=args.workdir,
                          keep=args.keep)
+        if args.bootstrap == "seeds" and args.mode != "kill":
+            raise ConfigError("--bootstrap seeds times SIGKILLs only (--mode kill)")
     except ConfigError as exc:
         print(f"gossiprec bench agents: error: {exc}", file=sys.stderr)
         return 2
     from gossiprec.agent.cli import run_async
-    report = run_async(run_bench(spec, progress=None if args.quiet else sys.stderr))
+    from gossiprec.bench.seeded import run_seeded
+    runner = run_seeded if args.bootstrap == "seeds" else run_bench
+    report = run_async(runner(spec, progress=None if args.quiet else sys.stderr))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
@@ -575,6 +579,10 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="between trials: rejoin (victim returns as a spare; default) or restart (fresh "
                         "cluster per trial)")
     p.add_argument("--seed", type=int, default=1, help="PRNG seed for the choice of victims")
+    p.add_argument("--bootstrap", choices=("spec", "seeds"), default="spec",
+                   help="spec: view 0 from a generated job spec (default); seeds: no member list, the "
+                        "agents agree on view 0 (--nnodes, --seed), the bench times it; victims are "
+                        "SIGKILLed and not replaced")
     p.add_argument("--workdir", default=None, help="keep job spec, sockets and agent logs here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--json", action="store_true", help="compact JSON (one line)")
