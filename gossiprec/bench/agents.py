@@ -235,6 +235,8 @@ class LocalCluster:
         self.agents: dict[str, AgentProc] = {}
         self.seed_addrs: list[str] = []
         self.keyring: Path | None = None
+        self.killable: set[str] | None = None
+        """The agents a trial may kill (None: any trainer but the seeds)."""
         self._spawned = 0
 
     def _argv(self, name: str, port: int, sock: str, spare: bool = False) -> list[str]:
@@ -364,7 +366,8 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
     seeds = set(list(cluster.agents)[:SEEDS])
     st0 = await cluster.status(next(iter(cluster.agents.values())))
     trainers = sorted(m["node"] for m in st0["view"]["members"]
-                      if m["role"] == "trainer" and m["node"] not in seeds and m["node"] in cluster.agents)
+                      if m["role"] == "trainer" and m["node"] not in seeds and m["node"] in cluster.agents
+                      and (cluster.killable is None or m["node"] in cluster.killable))
     victim = rng.choice(trainers)
     va = cluster.agents[victim]
     survivors = [a for a in cluster.live() if a.name != victim]
@@ -425,6 +428,7 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
 async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     agents = cluster.live()
     pids = [a.proc.pid for a in agents]
+    share = {p: pids.count(p) for p in set(pids)}  # agents hosted by one process split its CPU and RSS
     st_a = await asyncio.gather(*(cluster.status(a) for a in agents))
     cpu_a = [proc_cpu_split(p) for p in pids]
     lo_a = loopback_bytes(pids[0])
@@ -433,7 +437,7 @@ async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     t_b = time.monotonic()
     cpu_b = [proc_cpu_split(p) for p in pids]
     lo_b = loopback_bytes(pids[0])
-    rss = [proc_rss_mb(p) for p in pids]
+    rss = [proc_rss_mb(p) / share[p] for p in pids]
     st_b = await asyncio.gather(*(cluster.status(a) for a in agents))
     dt = t_b - t_a
 
@@ -454,9 +458,10 @@ async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     tx_bytes = rate("tx_bytes")
     return {
         "seconds": round(dt, 3), "agents": len(agents),
-        "cpu_pct_of_core": stats([100 * (sum(b) - sum(a)) / dt for a, b in zip(cpu_a, cpu_b)]),
-        "cpu_user_pct": stats([100 * (b[0] - a[0]) / dt for a, b in zip(cpu_a, cpu_b)]),
-        "cpu_system_pct": stats([100 * (b[1] - a[1]) / dt for a, b in zip(cpu_a, cpu_b)]),
+        "cpu_pct_of_core": stats([100 * (sum(b) - sum(a)) / dt / share[p] for p, a, b in zip(pids, cpu_a, cpu_b)]),
+        "cpu_user_pct": stats([100 * (b[0] - a[0]) / dt / share[p] for p, a, b in zip(pids, cpu_a, cpu_b)]),
+        "cpu_system_pct": stats([100 * (b[1] - a[1]) / dt / share[p] for p, a, b in zip(pids, cpu_a, cpu_b)]),
+        "processes": len(share),
         "rss_mb": stats(rss, 1),
         "tx_datagrams_per_s": stats(rate("tx_datagrams"), 1),
         "tx_bytes_per_s": stats(tx_bytes, 1),
@@ -543,13 +548,15 @@ def _cmd_agents(args: argparse.Namespace) -> int:
                          keep=args.keep)
         if args.bootstrap == "seeds" and args.mode != "kill":
             raise ConfigError("--bootstrap seeds times SIGKILLs only (--mode kill)")
+        if args.per_process != 1 and (args.bootstrap != "seeds" or args.per_process < 1):
+            raise ConfigError("--per-process K (>= 1) needs --bootstrap seeds")
     except ConfigError as exc:
         print(f"gossiprec bench agents: error: {exc}", file=sys.stderr)
         return 2
     from gossiprec.agent.cli import run_async
     from gossiprec.bench.seeded import run_seeded
-    runner = run_seeded if args.bootstrap == "seeds" else run_bench
-    report = run_async(runner(spec, progress=None if args.quiet else sys.stderr))
+    out = None if args.quiet else sys.stderr
+    report = run_async(run_seeded(spec, out, args.per_process) if args.bootstrap == "seeds" else run_bench(spec, out))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
@@ -583,6 +590,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="spec: view 0 from a generated job spec (default); seeds: no member list, the "
                         "agents agree on view 0 (--nnodes, --seed), the bench times it; victims are "
                         "SIGKILLed and not replaced")
+    p.add_argument("--per-process", dest="per_process", type=int, default=1, metavar="K",
+                   help="with --bootstrap seeds: run the agents that are not killed K per process (each "
+                        "with its own sockets, on one event loop); the victims run alone (default 1)")
     p.add_argument("--workdir", default=None, help="keep job spec, sockets and agent logs here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--json", action="store_true", help="compact JSON (one line)")

@@ -22,13 +22,17 @@ every survivor installed the view without the victim, and whether all survivors 
 configuration for that epoch (a disagreement otherwise). A victim is not replaced: the cluster is N - k
 agents before trial k (spares are promoted first, then ``--allow-shrink`` drops replicas), so it keeps a
 majority for K < N / 2. Packets refused are the agents' transport refusal counters (``rejects``), summed
-over the survivors at the end.
+over the survivors at the end. ``seed_bytes_at_bootstrap``: each seed's transport byte counters (received,
+sent) from its start until just after the bootstrap.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import random
+import subprocess
 import shutil
 import sys
 import tempfile
@@ -37,19 +41,25 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gossiprec.bench.agents import (SEEDS, AgentProc, BenchError, BenchSpec, LocalCluster, TrialResult,
+from gossiprec.bench.agents import (AgentProc, BenchError, BenchSpec, LocalCluster, TrialResult,
                                     measure_idle, run_trial, summary)
 from gossiprec.harness.ports import free_ports
 from gossiprec.local.client import AsyncControlClient
 from gossiprec.local.protocol import ControlError
 
 
+BOOT_SEEDS = 3
+"""The first agents are the seed list (a majority of them must answer for view 0 to be decided)."""
+
+
 class SeededCluster(LocalCluster):
     """Agents started with ``--nnodes`` and a seed list instead of a job spec."""
 
-    def __init__(self, spec: BenchSpec, workdir: Path) -> None:
+    def __init__(self, spec: BenchSpec, workdir: Path, per_process: int = 1) -> None:
         super().__init__(spec, workdir, 0)
+        self.per_process = per_process
         self.spawned_at: dict[str, float] = {}
+        self.processes = 0
 
     def _argv(self, name: str, port: int, sock: str, spare: bool = False) -> list[str]:
         index = int(name[1:])
@@ -76,10 +86,47 @@ class SeededCluster(LocalCluster):
                 Keyring([os.urandom(32)]).save(self.keyring)
         names = [f"a{i:04d}" for i in range(spec.nodes)]
         ports = free_ports(spec.nodes)
-        self.seed_addrs = [f"127.0.0.1:{p}" for p in ports[:SEEDS]]
+        self.seed_addrs = [f"127.0.0.1:{p}" for p in ports[:min(BOOT_SEEDS, spec.nodes)]]
+        trainers = names[BOOT_SEEDS:spec.nodes - spec.n_spares]
+        self.killable = set(trainers)  # never a seed
+        if self.per_process > 1:
+            # the victims-to-be run alone (a SIGKILL kills exactly one agent), the others share processes
+            self.killable = set(random.Random(spec.seed).sample(trainers, min(spec.trials, len(trainers))))
+        group: list[tuple[str, int]] = []
         for name, port in zip(names, ports):
-            self.spawn(name, port, original=True)
-            self.spawned_at[name] = time.monotonic()
+            if self.per_process == 1 or name in self.killable:
+                self.spawn(name, port, original=True)
+                self.processes += 1
+                self.spawned_at[name] = time.monotonic()
+            else:
+                group.append((name, port))
+                if len(group) == self.per_process:
+                    self._spawn_group(group)
+                    group = []
+        if group:
+            self._spawn_group(group)
+        self.agents = {n: self.agents[n] for n in names}  # rank order: the seeds first
+
+    def _spawn_group(self, group: list[tuple[str, int]]) -> None:
+        """One ``agent_host`` process running the agents of ``group`` on one event loop."""
+        argvs, socks = [], []
+        for name, port in group:
+            self._spawned += 1
+            sock = str(self.dir / f"{self.gen}-{self._spawned}.sock")
+            argvs.append(self._argv(name, port, sock)[4:])  # less "python -m gossiprec agent"
+            socks.append(sock)
+        argf = self.dir / f"{group[0][0]}-host.json"
+        argf.write_text(json.dumps(argvs))
+        logf = self.dir / f"{group[0][0]}-host.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GOSSIPREC_")}
+        with open(logf, "ab") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "gossiprec.bench.agent_host", str(argf)], env=env,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+        self.processes += 1
+        now = time.monotonic()
+        for (name, port), sock in zip(group, socks):
+            self.agents[name] = AgentProc(name, port, sock, proc, logf, True)
+            self.spawned_at[name] = now
 
 
 async def _view0_stamp(a: AgentProc, deadline: float) -> tuple[float, float, bool]:
@@ -106,9 +153,15 @@ async def _view0_stamp(a: AgentProc, deadline: float) -> tuple[float, float, boo
                 if ev.get("event") in ("ViewZeroAgreed", "ViewInstalled"):
                     return ready, float(ev["at"]), False
     except TimeoutError:
-        raise BenchError(f"{a.name} installed no view 0 in time; see {a.log}") from None
+        pass
     finally:
         await c.aclose()
+    try:
+        async with await AsyncControlClient.connect(a.sock, timeout=5) as c2:
+            why = (await c2.status()).get("bootstrap")
+    except (OSError, ControlError) as exc:
+        why = f"no status: {exc}"
+    raise BenchError(f"{a.name} learnt no view 0 in time (bootstrap: {why}); see {a.log}")
 
 
 def _refused(statuses: list[dict[str, Any]]) -> dict[str, Any]:
@@ -121,12 +174,11 @@ def _refused(statuses: list[dict[str, Any]]) -> dict[str, Any]:
             "agents": len(per)}
 
 
-async def run_seeded(spec: BenchSpec, progress: Any = None) -> dict[str, Any]:
+async def run_seeded(spec: BenchSpec, progress: Any = None, per_process: int = 1) -> dict[str, Any]:
     """Bootstrap ``spec.nodes`` agents from seeds, measure idle, SIGKILL ``spec.trials`` trainers."""
     workdir = Path(spec.workdir) if spec.workdir else Path(tempfile.mkdtemp(prefix="grs", dir="/tmp"))
     workdir.mkdir(parents=True, exist_ok=True)
     spec = replace(spec, restore="restart")  # run_trial: no replacement (the victim stays dead)
-    import random
     rng = random.Random(spec.seed)
 
     def say(msg: str) -> None:
@@ -134,7 +186,7 @@ async def run_seeded(spec: BenchSpec, progress: Any = None) -> dict[str, Any]:
             print(msg, file=progress, flush=True)
 
     load_before = os.getloadavg()
-    cluster = SeededCluster(spec, workdir)
+    cluster = SeededCluster(spec, workdir, per_process)
     results: list[TrialResult] = []
     idle: dict[str, Any] | None = None
     try:
@@ -158,6 +210,8 @@ async def run_seeded(spec: BenchSpec, progress: Any = None) -> dict[str, Any]:
         say(f"bootstrap: {boot}")
         statuses = await asyncio.gather(*(cluster.status(a) for a in cluster.live()))
         boot_refused = _refused(statuses)
+        seed_bytes = [{k: int(st.get("transport", {}).get("counters", {}).get(k, 0)) for k in ("rx_bytes", "tx_bytes")}
+                      for st in statuses[:BOOT_SEEDS]]
         await asyncio.sleep(spec.settle_s)
         if spec.idle_s > 0:
             await asyncio.sleep(max(0.0, spec.idle_warmup_s - spec.settle_s))
@@ -186,7 +240,7 @@ async def run_seeded(spec: BenchSpec, progress: Any = None) -> dict[str, Any]:
     report: dict[str, Any] = {
         "bench": "agents", "bootstrap": "seeds", "nodes": spec.nodes, "trials": spec.trials, "mode": "kill",
         "profile": spec.profile, "spares": spec.n_spares, "secure": spec.secure, "cores": os.cpu_count(),
-        "agents_per_process": 1,
+        "agents_per_process": per_process, "processes": cluster.processes,
         "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         **boot,
@@ -195,11 +249,15 @@ async def run_seeded(spec: BenchSpec, progress: Any = None) -> dict[str, Any]:
         "timed_out": sum(1 for r in results if r.timed_out),
         "disagreements": sum(1 for r in results if not r.agreed and not r.timed_out),
         "fenced": sum(r.fenced for r in results),
+        "seed_bytes_at_bootstrap": seed_bytes,
         "refused_during_bootstrap": boot_refused,
         "refused": end_refused,
         "per_trial": [asdict(r) for r in results],
-        "note": "one `gossiprec agent` process per member on 127.0.0.1; victims are SIGKILLed and not "
-                "replaced; new_view_s is until the last survivor installed the view without the victim",
+        "note": ("one `gossiprec agent` process per member" if per_process == 1 else
+                 f"the agents to be killed run alone (`gossiprec agent`), the others {per_process} per process "
+                 "(gossiprec.bench.agent_host: the agent's own code and sockets, one event loop each process)")
+                + " on 127.0.0.1; victims are SIGKILLed and not replaced; new_view_s is until the last survivor "
+                  "installed the view without the victim; idle CPU and RSS of a shared process are split evenly",
     }
     if idle is not None:
         report["idle"] = idle
