@@ -12,9 +12,10 @@ from typing import Any
 
 def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``bench`` with its sub-commands (``agents``, ``recovery``, ``baseline``, ``device-transfer``,
-    ``commit``, ``ddp``, ``digest``, ``bootstrap``, ``agreement``, ``sharded``) to the ``gossiprec`` parser."""
+    ``commit``, ``ddp``, ``digest``, ``bootstrap``, ``agreement``, ``sharded``, ``scale``) to the ``gossiprec``
+    parser."""
     from gossiprec.bench import (agents, agreement, baseline, bootstrap, commit, ddp, device, digest, recovery,
-                                 sharded)
+                                 scale, sharded)
 
     p = subparsers.add_parser("bench", help="benchmarks of real agent processes",
                               description="Benchmarks of real agent processes; each prints JSON.")
@@ -29,5 +30,6 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     bootstrap.add_cli(sub)
     agreement.add_cli(sub)
     sharded.add_cli(sub)
+    scale.add_cli(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
     return p  # type: ignore[no-any-return]

@@ -145,6 +145,10 @@ class TrialResult:
     observers: ``watermarks``)."""
     fast_ratio: float | None = None
     """Share of survivors whose ``ViewInstalled`` says the fast path decided it (else classic Paxos)."""
+    survivor_cpu_s: float | None = None
+    """CPU of the survivors' processes from the kill until the last survivor installed the view."""
+    window_s: float | None = None
+    """That window's length."""
 
 
 @dataclass
@@ -378,14 +382,19 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
     target = va.child_pid() if spec.mode == "exit" else va.proc.pid
     if target is None:
         raise BenchError(f"{victim} has no training child to stop; see {va.log}")
+    pids = sorted({a.proc.pid for a in survivors} - {va.proc.pid})
+    cpu0 = sum(sum(proc_cpu_split(p)) for p in pids)
     t0 = time.monotonic()
     os.kill(target, signal.SIGKILL)
     timed_out = False
     events: list[dict[str, Any]] = []
+    cpu_s = window_s = None
     try:
         async with asyncio.timeout(spec.trial_timeout):
             events = list(await asyncio.gather(*(_until_view_without(c, victim, e0, alerts, fences)
                                                  for c, e0 in watches)))
+        window_s = round(time.monotonic() - t0, 4)
+        cpu_s = round(sum(sum(proc_cpu_split(p)) for p in pids) - cpu0, 4)
     except TimeoutError:
         timed_out = True
     finally:
@@ -421,7 +430,8 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
         survivors=len(survivors), fenced=len(fences), timed_out=timed_out, restore_s=restore_s,
         error=error,
         alerts_s=tuple(round(a - t0, 4) for a in sorted(alerts)),
-        fast_ratio=round(sum(1 for ev in events if ev.get("fast")) / len(events), 3) if events else None)
+        fast_ratio=round(sum(1 for ev in events if ev.get("fast")) / len(events), 3) if events else None,
+        survivor_cpu_s=cpu_s, window_s=window_s)
 
 
 # --- idle -----------------------------------------------------------------------------------------

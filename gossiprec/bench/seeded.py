@@ -22,8 +22,10 @@ every survivor installed the view without the victim, and whether all survivors 
 configuration for that epoch (a disagreement otherwise). A victim is not replaced: the cluster is N - k
 agents before trial k (spares are promoted first, then ``--allow-shrink`` drops replicas), so it keeps a
 majority for K < N / 2. Packets refused are the agents' transport refusal counters (``rejects``), summed
-over the survivors at the end. ``seed_bytes_at_bootstrap``: each seed's transport byte counters (received,
-sent) from its start until just after the bootstrap.
+over the survivors at the end. ``cpu_per_agent_per_recovery_s``: the survivors' processes' CPU from
+the SIGKILL until the last survivor installed the view, per survivor, less the idle rate (mean over the
+trials; it includes serving the bench's event subscriptions). ``seed_bytes_at_bootstrap``: each seed's
+transport byte counters (received, sent) from its start until just after the bootstrap.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +94,10 @@ class SeededCluster(LocalCluster):
         if self.per_process > 1:
             # the victims-to-be run alone (a SIGKILL kills exactly one agent), the others share processes
             self.killable = set(random.Random(spec.seed).sample(trainers, min(spec.trials, len(trainers))))
+        seeds = set(names[:BOOT_SEEDS])  # a seed answers every candidate: it gets a process of its own
         group: list[tuple[str, int]] = []
         for name, port in zip(names, ports):
-            if self.per_process == 1 or name in self.killable:
+            if self.per_process == 1 or name in self.killable or name in seeds:
                 self.spawn(name, port, original=True)
                 self.processes += 1
                 self.spawned_at[name] = time.monotonic()
@@ -174,6 +177,17 @@ def _refused(statuses: list[dict[str, Any]]) -> dict[str, Any]:
             "agents": len(per)}
 
 
+def _cpu_per_recovery(results: list[TrialResult], idle: dict[str, Any] | None) -> float | None:
+    """Mean over trials of the survivors' CPU from the kill to the last install, per survivor, less
+    the idle rate over the same window (None without an idle measurement to subtract)."""
+    if idle is None or not idle.get("cpu_pct_of_core"):
+        return None
+    rate = idle["cpu_pct_of_core"]["mean"] / 100.0
+    xs = [r.survivor_cpu_s / r.survivors - rate * r.window_s for r in results
+          if r.survivor_cpu_s is not None and r.window_s is not None and r.survivors]
+    return round(sum(xs) / len(xs), 5) if xs else None
+
+
 async def run_seeded(spec: BenchSpec, progress: Any = None, per_process: int = 1) -> dict[str, Any]:
     """Bootstrap ``spec.nodes`` agents from seeds, measure idle, SIGKILL ``spec.trials`` trainers."""
     workdir = Path(spec.workdir) if spec.workdir else Path(tempfile.mkdtemp(prefix="grs", dir="/tmp"))
@@ -245,6 +259,7 @@ async def run_seeded(spec: BenchSpec, progress: Any = None, per_process: int = 1
         "load_avg_after": [round(x, 2) for x in os.getloadavg()],
         **boot,
         "new_view_s": summary(done),
+        "cpu_per_agent_per_recovery_s": _cpu_per_recovery(results, idle),
         "detect_s": summary([r.alerts_s[0] for r in results if r.alerts_s]),
         "timed_out": sum(1 for r in results if r.timed_out),
         "disagreements": sum(1 for r in results if not r.agreed and not r.timed_out),
@@ -254,7 +269,8 @@ async def run_seeded(spec: BenchSpec, progress: Any = None, per_process: int = 1
         "refused": end_refused,
         "per_trial": [asdict(r) for r in results],
         "note": ("one `gossiprec agent` process per member" if per_process == 1 else
-                 f"the agents to be killed run alone (`gossiprec agent`), the others {per_process} per process "
+                 f"the seeds and the agents to be killed run alone (`gossiprec agent`), the others "
+                 f"{per_process} per process "
                  "(gossiprec.bench.agent_host: the agent's own code and sockets, one event loop each process)")
                 + " on 127.0.0.1; victims are SIGKILLed and not replaced; new_view_s is until the last survivor "
                   "installed the view without the victim; idle CPU and RSS of a shared process are split evenly",

@@ -148,7 +148,8 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
     joined_extra = [n for n in live if n not in in_view and n in held and n in held[n][1]]
     first = min(started.values()) if started else 0.0
     done_at = max(decided_at) if decided_at else params.duration
-    seed_rx_bytes = [sum(b for t, i, b in seed_rx if i == k and t <= done_at) for k in range(params.dead_seeds, params.seeds)]
+    seed_rx_bytes = [sum(b for t, i, b in seed_rx if i == k and t <= done_at)
+                     for k in range(params.dead_seeds, params.seeds)]
     return {
         "seed": params.seed, "nodes": params.nodes, "expected": params.expected, "seeds": params.seeds,
         "dead_seeds": params.dead_seeds, "loss": params.loss,
