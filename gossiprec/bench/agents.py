@@ -239,6 +239,8 @@ class LocalCluster:
         self.agents: dict[str, AgentProc] = {}
         self.seed_addrs: list[str] = []
         self.keyring: Path | None = None
+        self.control_timeout = 5.0
+        """Seconds a control request may take (a process hosting several agents answers slower)."""
         self.killable: set[str] | None = None
         """The agents a trial may kill (None: any trainer but the seeds)."""
         self._spawned = 0
@@ -303,7 +305,7 @@ class LocalCluster:
             return ""
 
     async def status(self, a: AgentProc) -> dict[str, Any]:
-        async with await AsyncControlClient.connect(a.sock, timeout=5) as c:
+        async with await AsyncControlClient.connect(a.sock, timeout=self.control_timeout) as c:
             return await c.status()
 
     async def wait_converged(self, timeout: float, must_hold: str | None = None) -> tuple[int, str]:
@@ -341,8 +343,8 @@ class LocalCluster:
 
 
 # --- trials ---------------------------------------------------------------------------------------
-async def _watch(a: AgentProc, victim: str) -> tuple[AsyncControlClient, int]:
-    c = await AsyncControlClient.connect(a.sock, timeout=5)
+async def _watch(a: AgentProc, victim: str, timeout: float = 5.0) -> tuple[AsyncControlClient, int]:
+    c = await AsyncControlClient.connect(a.sock, timeout=timeout)
     try:
         await c.subscribe()
         st = await c.status()
@@ -375,7 +377,7 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
     victim = rng.choice(trainers)
     va = cluster.agents[victim]
     survivors = [a for a in cluster.live() if a.name != victim]
-    watches = await asyncio.gather(*(_watch(a, victim) for a in survivors))
+    watches = await asyncio.gather(*(_watch(a, victim, cluster.control_timeout) for a in survivors))
     clients = [c for c, _ in watches]
     alerts: list[float] = []
     fences: list[float] = []

@@ -137,7 +137,7 @@ def run(sizes: list[int], real_max: int, trials: int, idle_s: float, per_process
                 print(f"bench scale: real N={n}", file=progress, flush=True)
             try:
                 rows.append(real_row(n, trials, idle_s, per_process, seed, progress))
-            except GossiprecError as exc:  # e.g. no view 0 in time: the row says so, with nothing measured
+            except (GossiprecError, OSError, TimeoutError) as exc:  # the row says so, with nothing measured
                 rows.append({"kind": "real", "nodes": n, **{c: None for c in COLUMNS}, "error": str(exc)[:2000]})
     return {
         "bench": "scale", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cores": os.cpu_count(),

@@ -60,6 +60,7 @@ class SeededCluster(LocalCluster):
     def __init__(self, spec: BenchSpec, workdir: Path, per_process: int = 1) -> None:
         super().__init__(spec, workdir, 0)
         self.per_process = per_process
+        self.control_timeout = 30.0
         self.spawned_at: dict[str, float] = {}
         self.processes = 0
 
@@ -138,7 +139,7 @@ async def _view0_stamp(a: AgentProc, deadline: float) -> tuple[float, float, boo
         if a.proc.poll() is not None:
             raise BenchError(f"{a.name} exited with {a.proc.returncode} while bootstrapping; see {a.log}")
         try:
-            c = await AsyncControlClient.connect(a.sock, timeout=5)
+            c = await AsyncControlClient.connect(a.sock, timeout=30)
             break
         except (OSError, ControlError):
             if time.monotonic() > deadline:
@@ -160,7 +161,7 @@ async def _view0_stamp(a: AgentProc, deadline: float) -> tuple[float, float, boo
     finally:
         await c.aclose()
     try:
-        async with await AsyncControlClient.connect(a.sock, timeout=5) as c2:
+        async with await AsyncControlClient.connect(a.sock, timeout=30) as c2:
             why = (await c2.status()).get("bootstrap")
     except (OSError, ControlError) as exc:
         why = f"no status: {exc}"
