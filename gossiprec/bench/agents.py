@@ -32,6 +32,10 @@ namespace counts too, so run the bench in a namespace of its own for an exact fi
 ``unshare -n sh -c 'ip link set lo up && gossiprec bench agents ...'``). If the transport counts bytes
 (``tx_bytes``), that figure is reported as well.
 
+``--bootstrap seeds`` (:mod:`gossiprec.bench.seeded`) starts the agents without a job spec, times their
+agreement on view 0, and SIGKILLs victims without replacing them; ``--per-process K`` packs the agents
+that are not killed K to a process (:mod:`gossiprec.bench.agent_host`).
+
 Nothing here is imported by the agent; it only drives processes and reads their control sockets.
 """
 
