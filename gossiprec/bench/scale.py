@@ -11,9 +11,10 @@ Per size N of ``--sizes``, two kinds of row:
     CPU cost is charged there: its time is protocol rounds on the virtual network only).
 ``real``
     for N <= ``--real-max``: :func:`gossiprec.bench.seeded.run_seeded`, N agents on 127.0.0.1 that
-    agree on view 0 from a seed list (``--nnodes``), an idle window, then ``--trials`` SIGKILLs. Above
-    16 agents, the agents that are not killed run ``--per-process`` to a process (the agent's own code
-    and sockets, one event loop per process); the victims always run alone.
+    agree on view 0 from a seed list (``--nnodes``), an idle window, then ``--trials`` SIGKILLs. One
+    process per agent unless ``--per-process K`` (above 16 agents, the agents that are neither seeds nor
+    victims then run K to a process, on one event loop; on 2 loaded cores that made 32 agents fail their
+    trials, see docs/benchmarks.md#scaling).
 
 Columns (null where a kind does not measure it; never estimated):
 
@@ -221,8 +222,9 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="real agents for every size up to this (default 128; 0: simulator only)")
     p.add_argument("--trials", type=int, default=5, help="SIGKILLs per real size (default 5)")
     p.add_argument("--idle", type=float, default=10.0, metavar="S", help="idle window of real agents (default 10)")
-    p.add_argument("--per-process", dest="per_process", type=int, default=8, metavar="K",
-                   help="above 16 real agents, the ones not killed run K per process (default 8)")
+    p.add_argument("--per-process", dest="per_process", type=int, default=1, metavar="K",
+                   help="above 16 real agents, the seeds and victims alone, the others K per process "
+                        "(default 1: a process per agent)")
     p.add_argument("--sim-duration", dest="sim_duration", type=float, default=8.0,
                    help="virtual seconds per simulated crash (default 8; the crash is at 3)")
     p.add_argument("--crypto-cost-us", dest="crypto_cost_us", default=None, metavar="SIGN,VERIFY[,PER_KB]",

@@ -2,13 +2,13 @@
 
 Theory of operation
 -------------------
-One ``gossiprec agent`` process per member on 127.0.0.1 (the agent's own code, sockets and event loop;
-one agent per process), started as a user would start a job with no spec: ``--nnodes N --spares S
---host localhost --local-index i`` and the same ``--seed`` list everywhere (the first two agents'
-addresses). As soon as an agent's control socket answers, the bench subscribes to its events, so the
-``ViewZeroAgreed`` (view 0 decided, as this agent learnt it) arrives with the agent's own
-``time.monotonic()`` stamp (``at``). The
-bootstrap figure is the latest agent's view-0 stamp minus the moment the last agent's control socket
+One ``gossiprec agent`` process per member on 127.0.0.1 (the agent's own code, sockets and event loop),
+started as a user would start a job with no spec: ``--nnodes N --spares S --host localhost --local-index
+i`` and the same ``--seed`` list everywhere (the first three agents' addresses; they are never killed).
+With ``per_process`` K > 1, the seeds and the agents to be killed still run alone and the others K to a
+process (:mod:`gossiprec.bench.agent_host`). As soon as an agent's control socket answers, the bench
+subscribes to its events, so the ``ViewZeroAgreed`` (view 0 decided, as this agent learnt it) arrives
+with the agent's own ``time.monotonic()`` stamp (``at``). The bootstrap figure is the latest agent's view-0 stamp minus the moment the last agent's control socket
 first answered, i.e. the last agent is up (``bootstrap_s``), and minus the moment the last process was
 spawned (``bootstrap_after_spawn_s``: Python start-up of every agent included, on a loaded machine most
 of it). An agent whose subscription came after its view 0 (it is then already in
@@ -78,7 +78,8 @@ class SeededCluster(LocalCluster):
 
     @property
     def boot_timeout(self) -> float:
-        return self.spec.start_timeout or 60.0 + self.spec.nodes
+        # every agent's timeout runs from its own start: the first must outwait the others' start-up
+        return self.spec.start_timeout or 120.0 + 2.0 * self.spec.nodes
 
     def start(self) -> None:
         spec = self.spec
