@@ -8,12 +8,12 @@ i`` and the same ``--seed`` list everywhere (the first three agents' addresses; 
 With ``per_process`` K > 1, the seeds and the agents to be killed still run alone and the others K to a
 process (:mod:`gossiprec.bench.agent_host`). As soon as an agent's control socket answers, the bench
 subscribes to its events, so the ``ViewZeroAgreed`` (view 0 decided, as this agent learnt it) arrives
-with the agent's own ``time.monotonic()`` stamp (``at``). The bootstrap figure is the latest agent's view-0 stamp minus the moment the last agent's control socket
-first answered, i.e. the last agent is up (``bootstrap_s``), and minus the moment the last process was
-spawned (``bootstrap_after_spawn_s``: Python start-up of every agent included, on a loaded machine most
-of it). An agent whose subscription came after its view 0 (it is then already in
-``status``) is counted in ``late_subscriptions`` and stamped when its ``status`` said so (an upper
-bound).
+with the agent's own ``time.monotonic()`` stamp (``at``). The bootstrap figure is the latest agent's
+view-0 stamp minus the moment the last agent's control socket first answered, i.e. the last agent is up
+(``bootstrap_s``), and minus the moment the last process was spawned (``bootstrap_after_spawn_s``:
+Python start-up of every agent included, on a loaded machine most of it). An agent whose subscription
+came after its view 0 (it is then already in ``status``) is counted in ``late_subscriptions`` and
+stamped when its ``status`` said so (an upper bound).
 
 Then, with the cluster converged, ``--idle S`` measures it at rest (:func:`gossiprec.bench.agents.
 measure_idle`: CPU, RSS, datagrams and loopback bytes per agent), and ``--trials K`` SIGKILLs K
