@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from gossiprec.agent.cli import run_async
 from gossiprec.bench import scale
+from gossiprec.bench.agents import BenchSpec
+from gossiprec.bench.seeded import run_seeded
 from gossiprec.sim.costs import CryptoCosts
 
 SIM_MEASURED = ("detect_p99_s", "agree_p50_s", "agree_p99_s", "plan_ready_p99_s", "cpu_per_agent_per_recovery_s",
@@ -52,6 +55,19 @@ def test_scale_cli_sim_only_with_plot(tmp_path: Path) -> None:
     assert [(r["kind"], r["nodes"]) for r in report["rows"]] == [("sim", 5)]
     assert report["crypto_cost"]["sign_us"] == 40
     assert png.stat().st_size > 1000
+
+
+def test_seeded_agents_packed_two_per_process() -> None:
+    """The seeds and the victim run alone, the 3 others share 2 processes (bench/agent_host.py); the
+    shared processes' CPU and RSS are split between their agents."""
+    spec = BenchSpec(nodes=7, trials=1, spares=1, idle_s=1.0, idle_warmup_s=1.0)
+    report = run_async(run_seeded(spec, None, per_process=2))
+    assert report["processes"] == 3 + 1 + 2 and report["idle"]["processes"] == 6
+    assert report["agents_per_process"] == 2 and report["late_subscriptions"] == 0
+    (trial,) = report["per_trial"]
+    assert trial["agreed"] and not trial["timed_out"] and trial["survivors"] == 6
+    assert report["disagreements"] == 0 and report["bootstrap_s"] >= 0
+    assert 5 < report["idle"]["rss_mb"]["mean"] < report["idle"]["rss_mb"]["max"]
 
 
 @pytest.mark.parametrize("sizes", ["", "2,16", "x"])
