@@ -15,12 +15,12 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     ``commit``, ``ddp``, ``digest``, ``bootstrap``, ``agreement``, ``sharded``, ``scale``) to the ``gossiprec``
     parser."""
     from gossiprec.bench import (agents, agreement, baseline, bootstrap, commit, ddp, device, digest, recovery,
-                                 scale, sharded)
+                                 scale, seeded, sharded)
 
     p = subparsers.add_parser("bench", help="benchmarks of real agent processes",
                               description="Benchmarks of real agent processes; each prints JSON.")
     sub = p.add_subparsers(dest="bench", metavar="BENCH")
-    agents.add_cli(sub)
+    agents.add_cli(sub, seeded.run_seeded)
     recovery.add_cli(sub)
     baseline.add_cli(sub)
     device.add_cli(sub)

@@ -570,15 +570,22 @@ def _cmd_agents(args: argparse.Namespace) -> int:
         print(f"gossiprec bench agents: error: {exc}", file=sys.stderr)
         return 2
     from gossiprec.agent.cli import run_async
-    from gossiprec.bench.seeded import run_seeded
     out = None if args.quiet else sys.stderr
-    report = run_async(run_seeded(spec, out, args.per_process) if args.bootstrap == "seeds" else run_bench(spec, out))
+    if args.bootstrap == "seeds":
+        if args.seeded is None:
+            print("gossiprec bench agents: error: --bootstrap seeds runs from `gossiprec bench agents`",
+                  file=sys.stderr)
+            return 2
+        report = run_async(args.seeded(spec, out, args.per_process))
+    else:
+        report = run_async(run_bench(spec, out))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
 
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``agents`` to the ``bench`` sub-commands (sets ``func``)."""
+def add_cli(subparsers: Any, seeded: Any = None) -> argparse.ArgumentParser:
+    """Add ``agents`` to the ``bench`` sub-commands (sets ``func``). ``seeded``: the runner of
+    ``--bootstrap seeds`` (:func:`gossiprec.bench.seeded.run_seeded`, which builds on this module)."""
     p = subparsers.add_parser(
         "agents", help="time view changes and idle cost of real agent processes on loopback",
         description="Start N agents on 127.0.0.1 from a generated job spec; per trial make one leave "
@@ -613,7 +620,7 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--json", action="store_true", help="compact JSON (one line)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=_cmd_agents)
+    p.set_defaults(func=_cmd_agents, seeded=seeded)
     return p  # type: ignore[no-any-return]
 
 
