@@ -17,7 +17,8 @@ from gossiprec.agent.cli import run_async
 from gossiprec.agent.jobspec import view0_from_dict
 
 TRIAL_KEYS = {"index", "victim", "new_view_s", "survivor_p50_s", "first_alert_s", "epoch", "agreed",
-              "survivors", "fenced", "timed_out", "restore_s", "error", "alerts_s", "fast_ratio"}
+              "survivors", "fenced", "timed_out", "restore_s", "error", "alerts_s", "fast_ratio", "survivor_cpu_s",
+              "window_s"}
 
 
 def _check_trials(report: dict, nodes: int, trials: int) -> None:
@@ -35,6 +36,7 @@ def _check_trials(report: dict, nodes: int, trials: int) -> None:
         assert alerts == sorted(alerts) and all(0 < a < t["new_view_s"] for a in alerts)
         assert t["first_alert_s"] == (alerts[0] if alerts else None)
         assert 0 <= t["fast_ratio"] <= 1
+        assert t["window_s"] >= t["new_view_s"] and t["survivor_cpu_s"] >= 0
 
 
 @pytest.mark.slow

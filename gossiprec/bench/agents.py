@@ -32,6 +32,10 @@ namespace counts too, so run the bench in a namespace of its own for an exact fi
 ``unshare -n sh -c 'ip link set lo up && gossiprec bench agents ...'``). If the transport counts bytes
 (``tx_bytes``), that figure is reported as well.
 
+``--bootstrap seeds`` (:mod:`gossiprec.bench.seeded`) starts the agents without a job spec, times their
+agreement on view 0, and SIGKILLs victims without replacing them; ``--per-process K`` packs the agents
+that are not killed K to a process (:mod:`gossiprec.bench.agent_host`).
+
 Nothing here is imported by the agent; it only drives processes and reads their control sockets.
 """
 
@@ -145,6 +149,10 @@ class TrialResult:
     observers: ``watermarks``)."""
     fast_ratio: float | None = None
     """Share of survivors whose ``ViewInstalled`` says the fast path decided it (else classic Paxos)."""
+    survivor_cpu_s: float | None = None
+    """CPU of the survivors' processes from the kill until the last survivor installed the view."""
+    window_s: float | None = None
+    """That window's length."""
 
 
 @dataclass
@@ -235,6 +243,10 @@ class LocalCluster:
         self.agents: dict[str, AgentProc] = {}
         self.seed_addrs: list[str] = []
         self.keyring: Path | None = None
+        self.control_timeout = 5.0
+        """Seconds a control request may take (a process hosting several agents answers slower)."""
+        self.killable: set[str] | None = None
+        """The agents a trial may kill (None: any trainer but the seeds)."""
         self._spawned = 0
 
     def _argv(self, name: str, port: int, sock: str, spare: bool = False) -> list[str]:
@@ -297,7 +309,7 @@ class LocalCluster:
             return ""
 
     async def status(self, a: AgentProc) -> dict[str, Any]:
-        async with await AsyncControlClient.connect(a.sock, timeout=5) as c:
+        async with await AsyncControlClient.connect(a.sock, timeout=self.control_timeout) as c:
             return await c.status()
 
     async def wait_converged(self, timeout: float, must_hold: str | None = None) -> tuple[int, str]:
@@ -335,8 +347,8 @@ class LocalCluster:
 
 
 # --- trials ---------------------------------------------------------------------------------------
-async def _watch(a: AgentProc, victim: str) -> tuple[AsyncControlClient, int]:
-    c = await AsyncControlClient.connect(a.sock, timeout=5)
+async def _watch(a: AgentProc, victim: str, timeout: float = 5.0) -> tuple[AsyncControlClient, int]:
+    c = await AsyncControlClient.connect(a.sock, timeout=timeout)
     try:
         await c.subscribe()
         st = await c.status()
@@ -364,25 +376,31 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
     seeds = set(list(cluster.agents)[:SEEDS])
     st0 = await cluster.status(next(iter(cluster.agents.values())))
     trainers = sorted(m["node"] for m in st0["view"]["members"]
-                      if m["role"] == "trainer" and m["node"] not in seeds and m["node"] in cluster.agents)
+                      if m["role"] == "trainer" and m["node"] not in seeds and m["node"] in cluster.agents
+                      and (cluster.killable is None or m["node"] in cluster.killable))
     victim = rng.choice(trainers)
     va = cluster.agents[victim]
     survivors = [a for a in cluster.live() if a.name != victim]
-    watches = await asyncio.gather(*(_watch(a, victim) for a in survivors))
+    watches = await asyncio.gather(*(_watch(a, victim, cluster.control_timeout) for a in survivors))
     clients = [c for c, _ in watches]
     alerts: list[float] = []
     fences: list[float] = []
     target = va.child_pid() if spec.mode == "exit" else va.proc.pid
     if target is None:
         raise BenchError(f"{victim} has no training child to stop; see {va.log}")
+    pids = sorted({a.proc.pid for a in survivors} - {va.proc.pid})
+    cpu0 = sum(sum(proc_cpu_split(p)) for p in pids)
     t0 = time.monotonic()
     os.kill(target, signal.SIGKILL)
     timed_out = False
     events: list[dict[str, Any]] = []
+    cpu_s = window_s = None
     try:
         async with asyncio.timeout(spec.trial_timeout):
             events = list(await asyncio.gather(*(_until_view_without(c, victim, e0, alerts, fences)
                                                  for c, e0 in watches)))
+        window_s = round(time.monotonic() - t0, 4)
+        cpu_s = round(sum(sum(proc_cpu_split(p)) for p in pids) - cpu0, 4)
     except TimeoutError:
         timed_out = True
     finally:
@@ -418,13 +436,15 @@ async def run_trial(cluster: LocalCluster, index: int, rng: random.Random) -> Tr
         survivors=len(survivors), fenced=len(fences), timed_out=timed_out, restore_s=restore_s,
         error=error,
         alerts_s=tuple(round(a - t0, 4) for a in sorted(alerts)),
-        fast_ratio=round(sum(1 for ev in events if ev.get("fast")) / len(events), 3) if events else None)
+        fast_ratio=round(sum(1 for ev in events if ev.get("fast")) / len(events), 3) if events else None,
+        survivor_cpu_s=cpu_s, window_s=window_s)
 
 
 # --- idle -----------------------------------------------------------------------------------------
 async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     agents = cluster.live()
     pids = [a.proc.pid for a in agents]
+    share = {p: pids.count(p) for p in set(pids)}  # agents hosted by one process split its CPU and RSS
     st_a = await asyncio.gather(*(cluster.status(a) for a in agents))
     cpu_a = [proc_cpu_split(p) for p in pids]
     lo_a = loopback_bytes(pids[0])
@@ -433,7 +453,7 @@ async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     t_b = time.monotonic()
     cpu_b = [proc_cpu_split(p) for p in pids]
     lo_b = loopback_bytes(pids[0])
-    rss = [proc_rss_mb(p) for p in pids]
+    rss = [proc_rss_mb(p) / share[p] for p in pids]
     st_b = await asyncio.gather(*(cluster.status(a) for a in agents))
     dt = t_b - t_a
 
@@ -454,9 +474,10 @@ async def measure_idle(cluster: LocalCluster, seconds: float) -> dict[str, Any]:
     tx_bytes = rate("tx_bytes")
     return {
         "seconds": round(dt, 3), "agents": len(agents),
-        "cpu_pct_of_core": stats([100 * (sum(b) - sum(a)) / dt for a, b in zip(cpu_a, cpu_b)]),
-        "cpu_user_pct": stats([100 * (b[0] - a[0]) / dt for a, b in zip(cpu_a, cpu_b)]),
-        "cpu_system_pct": stats([100 * (b[1] - a[1]) / dt for a, b in zip(cpu_a, cpu_b)]),
+        "cpu_pct_of_core": stats([100 * (sum(b) - sum(a)) / dt / share[p] for p, a, b in zip(pids, cpu_a, cpu_b)]),
+        "cpu_user_pct": stats([100 * (b[0] - a[0]) / dt / share[p] for p, a, b in zip(pids, cpu_a, cpu_b)]),
+        "cpu_system_pct": stats([100 * (b[1] - a[1]) / dt / share[p] for p, a, b in zip(pids, cpu_a, cpu_b)]),
+        "processes": len(share),
         "rss_mb": stats(rss, 1),
         "tx_datagrams_per_s": stats(rate("tx_datagrams"), 1),
         "tx_bytes_per_s": stats(tx_bytes, 1),
@@ -541,17 +562,30 @@ def _cmd_agents(args: argparse.Namespace) -> int:
                          secure=not args.insecure, restore=args.restore,
                          trial_timeout=args.trial_timeout, seed=args.seed, workdir=args.workdir,
                          keep=args.keep)
+        if args.bootstrap == "seeds" and args.mode != "kill":
+            raise ConfigError("--bootstrap seeds times SIGKILLs only (--mode kill)")
+        if args.per_process != 1 and (args.bootstrap != "seeds" or args.per_process < 1):
+            raise ConfigError("--per-process K (>= 1) needs --bootstrap seeds")
     except ConfigError as exc:
         print(f"gossiprec bench agents: error: {exc}", file=sys.stderr)
         return 2
     from gossiprec.agent.cli import run_async
-    report = run_async(run_bench(spec, progress=None if args.quiet else sys.stderr))
+    out = None if args.quiet else sys.stderr
+    if args.bootstrap == "seeds":
+        if args.seeded is None:
+            print("gossiprec bench agents: error: --bootstrap seeds runs from `gossiprec bench agents`",
+                  file=sys.stderr)
+            return 2
+        report = run_async(args.seeded(spec, out, args.per_process))
+    else:
+        report = run_async(run_bench(spec, out))
     print(json.dumps(report, indent=None if args.json else 2))
     return 0
 
 
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``agents`` to the ``bench`` sub-commands (sets ``func``)."""
+def add_cli(subparsers: Any, seeded: Any = None) -> argparse.ArgumentParser:
+    """Add ``agents`` to the ``bench`` sub-commands (sets ``func``). ``seeded``: the runner of
+    ``--bootstrap seeds`` (:func:`gossiprec.bench.seeded.run_seeded`, which builds on this module)."""
     p = subparsers.add_parser(
         "agents", help="time view changes and idle cost of real agent processes on loopback",
         description="Start N agents on 127.0.0.1 from a generated job spec; per trial make one leave "
@@ -575,11 +609,18 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
                    help="between trials: rejoin (victim returns as a spare; default) or restart (fresh "
                         "cluster per trial)")
     p.add_argument("--seed", type=int, default=1, help="PRNG seed for the choice of victims")
+    p.add_argument("--bootstrap", choices=("spec", "seeds"), default="spec",
+                   help="spec: view 0 from a generated job spec (default); seeds: no member list, the "
+                        "agents agree on view 0 (--nnodes, --seed), the bench times it; victims are "
+                        "SIGKILLed and not replaced")
+    p.add_argument("--per-process", dest="per_process", type=int, default=1, metavar="K",
+                   help="with --bootstrap seeds: run the agents that are not killed K per process (each "
+                        "with its own sockets, on one event loop); the victims run alone (default 1)")
     p.add_argument("--workdir", default=None, help="keep job spec, sockets and agent logs here")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--json", action="store_true", help="compact JSON (one line)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=_cmd_agents)
+    p.set_defaults(func=_cmd_agents, seeded=seeded)
     return p  # type: ignore[no-any-return]
 
 

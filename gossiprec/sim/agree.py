@@ -32,7 +32,7 @@ from typing import Any, Callable, cast
 
 from gossiprec.core.auth import Crypto, DigestCrypto, KeyBook
 from gossiprec.core.config import AgreementConfig, Config
-from gossiprec.core.events import Fenced, PlanReady, Straggler, Unfenced, ViewInstalled
+from gossiprec.core.events import AlertRaised, Fenced, PlanReady, Straggler, Unfenced, ViewInstalled
 from gossiprec.core.machine import Machine
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
@@ -490,6 +490,15 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
             cluster.at(now, lambda: report(idx))
 
     cluster.observers.append(on_event)
+    alerted: dict[int, float] = {}
+    """Survivor -> its first alert about a victim after the fault (detection, as each observer saw it)."""
+
+    def on_alert(now: float, idx: int, ev: Any) -> None:
+        if type(ev) is AlertRaised and now >= t_fault and idx not in alerted \
+                and any(ev.subject == names[v] for v in victims):
+            alerted[idx] = now
+
+    cluster.observers.append(on_alert)
     if meter is not None:
         cluster.observers.append(_plan_watch(cluster, checker, meter, victims, t_fault))
 
@@ -625,6 +634,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         "wall_s": round(wall, 3),
         "cpu_s": round(cpu, 3),
         "events": cluster.events_processed,
+        "detect_s": round(min(alerted.values()) - t_fault, 4) if alerted else None,
         "agree_s": quantiles(agree),
         "plan_s": quantiles(plan),
         "views_decided": final_epoch,

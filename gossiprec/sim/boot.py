@@ -6,7 +6,8 @@ extra), each a :class:`~gossiprec.core.bootstrap.Booting` machine that becomes a
 :class:`~gossiprec.core.node.Node` once view 0 is decided, on the simulator's virtual clock. Invariants,
 checked from what was delivered (not from any node's own bookkeeping): every view 0 any agent installs
 is one value, and that value was accepted at one ballot by a majority of the seeds (the accepts and
-their answers as they crossed the network).
+their answers as they crossed the network). ``seed_rx_bytes``: the bytes delivered to each live seed
+until the last candidate learnt view 0.
 """
 
 from __future__ import annotations
@@ -105,7 +106,11 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
     violations: list[str] = []
     majority = len(seeds) // 2 + 1  # counted here, not taken from the machines' own parameters
 
+    seed_rx: list[tuple[float, int, int]] = []  # (when, seed index, bytes) delivered to a seed
+
     def tap(now: float, dst: int, data: bytes, reliable: bool) -> None:
+        if dst < params.seeds:
+            seed_rx.append((now, dst, len(data)))
         try:
             msgs = decode_packet(data, 1 << 24)
         except DecodeError:
@@ -142,6 +147,9 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
     held = {n: (v.epoch, sorted(m.node for m in v.members)) for n, v in views.items() if v is not None}
     joined_extra = [n for n in live if n not in in_view and n in held and n in held[n][1]]
     first = min(started.values()) if started else 0.0
+    done_at = max(decided_at) if decided_at else params.duration
+    seed_rx_bytes = [sum(b for t, i, b in seed_rx if i == k and t <= done_at)
+                     for k in range(params.dead_seeds, params.seeds)]
     return {
         "seed": params.seed, "nodes": params.nodes, "expected": params.expected, "seeds": params.seeds,
         "dead_seeds": params.dead_seeds, "loss": params.loss,
@@ -150,6 +158,8 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
             (Candidate(n, n, hosts[n], names.index(n) % 2) for n in value), key=rank_order)],
         "agreed_by": len(agreed), "live": len(live),
         "agree_s": (max(decided_at) - first) if decided_at else None,
+        "last_start_s": max(started.values()) if started else None,
+        "seed_rx_bytes": seed_rx_bytes,
         "extra_joined": len(joined_extra), "extra_live": len([n for n in live if n not in in_view]),
         "view0_config": view_zero((Candidate(n, n, hosts[n], names.index(n) % 2) for n in value), boot).config_id
         if value else None,
