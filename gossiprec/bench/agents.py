@@ -275,13 +275,17 @@ class LocalCluster:
         self.agents[name] = a
         return a
 
-    def start(self) -> None:
-        spec = self.spec
-        if spec.secure:
+    def make_keyring(self) -> None:
+        """A secure cluster's keyring file, made once (every agent of the cluster reads it)."""
+        if self.spec.secure:
             from gossiprec.security.keyring import Keyring
             self.keyring = self.dir / "keyring.json"
             if not self.keyring.exists():
                 Keyring([os.urandom(32)]).save(self.keyring)
+
+    def start(self) -> None:
+        spec = self.spec
+        self.make_keyring()
         names = [f"g{self.gen}n{i:02d}" for i in range(spec.nodes)]
         ports = free_ports(spec.nodes)
         (self.dir / "job.toml").write_text(job_spec(list(zip(names, ports)), spec.n_spares))

@@ -83,11 +83,7 @@ class SeededCluster(LocalCluster):
 
     def start(self) -> None:
         spec = self.spec
-        if spec.secure:
-            from gossiprec.security.keyring import Keyring
-            self.keyring = self.dir / "keyring.json"
-            if not self.keyring.exists():
-                Keyring([os.urandom(32)]).save(self.keyring)
+        self.make_keyring()
         names = [f"a{i:04d}" for i in range(spec.nodes)]
         ports = free_ports(spec.nodes)
         self.seed_addrs = [f"127.0.0.1:{p}" for p in ports[:min(BOOT_SEEDS, spec.nodes)]]
