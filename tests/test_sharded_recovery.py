@@ -163,9 +163,11 @@ CI_JOBS = {
     # stopped before its row-parallel layer: its tensor-parallel peer waits inside the TP all-reduce
     "tp": [Fault("n3", "kill", 3, "backprop"), Fault("n2", "stop", 6, "forward")],
     # a kill in forward (peers in the FSDP all-gather), in the optimizer step (after the clip-norm
-    # all-reduce), and between two steps
+    # all-reduce), and between two steps while the other replica group (ranks 0 and 1, held before their
+    # clip-norm all-reduce until the plan) has not committed that step: rank 3 (n4) rolls its commit of
+    # step 7 back to its copy of step 6 (a reload of FSDP2's DTensors once kept the newer step's tensors)
     "hsdp": [Fault("n3", "kill", 3, "forward"), Fault("n1", "kill", 5, "optimizer"),
-             Fault("n2", "kill", 7, "committed")],
+             Fault("n0", "hold", 7, "clip"), Fault("n5", "hold", 7, "clip"), Fault("n2", "kill", 7, "committed")],
 }
 
 
@@ -192,6 +194,10 @@ def test_sharded_job_spares_take_lost_shards_bit_identical(layout: str, tmp_path
         assert "allreduce" in by_rank_cause["forward"][3], res
     else:  # the killed rank's shard peer (rank 2) waited in the forward all-gather
         assert "all_gather" in by_rank_cause["forward"][2], res
+        # n2's death came with rank 3 a commit ahead of ranks 0 and 1 (held): the job resumed at step 6
+        last = next(f for f in res["faults"] if f["node"] == "n2")
+        assert {(r["rank"], r["target_step"], r["lost_steps"]) for r in last["records"] if r["rank"] == 3} \
+            == {(3, 6, 1)}, res
 
 
 HANGS = [

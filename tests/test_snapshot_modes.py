@@ -7,6 +7,7 @@ served or reloaded at every moment, bit for bit against a full copy, and the hos
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -391,3 +392,77 @@ def test_a_reload_of_the_older_copy_drops_the_live_step() -> None:
     assert _state(objects, 0) == zero and snaps.steps() == [0] and snaps.harden() is None
     _sharded_step(snaps, model, opt, cursor, 1)  # training goes on: 0 copied, 1 live
     assert snaps.steps() == [0, 1]
+
+
+_FSDP_ROLLBACK = """
+import json, torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from gossiprec.trainer.collectives.managed import init_managed_world
+from gossiprec.trainer.objects import training_state
+from gossiprec.trainer.state.capture import capture_deferred, capture_state
+from gossiprec.trainer.state.snapshots import Snapshots, late_tensors
+
+init_managed_world(0, 1, timeout=10)
+mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4), torch.nn.LayerNorm(4))
+for block in (model[0], model[2]):
+    fully_shard(block, mesh=mesh)
+fully_shard(model, mesh=mesh)  # the LayerNorm: parameters at the root
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+objects = training_state(model, opt)
+
+def step(k):
+    model(torch.full((2, 4), float(k))).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+def state():
+    return capture_state(objects, step=0, checksum=False).payload()
+
+step(0)  # the optimizer's state exists
+snaps = Snapshots(objects, background=False, copies=1)
+snaps.hold_live = True
+snaps.commit(0)
+step(1)
+snaps.commit(1)  # step 1 held live beside the copy of step 0
+one = state()
+live = snaps.held[-1]
+out = {"owners": sum(o is not None for o in getattr(live, "owners", ())), "live": len(live.live)}
+assert snaps.harden() == 1  # at step 2's optimizer step (every rank committed 1): 1 copied over 0
+step(2)
+out["live_valid_after_step"] = live.valid()
+snaps.commit(2)  # 1 (copy) and 2 (live)
+snaps.begin_recovery()  # a plan resumes at 1: another replica group never committed 2
+hard = snaps.at(1)
+snaps.restore(hard)
+out["restored"] = state() == one
+out["steps"] = snaps.steps()
+params = [p for g in opt.param_groups for p in g["params"]]
+_, deferred = capture_deferred(objects, step=3, defer=late_tensors(objects, params))
+step(3)  # the optimizer step before the background copies ran: a torn snapshot
+out["modified"] = len(deferred.modified())
+print(json.dumps(out))
+"""
+
+
+def test_fsdp2_rollback_to_the_older_copy_restores_parameters_and_moments() -> None:
+    """FSDP2's DTensors: the optimizer step moves the DTensor's in-place version counter, not its local
+    shard's, so a reload that skipped tensors "unchanged since the snapshot" by the shard's counter kept
+    the newer step's parameters and moments (with the older step counter): a rank rolled back from a
+    commit its replica group made and the other group did not trained on from a mix of two steps. The
+    same counter makes a live snapshot invalid after the optimizer step and finds a torn background copy."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _FSDP_ROLLBACK], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    # 6 parameters held live, each with exp_avg and exp_avg_sq: shards of DTensors; their step counters are not
+    assert (res["owners"], res["live"]) == (18, 24), res
+    assert res["live_valid_after_step"] is False, res
+    assert res["restored"] is True and res["steps"] == [1], res
+    assert res["modified"] == res["live"], res

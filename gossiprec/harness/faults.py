@@ -13,11 +13,11 @@ word: its network cut, then every process on it SIGKILLed; see ``LocalJob.crash`
 the orchestrator sends the signal from outside once the node has committed the fault's step (kill,
 stop, pause, reprovision and crash; the last three have no phase). With one, the trainer acts on
 itself through :class:`FaultInjector`, its ``on_phase`` hook, at that phase of the step: ``compute``,
-``communicate`` (the all-reduce in flight), ``optimizer``, ``committed`` (between steps), ``forward``
-and ``backprop`` (the backward pass; fired by a trainer that hooks its model:
-:mod:`gossiprec.harness.sharded_trainer`), ``checkpoint`` (as a save between steps begins, inside
-``rt.checkpointing()``), or ``serve``: a donor, :data:`SERVE_KILL_DELAY` after a
-receiver asked it for state, with the receivers slowed by
+``communicate`` (the all-reduce in flight), ``optimizer``, ``committed`` (between steps), ``forward``,
+``backprop`` (the backward pass) and ``clip`` (after backward, before the clip-norm all-reduce; these
+three fired by a trainer that hooks its model: :mod:`gossiprec.harness.sharded_trainer`), ``checkpoint``
+(as a save between steps begins, inside ``rt.checkpointing()``), or ``serve``: a donor,
+:data:`SERVE_KILL_DELAY` after a receiver asked it for state, with the receivers slowed by
 ``slow_fetch`` seconds per chunk so that it dies mid-transfer. Before a kill or stop the injector
 records when it fired (the timelines are measured from that moment).
 """
@@ -45,7 +45,9 @@ SLOW_S = 0.3
 HOLD_MAX_S = 10.0
 """A ``hold`` fault stalls its trainer until its agent has the plan of a newer epoch (and the trainer knows
 that view), at most this long."""
-FAULT_PHASES = ("compute", "communicate", "optimizer", "committed", "serve", "forward", "backprop", "checkpoint")
+FAULT_PHASES = (
+    "compute", "communicate", "optimizer", "committed", "serve", "forward", "backprop", "clip", "checkpoint",
+)
 SERVE_KILL_DELAY = 0.2
 """A donor with a ``serve`` fault signals itself this long after a receiver asked it for state (it
 seals the state and sends the header first; a receiver slowed by ``slow_fetch`` is still reading)."""

@@ -13,7 +13,8 @@ parameters, tied embeddings, a buffer, dropout, an LR schedule and a data positi
 Batches are a function of (step, data-parallel coordinate) alone (``stateless_data``). Faults
 (``--fault KIND@PHASE:STEP``, :class:`~gossiprec.harness.faults.FaultInjector`) fire at ``forward``
 (before the second layer: its tensor-parallel peer then waits in the row-wise all-reduce), ``backprop``
-(between the two layers' gradients), ``optimizer`` (inside ``opt.step()``, after clipping) and
+(between the two layers' gradients), ``clip`` (after backward, before the clip-norm all-reduce),
+``optimizer`` (inside ``opt.step()``, after clipping) and
 ``committed`` (between steps), and at the trainer's own phases.
 
 ``--dcp DIR --dcp-every N``: checkpoints with :class:`~gossiprec.trainer.checkpoint.DcpCheckpoints`
@@ -37,7 +38,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gossiprec.harness import tiny_lm
 from gossiprec.harness.faults import Fault, FaultInjector
@@ -82,11 +83,12 @@ def build_objects(layout: str, mesh: Any, hidden: int = HIDDEN) -> dict[str, Any
 
 
 def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int, pace_s: float = 0.0,
-               clip: bool = True) -> None:
+               clip: bool = True, before_clip: Callable[[], None] | None = None) -> None:
     """One step: forward, backward, data-parallel averaging (tp), clipping, optimizer. ``pace_s``: a sleep
     between forward and backward, standing in for a longer compute step (the overhead bench's pacing).
     ``clip``: the clip-norm all-reduce, which also keeps every rank out of its optimizer step until
-    every rank's data-parallel reduction is done (without it a replica group may step before another)."""
+    every rank's data-parallel reduction is done (without it a replica group may step before another).
+    ``before_clip``: called after backward (and the data-parallel averaging), before clipping."""
     import torch
     import torch.distributed as dist
 
@@ -103,6 +105,8 @@ def train_step(layout: str, objects: dict[str, Any], mesh: Any, step: int, pace_
             g = p.grad.to_local()
             dist.all_reduce(g, group=group)
             g.div_(mesh["dp"].size())
+    if before_clip is not None:
+        before_clip()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # a norm all-reduce over the shards
     opt.step()
@@ -141,9 +145,14 @@ def trainer_main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.with_suffix(".pid").write_text(str(os.getpid()))
     layout = args.layout
-    hook = FaultInjector([Fault.parse("", f) for f in args.fault], out.with_suffix(".fault"))
     records: list[dict[str, Any]] = []
     rt: Any = None
+
+    def plan_epoch() -> int:  # (a hold fault waits for this: the newest plan, once this trainer knows its view)
+        plan = rt.control.status().get("plan")
+        return min(int(plan["epoch"]) if plan else -1, rt._follower.newest_view)
+
+    hook = FaultInjector([Fault.parse("", f) for f in args.fault], out.with_suffix(".fault"), plan_epoch=plan_epoch)
 
     def build(mesh: Any) -> dict[str, Any]:
         if args.model == "lm":
@@ -213,7 +222,8 @@ def trainer_main(args: argparse.Namespace) -> int:
                     losses[done.step] = done.value
             else:
                 with rt.training_step() as step:
-                    train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip)
+                    train_step(layout, rt.objects, rt.mesh, step, args.pace_ms / 1000.0, clip=not args.no_clip,
+                               before_clip=lambda: hook(rt.step + 1, "clip"))
             commits.append((rt.step, time.monotonic()))
             cpu.append(time.process_time())
             out.with_suffix(".step").write_text(str(rt.step))  # progress, for an orchestrator outside

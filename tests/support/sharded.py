@@ -56,7 +56,11 @@ def check_job(res: dict[str, Any], reference: dict[int, str], copies: int = 1, b
         least = res["state_bytes"][r] if copies else 0
         assert least <= kept <= least + rng + buffers, (r, res["kept_bytes"], where)
     groups = res["replica_groups"]
+    from gossiprec.harness.faults import STALLS
+
     for f in res["faults"]:
+        if f["kind"] in STALLS:  # (a stall is no failure: the trainer records none)
+            continue
         assert f["fired"], (f, where)
         # no step that every shard had committed is lost (a failure inside a step may leave one replica
         # group a commit ahead of another: that step was never committed by the job, and is redone)

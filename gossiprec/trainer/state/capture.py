@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Container, Mapping, Sequence, cast
 
 from gossiprec.errors import ConfigError
-from gossiprec.trainer.state.header import StateHeader, TensorSpec, dtype_name, tensor_bytes, walk_objects
+from gossiprec.trainer.state.header import (
+    StateHeader, TensorSpec, dtype_name, in_place_version, tensor_bytes, walk_objects,
+)
 
 if TYPE_CHECKING:  # torch is imported lazily: the non-torch parts of gossiprec must not pull it in
     import torch
@@ -33,11 +35,15 @@ class StateSnapshot:
     header: StateHeader
     tensors: tuple[torch.Tensor, ...]
     sources: tuple[tuple[int, int], ...] = ()
-    """``(data_ptr, in-place version)`` of each copied source tensor at capture (empty when not copied):
+    """``(data_ptr, in-place version)`` of each copied source tensor at capture (empty when not copied;
+    the version as :func:`~gossiprec.trainer.state.header.in_place_version` reads it):
     :func:`restore_state` skips tensors that still hold exactly these bytes."""
     live: tuple[int, ...] = ()
     """Indices of the payload tensors that are the live tensors themselves (no copy, see ``view`` in
     :func:`capture_deferred`): the snapshot is valid only while none of them was modified in place."""
+    owners: tuple[Any, ...] = ()
+    """For each index of :attr:`live`, the DTensor whose local shard that tensor is (None for a plain
+    tensor): an optimizer step through the DTensor moves only the DTensor's version counter."""
 
     @property
     def step(self) -> int:
@@ -45,7 +51,12 @@ class StateSnapshot:
 
     def valid(self) -> bool:
         """No live tensor of the payload was modified since capture (always True without live tensors)."""
-        return all(self.tensors[i]._version == self.sources[i][1] for i in self.live)
+        return all(v == self.sources[i][1] for i, v in zip(self.live, self.live_versions(), strict=True))
+
+    def live_versions(self) -> list[int]:
+        """The in-place versions of the live tensors now, in the order of :attr:`live`."""
+        owners = self.owners or (None,) * len(self.live)
+        return [in_place_version(self.tensors[i], o) for i, o in zip(self.live, owners, strict=True)]
 
     def host_bytes(self) -> int:
         """Bytes of host memory this snapshot holds of its own (live tensors are not its own)."""
@@ -58,7 +69,7 @@ class StateSnapshot:
         if not any(self.tensors[i].device.type != "cpu" for i in self.live):
             return self
         tensors = tuple(t.to("cpu") if t.device.type != "cpu" else t for t in self.tensors)
-        return StateSnapshot(self.header, tensors, self.sources, self.live)
+        return StateSnapshot(self.header, tensors, self.sources, self.live, self.owners)
 
     def views(self) -> list[memoryview]:
         """Zero-copy byte views of the payload tensors, in header order."""
@@ -92,8 +103,10 @@ def capture_state(objects: Mapping[str, Stateful], *, step: int, copy: bool = Tr
 class DeferredCopies:
     """Tensor copies :func:`capture_deferred` left to the caller: ``dst.copy_(src)`` for each pair.
 
-    ``versions`` are the sources' in-place version counters at capture: :meth:`modified` tells whether any
-    source was modified before its copy finished (the snapshot would then mix two steps).
+    ``versions`` are the sources' in-place versions at capture (``owners``: the DTensor of each source
+    that is a local shard, else None; see :func:`~gossiprec.trainer.state.header.in_place_version`):
+    :meth:`modified` tells whether any source was modified before its copy finished (the snapshot would
+    then mix two steps).
 
     A CUDA source is copied into a pinned host tensor on a side stream of its device, which first
     waits for ``ready`` (an event recorded at capture on the capturing thread's current stream: the
@@ -105,6 +118,7 @@ class DeferredCopies:
     pairs: list[tuple[torch.Tensor, torch.Tensor]]
     names: list[str]
     versions: list[int]
+    owners: list[Any] = field(default_factory=list)
     ready: dict[Any, Any] = field(default_factory=dict)
     """CUDA device -> event recorded at capture (see the class docstring); empty for CPU sources."""
     nbytes: int = 0
@@ -135,8 +149,8 @@ class DeferredCopies:
 
     def modified(self) -> list[str]:
         """Names of the sources whose version counter moved since capture."""
-        return [n for n, (_, src), v in zip(self.names, self.pairs, self.versions, strict=True)
-                if src._version != v]
+        return [n for n, (_, src), v, o in zip(self.names, self.pairs, self.versions, self.owners, strict=True)
+                if in_place_version(src, o) != v]
 
 
 _SIDE_STREAMS: dict[Any, Any] = {}
@@ -166,7 +180,8 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
 
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ConfigError(f"step must be an int >= 0, got {step!r}")
-    trees, found = walk_objects(objects)
+    wrappers: dict[str, Any] = {}
+    trees, found = walk_objects(objects, wrappers=wrappers)
     spare: list[torch.Tensor | None] = [None] * len(found)
     old_specs: Sequence[TensorSpec | None] = cast("list[TensorSpec | None]", spare)  # all None here
     if reuse is not None and copy and [s.name for s in reuse.header.tensors] == [n for n, _ in found]:
@@ -176,6 +191,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
     specs: list[TensorSpec] = []
     sources: list[tuple[int, int]] = []
     live: list[int] = []
+    owners: list[Any] = []
     deferred = DeferredCopies([], [], [])
     devices: set[Any] = set()  # CUDA devices of deferred sources
     offset = 0
@@ -185,11 +201,13 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
             if t.layout != strided:
                 raise ConfigError(f"tensor {name} has layout {t.layout}; only dense tensors can be "
                                   "transferred (convert sparse tensors in state_dict())")
-            ptr, version = t.data_ptr(), t._version
+            owner = wrappers.get(name)
+            ptr, version = t.data_ptr(), in_place_version(t, owner)
             kept = old is not None and old.dtype == t.dtype and old.shape == t.shape
             if view and ptr in view and (t.is_cpu or t.is_cuda) and t.is_contiguous():
                 payload_t = t.detach()  # shares the version counter: valid() sees the optimizer step
                 live.append(len(tensors))
+                owners.append(owner)
             elif copy and defer and ptr in defer and (t.is_cpu or t.is_cuda) and t.is_contiguous():
                 if checksum:
                     raise ConfigError("checksum=True needs every tensor's bytes at capture; defer nothing")
@@ -204,6 +222,7 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
                 deferred.pairs.append((old, t))
                 deferred.names.append(name)
                 deferred.versions.append(version)
+                deferred.owners.append(owner)
                 deferred.nbytes += old.nbytes
                 payload_t = old
             elif kept:
@@ -232,4 +251,4 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
     header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
                          checksum="crc32" if checksum else "none")
     return StateSnapshot(header=header, tensors=tuple(tensors), sources=tuple(sources) if copy else (),
-                         live=tuple(live)), deferred
+                         live=tuple(live), owners=tuple(owners) if any(o is not None for o in owners) else ()), deferred

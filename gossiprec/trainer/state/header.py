@@ -393,6 +393,15 @@ def walk_objects(objects: Mapping[str, Stateful], *, wrappers: dict[str, Any] | 
     return trees, found
 
 
+def in_place_version(local: torch.Tensor, wrapper: Any = None) -> int:
+    """The in-place version of a state tensor as :func:`walk_objects` found it (``wrapper``: the DTensor
+    whose local shard ``local`` is, from its ``wrappers``). An in-place op through a DTensor (the
+    optimizer step on FSDP2 or tensor-parallel parameters and moments) bumps the DTensor's counter
+    only, not its shard's; a write to the shard (a restore, a fetch) bumps the shard's only. Both only
+    grow, so their sum moves whenever either tensor is written."""
+    return local._version + (wrapper._version if wrapper is not None else 0)
+
+
 def _dtensor_type() -> Any:
     """torch's ``DTensor`` class if a program imported it (no DTensor can exist otherwise), else None."""
     module = sys.modules.get("torch.distributed.tensor")

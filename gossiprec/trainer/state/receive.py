@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Iterable, Mapping, S
 from gossiprec.errors import ConfigError, TransferError
 from gossiprec.trainer.state.capture import StateSnapshot
 from gossiprec.trainer.state.header import (
-    StateHeader, decode_tree, dtype_name, dtype_of, tensor_bytes, unpack_header, walk_objects,
+    StateHeader, decode_tree, dtype_name, dtype_of, in_place_version, tensor_bytes, unpack_header, walk_objects,
 )
 
 if TYPE_CHECKING:  # torch is imported lazily: the non-torch parts of gossiprec must not pull it in
@@ -233,8 +233,11 @@ def restore_state(objects: Mapping[str, Stateful], snapshot: StateSnapshot | tup
         bound = ReceiveTarget(objects).bind(header)
         skip: set[int] = set()
         if unchanged and snapshot.sources:
-            skip = {i for i, (dst, (ptr, version)) in enumerate(zip(bound.tensors, snapshot.sources, strict=True))
-                    if ptr in unchanged and dst.data_ptr() == ptr and dst._version == version}
+            wrappers = bound.target.wrappers
+            skip = {i for i, (spec, dst, (ptr, version))
+                    in enumerate(zip(header.tensors, bound.tensors, snapshot.sources, strict=True))
+                    if ptr in unchanged and dst.data_ptr() == ptr
+                    and in_place_version(dst, wrappers.get(spec.name)) == version}
         bound.write_payload(payload, skip)
         copied = sum(s.nbytes for i, s in enumerate(header.tensors) if i not in skip)
     else:

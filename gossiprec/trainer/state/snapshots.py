@@ -233,7 +233,7 @@ class Snapshots:
             # under the lock: a donor thread asking meanwhile must wait, not find the counters moved
             with self._lock:
                 copied = restore_state(self.objects, snap, unchanged=self.unchanged)
-                versions = {i: snap.tensors[i]._version for i in snap.live}
+                versions = dict(zip(snap.live, snap.live_versions(), strict=True))
                 again = replace(snap, sources=tuple((p, versions.get(i, v)) for i, (p, v) in enumerate(snap.sources)))
                 self._held = [again if h is snap or h.step == snap.step and h.live else h for h in self._held]
                 self._served = None
