@@ -226,8 +226,9 @@ class AgreementConfig:
     ``alert_after`` of failed probes, so a 1 s pause is over before anyone confirms)."""
     settle: float = 0.15
     """No proposal until the alert tally has been quiet this long (batches correlated failures)."""
-    settle_departed: float = 0.03
-    """Settle window when the only news is members announcing their own departure (a trainer exit)."""
+    settle_departed: float = 0.005
+    """Settle window when the only news is members announcing their own departure (a trainer exit):
+    departures announced less than this apart go in one view change."""
     unstable_timeout: float = 2.0
     """A subject between the L and H watermarks stops blocking proposals after this long."""
     fallback_timeout: float = 0.6

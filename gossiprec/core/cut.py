@@ -49,7 +49,7 @@ class CutDetector:
     overlay: Overlay
     settle: float
     unstable_timeout: float
-    settle_departed: float = 0.03
+    settle_departed: float = 0.005
     _tallies: dict[tuple[str, int], _Tally] = field(default_factory=dict)
     last_change: float = float("-inf")
     last_departure: float = float("-inf")
@@ -124,6 +124,11 @@ class CutDetector:
         self._version += 1
         self.last_departure = now
         return True
+
+    def announced(self, subject: str) -> bool:
+        """Whether ``subject`` announced its own departure in this view (see :meth:`departed`)."""
+        tally = self._tallies.get((subject, REMOVE))
+        return tally is not None and tally.departed
 
     def doubt(self, subject: str, now: float) -> None:
         """SWIM suspects ``subject`` (or holds it dead): its observers' alerts may be on their way. Kept

@@ -158,7 +158,8 @@ class Decider:
         """When our own vote removes so many members that the rest cannot form a fast quorum (any
         failure in a view of 4 or fewer, or several at once in a small view), the fast round can never
         decide. Then the first member of the view that our cut keeps is the coordinator of an immediate
-        classic round; every member with the same cut computes the same one. None: the fast round may
+        classic round; every member with the same cut computes the same one. Likewise when the votes
+        split between announced departures (see :meth:`_split_departures`). None: the fast round may
         still decide (or we have not voted)."""
         c, v = self.consensus, self.node.view
         if v is None or c.my_vote is None:
@@ -166,8 +167,37 @@ class Decider:
         changes = c.proposals.get(c.my_vote) or []
         removed = {ch.node for ch in changes if ch.kind == REMOVE}
         if len(v) - len(removed) >= v.fast_quorum():
-            return None
+            removed = self._split_departures()
+            if not removed:
+                return None
         return next((m.node for m in v.members if m.node not in removed), None)
+
+    def _split_departures(self) -> set[str]:
+        """Members that heard of a batch of departures in part (one came as their short settle window
+        closed) vote different cuts; once the votes counted leave no cut a fast quorum, waiting out
+        ``fallback_timeout`` gains nothing. Only for cuts made of announced departures alone (certain,
+        each its member's signed word), so alert-driven cuts keep their timeout. Returns every member
+        some voted cut removes (the coordinator is the first member of the view outside them, the same
+        on every member that counted the same votes), or nothing while the fast round may still decide."""
+        c, v, cut = self.consensus, self.node.view, self.cut
+        assert v is not None
+        if len(c.votes) < 2:
+            return set()
+        removed: set[str] = set()
+        by_all: set[str] | None = None
+        voted = best = 0
+        for digest, bits in c.votes.items():
+            changes = c.proposals.get(digest)
+            if changes is None or not all(ch.kind == REMOVE and cut.announced(ch.node) for ch in changes):
+                return set()
+            gone = {ch.node for ch in changes}
+            removed |= gone
+            by_all = gone if by_all is None else by_all & gone
+            voted |= bits
+            best = max(best, bits.bit_count())
+        # a member votes for no cut that removes it: those every cut removes will never vote
+        may_vote = sum(1 for i, m in enumerate(v.members) if not voted >> i & 1 and m.node not in (by_all or ()))
+        return removed if best + may_vote < v.fast_quorum() else set()
 
     def eval_at(self, when: float) -> None:
         """Evaluate the cut at ``when``, or sooner if an evaluation is armed already: one armed at a time.
