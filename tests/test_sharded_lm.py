@@ -52,10 +52,11 @@ def test_the_failure_free_lm_job_equals_plain_torchrun(layout: str, tmp_path: Pa
     script under torchrun without gossiprec ends with the same model, optimizer, schedule, data position
     and RNG on every rank."""
     from gossiprec.bench.sharded_overhead import run_plain, training_digest
-    from gossiprec.harness.sharded import run_sharded
 
     plain = run_plain(layout, STEPS, 16, 0.0, tmp_path / "plain", timeout=240.0, trainer_args=LM)
-    ours = run_sharded(layout, STEPS, spares=0, workdir=str(tmp_path / "ours"), timeout=240.0, trainer_args=LM)
+    # the session's failure-free run of this job (spares=0, the same trainer options): the very reference
+    # the faulted jobs below (and tests/test_dcp_fallback.py's) are compared with, run once
+    ours = reference_run(layout, ref_dir, *LM)
     work = Path(ours["workdir"])
     digests = {r: training_digest(work / f"{node}.state") for r, node in ours["assignment"].items()}
     assert digests == plain["states"], (digests, plain["states"], ours["workdir"])
