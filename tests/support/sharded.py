@@ -104,8 +104,21 @@ def plain_torchrun(layout: str, nproc: int, work: Path, *args: str,
 def shrunk_reference(layout: str, target: int, survivor: int, work: Path, *args: str) -> dict[int, dict[str, Any]]:
     """The state a 2 x 2 job that shrank at step ``target`` ends with, never running gossiprec's shrink:
     plain torchrun trains 2 x 2 to ``target`` and saves a torch distributed checkpoint; replica
-    ``survivor``'s ranks load it on a 1 x 2 mesh and train to :data:`STEPS` (tests/test_mesh_shrink.py)."""
-    ckpt = work / "ckpt"
-    plain_torchrun(layout, 4, work / "before", "--steps", str(target), "--ckpt-out", str(ckpt), *args)
-    return plain_torchrun(layout, 2, work / "after", "--steps", str(STEPS), "--ckpt-in", str(ckpt),
-                          "--resume-at", str(target), "--from-replica", str(survivor), *args)
+    ``survivor``'s ranks load it on a 1 x 2 mesh and train to :data:`STEPS` (tests/test_mesh_shrink.py).
+    (Both runs are failure-free and deterministic, so each is made once per session: the 2 x 2 run and its
+    checkpoint per ``(layout, target, args)``, shared by the survivors of either replica, and the resumed
+    1 x 2 run per ``(layout, target, survivor, args)``; ``work`` is where the first caller's runs go.)"""
+    key = (layout, target, *args)
+    if key not in _SHRUNK_CKPTS:
+        ckpt = work / "ckpt"
+        plain_torchrun(layout, 4, work / "before", "--steps", str(target), "--ckpt-out", str(ckpt), *args)
+        _SHRUNK_CKPTS[key] = ckpt
+    if (*key, survivor) not in _SHRUNK:
+        _SHRUNK[(*key, survivor)] = plain_torchrun(
+            layout, 2, work / f"after-{survivor}", "--steps", str(STEPS), "--ckpt-in", str(_SHRUNK_CKPTS[key]),
+            "--resume-at", str(target), "--from-replica", str(survivor), *args)
+    return _SHRUNK[(*key, survivor)]
+
+
+_SHRUNK_CKPTS: dict[tuple[Any, ...], Path] = {}
+_SHRUNK: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
