@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from gossiprec.errors import ConfigError
 
@@ -92,6 +92,15 @@ class Fault:
             return cls(node, kind, int(step), phase)
         except ValueError:
             raise ConfigError(f"bad fault {text!r}: write KIND@PHASE:STEP, e.g. kill@communicate:20") from None
+
+
+def newest_plan_epoch(rt: Any) -> int:
+    """The epoch of the newest plan the agent of ``rt`` (a ResilientTrainer) has, once the trainer's own
+    follower knows that view too: what a ``hold`` fault waits for (a hold that ended on the agent's word
+    alone let the held commit run before the trainer knew of the view, a commit that overwrites its one
+    copy; seen under load)."""
+    plan = rt.control.status().get("plan")
+    return min(int(plan["epoch"]) if plan else -1, int(rt._follower.newest_view))
 
 
 class FaultInjector:

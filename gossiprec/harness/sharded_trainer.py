@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from gossiprec.harness import tiny_lm
-from gossiprec.harness.faults import Fault, FaultInjector
+from gossiprec.harness.faults import Fault, FaultInjector, newest_plan_epoch
 from gossiprec.trainer.collectives.sharded import MeshSpec
 
 LAYOUTS = {"tp": MeshSpec((2, 2), ("dp", "tp")), "hsdp": MeshSpec((2, 2), ("replicate", "shard"))}
@@ -148,11 +148,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     records: list[dict[str, Any]] = []
     rt: Any = None
 
-    def plan_epoch() -> int:  # (a hold fault waits for this: the newest plan, once this trainer knows its view)
-        plan = rt.control.status().get("plan")
-        return min(int(plan["epoch"]) if plan else -1, rt._follower.newest_view)
-
-    hook = FaultInjector([Fault.parse("", f) for f in args.fault], out.with_suffix(".fault"), plan_epoch=plan_epoch)
+    hook = FaultInjector([Fault.parse("", f) for f in args.fault], out.with_suffix(".fault"),
+                         plan_epoch=lambda: newest_plan_epoch(rt))
 
     def build(mesh: Any) -> dict[str, Any]:
         if args.model == "lm":

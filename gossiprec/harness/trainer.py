@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gossiprec.harness.faults import Fault, FaultInjector
+from gossiprec.harness.faults import Fault, FaultInjector, newest_plan_epoch
 from gossiprec.harness.workload import (
     build, load_checkpoint, local_gradients, objects_of, save_checkpoint, scale_lr, state_bytes,
 )
@@ -87,14 +87,7 @@ def trainer_main(args: argparse.Namespace) -> int:
         with open(out.with_suffix(".records"), "a") as f:  # kept even if this trainer dies later
             f.write(json.dumps(records[-1]) + "\n")
 
-    def plan_epoch() -> int:
-        # the newest plan the agent has, once this trainer's own follower knows that view too: a hold
-        # that ended on the agent's word alone let the held commit run before the trainer knew of the
-        # view (a commit that overwrites its one copy; seen under load)
-        plan = rt.control.status().get("plan")
-        return min(int(plan["epoch"]) if plan else -1, rt._follower.newest_view)
-
-    hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=plan_epoch,
+    hook = (FaultInjector(faults, out.with_suffix(".fault"), args.slow_fetch, plan_epoch=lambda: newest_plan_epoch(rt),
                           lag_s=args.lag_ms / 1000.0)
             if faults or args.slow_fetch else None)
     objects = objects_of(model, opt, cursor)
