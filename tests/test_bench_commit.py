@@ -48,16 +48,47 @@ def test_sizes_report_the_floor_of_one_copy_and_each_modes_added_cpu() -> None:
     small, large = report["sizes"]
     assert large["state_bytes"] > small["state_bytes"] > 0
     for size in report["sizes"]:
-        assert size["floor_copy_ms"] > 0
+        assert size["floor_copy_ms"] > 0 and size["floor_copy_cpu_ms"] > 0
         none = size["modes"]["none"]
-        assert none["added_cpu_ms"] is None and none["cpu_s"] > 0
+        assert none["added_cpu_ms"] is None and none["own_cpu_ms"] is None and none["cpu_s"] > 0
         assert none["median_s"] >= 0.005  # padded to --step-ms at least
         for mode in ("live", "single"):
             row = size["modes"][mode]
             assert row["snapshot_identical"] is True
             assert row["added_cpu_ms"] == pytest.approx(1000 * (row["cpu_s"] - none["cpu_s"]), abs=0.002)
+            assert 0 < row["own_cpu_ms"] < 1000 * row["cpu_s"]  # the commit's own share of the process's CPU
         single = size["modes"]["single"]
-        assert size["met"] == {"single_cpu": single["added_cpu_ms"] <= size["floor_copy_ms"] + 0.5}
+        assert size["met"] == {"single_cpu": single["own_cpu_ms"] <= size["floor_copy_cpu_ms"] + 0.5}
+
+
+def test_own_cpu_counts_the_trainers_threads_and_no_other() -> None:
+    import threading
+    import time
+
+    from gossiprec.bench.commit import _own_threads_cpu
+
+    def spin() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+
+    before = _own_threads_cpu()
+    go = threading.Event()
+    ours = threading.Thread(target=lambda: (spin(), go.wait()), name="gossiprec-test")
+    other = threading.Thread(target=lambda: (spin(), go.wait()), name="not-ours")
+    ours.start()
+    other.start()
+    try:
+        time.sleep(0.01)
+        while ours.is_alive() and _own_threads_cpu().get(ours.ident or 0, 0.0) < 0.05:
+            time.sleep(0.01)
+        after = _own_threads_cpu()
+    finally:
+        go.set()
+        ours.join()
+        other.join()
+    assert set(after) - set(before) == {ours.ident}
+    assert after[ours.ident or 0] >= 0.05
 
 
 def test_sizes_need_the_loop_without_gossiprec() -> None:
