@@ -42,7 +42,7 @@ class StateSnapshot:
     """Indices of the payload tensors that are the live tensors themselves (no copy, see ``view`` in
     :func:`capture_deferred`): the snapshot is valid only while none of them was modified in place."""
     owners: tuple[Any, ...] = ()
-    """For each index of :attr:`live`, the DTensor whose local shard that tensor is (None for a plain
+    """One per index of :attr:`live`: the DTensor whose local shard that tensor is (None for a plain
     tensor): an optimizer step through the DTensor moves only the DTensor's version counter."""
 
     @property
@@ -55,8 +55,7 @@ class StateSnapshot:
 
     def live_versions(self) -> list[int]:
         """The in-place versions of the live tensors now, in the order of :attr:`live`."""
-        owners = self.owners or (None,) * len(self.live)
-        return [in_place_version(self.tensors[i], o) for i, o in zip(self.live, owners, strict=True)]
+        return [in_place_version(self.tensors[i], o) for i, o in zip(self.live, self.owners, strict=True)]
 
     def host_bytes(self) -> int:
         """Bytes of host memory this snapshot holds of its own (live tensors are not its own)."""
@@ -251,4 +250,4 @@ def capture_deferred(objects: Mapping[str, Stateful], *, step: int, copy: bool =
     header = StateHeader(step=step, tensors=tuple(specs), trees=trees, total_nbytes=offset,
                          checksum="crc32" if checksum else "none")
     return StateSnapshot(header=header, tensors=tuple(tensors), sources=tuple(sources) if copy else (),
-                         live=tuple(live), owners=tuple(owners) if any(o is not None for o in owners) else ()), deferred
+                         live=tuple(live), owners=tuple(owners)), deferred
