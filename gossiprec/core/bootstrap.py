@@ -2,12 +2,13 @@
 
 Every agent starts as a *candidate*: its name, address, host, local index on the host (by default its
 port) and whether it was started as a spare. It says hello to every seed (the same ``--seed`` list on
-every agent) until it knows the job's ``expected`` candidates; a seed answers with every candidate it
-knows. View 0 is then decided by single-decree Paxos whose acceptors are the seeds: any candidate that
-knows enough candidates proposes (signing, any seed: see below), the first in rank order at once and
-the others ``stagger`` seconds apart after it, so that a dead first candidate costs one stagger and two
-live ones rarely duel. A
-value is decided when a majority of the seeds accepted it at one ballot; Paxos then guarantees that no
+every agent) until it knows the job's ``expected`` candidates; a seed answers with the candidates it
+knows that the asker has not had from it yet (its list in the order it learnt them, from the count the
+hello reports on), so that an agent asking again while others arrive gets only the new rows. View 0 is
+then decided by single-decree Paxos whose acceptors are the seeds: any candidate that knows enough
+candidates proposes (signing, any seed: see below), the first in rank order at once and the others
+``stagger`` seconds apart after it, so that a dead first candidate costs one stagger and two live ones
+rarely duel. A value is decided when a majority of the seeds accepted it at one ballot; Paxos then guarantees that no
 other value of view 0 is ever decided, whatever the timing, the losses or the late candidates. A
 proposer that hears of an accepted value re-proposes it, so a proposer that died after the decision
 loses nothing.
@@ -31,8 +32,8 @@ value); each receiver binds the name to the first key it sees for it and refuses
 With pinned keys only the names they pin take part (``rx_boot_unpinned``). Seeds are named by address,
 often one they do not advertise (a host name), so a receiver binds each seed address to the name whose
 signed answer first claims it (one name per address, one address per name): a hello says which seed
-address it was sent to, and reports 0 known candidates until that seed is bound, so that the seed
-answers. Promises and accepteds are signed by the seed and count only under its bound name; an
+address it was sent to, and reports 0 rows had from that seed until it is bound, so that the seed
+answers with its whole list. Promises and accepteds are signed by the seed and count only under its bound name; an
 accepted signs the digest of the value it accepted. Only seeds propose, and a seed takes a prepare or
 an accept only from a seed, signed by it, and sent to its own seed address (``rx_boot_not_seed``): each
 ballot then has one value, put there after phase 1, as Paxos needs; a candidate of a key holder's own
@@ -79,6 +80,8 @@ if TYPE_CHECKING:
     from gossiprec.core.machine import Machine
 
 INF = float("inf")
+ANSWERS_KEPT = 64
+"""Signed answers to hellos a seed keeps for reuse (by seed address and range of its list)."""
 Ballot = tuple[int, str]
 _pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack  # (msgpack has no type hints)
 
@@ -235,6 +238,11 @@ class Bootstrap:
             me = me.signed_by(book)
         self.me = me
         self.known: dict[str, Candidate] = {me.name: me}
+        self._order: list[Candidate] = [me]
+        """:attr:`known` in the order this agent learnt them (it only grows): a seed answers a hello with
+        the part of it that the asker has not had from this seed yet."""
+        self._cursor: dict[str, int] = {}
+        """Seed address -> how many rows of that seed's list this agent has had from it, in its order."""
         self.decided: tuple[Candidate, ...] | None = None
         self.decided_at: float | None = None
         self.decision: BootDecided | None = None
@@ -248,7 +256,7 @@ class Bootstrap:
         # acceptor
         self._promised: Ballot = (0, "")
         self._accepted: tuple[Ballot, tuple[Candidate, ...]] | None = None
-        self._answers: dict[str, BootKnown] = {}  # our signed answer to a hello, by seed address
+        self._answers: dict[tuple[str, int, int], BootKnown] = {}  # signed answers, by (seed address, start, end)
         # proposer
         self._ballot: Ballot = (0, me.name)
         self._highest = 0
@@ -282,8 +290,8 @@ class Bootstrap:
             return
         if now >= self._hello_due:
             for seed in self.params.seeds:
-                # known 0 until the seed's signed answer bound its address here: it answers then
-                n = len(self.known) if self.book is None or seed in self.seed_of else 0
+                # what we have of the seed's list (0 until its first checked answer): it answers the rest
+                n = self._cursor.get(seed, 0)
                 hello = self._hellos.get(seed)
                 if hello is None or hello.known != n:
                     hello = sign_if(self.book, BootHello(self.me.row(), self.params.expected, self.params.spares,
@@ -375,6 +383,7 @@ class Bootstrap:
         for c in cands:
             if c.name not in self.known:
                 self.known[c.name] = c
+                self._order.append(c)
             elif self.known[c.name] != c:
                 self._count("boot_conflicts")
         if len(self.known) != before:
@@ -420,18 +429,26 @@ class Bootstrap:
         self._add([c], now)
         if self.decision is not None:
             self._send(c.addr, self.decision, True)
-        elif msg.known != len(self.known):
+        elif msg.known != len(self._order):
+            # the rows of our list from the asker's count on (all of them if it counts more than we hold:
+            # a list of another life of this address); each answer is signed once and reused
             seed = msg.to if msg.to in self.params.seeds else ""
-            answer = self._answers.get(seed)
-            if answer is None or len(answer.candidates) != len(self.known):
-                answer = sign_if(self.book, BootKnown(seed, self.me.name, _rows(self.known.values())))
-                self._answers[seed] = answer
+            start, end = (msg.known if msg.known < len(self._order) else 0), len(self._order)
+            answer = self._answers.get((seed, start, end))
+            if answer is None:
+                if len(self._answers) >= ANSWERS_KEPT:
+                    self._answers.clear()
+                answer = sign_if(self.book, BootKnown(seed, self.me.name, _rows(self._order[start:]), start))
+                self._answers[(seed, start, end)] = answer
             self._send(c.addr, answer, True)
 
     def _on_known(self, msg: BootKnown, now: float) -> None:
         self._learn(msg.candidates, now)  # each row its owner's word, whoever relays it
         if self._seed(msg.seed, msg.signer, msg):  # binds the seed's address here (its first signed answer)
             self.answered.add(msg.seed)
+            have = self._cursor.get(msg.seed, 0)
+            if msg.start <= have:  # contiguous with what we had (an answer lost or late leaves a gap: asked again)
+                self._cursor[msg.seed] = max(have, msg.start + len(msg.candidates))
             self._arm_proposal(now)  # we may have learnt that we are a seed
 
     def _from_proposer(self, msg: BootPrepare | BootAccept) -> bool:

@@ -26,7 +26,7 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
@@ -34,7 +34,8 @@ proof: :class:`BootHello` ... :class:`BootDecided`), 8 relays signed claims, con
 (:class:`ClaimBundle`, :class:`ConfirmBundle`, :class:`VoteBundle`: many members' signatures of one payload),
 9 carries the launched mesh in the bootstrap's hello (:class:`BootHello` ``shards``), 10 carries each rank's
 mean wait inside its collectives (:class:`Progress`, :class:`Ack` and push-pull rows ``wait_ms``: the straggler
-check, :mod:`gossiprec.core.stragglers`)."""
+check, :mod:`gossiprec.core.stragglers`), 11 answers a bootstrap hello with only the rows the asker lacks
+(:class:`BootKnown` ``start``; :class:`BootHello` ``known`` counts the rows had from that seed)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -601,7 +602,8 @@ PROOF = seq(record(ADDR, CANDIDATE, SIG), MAX_MEMBERS)
 @value_class
 class BootHello(Message):
     """A candidate for view 0 to a seed: who it is, the job size it was started for (``expected``
-    members, ``spares`` of them spares), how many candidates it knows, ``to``, the seed address it was
+    members, ``spares`` of them spares), how many rows of this seed's list it has had from it (its
+    answers, :class:`BootKnown`, in order), ``to``, the seed address it was
     sent to (the seed signs its answer as that seed), and ``shards``, the replica groups of the mesh it
     was started with (1: plain DDP; the replicate dimension comes first, so the count fixes the groups)."""
 
@@ -614,15 +616,18 @@ class BootHello(Message):
     sig: bytes = b""  # by the candidate (the key its row names)
 
 
-@message(41, ADDR, SIGNER, CANDIDATES, SIG)
+@message(41, ADDR, SIGNER, CANDIDATES, SIZE, SIG)
 @value_class
 class BootKnown(Message):
-    """A seed's answer to a hello: every candidate it knows; ``seed``: the seed address it answers as,
-    ``signer``: its own candidate name."""
+    """A seed's answer to a hello: the candidates it knows, in the order it learnt them, from ``start``
+    on (the hello's ``known``: what the asker already had from this seed), so that a candidate asking
+    again gets only what is new; ``seed``: the seed address it answers as, ``signer``: its own
+    candidate name."""
 
     seed: str
     signer: str
     candidates: tuple[Any, ...]
+    start: int = 0
     sig: bytes = b""  # by ``signer``
 
 

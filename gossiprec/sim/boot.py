@@ -7,7 +7,8 @@ extra), each a :class:`~gossiprec.core.bootstrap.Booting` machine that becomes a
 checked from what was delivered (not from any node's own bookkeeping): every view 0 any agent installs
 is one value, and that value was accepted at one ballot by a majority of the seeds (the accepts and
 their answers as they crossed the network). ``seed_rx_bytes``: the bytes delivered to each live seed
-until the last candidate learnt view 0.
+until the last candidate learnt view 0; ``seed_answer_rows``: the candidate rows that the seeds' answers
+to hellos (:class:`~gossiprec.core.wire.BootKnown`) carried until then, every seed together.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gossiprec.core.events import ViewZeroAgreed
 from gossiprec.core.node import Node
 from gossiprec.core.records import MemberInfo
 from gossiprec.core.view import View
-from gossiprec.core.wire import BootAccept, BootAccepted, decode_packet
+from gossiprec.core.wire import BootAccept, BootAccepted, BootKnown, decode_packet
 from gossiprec.errors import ConfigError, DecodeError
 from gossiprec.sim.cluster import Action, SimCluster
 from gossiprec.sim.network import NetworkModel
@@ -107,6 +108,7 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
     majority = len(seeds) // 2 + 1  # counted here, not taken from the machines' own parameters
 
     seed_rx: list[tuple[float, int, int]] = []  # (when, seed index, bytes) delivered to a seed
+    answer_rows: list[tuple[float, int]] = []  # (when, candidate rows) of each seed's answer delivered
 
     def tap(now: float, dst: int, data: bytes, reliable: bool) -> None:
         if dst < params.seeds:
@@ -116,7 +118,9 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
         except DecodeError:
             return
         for m in msgs:
-            if isinstance(m, BootAccept):
+            if isinstance(m, BootKnown):
+                answer_rows.append((now, len(m.candidates)))
+            elif isinstance(m, BootAccept):
                 accepts[(m.round, m.proposer)] = tuple(sorted(str(r[0]) for r in m.value))
             elif isinstance(m, BootAccepted) and m.ok:
                 accepted.setdefault((m.round, m.proposer), set()).add(m.acceptor)
@@ -160,6 +164,7 @@ def run_bootstrap(params: BootSimParams) -> dict[str, Any]:
         "agree_s": (max(decided_at) - first) if decided_at else None,
         "last_start_s": max(started.values()) if started else None,
         "seed_rx_bytes": seed_rx_bytes,
+        "seed_answer_rows": sum(n for t, n in answer_rows if t <= done_at),
         "extra_joined": len(joined_extra), "extra_live": len([n for n in live if n not in in_view]),
         "view0_config": view_zero((Candidate(n, n, hosts[n], names.index(n) % 2) for n in value), boot).config_id
         if value else None,
