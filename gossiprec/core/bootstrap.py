@@ -80,8 +80,9 @@ if TYPE_CHECKING:
     from gossiprec.core.machine import Machine
 
 INF = float("inf")
-ANSWERS_KEPT = 64
-"""Signed answers to hellos a seed keeps for reuse (by seed address and range of its list)."""
+ANSWERS_KEPT = 4
+"""Signed answers to hellos a seed keeps for reuse (by seed address and range of its list), in rows: this
+many times its list, so that the cache holds a few lists' worth whatever the job's size."""
 Ballot = tuple[int, str]
 _pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack  # (msgpack has no type hints)
 
@@ -257,6 +258,7 @@ class Bootstrap:
         self._promised: Ballot = (0, "")
         self._accepted: tuple[Ballot, tuple[Candidate, ...]] | None = None
         self._answers: dict[tuple[str, int, int], BootKnown] = {}  # signed answers, by (seed address, start, end)
+        self._answer_rows = 0  # rows held in _answers
         # proposer
         self._ballot: Ballot = (0, me.name)
         self._highest = 0
@@ -436,8 +438,9 @@ class Bootstrap:
             start, end = (msg.known if msg.known < len(self._order) else 0), len(self._order)
             answer = self._answers.get((seed, start, end))
             if answer is None:
-                if len(self._answers) >= ANSWERS_KEPT:
-                    self._answers.clear()
+                if self._answer_rows + end - start > ANSWERS_KEPT * end:
+                    self._answers, self._answer_rows = {}, 0
+                self._answer_rows += end - start
                 answer = sign_if(self.book, BootKnown(seed, self.me.name, _rows(self._order[start:]), start))
                 self._answers[(seed, start, end)] = answer
             self._send(c.addr, answer, True)
