@@ -8,10 +8,10 @@ hello reports on), so that an agent asking again while others arrive gets only t
 then decided by single-decree Paxos whose acceptors are the seeds: any candidate that knows enough
 candidates proposes (signing, any seed: see below), the first in rank order at once and the others
 ``stagger`` seconds apart after it, so that a dead first candidate costs one stagger and two live ones
-rarely duel. A value is decided when a majority of the seeds accepted it at one ballot; Paxos then guarantees that no
-other value of view 0 is ever decided, whatever the timing, the losses or the late candidates. A
-proposer that hears of an accepted value re-proposes it, so a proposer that died after the decision
-loses nothing.
+rarely duel. A value is decided when a majority of the seeds accepted it at one ballot; Paxos then
+guarantees that no other value of view 0 is ever decided, whatever the timing, the losses or the late
+candidates. A proposer that hears of an accepted value re-proposes it, so a proposer that died after the
+decision loses nothing.
 
 The value is the first ``expected`` candidates in rank order: by host (numbers in host names compared
 as numbers, so ``node2`` comes before ``node10``), then local index, then name; candidates started as
@@ -25,23 +25,22 @@ count (the replicate dimension comes first, so the count fixes the groups), and 
 otherwise is not counted (:class:`~gossiprec.core.events.BootMismatch`).
 
 Signatures (with a :class:`~gossiprec.core.auth.KeyBook`; without one nothing is signed or checked, and
-any candidate proposes). A candidate row carries the candidate's public key and its own signature of
-the row, so a row is its owner's word however it is relayed (hellos, a seed's answers, promises, the
-value); each receiver binds the name to the first key it sees for it and refuses, and counts
-(``rx_boot_key_conflict``, ``rx_boot_unsigned``), a row or hello under that name with another key.
-With pinned keys only the names they pin take part (``rx_boot_unpinned``). Seeds are named by address,
-often one they do not advertise (a host name), so a receiver binds each seed address to the name whose
-signed answer first claims it (one name per address, one address per name): a hello says which seed
-address it was sent to, and reports 0 rows had from that seed until it is bound, so that the seed
-answers with its whole list. Promises and accepteds are signed by the seed and count only under its bound name; an
-accepted signs the digest of the value it accepted. Only seeds propose, and a seed takes a prepare or
-an accept only from a seed, signed by it, and sent to its own seed address (``rx_boot_not_seed``): each
+any candidate proposes). A candidate row carries the candidate's public key and its own signature of the
+row, so a row is its owner's word however it is relayed (hellos, a seed's answers, promises, the value);
+each receiver binds the name to the first key it sees for it and refuses, and counts
+(``rx_boot_key_conflict``, ``rx_boot_unsigned``), a row or hello under that name with another key. With
+pinned keys only the names they pin take part (``rx_boot_unpinned``). Seeds are named by address, often
+one they do not advertise (a host name), so a receiver binds each seed address to the name whose signed
+answer first claims it (one name per address, one address per name): a hello says which seed address it
+was sent to, and reports 0 rows had from that seed until it is bound, so that the seed answers with its
+whole list. Promises and accepteds are signed by the seed and count only under its bound name; an
+accepted signs the digest of the value it accepted. Only seeds propose, and a seed takes a prepare or an
+accept only from a seed, signed by it, and sent to its own seed address (``rx_boot_not_seed``): each
 ballot then has one value, put there after phase 1, as Paxos needs; a candidate of a key holder's own
 cannot skip phase 1. A candidate learns it is a seed, and which, from its own signed answer to its own
-hello. ``BootDecided`` decides
-nothing alone: it carries the majority's signed accepteds (its proof), and each receiver checks them
-against its own bindings, so a late candidate that takes part in no round learns view 0 safely. View 0's
-members keep their keys: the node built from it starts with them bound.
+hello. ``BootDecided`` decides nothing alone: it carries the majority's signed accepteds (its proof), and
+each receiver checks them against its own bindings, so a late candidate that takes part in no round
+learns view 0 safely. View 0's members keep their keys: the node built from it starts with them bound.
 
 Safety needs only that a majority of the seeds keep their promises for the bootstrap's duration (an
 acceptor restarted during the bootstrap forgets them; signing, it has a new key, and receivers that
@@ -239,9 +238,6 @@ class Bootstrap:
             me = me.signed_by(book)
         self.me = me
         self.known: dict[str, Candidate] = {me.name: me}
-        self._order: list[Candidate] = [me]
-        """:attr:`known` in the order this agent learnt them (it only grows): a seed answers a hello with
-        the part of it that the asker has not had from this seed yet."""
         self._cursor: dict[str, int] = {}
         """Seed address -> how many rows of that seed's list this agent has had from it, in its order."""
         self.decided: tuple[Candidate, ...] | None = None
@@ -384,8 +380,7 @@ class Bootstrap:
         before = len(self.known)
         for c in cands:
             if c.name not in self.known:
-                self.known[c.name] = c
-                self._order.append(c)
+                self.known[c.name] = c  # (only ever added: its order is the order of a seed's answers)
             elif self.known[c.name] != c:
                 self._count("boot_conflicts")
         if len(self.known) != before:
@@ -431,17 +426,18 @@ class Bootstrap:
         self._add([c], now)
         if self.decision is not None:
             self._send(c.addr, self.decision, True)
-        elif msg.known != len(self._order):
+        elif msg.known != len(self.known):
             # the rows of our list from the asker's count on (all of them if it counts more than we hold:
             # a list of another life of this address); each answer is signed once and reused
             seed = msg.to if msg.to in self.params.seeds else ""
-            start, end = (msg.known if msg.known < len(self._order) else 0), len(self._order)
+            start, end = (msg.known if msg.known < len(self.known) else 0), len(self.known)
             answer = self._answers.get((seed, start, end))
             if answer is None:
                 if self._answer_rows + end - start > ANSWERS_KEPT * end:
                     self._answers, self._answer_rows = {}, 0
                 self._answer_rows += end - start
-                answer = sign_if(self.book, BootKnown(seed, self.me.name, _rows(self._order[start:]), start))
+                answer = sign_if(self.book, BootKnown(seed, self.me.name, _rows(list(self.known.values())[start:]),
+                                                      start))
                 self._answers[(seed, start, end)] = answer
             self._send(c.addr, answer, True)
 
