@@ -168,7 +168,12 @@ def test_a_mesh_job_shrinks_by_a_replica_group_to_the_state_of_a_job_that_shrank
     assert "Released: this rank was released" in (work / f"{released}.log").read_text(), where
     assert all(code == 0 for node, code in res["exits"].items() if node in kept.values()), (res["exits"], where)
     assert res["mesh"] == {0: [1, 2], 1: [1, 2]}, where
-    assert res["resizes"] == {0: [[4, 2, [1, 2]]], 1: [[4, 2, [1, 2]]]}, where  # on_resize saw the new mesh
+    # on_resize saw the new mesh; once per recovery applied: a newer view that interrupts a recovery after
+    # its group was built, before its first step, restores the target step again, and on_resize with it
+    # (gossiprec.trainer.recovery, "Shrink")
+    assert sorted(res["resizes"]) == [0, 1], where
+    assert all(calls and all(c == [4, 2, [1, 2]] for c in calls) for calls in res["resizes"].values()), (
+        res["resizes"], where)
     shrinks = [r for r in res["records"] if r["previous_world_size"] == 4]
     assert {(r["node"], r["rank"], r["world_size"]) for r in shrinks} == {(n, r, 2) for r, n in kept.items()}, where
     # the host memory kept for recovery is the new objects' alone (the old ones' snapshots are let go):

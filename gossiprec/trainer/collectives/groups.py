@@ -518,6 +518,7 @@ class EpochGroups:
                                   "never be reused")
             if store is not None:
                 self.store = store
+            given = self.store
             self._retire_locked(f"superseded by epoch {epoch}")
             group = EpochGroup(epoch, rank, world_size, self.backend, poll_interval=self.poll_interval,
                                timeout=self.timeout)
@@ -531,11 +532,15 @@ class EpochGroups:
 
         def construct() -> None:
             try:
-                if connect is not None:
-                    self.store = connect()
-                if self.store is None:
+                built_on = connect() if connect is not None else given
+                if built_on is None:
                     raise ConfigError(f"no store to build epoch {epoch}'s group on")
-                prefixed.append(dist.PrefixStore(store_prefix(epoch), self._sealed_store(self.store)))
+                with self._lock:
+                    # a build given up meanwhile (a newer view) must not swap the newer build's store for its
+                    # own when its connect() returns late: the epoch's other groups are built on self.store
+                    if connect is not None and self._building is group:
+                        self.store = built_on
+                prefixed.append(dist.PrefixStore(store_prefix(epoch), self._sealed_store(built_on)))
                 prefixed[0].set(f"arrived/{rank}", b"1")
                 group.pg = self._make_backend(prefixed[0], rank, world_size, limit)
                 outcome.append(None)
