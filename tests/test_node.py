@@ -107,8 +107,8 @@ def test_garbage_bytes_are_counted_and_the_node_survives() -> None:
 def test_malformed_view_state_is_counted_and_ignored() -> None:
     node = make_node()
     before = node.view
-    node.receive(encode_packet([ViewState([5, 1, 2, 3, 4, 5])]), 0.1, reliable=True)
-    node.receive(encode_packet([ViewState([9, [], [0, [], False, 1], None, None, ""])]), 0.2, reliable=True)
+    node.receive(encode_packet([ViewState([5, 1, 2, 3, 4, 5, 5])]), 0.1, reliable=True)
+    node.receive(encode_packet([ViewState([9, [], [0, [], False, 1], None, None, "", 9])]), 0.2, reliable=True)
     assert node.counters["rx_bad_view"] == 2
     assert node.view is before
 
@@ -116,7 +116,7 @@ def test_malformed_view_state_is_counted_and_ignored() -> None:
 def test_view_state_with_truncated_basis_does_not_crash_the_node() -> None:
     node = make_node()
     bad = ViewState([3, [["n0", "n0", "trainer", 0, "", ""]], [1, [[0]], False, 1], None,
-                     [[], [], [1], [], None], ""])
+                     [[], [], [1], [], None], "", 3])
     node.receive(encode_packet([bad]), 0.1, reliable=True)
     assert node.counters.get("rx_bad_view") == 1
     assert node.view is not None and node.view.epoch == 0
@@ -769,7 +769,7 @@ def test_a_report_held_for_a_view_that_removed_us_is_dropped() -> None:
     net.run(1.2)
     n0 = net.nodes["n0"]
     assert n0.aggregates.held_until is not None  # held for view 1
-    n0.aggregates.start_view(net.now)  # what a newer view's install does
+    n0.aggregates.start_view(n0.view, net.now)  # what a newer view's install does
     assert n0.aggregates.held_until is None
     n0.tick(net.now + 1.0)  # the hold's timer fires with nothing to report: no error
     assert n0.counters.get("machine_errors", 0) == 0

@@ -212,7 +212,7 @@ def test_a_commit_that_keeps_the_previous_step_reports_both_to_the_election() ->
     _backward(model, opt, cursor)
     rt.snapshots.settle()
     opt.step()
-    rt._follower.newest_view = 1  # a newer view is known when step 3 commits
+    rt._follower.newest_group = 1  # a newer view is known when step 3 commits
     rt.commit()
     assert control.states[-1] == (2, 3) and rt.step == 3 and rt.snapshots.steps() == [2, 3]
     rt.snapshots.begin_recovery()

@@ -53,7 +53,7 @@ def test_a_fence_aborts_and_holds_until_unfenced() -> None:
     f.on_event(Fenced(0, "no quorum: cannot reach a majority of the view", 3.0))
     assert f.fenced.startswith("no quorum") and aborts and f.trouble(0)
     f.on_event(Unfenced(2, 9.0))
-    assert f.fenced == "" and f.newest_view == 2
+    assert f.fenced == "" and f.newest_group == 2
 
 
 def _plan(epoch: int) -> Plan:

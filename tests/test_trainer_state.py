@@ -466,7 +466,7 @@ def test_a_spare_starting_after_its_promotion_takes_the_current_plan() -> None:
     from gossiprec.trainer.loop import ResilientTrainer
 
     port = free_ports(1, width=3)[0]
-    view = {"epoch": 1, "config_id": "c1", "replica_groups": [[0, 1]], "stopped": "",
+    view = {"epoch": 1, "config_id": "c1", "replica_groups": [[0, 1]], "stopped": "", "group_epoch": 1,
             "members": [{"node": "n0", "role": "trainer", "rank": 0}, {"node": "n2", "role": "trainer", "rank": 1}]}
 
     class Control(_StubControl):

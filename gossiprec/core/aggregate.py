@@ -57,6 +57,9 @@ from gossiprec.core.wire import (
 FINISHING = frozenset(PHASES.index(p) for p in ("communicate", "waiting", "optimizer"))
 """Phases in which a trainer may still commit the step it is in (its collective may complete, or has)."""
 
+RECONFIRM_ASKS = 4
+"""At most this many members whose confirm is missing are asked for it directly in each anti-entropy round."""
+
 StateValues = tuple[int, int | None, int]
 """(committed step, in-flight step or None, state bytes): what one report says."""
 
@@ -64,14 +67,18 @@ StateValues = tuple[int, int | None, int]
 class Aggregates:
     """The reports and plan digests of one :class:`~gossiprec.core.node.Node`'s current view."""
 
-    __slots__ = ("node", "swim", "observer", "acfg", "plan", "reports", "have", "need", "holders", "plan_hex",
-                 "next_reagg", "reagg_gap", "digests", "held_until", "claims", "confirms", "chunk")
+    __slots__ = ("node", "swim", "observer", "acfg", "view", "plan", "reports", "have", "need", "holders", "plan_hex",
+                 "next_reagg", "reagg_gap", "digests", "held_until", "claims", "confirms", "chunk", "planned_at",
+                 "reconfirmed")
 
     def __init__(self, node: NodePort, swim: Membership, observer: Observer, acfg: AgreementConfig) -> None:
         self.node = node
         self.swim = swim
         self.observer = observer
         self.acfg = acfg
+        self.view: View | None = None
+        """The view aggregated: the newest view that changed a group (see ``View.group_epoch``); a view that
+        left every group as it was does not start a new aggregation, so that view's plan still completes."""
         self.plan: Plan | None = None
         """The view's recovery plan, once every holder has reported."""
         self.reports: dict[StateValues, int] = {}
@@ -94,9 +101,15 @@ class Aggregates:
         """With a key book: each member's own signed plan digest for the view, as it came."""
         self.chunk = bundles.chunk_size(swim.config.mtu)
         """Members per signed bundle (see :mod:`~gossiprec.core.bundles`)."""
+        self.planned_at: float | None = None
+        self.reconfirmed = False
+        """Whether our own confirm went straight to every member again, for a bundle that lacked it."""
 
-    def start_view(self, now: float) -> None:
+    def start_view(self, view: View, now: float) -> None:
+        self.view = view
         self.plan = None
+        self.planned_at = None
+        self.reconfirmed = False
         self.held_until = None  # a report held for the last view is moot
         self.reports = {}
         self.claims = {}
@@ -110,7 +123,7 @@ class Aggregates:
     def report_or_hold(self, view: View, now: float) -> None:
         """Our report for the view just installed (a member's): at once, or held for the trainer."""
         self.held_until = None
-        if view.basis is not None and view.is_holder(self.node.name):
+        if view.basis is not None and view.group_epoch == view.epoch and view.is_holder(self.node.name):
             if self.trainer_finishing() and self.acfg.report_hold > 0:
                 self.held_until = now + self.acfg.report_hold
                 self.node.set_timer(now + min(self.acfg.report_poll, self.acfg.report_hold), timers.REPORT)
@@ -127,7 +140,7 @@ class Aggregates:
 
     def maybe_report(self, now: float) -> None:
         """The held report goes out once the trainer committed its step or stopped, or at the deadline."""
-        v, until = self.node.view, self.held_until
+        v, until = self.view, self.held_until
         if until is None or v is None or v.basis is None or not v.is_holder(self.node.name):
             self.held_until = None  # no longer ours to report (removed from the view, say)
             return
@@ -172,7 +185,7 @@ class Aggregates:
         new = self._add(values, bits)
         if not new:
             return
-        v = self.node.view
+        v = self.view
         assert v is not None
         committed, inflight, size = values
         nbytes = (len(v) + 7) // 8
@@ -185,14 +198,14 @@ class Aggregates:
             counters = self.node.counters  # a bitmap is nobody's signed word: only signed claims count
             counters["rx_report_unsigned"] = counters.get("rx_report_unsigned", 0) + 1
             return
-        bits = int.from_bytes(msg.bitmap, "little") & ((1 << len(self.node.view or ())) - 1)
+        bits = int.from_bytes(msg.bitmap, "little") & ((1 << len(self.view or ())) - 1)
         if msg.inflight_step is not None and msg.inflight_step <= msg.committed_step:
             return
         self.merge_report((msg.committed_step, msg.inflight_step, msg.state_bytes), bits, now)
 
     def on_state_claim(self, msg: StateClaim, now: float) -> None:
         """One member's own report: its bit counts once its signature checks; relayed in a bundle."""
-        v = self.node.view
+        v = self.view
         idx = v.index(msg.node) if v is not None else None
         if idx is None or (msg.inflight_step is not None and msg.inflight_step <= msg.committed_step):
             return
@@ -202,7 +215,7 @@ class Aggregates:
     def on_claim_bundle(self, msg: ClaimBundle, now: float) -> None:
         """Claims of one value (see :mod:`~gossiprec.core.bundles`): each member not counted for it yet
         is checked as its own claim would be."""
-        v = self.node.view
+        v = self.view
         if v is None or (msg.inflight_step is not None and msg.inflight_step <= msg.committed_step):
             return
         values = (msg.committed_step, msg.inflight_step, msg.state_bytes)
@@ -249,7 +262,7 @@ class Aggregates:
 
     def _claim_bundle(self, values: StateValues, chunk: int) -> ClaimBundle:
         """Our bundle of chunk ``chunk``: every claim counted there that says ``values``."""
-        v = self.node.view
+        v = self.view
         assert v is not None
         claims, ms = self.claims, v.members
 
@@ -264,9 +277,11 @@ class Aggregates:
 
     def maybe_plan(self, now: float) -> None:
         node = self.node
-        v = node.view
+        v = self.view
         if v is None or v.basis is None or self.plan is not None or v.stopped or node.finished is not None:
             return
+        if v.group_epoch != v.epoch:
+            return  # a view that left the groups as they were has no plan of its own (see ``view``)
         memo = node.memo
         need = self.need
         if need is None:  # once per view (this runs on every merged report); shared through the memo
@@ -301,6 +316,7 @@ class Aggregates:
             got = memo[key] = (plan, plan.digest())
         plan, self.plan_hex = got
         self.plan = plan
+        self.planned_at = now
         digest = bytes.fromhex(self.plan_hex)
         node.emit(PlanReady(v.epoch, self.plan_hex, plan, now))
         idx = v.index(node.name)
@@ -318,7 +334,7 @@ class Aggregates:
             return
         self.digests[digest] = new
         node = self.node
-        v = node.view
+        v = self.view
         assert v is not None
         if not signed:
             node.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,
@@ -336,14 +352,14 @@ class Aggregates:
     def on_plan_confirm(self, msg: PlanConfirm, now: float) -> None:
         """One member's own plan digest: counts once its signature checks (``check``, as for a claim);
         relayed in a bundle."""
-        v = self.node.view
+        v = self.view
         idx = v.index(msg.node) if v is not None else None
         if idx is not None and self._take_confirm(msg):
             self._confirms_counted(msg.digest, 1 << idx, now)
 
     def on_confirm_bundle(self, msg: ConfirmBundle, now: float) -> None:
         """Confirms of one digest (as :meth:`on_claim_bundle`)."""
-        v = self.node.view
+        v = self.view
         if v is None:
             return
         rows = bundles.fresh(msg.first, msg.bitmap, msg.sigs, self.digests.get(msg.digest, 0), len(v))
@@ -356,6 +372,25 @@ class Aggregates:
                 new |= 1 << idx
         if new:
             self._confirms_counted(msg.digest, new, now)
+        self._lacks_ours(msg, now)
+
+    def _lacks_ours(self, msg: ConfirmBundle, now: float) -> None:
+        """A bundle of our digest, sent well after our confirm, that lacks it: some member still misses
+        it (gossip gave up on it, and anti-entropy only re-sends what a member holds). Our confirm goes
+        straight to every member once more (small views: see ``one_hop_to_all``)."""
+        node, v = self.node, self.view
+        mine = self.confirms.get(node.name)
+        if (self.reconfirmed or mine is None or mine.digest != msg.digest or v is None or self.planned_at is None
+                or now - self.planned_at < 2 * self.acfg.reaggregate_first):
+            return
+        idx = v.index(node.name)
+        if idx is None or not msg.first <= idx < msg.first + self.chunk:
+            return
+        if int.from_bytes(msg.bitmap, "little") >> (idx - msg.first) & 1:
+            return
+        self.reconfirmed = True
+        node.counters["plan_reconfirmed"] = node.counters.get("plan_reconfirmed", 0) + 1
+        node.one_hop_to_all(mine)
 
     def _take_confirm(self, msg: PlanConfirm) -> bool:
         node = self.node
@@ -377,7 +412,7 @@ class Aggregates:
         self.merge_digest(digest, bits, now, signed=True)
 
     def _confirm_bundle(self, digest: bytes, chunk: int) -> ConfirmBundle:
-        v = self.node.view
+        v = self.view
         assert v is not None
         confirms, ms = self.confirms, v.members
 
@@ -413,6 +448,20 @@ class Aggregates:
             for digest, bits in self.digests.items():
                 for c in bundles.chunks(bits, self.chunk):
                     self.swim.broadcast(f"G|{digest.hex()}|{c}", self._confirm_bundle(digest, c), now)
+            if self.plan is not None:
+                # A member whose confirm we lack (gossip gave up on it) gets our bundle of its chunk: one
+                # that lacks its own confirm, which it answers by sending its confirm again (_lacks_ours).
+                # A few per round (the rounds' gaps double), so a large view's gossip still does the bulk.
+                digest = bytes.fromhex(self.plan_hex)
+                lacking = full & ~self.digests.get(digest, 0)
+                asks = 0
+                while lacking and asks < RECONFIRM_ASKS:
+                    low = lacking & -lacking
+                    lacking ^= low
+                    at = low.bit_length() - 1
+                    if v.members[at].node != node.name:
+                        node.send_to(v.members[at].node, self._confirm_bundle(digest, at // self.chunk))
+                        asks += 1
         else:
             for digest, bits in self.digests.items():
                 self.swim.broadcast(f"g|{digest.hex()}", PlanDigest(v.epoch, v.config_id, digest,

@@ -102,6 +102,13 @@ class ViewInstalled(CoreEvent):
     decided_here: bool
     at: float
     stopped: str = ""
+    group_epoch: int = -1
+    """The view's group epoch (see :attr:`View.group_epoch <gossiprec.core.view.View.group_epoch>`): a view
+    whose group epoch is older than its epoch left every trainer's group as it was. -1: ``epoch``."""
+
+    def __post_init__(self) -> None:
+        if self.group_epoch < 0:
+            object.__setattr__(self, "group_epoch", self.epoch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -321,7 +321,12 @@ class Node:
         self.view = view
         self.installed_at = now
         self.catchup.start_view()
-        self.aggregates.start_view(now)
+        agg = self.aggregates
+        # a view that left every group as it was keeps aggregating the group view's plan (its trainers may
+        # still wait for it); anything else, or a group view this agent never installed, starts afresh
+        kept = view.group_epoch != view.epoch and agg.view is not None and agg.view.epoch == view.group_epoch
+        if not kept:
+            agg.start_view(view, now)
         self.fencing.start_view()
         for node in removed:
             self.swim.forget_acked(node)  # its old process's place is settled; a new one starts afresh
@@ -361,7 +366,7 @@ class Node:
             self.swim.set_probe_targets(None)
         if not initial or old is not None:
             self._events.append(ViewInstalled(view.epoch, view.config_id, view.nodes, removed, joined, fast,
-                                              decided_here, now, view.stopped))
+                                              decided_here, now, view.stopped, view.group_epoch))
         if self.name not in view:
             if old is not None and self.name in old:
                 self.fencing.fence("removed from the view", now)
@@ -377,7 +382,8 @@ class Node:
             else:
                 self.set_timer(now, timers.JOIN)
             return
-        self.aggregates.report_or_hold(view, now)
+        if not kept:
+            agg.report_or_hold(view, now)
         early, self._early = self._early, []
         for msg in early:
             if self.view is not view:
@@ -491,6 +497,12 @@ class Node:
         if v is None or epoch is None:
             self.counters["rx_unexpected"] = self.counters.get("rx_unexpected", 0) + 1
             return
+        agg = self.aggregates.view
+        if agg is not v and agg is not None and t in _AGGREGATE and epoch == agg.epoch and config == agg.config_id:
+            # the plan of the group view, still aggregated after views that left every group as it was
+            if not self.spec_conflict:
+                _THIS_VIEW[t][0](self, msg, now)
+            return
         if epoch != v.epoch or config != v.config_id:
             if epoch > v.epoch:
                 if epoch == v.epoch + 1 and len(self._early) < MAX_EARLY:
@@ -585,8 +597,8 @@ class Node:
         if self.withheld and self.consensus.decided is None:
             self.decider.evaluate(now)  # a cut held back for reachability waits on SWIM too, which arms nothing
         agg = self.aggregates
-        if now >= agg.next_reagg and now - self.installed_at <= acfg.reaggregate_for:
-            agg.reaggregate(v, now)
+        if now >= agg.next_reagg and now - self.installed_at <= acfg.reaggregate_for and agg.view is not None:
+            agg.reaggregate(agg.view, now)
         self.fencing.watch(v, now)
         self.hangs.run(now)
 
@@ -623,6 +635,9 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     Accepted: (lambda n, m, now: n.decider.on_accepted(m, now), False),
 }
 """Messages of the current view: (handler, whether a member outside that view handles it too)."""
+
+_AGGREGATE = frozenset((Report, StateClaim, PlanDigest, PlanConfirm, ClaimBundle, ConfirmBundle))
+"""Messages of the view aggregated (see :attr:`Aggregates.view <gossiprec.core.aggregate.Aggregates.view>`)."""
 
 _TIMER_HANDLERS: dict[int, Callable[[Node, float], None]] = {
     timers.EVAL: lambda n, now: n.decider.on_eval_timer(now),

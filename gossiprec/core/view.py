@@ -11,6 +11,12 @@ the view alone, not on state reports) decides which spare takes each lost rank, 
 The resulting view therefore already says who holds which rank. The transfer part of the plan (donors,
 target step) needs the survivors' state reports and is computed afterwards from the same inputs, kept
 in :attr:`View.basis`.
+
+Group epochs: a view that leaves every trainer's group as it is (a spare joined, or a spare that holds
+nothing any plan may still need left; same assignment, same topology) keeps the previous view's
+:attr:`View.group_epoch`, its store host and its basis. The trainers' groups, store prefixes and plans
+are numbered by group epoch, so such a view interrupts no step; a view that changes a group starts a new
+group epoch (its own epoch). Like the rest of the view it is a pure function of the agreed chain.
 """
 
 from __future__ import annotations
@@ -93,6 +99,9 @@ class View:
     basis: Basis | None = None
     stopped: str = ""
     """Non-empty when the election says the job must stop (no spare, shrink not allowed)."""
+    group_epoch: int = -1
+    """The epoch of the newest view that changed a trainer's group (this one's unless it left every group
+    as it was, see the module docstring); the trainers' groups and plans go by it. -1: ``epoch``."""
 
     config_id: str = field(default="", compare=False)
     """Hash of epoch, members, topology and stop reason (16 hex digits); computed on construction."""
@@ -101,9 +110,12 @@ class View:
     _holders: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.group_epoch < 0:
+            object.__setattr__(self, "group_epoch", self.epoch)
         body = msgpack.packb([
-            "gossiprec.view/1", self.epoch, [m.row() for m in self.members],
+            "gossiprec.view/2", self.epoch, [m.row() for m in self.members],
             self.topology.world_size, [list(g) for g in self.topology.replica_groups], self.stopped,
+            self.group_epoch,
         ])
         object.__setattr__(self, "config_id", hashlib.sha256(body).hexdigest()[:16])
         object.__setattr__(self, "_pos", {m.node: i for i, m in enumerate(self.members)})
@@ -188,7 +200,22 @@ class View:
             role = TRAINER if rank is not None else SPARE
             members.append(ViewMember(m.node, m.addr, role, rank, m.host, m.rack))
         topology = plan.next_topology(self.topology)
+        if self._keeps_groups(members, topology, removed):
+            # every trainer's group stays: its epoch, store host and plan basis with it (an unfinished plan of
+            # the group's view is still the one every trainer of that group applies)
+            return View(epoch, tuple(members), topology, self.store_node, self.basis, group_epoch=self.group_epoch)
         return View(epoch, tuple(members), topology, plan.store_node, basis)
+
+    def _keeps_groups(self, members: list[ViewMember], topology: JobTopology, removed: set[str]) -> bool:
+        """Whether the next view, of ``members``, leaves every trainer's group as it is: the same ranks on
+        the same nodes, the same topology, and no member removed that the group view's plan may still read
+        (a holder of that plan: a donor, or a survivor a shrink released, see :meth:`holders`)."""
+        if topology != self.topology:
+            return False
+        if {m.rank: m.node for m in members if m.role == TRAINER and m.rank is not None} != self.assignment():
+            return False
+        held = () if self.basis is None else self.basis.previous_assignment
+        return not removed & {node for _, node in held}
 
     # ------------------------------------------------------------------ plan
     def plan(self, reports: Mapping[str, StateReport]) -> Plan:
@@ -229,16 +256,18 @@ class View:
             ]
         return [self.epoch, [m.row() for m in self.members],
                 [t.world_size, [list(g) for g in t.replica_groups], t.allow_shrink, t.min_replicas],
-                self.store_node, basis, self.stopped]
+                self.store_node, basis, self.stopped, self.group_epoch]
 
     @classmethod
     def from_wire(cls, obj: list[Any]) -> "View":
         try:
-            epoch, rows, topo, store, basis, stopped = obj
+            epoch, rows, topo, store, basis, stopped, group_epoch = obj
             # Cheap bounds first: a hostile view must not make us build a huge topology (world sizes are
             # checked against the member count before any range() is materialised).
             if type(epoch) is not int or not 0 <= epoch <= MAX_EPOCH:
                 raise ValueError(f"epoch must be an integer 0..2**62, got {str(epoch)[:30]}")
+            if type(group_epoch) is not int or not 0 <= group_epoch <= epoch:
+                raise ValueError(f"group epoch must be an integer 0..epoch, got {str(group_epoch)[:30]}")
             if type(rows) not in (list, tuple) or len(rows) > MAX_MEMBERS:
                 raise ValueError("members must be a list of at most MAX_MEMBERS rows")
             ws, groups, allow_shrink, min_rep = topo
@@ -255,7 +284,7 @@ class View:
                     JobTopology(prev_t[0], tuple(tuple(g) for g in prev_t[1]), allow_shrink, min_rep),
                     tuple(Member(*r) for r in prev_m), prev_store,
                 )
-            view = cls(int(epoch), members, topology, store, b, str(stopped))
+            view = cls(int(epoch), members, topology, store, b, str(stopped), group_epoch)
             for m in members:
                 if not isinstance(m.addr, str) or not isinstance(m.host, str) or not isinstance(m.rack, str):
                     raise ValueError(f"member {m.node!r} has non-text fields")

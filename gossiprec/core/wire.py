@@ -26,7 +26,7 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
@@ -35,7 +35,8 @@ proof: :class:`BootHello` ... :class:`BootDecided`), 8 relays signed claims, con
 9 carries the launched mesh in the bootstrap's hello (:class:`BootHello` ``shards``), 10 carries each rank's
 mean wait inside its collectives (:class:`Progress`, :class:`Ack` and push-pull rows ``wait_ms``: the straggler
 check, :mod:`gossiprec.core.stragglers`), 11 answers a bootstrap hello with only the rows the asker lacks
-(:class:`BootKnown` ``start``; :class:`BootHello` ``known`` counts the rows had from that seed)."""
+(:class:`BootKnown` ``start``; :class:`BootHello` ``known`` counts the rows had from that seed), 12 carries a
+view's group epoch in its wire form (catch-up's views and ``config_id``: a view that left every group as it was)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -404,8 +405,8 @@ class ViewRequest(Message):
 
 def _any_view(v: Any) -> Any:
     # Structure checked by View.from_wire; here only that it is a list of bounded size.
-    if type(v) is not list or len(v) != 6:
-        raise DecodeError("bad_field", "view must be a 6-element list")
+    if type(v) is not list or len(v) != 7:
+        raise DecodeError("bad_field", "view must be a 7-element list")
     return v
 
 

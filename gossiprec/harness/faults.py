@@ -100,7 +100,7 @@ def newest_plan_epoch(rt: Any) -> int:
     alone let the held commit run before the trainer knew of the view, a commit that overwrites its one
     copy; seen under load)."""
     plan = rt.control.status().get("plan")
-    return min(int(plan["epoch"]) if plan else -1, int(rt._follower.newest_view))
+    return min(int(plan["epoch"]) if plan else -1, int(rt._follower.newest_group))
 
 
 class FaultInjector:

@@ -72,7 +72,8 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                  verbose: bool = False, agent_log_level: str = "warning", protocol: Mapping[str, Any] = {},
                  mistakes: Mapping[str, str] = {}, may_fail: Collection[str] = (),
                  late: Mapping[str, float] = {}, trainer_args: Sequence[str] = (), hosts: Hosts | None = None,
-                 actions: Sequence[Action] = (), lockstep: bool = False, metrics: bool = False) -> dict[str, Any]:
+                 actions: Sequence[Action] = (), lockstep: bool = False, metrics: bool = False,
+                 join_at: Sequence[int] = ()) -> dict[str, Any]:
     """Run a job of ``ranks`` trainers (nodes ``n0``..) and ``spares`` spares, inject ``faults`` (the
     ones without a phase sent from here, in list order) and compare the final states with the
     failure-free run.
@@ -90,7 +91,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
     it starts (a slow import); ``trainer_args``: more options for every trainer; ``hosts``: a host of its
     own for each node (default: all on loopback); ``actions``: see :class:`Action`; ``lockstep``: see the
     module docstring (the gate of step S is ``<workdir>/gate-S``); ``metrics``: every agent serves its
-    metrics (``job.metrics_ports``). The agents write the job's timeline file (``timeline`` in the result).
+    metrics (``job.metrics_ports``); ``join_at``: for each step, a node the job spec does not list (the
+    nodes after the listed ones, in order) is started once ``n0`` reached it and joins as a spare
+    (``joined_at`` in the result: when each was started). The agents write the job's timeline file (``timeline``).
     Once the job is done,
     every process left must end by itself: ``exits`` holds each launcher's exit code (None: still
     running :data:`END_WAIT_S` later).
@@ -100,8 +103,10 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             print(msg, file=log, flush=True)
 
     tmp = Path(workdir or tempfile.mkdtemp(prefix="gossiprec-demo-"))
-    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp, hosts=hosts, metrics=metrics) as job:
+    with LocalJob(tmp, ranks, spares, allow_shrink=allow_shrink, tp_pp=tp_pp, hosts=hosts, metrics=metrics,
+                  outsiders=len(join_at)) as job:
         names = job.names
+        joiners = dict(zip(names[job.listed:], join_at))  # outsider -> the step it is started at
         # slow, lag and hold are stalls the trainers make themselves, not faults to report on
         everything, faults = list(faults), [f for f in faults if f.kind not in STALLS]
         unknown = {f.node for f in everything} - set(names) - {STORE_HOST}
@@ -123,8 +128,9 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             if checkpoint_every:
                 cmd += ["--checkpoint", str(tmp / "ckpt.state"), "--checkpoint-every", str(checkpoint_every)]
             cmd += ["--lr-scale"] * lr_scale + ["--verbose"] * verbose
-            job.spawn(name, cmd, agent_log_level=agent_log_level, protocol=protocol)
             commands[name] = cmd
+            if name not in joiners:
+                job.spawn(name, cmd, agent_log_level=agent_log_level, protocol=protocol)
         say(f"started {ranks} ranks + {spares} spare(s) in {tmp}")
         procs = job.procs
         result: dict[str, Any] = {"ranks": ranks, "spares": spares, "steps": steps,
@@ -135,6 +141,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         victims = {f.node for f in faults}
         paused: dict[str, int] = {}
         done_at: dict[str, float] = {}
+        joined_at: dict[str, float] = {}
         while True:
             if time.monotonic() > deadline:
                 raise GossiprecError(f"the job did not finish within {timeout:.0f}s; see the logs in {tmp}")
@@ -188,6 +195,11 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
                     job.signal(node, signal.SIGCONT)
                     procs[node].send_signal(signal.SIGCONT)
                     say(f"SIGCONT trainer and agent of {node}: the partition heals")
+            for node, step in joiners.items():
+                if node not in joined_at and read_int(tmp / f"{names[0]}.step") >= step:
+                    joined_at[node] = time.monotonic()
+                    job.spawn(node, commands[node], agent_log_level=agent_log_level, protocol=protocol)
+                    say(f"started {node}, a node the job spec does not list, at step {step}")
             if len(done_at) < len(actions) and actions[len(done_at)].when(job):
                 action = actions[len(done_at)]
                 action.do(job)
@@ -196,6 +208,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
             outs = [o for o in (read_json(tmp / f"{n}.json") for n in names) if o is not None]
             done = [o for o in outs if o.get("step") == steps and not o.get("released")]
             if len(fault_at) == len(sent) and not paused and len(done_at) == len(actions) and done \
+                    and len(joined_at) == len(joiners) \
                     and len(done) >= max(o["world_size"] for o in done):
                 break
             time.sleep(0.01)
@@ -206,6 +219,7 @@ def run_scenario(ranks: int, spares: int, steps: int, faults: Sequence[Fault], *
         result["hung_killed_by_launcher"] = {n: procs[n].poll() is not None for n in stopped}
         result["exits"] = {n: p.poll() for n, p in procs.items()}
         result["actions"] = done_at
+        result["joined_at"] = joined_at
         return _results(result, tmp, names, faults, sent, fault_at, steps, ranks, hidden, lr_scale)
 
 
@@ -285,6 +299,8 @@ def _results(result: dict[str, Any], tmp: Path, names: list[str], faults: Sequen
     result["state_bytes"] = next(iter(finished.values()))["state_bytes"] if finished else 0
     result["final_step"] = sorted({o["step"] for o in finished.values()})
     result["resizes"] = {n: o["resizes"] for n, o in finished.items() if o.get("resizes")}
+    result["trainers"] = {n: {k: o.get(k) for k in ("interruptions", "epoch", "view_epoch", "view_members")}
+                          for n, o in finished.items()}
     result["checkpoint_loads"] = {n: o["checkpoint_loads"] for n, o in finished.items()
                                   if o.get("checkpoint_loads")}
     result["released"] = sorted(n for n, o in outs.items() if o.get("released"))

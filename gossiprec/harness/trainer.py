@@ -155,7 +155,10 @@ def trainer_main(args: argparse.Namespace) -> int:
     out.with_suffix(".state").write_bytes(state_bytes(final))
     out.write_text(json.dumps({"node": rt.node, "rank": rt.rank, "world_size": rt.world_size, "step": rt.step,
                                "records": records, "resizes": resizes, "checkpoint_loads": loads,
-                               "commit_times": commits, "state_bytes": final.header.total_nbytes}))
+                               "commit_times": commits, "state_bytes": final.header.total_nbytes,
+                               "interruptions": rt.interruptions, "epoch": rt.epoch,
+                               "view_members": sorted(rt._follower.members or ()),
+                               "view_epoch": rt._follower.view_epoch}))
     rt.finish()
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
 

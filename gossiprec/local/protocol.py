@@ -161,16 +161,19 @@ class ViewBrief:
     members: tuple[MemberBrief, ...]
     replica_groups: tuple[tuple[int, ...], ...]
     stopped: str
+    group_epoch: int
+    """See :attr:`View.group_epoch <gossiprec.core.view.View.group_epoch>`: what the trainer's group follows."""
 
     @classmethod
     def from_view(cls, view: View) -> ViewBrief:
         return cls(view.epoch, view.config_id, tuple(MemberBrief(m.node, m.role, m.rank) for m in view.members),
-                   tuple(tuple(g) for g in view.topology.replica_groups), view.stopped)
+                   tuple(tuple(g) for g in view.topology.replica_groups), view.stopped, view.group_epoch)
 
     def to_wire(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "config_id": self.config_id,
                 "members": [{"node": m.node, "role": m.role, "rank": m.rank} for m in self.members],
-                "replica_groups": [list(g) for g in self.replica_groups], "stopped": self.stopped}
+                "replica_groups": [list(g) for g in self.replica_groups], "stopped": self.stopped,
+                "group_epoch": self.group_epoch}
 
     @classmethod
     def from_wire(cls, obj: Any) -> ViewBrief:
@@ -182,7 +185,7 @@ class ViewBrief:
                             for m in obj["members"])
             groups = tuple(tuple(_typed(r, int) for r in g) for g in obj["replica_groups"])
             return cls(_typed(obj["epoch"], int), _typed(obj["config_id"], str), members, groups,
-                       _typed(obj["stopped"], str))
+                       _typed(obj["stopped"], str), _typed(obj["group_epoch"], int))
         except (KeyError, TypeError, ValueError) as exc:
             raise DecodeError("bad_view", f"the status reply's view: {exc!r}") from None
 

@@ -169,6 +169,9 @@ class AgreementChecker:
                 self.removed_at.setdefault(r, (ev.epoch, now))
                 self.removals.setdefault(r, set()).add(ev.epoch)
             self.joined.update(ev.joined)
+            if ev.group_epoch < ev.epoch:
+                # a view that left every group as it was: its trainers' plan is the group view's, in hand
+                self.plans.setdefault(ev.epoch, {})[idx] = now
         elif t is PlanReady:
             prev = self.plan_of_epoch.setdefault(ev.epoch, ev.digest)
             if prev != ev.digest:
@@ -252,7 +255,8 @@ def _plan_watch(cluster: SimCluster[Machine], checker: AgreementChecker, meter: 
     alive: list[int] = []
 
     def watch(now: float, idx: int, ev: Any) -> None:
-        if type(ev) is not PlanReady or meter.phase != RECOVERY or not victims or now < t_fault:
+        quiet = type(ev) is ViewInstalled and ev.group_epoch < ev.epoch  # (see AgreementChecker: its plan)
+        if (type(ev) is not PlanReady and not quiet) or meter.phase != RECOVERY or not victims or now < t_fault:
             return
         removed = checker.removed_at
         if not all(names[v] in removed for v in victims) or \
@@ -477,7 +481,7 @@ def run_agreement(params: AgreeParams, show_progress: bool = False) -> dict[str,
         if (t is Fenced or (t is ViewInstalled and machine.view is not None and names[idx] not in machine.view)) \
                 and not (idx in hung and now >= t_fault):
             machine.set_state(0, None, 0)  # a trainer that answers drops its state to wait as a spare
-        if t is ViewInstalled and is_trainer(idx):
+        if t is ViewInstalled and is_trainer(idx) and ev.group_epoch == ev.epoch:  # (else no group changed)
             if not recovering and state["phase"] == OPTIMIZER:  # the step's collective was done: commit it
                 state["step"] += 1
                 state["phase"] = COMPUTE

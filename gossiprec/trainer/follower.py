@@ -1,9 +1,11 @@
 """The follower: a thread that reads the agent's event stream and keeps what it says for the loop.
 
-A ``ViewInstalled`` for a newer epoch, or ``Fenced``, aborts the current group
+A ``ViewInstalled`` for a newer group epoch, or ``Fenced``, aborts the current group
 (:class:`~gossiprec.trainer.collectives.groups.EpochGroups`): a waiting all-reduce raises within a poll slice and
 the trainer enters its recovery, which waits for the newest ``PlanReady`` kept here (``status`` is
-polled as a fallback: :meth:`Follower.absorb_status`). A lost agent connection aborts the group too.
+polled as a fallback: :meth:`Follower.absorb_status`). A lost agent connection aborts the group too. A
+view that left every trainer's group as it was (a spare joined or left: its ``group_epoch`` is an older
+view's) only updates the members: the trainer's groups, plans and epoch go by group epoch.
 ``JobFinished`` ends the wait of a spare; ``Fenced`` holds a recovery until ``Unfenced`` (the node is
 in an agreed view again). Failure events are kept for the recovery's timeline: a recovery is dated by
 the first failure event about a member the agreed view no longer holds, counted from when that member
@@ -46,7 +48,12 @@ class Follower:
                  abort_older: Callable[[int, str], None], on_plan: Callable[[Plan], None]) -> None:
         self.control_path = control_path
         self.cond = threading.Condition()
-        self.newest_view = -1
+        self.newest_group = -1
+        """The newest group epoch known (see :attr:`View.group_epoch <gossiprec.core.view.View.group_epoch>`)."""
+        self.view_epoch = -1
+        """The newest view epoch known (its members are :attr:`members`)."""
+        self.group_of: dict[int, int] = {}
+        """View epoch -> its group epoch, for each view installed."""
         self.plans: dict[int, Plan] = {}
         self.planned_at: dict[int, float] = {}
         """When each plan was ready (the agent's clock: ``time.monotonic()`` on this host)."""
@@ -117,20 +124,23 @@ class Follower:
             return
         if isinstance(ev, ViewInstalled):
             with self.cond:
-                if ev.epoch > self.newest_view:
-                    self.newest_view = ev.epoch
-                    self.last_view_at = ev.at
+                self.group_of[ev.epoch] = ev.group_epoch
+                if ev.epoch > self.view_epoch:
+                    self.view_epoch = ev.epoch
                     self.members = frozenset(ev.members)
+                if ev.group_epoch > self.newest_group:
+                    self.newest_group = ev.group_epoch
+                    self.last_view_at = ev.at
                 if ev.stopped:
                     self.stopped = ev.stopped
                 self.cond.notify_all()
-            self._abort_older(ev.epoch, f"view {ev.epoch} installed")
+            self._abort_older(ev.group_epoch, f"view {ev.epoch} installed")
         elif isinstance(ev, PlanReady):
             plan = ev.plan
             with self.cond:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = ev.at
-                self.newest_view = max(self.newest_view, plan.epoch)
+                self.newest_group = max(self.newest_group, plan.epoch)
                 self.cond.notify_all()
             self._on_plan(plan)
         elif isinstance(ev, JobFinished):
@@ -145,7 +155,7 @@ class Follower:
         elif isinstance(ev, Unfenced):
             with self.cond:
                 self.fenced = ""
-                self.newest_view = max(self.newest_view, ev.epoch)
+                self.newest_group = max(self.newest_group, self.group_of.get(ev.epoch, ev.epoch))
                 self.cond.notify_all()
 
     def absorb_status(self, st: dict[str, Any], epoch: int) -> None:
@@ -156,10 +166,12 @@ class Follower:
         view = ViewBrief.from_wire(st["view"]) if st.get("view") else None
         with self.cond:
             if view is not None:
-                if view.epoch > self.newest_view or self.members is None:
+                if view.epoch > self.view_epoch or self.members is None:
                     self.members = frozenset(m.node for m in view.members)
-                self.newest_view = max(self.newest_view, view.epoch)
-                if view.stopped and view.epoch > epoch:
+                    self.view_epoch = max(self.view_epoch, view.epoch)
+                self.group_of[view.epoch] = view.group_epoch
+                self.newest_group = max(self.newest_group, view.group_epoch)
+                if view.stopped and view.group_epoch > epoch:
                     self.stopped = view.stopped
                 if "fenced" in st:  # the agent's word now: a Fenced or Unfenced event may be missed or late
                     self.fenced = str(st["fenced"] or "")
@@ -191,7 +203,7 @@ class Follower:
     def newest_plan(self, epoch: int) -> Plan | None:
         """The plan of the newest view, if it is in and after ``epoch`` (call holding :attr:`cond`)."""
         newest = max(self.plans, default=-1)
-        return self.plans[newest] if newest > epoch and newest >= self.newest_view else None
+        return self.plans[newest] if newest > epoch and newest >= self.newest_group else None
 
     def poll_status(self, control: ControlClient, epoch: int) -> bool:
         """Ask the agent's status (the fallback to events, see :meth:`absorb_status`); False, and the
@@ -206,12 +218,12 @@ class Follower:
 
     def trouble(self, epoch: int) -> bool:
         """Whether the loop at ``epoch`` must recover before it goes on."""
-        return self.newest_view > epoch or bool(self.fenced) or bool(self.lost)
+        return self.newest_group > epoch or bool(self.fenced) or bool(self.lost)
 
     def superseded(self, epoch: int) -> str:
         """Why the group of ``epoch`` must not be built any more ("" if it may)."""
-        if self.newest_view > epoch:
-            return f"view {self.newest_view} supersedes the plan of epoch {epoch}"
+        if self.newest_group > epoch:
+            return f"group epoch {self.newest_group} supersedes the plan of epoch {epoch}"
         return self.fenced or self.lost
 
     def detection_since(self, since: float) -> tuple[float | None, float | None]:

@@ -177,6 +177,7 @@ class ResilientTrainer:
         self.keys: TransferKeys = key if isinstance(key, TransferKeys) else TransferKeys.fixed(key)
         self._identity = RankIdentity()
         self.records: list[RecoveryRecord] = []
+        self.interruptions = 0  # times the loop left a step (or its start) for a recovery, a spare's wait aside
         self.groups: EpochGroups | None = None
         self.mesh: Any = None
         """The ``DeviceMesh`` of a sharded job (None otherwise, and on a spare until it takes a rank)."""
@@ -247,11 +248,11 @@ class ResilientTrainer:
     def start(self) -> ResilientTrainer:
         """Open the store and donor servers, follow the agent's events, and join the job.
 
-        A trainer of view 0 builds the epoch-0 group on rank 0's store: the job's start barrier, which
-        waits up to ``start_timeout`` for every rank, then raises a RecoveryError naming the ranks that
-        never came; it commits step 0, the initial state. A process whose agent is not admitted yet (a
-        spare joining a running job, a re-provisioned host whose agent still catches up) waits for the
-        admission; a spare then blocks until a plan gives it a rank and the state has arrived.
+        A trainer of group epoch 0 (view 0, or a later view that only let spares join or leave) builds the
+        epoch-0 group on rank 0's store: the job's start barrier, which waits up to ``start_timeout`` for every
+        rank, then raises a RecoveryError naming the ranks that never came; it commits step 0. A process whose
+        agent is not admitted yet (a spare joining a running job, a re-provisioned host whose agent still
+        catches up) waits for it; a spare then blocks until a plan gives it a rank and the state has arrived.
         """
         config = self.config
         status = self.control.status()
@@ -269,7 +270,7 @@ class ResilientTrainer:
         bind = config.bind_host or host
         self._peers.store_server, _ = start_store_server(bind, my_port + config.store_offset, timeout=config.timeout)
         self._donor = DonorServer(self._serve, self.keys, bind, my_port + config.donor_offset).start()
-        self._follower.newest_view = view.epoch
+        self._follower.newest_group = view.group_epoch
         self._follower.start()
         self.install(self.identity.but(role=me.role))
         if view.stopped:
@@ -277,7 +278,7 @@ class ResilientTrainer:
         if self.sharded is not None:
             self.sharded.spec.check_view(view.world_size, view.replica_groups)
             self.sharded.host, self.sharded.keys = bind, self.keys  # its groups bind and seal as the trainer's
-        if self.role == "trainer" and view.epoch == 0 and me.rank is not None:
+        if self.role == "trainer" and view.group_epoch == 0 and me.rank is not None:
             self.prepare_rank(me.rank, ranks)
             self.install(self.identity.but(rank=me.rank, world_size=view.world_size, epoch=0))
             self._checks.groups = replica_groups_of(view.replica_groups, self.world_size)
@@ -297,18 +298,16 @@ class ResilientTrainer:
             except CollectiveAborted as exc:
                 if exc.reason == "timeout":
                     who = ", ".join(f"{r} ({view.node_of_rank(r)})" for r in exc.missing) or "unknown"
-                    raise RecoveryError(
-                        f"the job did not start: ranks {who} did not join the first group within "
-                        f"{config.start_timeout:.0f} s (start_timeout); is their `gossiprec run` up, and did their "
-                        f"trainer reach ResilientTrainer.start()? ({exc})") from exc
+                    raise RecoveryError(f"the job did not start: ranks {who} did not join the first group within "
+                                        f"{config.start_timeout:.0f} s (start_timeout); is their `gossiprec run` up, "
+                                        f"and did their trainer reach ResilientTrainer.start()? ({exc})") from exc
                 self._recover(f"epoch 0 group failed: {exc}")
             else:
                 self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
                 self._link.wait_for_spares(view, config.wait_for_spares, lambda: self._follower.trouble(self.epoch))
         else:
-            # No group yet: this process still has to apply the current view's plan. A spare whose trainer
-            # comes up after the view that promoted it must take that plan, not wait for a newer one.
-            self.install(self.identity.but(epoch=view.epoch - 1))
+            # No group yet: it still has to apply its group's plan (a spare promoted before it came up, say).
+            self.install(self.identity.but(epoch=view.group_epoch - 1))
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
             if self.role == "trainer" and me.rank is not None:  # a view changed before its start: a plan may
@@ -367,10 +366,10 @@ class ResilientTrainer:
 
         Returns False when the collective was interrupted: recovery has already run and the loop
         must start the step again (``continue``). A parameter without a gradient counts as zero.
-        ``exact``: reduce in rank order (each rank's gradients travel in their own row of a
-        ``world_size`` x n buffer, then rows are added 0, 1, 2, ...): the result no longer depends on
-        the collective's algorithm, so it is reproducible bit for bit (see
-        :func:`~gossiprec.trainer.collectives.buckets.rank_ordered_mean`), at ``world_size`` times the bytes.
+        ``exact``: reduce in rank order (each rank's gradients travel in their own row of a ``world_size`` x n
+        buffer, then rows are added 0, 1, 2, ...): the result no longer depends on the collective's algorithm,
+        so it is reproducible bit for bit (:func:`~gossiprec.trainer.collectives.buckets.rank_ordered_mean`),
+        at ``world_size`` times the bytes.
         """
         plist = [p for p in params if p.requires_grad]
         self._link.report(self.step + 1, "communicate")
@@ -599,6 +598,7 @@ class ResilientTrainer:
 
     def _recover(self, cause: str, spare: bool = False) -> None:
         self._last_commit_at = None  # a recovery is not a step: keep it out of the step time
+        self.interruptions += not spare
         self._gate.abandon()
         if self.sharded is not None and self.sharded.built:
             self.sharded.reset_modules(self.objects)  # before the state is restored (the barrier is dropped too)

@@ -638,7 +638,7 @@ class Recovery:
                         first: TransferError) -> Any:
         last: TransferError = first
         for donor in dict.fromkeys(donors):
-            if self._follower.newest_view > int(kwargs["epoch"]):
+            if self._follower.newest_group > int(kwargs["epoch"]):
                 break  # a newer view: its plan decides
             try:
                 return fetch_state([donor], self._t.keys.primary(), target, **kwargs)
