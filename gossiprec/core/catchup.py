@@ -41,11 +41,15 @@ from gossiprec.core.wire import ALIVE, MAX_DELTA_STEPS, Hello, JoinRequest, View
 from gossiprec.errors import ConfigError, ProtocolError
 
 
+JOIN_PUSHPULL_EVERY = 4
+"""A joiner not admitted yet sends its join push-pull again every this many rounds of join requests."""
+
+
 class CatchUp:
     """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
 
     __slots__ = ("node", "swim", "observer", "acfg", "hello_until", "history", "last_catchup", "pushed_view",
-                 "outsider_window", "_state", "after_removal")
+                 "outsider_window", "_state", "after_removal", "join_asks")
 
     def __init__(self, node: NodePort, swim: Membership, observer: Observer, acfg: AgreementConfig,
                  now: float) -> None:
@@ -68,6 +72,8 @@ class CatchUp:
         self.after_removal = False
         """This member was removed from a view it held (not as a new process): it rejoins only once its
         trainer dropped its state (see the module notes)."""
+        self.join_asks = 0
+        """Rounds of join requests sent since this process started (see :meth:`join_retry`)."""
 
     def start_view(self) -> None:
         self.pushed_view = {}
@@ -292,10 +298,16 @@ class CatchUp:
                 node.counters["join_held_for_trainer"] = node.counters.get("join_held_for_trainer", 0) + 1
                 return
             self.after_removal = False
-        for obs in node.overlay(v).joiner_observers(node.name):
-            m = v.member(obs)
-            if m is not None:
-                self.swim.send_addr(m.addr, JoinRequest(node.name, node.addr, node.host, node.rack, v.epoch))
+        observers = [m for obs in node.overlay(v).joiner_observers(node.name) if (m := v.member(obs)) is not None]
+        for m in observers:
+            self.swim.send_addr(m.addr, JoinRequest(node.name, node.addr, node.host, node.rack, v.epoch))
+        self.join_asks += 1
+        if observers and self.join_asks % JOIN_PUSHPULL_EVERY == 0:
+            # With signatures, a joiner that SWIM does not know is not admitted (a join request is nobody's
+            # signed word), and SWIM learns it from its join push-pull, sent once: lost, or come before a
+            # seed held a view (an extra candidate of the bootstrap, say), it waits for the periodic
+            # anti-entropy (tens of seconds). So it goes again, to one joiner observer at a time.
+            self.swim.join([observers[self.join_asks // JOIN_PUSHPULL_EVERY % len(observers)].addr], now)
 
     def on_join_request(self, msg: JoinRequest, now: float) -> None:
         node = self.node
