@@ -293,6 +293,9 @@ def plain_main(args: argparse.Namespace) -> int:
                                "world_size": dist.get_world_size(), "step": args.steps,
                                "state_bytes": final.header.total_nbytes, "commits": commits, "cpu_s": cpu,
                                "losses": losses}))
+    # every rank past its last collective before any tears its groups down: gloo aborted a rank with
+    # "terminate called without an active exception" once (CI, HSDP) when a peer destroyed first
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
