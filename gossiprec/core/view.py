@@ -104,7 +104,7 @@ class View:
     as it was, see the module docstring); the trainers' groups and plans go by it. -1: ``epoch``."""
 
     config_id: str = field(default="", compare=False)
-    """Hash of epoch, members, topology and stop reason (16 hex digits); computed on construction."""
+    """Hash of epoch, members, topology, stop reason and group epoch (16 hex digits); computed on construction."""
     _pos: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _nodes: tuple[str, ...] = field(default=(), compare=False, repr=False)
     _holders: frozenset[str] | None = field(default=None, compare=False, repr=False)
