@@ -5,7 +5,7 @@ written from the layout's :class:`~gossiprec.trainer.collectives.sharded.MeshSpe
 running :mod:`gossiprec.harness.sharded_trainer`; the faults (each with a phase) are fired by the
 trainers themselves. When every rank of the mesh has written its final report, the processes left
 (unused spares, launchers of removed nodes) have :data:`END_WAIT_S` to end by themselves, then the job
-is reaped. The result:
+is reaped; a node whose own fault stalled it (hang, stop) is not waited for. The result:
 
 - ``states``: rank -> SHA-256 of its final local state (its shards of model and optimizer, RNG): a run
   with failures must give the same digests as the failure-free run of the same layout and steps;
@@ -45,6 +45,8 @@ END_WAIT_S = 10.0
 SPARES_UP_S = 120.0
 """How long the ranks wait in ``start()`` for the spares to be up (a fault must not find one importing torch)."""
 RANKS = 4
+STALLED_UNTIL_KILLED = ("hang", "stop")
+"""Fault kinds that leave their node's trainer alive until its launcher kills it (not waited for at the end)."""
 
 
 def _tails(job: LocalJob, nodes: Sequence[str], lines: int = 25) -> str:
@@ -127,8 +129,12 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                                      f"{sorted(reports)}); logs in {work}{_tails(job, job.names)}")
             time.sleep(0.05)
         say(f"ranks {sorted(reports)} finished")
+        # A node stalled by its own fault (hang, stop) ends only when its launcher kills it, 10 s after
+        # its removal: nobody waits for it (its exit code is None in the result).
+        stalled = {f.node for f in faults if f.kind in STALLED_UNTIL_KILLED
+                   and read_json(job.path(f.node, ".fault")) is not None}
         end = time.monotonic() + END_WAIT_S
-        while time.monotonic() < end and any(p.poll() is None for p in job.procs.values()):
+        while time.monotonic() < end and any(p.poll() is None for n, p in job.procs.items() if n not in stalled):
             time.sleep(0.05)
         exits = {n: p.poll() for n, p in job.procs.items()}
     records = [json.loads(line) for node in job.names if job.path(node, ".records").exists()
