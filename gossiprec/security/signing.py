@@ -8,8 +8,14 @@ operator who pins members' public keys (the job spec's ``[public_keys]`` table) 
 persistent key instead (``--signing-key PATH``, :func:`load_signing_key`): a PKCS#8 PEM file of mode
 0600, created on first use, refused when group or others may read it (the key must then be treated as
 leaked). ``gossiprec keys public --signing-key PATH --name N`` prints the line to pin. Public keys
-are the 32 raw bytes (hex in files); signatures 64 bytes. Verifying objects are cached per public key
-(building one costs about as much as a verification).
+are the 32 raw bytes (hex in files); signatures 64 bytes.
+
+Signatures are made and checked with libsodium (PyNaCl): on this project's machines it verifies in
+about half the CPU time of OpenSSL's Ed25519 through ``cryptography`` (54 against 106 us, sign 20
+against 31 us), and every agent checks a few signatures per member per recovery. Ed25519 signatures are
+deterministic (RFC 8032), so both make the same bytes; libsodium's check is the stricter one (it
+refuses small-order keys and non-canonical signatures, which no honest agent makes). Key files stay
+``cryptography``'s PEM.
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from nacl.bindings import crypto_sign_open
+from nacl.exceptions import BadSignatureError, CryptoError
+from nacl.signing import SigningKey
 from cryptography.hazmat.primitives.serialization import (
     Encoding, NoEncryption, PrivateFormat, PublicFormat, load_pem_private_key,
 )
@@ -29,10 +37,10 @@ from cryptography.hazmat.primitives.serialization import (
 from gossiprec.errors import SecurityError
 from gossiprec.security.keyring import atomic_write_private, read_private_file
 
-MAX_VERIFIERS = 4096
-"""Public-key objects kept (cleared when full)."""
 MAX_KEY_FILE = 4096
 """Bytes a signing-key file may hold (an Ed25519 PEM is 119)."""
+SIGNATURE_SIZE = 64
+PUBLIC_KEY_SIZE = 32
 
 
 class SigningKeyError(SecurityError):
@@ -45,33 +53,26 @@ class Ed25519Crypto:
 
     private: Ed25519PrivateKey
     public_key: bytes = b""
-    _publics: dict[bytes, Ed25519PublicKey] = field(default_factory=dict)
+    _signer: SigningKey | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.public_key = self.private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self._signer = SigningKey(self.private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption()))
 
     @classmethod
     def generate(cls) -> "Ed25519Crypto":
         return cls(Ed25519PrivateKey.generate())
 
     def sign(self, data: bytes) -> bytes:
-        return self.private.sign(data)
+        assert self._signer is not None
+        return self._signer.sign(data).signature
 
     def verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
-        pub = self._publics.get(key)
-        if pub is None:
-            if len(key) != 32:
-                return False
-            try:
-                pub = Ed25519PublicKey.from_public_bytes(key)
-            except ValueError:
-                return False
-            if len(self._publics) >= MAX_VERIFIERS:
-                self._publics.clear()
-            self._publics[key] = pub
+        if len(key) != PUBLIC_KEY_SIZE or len(sig) != SIGNATURE_SIZE:
+            return False
         try:
-            pub.verify(sig, data)
-        except InvalidSignature:
+            crypto_sign_open(sig + data, key)
+        except (BadSignatureError, CryptoError, ValueError, TypeError):
             return False
         return True
 
