@@ -611,3 +611,72 @@ def test_no_round_and_no_free_choice_for_a_change_set_the_evidence_no_longer_bac
     c.my_round = None
     c.start_round()
     assert c.my_round is None
+
+
+# -- re-sends -----------------------------------------------------------------------------------------
+
+
+def test_a_coordinator_preempted_by_a_higher_round_stops_resending_its_phase() -> None:
+    """m0 coordinates round 1; m4's round 2 reaches it first (and most members): m0 promises it and its
+    own round ends, so its re-sends stop (acceptors that promised round 2 would drop them unanswered;
+    under load such re-sends to the whole view kept 128 agents saturated). Round 2 still decides."""
+    bus = Bus(make_view(5))
+    for c in bus.nodes.values():
+        c.propose(A)
+    bus.queue.clear()  # the fast round's votes are lost: a classic round must decide
+    m0, m4 = bus.nodes["m0"], bus.nodes["m4"]
+    m0.start_round()
+    assert m0.my_round == (1, "m0")
+    bus.queue.clear()  # its Prepares are lost too
+    m4.start_round()
+    m4.start_round()  # round 2
+    assert m4.my_round == (2, "m4")
+    bus.pump()
+    assert m0.my_round is None and m0.promises == {} and m0.accept_value is None
+    sent = len(bus.sent)
+    m0.resend()
+    assert len(bus.sent) == sent and not bus.queue  # nothing re-sent
+    assert set(bus.decisions().values()) == {digest(bus.view, A)}
+    # a lower round never ends a higher one of ours
+    c = Consensus(bus.view, "m1", lambda k, m: None, lambda dst, m: None)
+    c.propose(A)
+    c.start_round()
+    c.start_round()
+    c.start_round()
+    assert c.my_round == (3, "m1")
+    c.on_prepare(Prepare(bus.view.epoch, bus.view.config_id, 2, "m0"))
+    assert c.my_round == (3, "m1")
+
+
+def test_a_coordinators_resends_back_off_within_a_round_and_phase() -> None:
+    """The decider re-sends its round's phase after retry_interval, then 2, 4, 8 times it, at most 8
+    times it; a new round starts again at 1."""
+    from types import SimpleNamespace
+
+    from gossiprec.core.config import AgreementConfig
+    from gossiprec.core.decide import RESEND_BACKOFF_MAX, Decider
+
+    view = make_view(5)
+    timers: list[float] = []
+    sent: list[tuple[str, Message]] = []
+    node = SimpleNamespace(name="m0", view=view, auth=None, counters={}, now=0.0,
+                           broadcast=lambda key, msg: None, send_to=lambda dst, msg: sent.append((dst, msg)),
+                           set_timer=lambda at, kind: timers.append(at))
+    cut = SimpleNamespace(supports=lambda changes, now: True, unstable=lambda name, but: False)
+    swim = SimpleNamespace(member=lambda name: None)
+    acfg = AgreementConfig()
+    d = Decider(node, swim, acfg)  # type: ignore[arg-type]
+    d.start_view(view, cut, 9)  # type: ignore[arg-type]
+    d.consensus.propose(A)
+    d.consensus.start_round()
+    gaps = []
+    for i in range(6):
+        before = len(sent)
+        d.resend(float(i))
+        assert len(sent) - before == len(view.members)  # nobody answered: the Prepare to every member
+        gaps.append(round(timers[-1] - i, 6))
+    r = acfg.retry_interval
+    assert gaps == [r, 2 * r, 4 * r, 8 * r, 8 * r, 8 * r] and RESEND_BACKOFF_MAX == 8, gaps
+    d.consensus.start_round()  # a new round: from retry_interval again
+    d.resend(10.0)
+    assert round(timers[-1] - 10.0, 6) == r

@@ -342,7 +342,9 @@ class LocalCluster:
                 a.name: sorted(names - {m["node"] for m in (st.get("view") or {}).get("members", ())})
                 for a, st in zip(agents, sts)
                 if names - {m["node"] for m in (st.get("view") or {}).get("members", ())}},
-                "live": {a.name: st.get("live") for a, st in zip(agents, sts) if st.get("live") != len(agents)}}
+                "expected_live": len(agents),
+                "live": {a.name: [st.get("live"), st.get("known")] for a, st in zip(agents, sts)
+                         if st.get("live") != len(agents)}}
             await asyncio.sleep(0.2)
         exited = [f"{a.name} (exit {a.proc.returncode}): {self.log_tail(a)}" for a in self.agents.values()
                   if a.proc.poll() is not None][:2]

@@ -22,12 +22,15 @@ from gossiprec.core.port import NodePort
 from gossiprec.core.view import REMOVE, Change, View
 from gossiprec.core.wire import ALIVE, Accepted, Decided, Proposal, Vote, VoteBundle, Votes
 
+RESEND_BACKOFF_MAX = 8
+"""A coordinator's re-sends within one round and phase back off to at most this many ``retry_interval``."""
+
 
 class Decider:
     """The proposing and deciding part of one node, for its current view."""
 
     __slots__ = ("node", "swim", "acfg", "cut", "consensus", "withheld", "_fallback_armed", "_early_round",
-                 "_resend_armed", "_eval_due", "_mark")
+                 "_resend_armed", "_eval_due", "_mark", "_resend_gap", "_resend_phase")
 
     cut: CutDetector
     consensus: Consensus
@@ -42,6 +45,10 @@ class Decider:
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
+        self._resend_gap = 1
+        """The next re-send's delay in ``retry_interval`` s (doubles within one round and phase)."""
+        self._resend_phase: tuple[Rank, bool] | None = None
+        """The round and phase (accept or not) the last re-send was of."""
         self._eval_due: float | None = None
         self._mark: tuple[int, Rank] = (0, FAST)
         """The fast round's leading vote count and the highest round promised when the fallback was armed
@@ -70,6 +77,8 @@ class Decider:
         self._fallback_armed = False
         self._early_round = False
         self._resend_armed = False
+        self._resend_gap = 1
+        self._resend_phase = None
         self._eval_due = None
         self._mark = (0, FAST)
         self.withheld = False
@@ -302,10 +311,16 @@ class Decider:
         self._arm_fallback(now, self.acfg.fallback_timeout * 2)
 
     def resend(self, now: float) -> None:
-        """The coordinator's phase again, while its round is undecided."""
+        """The coordinator's phase again, while its round is undecided: after ``retry_interval``, then
+        twice as long each time within one round and phase, at most ``RESEND_BACKOFF_MAX`` times it (the
+        members that have not answered are lost, partitioned or overloaded, and a coordinator needs only
+        a majority: re-sending to them at 10 Hz for as long as the round lasts is what overloads them)."""
         c = self.consensus
         if c.decided is None and c.my_round is not None and c.my_round[1] == self.node.name:
             c.resend()
-            self.node.set_timer(now + self.acfg.retry_interval, timers.RESEND)
+            phase = (c.my_round, c.accept_value is not None)
+            self._resend_gap = min(self._resend_gap * 2, RESEND_BACKOFF_MAX) if phase == self._resend_phase else 1
+            self._resend_phase = phase
+            self.node.set_timer(now + self.acfg.retry_interval * self._resend_gap, timers.RESEND)
         else:
             self._resend_armed = False
