@@ -237,7 +237,8 @@ class AgreementConfig:
     fallback_jitter: float = 0.4
     """Largest random delay added to each fallback timeout, so that members seldom coordinate at once."""
     retry_interval: float = 0.1
-    """Coordinator re-sends Prepare/Accept to silent members this often."""
+    """Coordinator re-sends Prepare/Accept to silent members after this long, then twice as long each
+    time within one round and phase, up to 8 times it."""
     fence_after: float = 3.0
     """Waiting this long without a decision (or without a live majority) fences this member."""
     hang_floor: float = 0.6
