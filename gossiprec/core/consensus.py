@@ -366,11 +366,10 @@ class Consensus:
                                                          vchanges)))
 
     def _preempted(self, rank: Rank) -> None:
-        """We promised ``rank``: a round of ours below it can no longer gather this member, nor (its
-        coordinator reached them first) most others; it ends here instead of re-sending its phase to
-        members that drop it unanswered. (Under load, preempted coordinators re-sending to the whole view
-        kept 128 agents on 2 cores saturated after a view change.) The decider's fallback starts a new
-        round only if the round we promised stops moving."""
+        """We promised ``rank``: a round of ours below it can no longer gather this member, nor most
+        others (its coordinator's messages reach them as they reached us); it ends here instead of
+        re-sending its phase to members that drop it unanswered, and the decider's fallback starts a new
+        round only if the round we promised stops moving (see ``Decider._fast_round_moves``)."""
         if self.my_round is not None and rank > self.my_round and rank[1] != self.me:
             self.my_round = None
             self.promises = {}

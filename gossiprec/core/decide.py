@@ -312,9 +312,10 @@ class Decider:
 
     def resend(self, now: float) -> None:
         """The coordinator's phase again, while its round is undecided: after ``retry_interval``, then
-        twice as long each time within one round and phase, at most ``RESEND_BACKOFF_MAX`` times it (the
-        members that have not answered are lost, partitioned or overloaded, and a coordinator needs only
-        a majority: re-sending to them at 10 Hz for as long as the round lasts is what overloads them)."""
+        twice as long each time within one round and phase, at most ``RESEND_BACKOFF_MAX`` times it: the
+        members that have not answered by then are lost, partitioned or overloaded, a coordinator needs
+        only a majority, and re-sending to every one of them 10 times a second for as long as the round
+        lasts only adds to an overload."""
         c = self.consensus
         if c.decided is None and c.my_round is not None and c.my_round[1] == self.node.name:
             c.resend()

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from nacl.bindings import crypto_sign_open
-from nacl.exceptions import BadSignatureError, CryptoError
-from nacl.signing import SigningKey
 from cryptography.hazmat.primitives.serialization import (
     Encoding, NoEncryption, PrivateFormat, PublicFormat, load_pem_private_key,
 )
+from nacl.bindings import crypto_sign_open
+from nacl.exceptions import BadSignatureError, CryptoError
+from nacl.signing import SigningKey
 
 from gossiprec.errors import SecurityError
 from gossiprec.security.keyring import atomic_write_private, read_private_file
@@ -53,7 +53,7 @@ class Ed25519Crypto:
 
     private: Ed25519PrivateKey
     public_key: bytes = b""
-    _signer: SigningKey | None = field(default=None, repr=False)
+    _signer: SigningKey = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.public_key = self.private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -64,7 +64,6 @@ class Ed25519Crypto:
         return cls(Ed25519PrivateKey.generate())
 
     def sign(self, data: bytes) -> bytes:
-        assert self._signer is not None
         return self._signer.sign(data).signature
 
     def verify(self, key: bytes, data: bytes, sig: bytes) -> bool:
