@@ -140,6 +140,8 @@ class Agent:
         self._page: ProgressPage | None = None
         """The trainer's progress page (see :mod:`gossiprec.local.progress`), read by :meth:`_sync_page`."""
         self._page_seq = 0
+        self._seen_group: int | None = None
+        """The newest group epoch the trainer has taken in, as its page last said (None: no page read)."""
         self._bell: BellWatcher | None = None
         """Waits on the trainer's exit bell (see :mod:`gossiprec.local.bell`) once the trainer armed it."""
         self._stopped_since: tuple[int, float] | None = None
@@ -649,6 +651,9 @@ class Agent:
                 self._progress = (rec.step, rec.phase, rec.step_ms)
                 self._coll = rec.coll
                 self.wait_ms = rec.wait_ms
+            if rec.seen_group != self._seen_group:  # (after the progress: the report it releases carries it)
+                self.machine.set_trainer_seen(rec.seen_group)
+                self._seen_group = rec.seen_group
         except ProtocolError as exc:
             self._count("progress_page_invalid")
             self._throttle.warn("page", f"the trainer's progress page holds invalid values, ignored: {exc}")

@@ -13,7 +13,10 @@ publishes its digest the same way. A digest other than ours is a :class:`PlanMis
 
 The report hold: a view installed while the trainer may still commit the step it is in (its collective
 in flight, or in the optimizer step) holds our report until the trainer committed that step or stopped,
-at most ``report_hold`` (a report made at once would roll every survivor back a step).
+at most ``report_hold`` (a report made at once would roll every survivor back a step). A trainer that
+says which views it has taken in (on its progress page: ``Node.trainer_seen``) is waited for until it has
+taken this one in: before then its collective may still complete and its commit drop the step the
+report named (see :mod:`gossiprec.local.progress`); ``report_hold_unseen`` counts a hold that expired so.
 
 Signed reports (with a :class:`~gossiprec.core.auth.KeyBook`): a bitmap is nobody's signed word, so a
 holder of the cluster key could report in any member's name (every rank at a step nobody holds, a
@@ -56,6 +59,9 @@ from gossiprec.core.wire import (
 
 FINISHING = frozenset(PHASES.index(p) for p in ("communicate", "waiting", "optimizer"))
 """Phases in which a trainer may still commit the step it is in (its collective may complete, or has)."""
+
+UNSEEN_POLL = 0.001
+"""Seconds between looks at a trainer that has not taken the view in yet (see :meth:`Aggregates._poll`)."""
 
 RECONFIRM_ASKS = 4
 """At most this many members whose confirm is missing are asked for it directly in each anti-entropy round."""
@@ -124,19 +130,30 @@ class Aggregates:
         """Our report for the view just installed (a member's): at once, or held for the trainer."""
         self.held_until = None
         if view.basis is not None and view.group_epoch == view.epoch and view.is_holder(self.node.name):
-            if self.trainer_finishing() and self.acfg.report_hold > 0:
+            if self.trainer_finishing(view) and self.acfg.report_hold > 0:
                 self.held_until = now + self.acfg.report_hold
-                self.node.set_timer(now + min(self.acfg.report_poll, self.acfg.report_hold), timers.REPORT)
+                self.node.set_timer(now + min(self._poll(view), self.acfg.report_hold), timers.REPORT)
             else:
                 self.report_state(view, now)
         self.maybe_plan(now)
 
     # ------------------------------------------------------------------ our report
-    def trainer_finishing(self) -> bool:
-        """The trainer is in a step it may still commit (see ``report_hold``)."""
+    def trainer_finishing(self, view: View) -> bool:
+        """The trainer may still commit the step it is in, unknowing of ``view`` (see ``report_hold``)."""
         node = self.node
+        if self._unseen(view):
+            return True
         step, phase, _ = node.my_progress
         return phase in FINISHING and step > node.trainer_state[0]
+
+    def _unseen(self, view: View) -> bool:
+        seen = self.node.trainer_seen
+        return seen is not None and seen < view.group_epoch
+
+    def _poll(self, view: View) -> float:
+        """How soon to look at the trainer again: its follower takes a view in within a millisecond or
+        so (then the poll is what the report waits), a step takes longer."""
+        return min(self.acfg.report_poll, UNSEEN_POLL) if self._unseen(view) else self.acfg.report_poll
 
     def maybe_report(self, now: float) -> None:
         """The held report goes out once the trainer committed its step or stopped, or at the deadline."""
@@ -144,14 +161,15 @@ class Aggregates:
         if until is None or v is None or v.basis is None or not v.is_holder(self.node.name):
             self.held_until = None  # no longer ours to report (removed from the view, say)
             return
-        if self.trainer_finishing() and now < until:
+        if self.trainer_finishing(v) and now < until:
             # the pump reads the trainer before each tick
-            self.node.set_timer(min(until, now + self.acfg.report_poll), timers.REPORT)
+            self.node.set_timer(min(until, now + self._poll(v)), timers.REPORT)
             return
         self.held_until = None
-        if self.trainer_finishing():
+        if self.trainer_finishing(v):
             counters = self.node.counters
-            counters["report_hold_expired"] = counters.get("report_hold_expired", 0) + 1
+            key = "report_hold_unseen" if self._unseen(v) else "report_hold_expired"
+            counters[key] = counters.get(key, 0) + 1
         self.report_state(v, now)
 
     def report_state(self, v: View, now: float) -> None:

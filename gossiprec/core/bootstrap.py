@@ -711,6 +711,9 @@ class Booting:
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         self._input("set_state", (committed_step, inflight_step, state_bytes))
 
+    def set_trainer_seen(self, group_epoch: int) -> None:
+        self._input("set_trainer_seen", (group_epoch,))
+
     def finish(self, step: int, now: float) -> None:
         self._input("finish", (step, now))
 

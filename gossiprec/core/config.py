@@ -338,7 +338,9 @@ class AgreementConfig:
     collective in flight, or already in the optimizer step), its state report waits until the trainer
     has committed that step or stopped (begun recovering), at most this long: a report made at once
     would miss a step committed a moment later, and the plan would roll every survivor back to the step
-    before and make them receive state they hold. 0: report at once."""
+    before and make them receive state they hold. A trainer on the progress page is also waited for until
+    it has taken the view in: before that its collective may still complete (nobody of its group lost)
+    and its commit drop the step the report named. 0: report at once."""
     report_poll: float = 0.005
     """While a state report is held, look at the trainer this often."""
 

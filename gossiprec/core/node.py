@@ -121,6 +121,8 @@ class Node:
         """What the trainer could serve (committed step, in-flight step, bytes): see :meth:`set_state`."""
         self.my_progress: tuple[int, int, int] = (-1, 0, 0)
         """The trainer's (step, phase, step time in ms): see :meth:`set_progress`."""
+        self.trainer_seen: int | None = None
+        """The newest group epoch the trainer has taken in: see :meth:`set_trainer_seen`."""
         self._early: list[Message] = []
         self._departed: set[str] = set()  # members SWIM reported as having left
         self._last_realert = float("-inf")
@@ -261,6 +263,14 @@ class Node:
     def set_state(self, committed_step: int, inflight_step: int | None, state_bytes: int) -> None:
         """What this member could serve to a replacement (reported to the plan of each new view)."""
         self.trainer_state = (committed_step, inflight_step, state_bytes)
+        if self.aggregates.held_until is not None:
+            self.set_timer(self.now, timers.REPORT)
+
+    def set_trainer_seen(self, group_epoch: int) -> None:
+        """The newest group epoch the trainer has taken in (-1: none yet), as its progress page says.
+        Never called for a trainer without a page: its state report for a view then waits only for
+        the step it is finishing (see :mod:`~gossiprec.core.aggregate`)."""
+        self.trainer_seen = group_epoch
         if self.aggregates.held_until is not None:
             self.set_timer(self.now, timers.REPORT)
 

@@ -60,6 +60,9 @@ class NodePort(Protocol):
     def trainer_state(self) -> tuple[int, int | None, int]:
         """What the trainer could serve: (committed step, in-flight step, bytes)."""
     @property
+    def trainer_seen(self) -> int | None:
+        """The newest group epoch the trainer has taken in (None: its trainer does not say)."""
+    @property
     def finished(self) -> int | None:
         """The step at which the job's trainers finished, once known."""
     @property

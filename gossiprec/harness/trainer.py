@@ -104,6 +104,8 @@ def trainer_main(args: argparse.Namespace) -> int:
     rt = ResilientTrainer(objects, config, on_recovered=on_recovered, on_resize=on_resize,
                           on_no_replica=on_no_replica if ckpt is not None else None, on_phase=hook,
                           on_drop=on_drop)
+    if args.slow_views:
+        slow_views(rt, args.slow_views)
     if args.bucket_mb > 0:
         rt.overlap_gradients(model.parameters(), exact=True, bucket_mb=args.bucket_mb)
     out.with_suffix(".ready").write_text("1")  # torch imported, model and optimizer built
@@ -163,6 +165,22 @@ def trainer_main(args: argparse.Namespace) -> int:
     os._exit(0)  # a graveyard may hold a hung group whose destructor would block
 
 
+def slow_views(rt: Any, seconds: float) -> None:
+    """Make the trainer learn of each new view ``seconds`` late (its follower sleeps before it takes one in),
+    as a loaded machine can: the tests of what the agent's report may promise before the trainer knows."""
+    from gossiprec.core.events import ViewInstalled
+
+    follower = rt._follower
+    take = follower.on_event
+
+    def late(ev: Any) -> None:
+        if isinstance(ev, ViewInstalled):
+            time.sleep(seconds)
+        take(ev)
+
+    follower.on_event = late
+
+
 def wait_for_view(rt: Any, members: int) -> None:
     """Poll the agent until its view holds ``members`` members (or the trainer is interrupted: a newer
     view than the one trained in, which the next step recovers into, may be the one awaited)."""
@@ -215,6 +233,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="all-reduce gradients in buckets of this many MiB during backward (0: one flat all-reduce)")
     p.add_argument("--snapshot-copies", dest="snapshot_copies", type=int, default=1,
                    help="TrainerConfig.snapshot_copies: host copies of the state kept for recovery (2, 1, 0)")
+    p.add_argument("--slow-views", dest="slow_views", type=float, default=0.0,
+                   help="learn of each new view this many seconds late (the follower sleeps first)")
     p.add_argument("--verbose", action="store_true", help="a progress line every 10 steps")
     return p
 

@@ -18,12 +18,13 @@ trainer; its threads take turns through a lock) and one reader (the agent).
 Layout (little-endian)::
 
     0   4s  magic  b"GRPP"
-    4   u32 version (4)
+    4   u32 version (5)
     8   u64 seq    seqlock: odd while a write is under way, +2 per record written, 0: never written
     16  record:  step i64, phase u32, step_ms u32, since f64 (CLOCK_MONOTONIC when (step, phase, coll)
                  last changed), committed_step i64 (-1: no state yet), inflight_step i64 (-1: none),
                  state_bytes u64, transfer_port i32 (-1: none), coll u32 (collectives entered in step),
                  wait_ms u32 (mean ms per step spent waiting inside collectives, last few steps),
+                 seen_group i64 (the newest group epoch the trainer has taken in; -1: none yet),
                  crc32 of the record's other bytes u32
 
     1024  the exit bell: a process-shared robust pthread mutex (64 bytes; see :mod:`gossiprec.local.bell`)
@@ -32,6 +33,15 @@ Layout (little-endian)::
 A reader takes ``seq``, the record, then ``seq`` again, and keeps the record only if both are the same
 even number and the CRC matches: the CRC also catches a torn read where the CPU reorders stores
 (weakly ordered machines); a read that keeps failing returns None and the agent keeps what it had.
+
+``seen_group`` orders the agent's state report against the trainer's commits: the agent's report for a
+view that changes the trainer's group promises that the trainer still holds the step it names, and a
+trainer that has not taken the view in yet may commit the next step and drop that one. So the agent
+holds its report until the trainer's follower has written the view's group epoch here (see
+:mod:`gossiprec.core.aggregate`), and the trainer, once it has written a finishing phase before a commit,
+reads its follower to decide whether to keep the previous step: one writing lock orders both writes, so
+either the agent sees the finishing phase and waits for the commit, or the trainer sees the view and
+keeps the step the agent reported.
 
 The trainer arms the exit bell when it opens the page (:meth:`ProgressPage.arm_bell`) and releases it
 in :meth:`ProgressPage.close`; the agent watches it, so a trainer that dies is seen before the kernel
@@ -54,10 +64,10 @@ from gossiprec.errors import ConfigError
 from gossiprec.local import bell
 
 MAGIC = b"GRPP"
-VERSION = 4
+VERSION = 5
 _HEAD = struct.Struct("<4sI")
 _SEQ = struct.Struct("<Q")
-_BODY = struct.Struct("<qIIdqqQiII")
+_BODY = struct.Struct("<qIIdqqQiIIq")
 _CRC = struct.Struct("<I")
 SEQ_AT = _HEAD.size
 RECORD_AT = SEQ_AT + _SEQ.size
@@ -84,6 +94,7 @@ class ProgressRecord:
     transfer_port: int
     coll: int = 0
     wait_ms: int = 0
+    seen_group: int = -1
 
     @property
     def has_state(self) -> bool:
@@ -106,7 +117,7 @@ class ProgressPage:
         self._armed = False
         self._seq = 0
         # the writer's current values: every write stores the whole record
-        self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1, 0, 0]
+        self._fields = [-1, 0, 0, 0.0, -1, -1, 0, -1, 0, 0, -1]
         self._lock = threading.Lock()  # a report from a thread waiting in a collective meets the main one's
 
     @classmethod
@@ -193,6 +204,14 @@ class ProgressPage:
             f[6] = state_bytes
             f[7] = -1 if transfer_port is None else transfer_port
             self._write()
+
+    def see_group(self, group_epoch: int) -> None:
+        """The trainer has taken in the view of group epoch ``group_epoch`` (it only ever rises)."""
+        with self._lock:
+            f = self._fields
+            if group_epoch > f[10]:
+                f[10] = group_epoch
+                self._write()
 
     def _write(self) -> None:
         if not self._writer:

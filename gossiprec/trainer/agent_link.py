@@ -18,6 +18,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from gossiprec.core.aggregate import FINISHING
 from gossiprec.core.wire import PHASES
 from gossiprec.errors import ConfigError
 from gossiprec.local.progress import ProgressPage
@@ -55,6 +56,8 @@ class AgentLink:
         """The phase last reported other than ``waiting`` (what a slow collective's end reports again)."""
         self._coll = 0
         """Collectives entered in the reported step, on every group."""
+        self._seen_group = -1
+        """The newest group epoch the follower has taken in (written on the page, see :meth:`see_group`)."""
 
     def open_page(self, status: Mapping[str, Any]) -> None:
         """Report on the page the agent's ``status`` names, if any (and arm its exit bell); a page that
@@ -63,6 +66,7 @@ class AgentLink:
             return
         try:
             self._page = page = ProgressPage.open(str(status["progress_page"]))
+            page.see_group(self._seen_group)  # (views the follower took in before the page was open)
             # the agent hears of this process's death from the kernel, before its memory is torn down
             log.debug("exit bell %s", "armed" if page.arm_bell() else "not armed (not the main thread, "
                       "another trainer in this process holds it, or no robust mutexes here)")
@@ -129,6 +133,22 @@ class AgentLink:
             self.control.report(step, phase, self.step_ms, wait=False)
         except ControlError as exc:
             self._on_lost(str(exc))
+
+    def see_group(self, group_epoch: int) -> None:
+        """The follower has taken in the view of group epoch ``group_epoch`` (from its thread): the agent
+        holds its state report for that view until the page says so (see :mod:`gossiprec.local.progress`).
+        Without a page there is nothing to tell: that agent reports at once."""
+        self._seen_group = max(self._seen_group, group_epoch)
+        page = self._page
+        if page is not None:
+            page.see_group(group_epoch)
+
+    def finishing(self, step: int) -> None:
+        """Step ``step`` is about to be committed: unless the page already shows it in a phase that may
+        commit, say so first, so that the agent holds a new view's report until the commit (see
+        :mod:`gossiprec.local.progress`)."""
+        if self.at[0] != step or _PHASE_INDEX[self.at[1]] not in FINISHING:
+            self.report(step, "optimizer")
 
     def restart_count(self) -> None:
         """A step begins (again, after a recovery): its collective count starts from 0."""

@@ -41,11 +41,15 @@ class Follower:
 
     ``abort(reason)`` aborts the current group (agent lost, fenced); ``abort_older(epoch, reason)`` the
     groups of epochs before ``epoch`` (a newer view); ``on_plan(plan)`` is told of each plan as it
-    arrives (a donor prepares its stripes). All three run on the follower's thread.
+    arrives (a donor prepares its stripes); ``see_group(epoch)`` is told of each rise of
+    :attr:`newest_group`, after :meth:`trouble` says so (the agent's state report waits for it: see
+    :mod:`gossiprec.local.progress`). All four run on the follower's thread (``see_group`` also on the
+    status poll's).
     """
 
     def __init__(self, control_path: str, closed: threading.Event, *, abort: Callable[[str], None],
-                 abort_older: Callable[[int, str], None], on_plan: Callable[[Plan], None]) -> None:
+                 abort_older: Callable[[int, str], None], on_plan: Callable[[Plan], None],
+                 see_group: Callable[[int], None] = lambda epoch: None) -> None:
         self.control_path = control_path
         self.cond = threading.Condition()
         self.newest_group = -1
@@ -75,6 +79,7 @@ class Follower:
         self._abort = abort
         self._abort_older = abort_older
         self._on_plan = on_plan
+        self._see_group = see_group
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -134,14 +139,17 @@ class Follower:
                 if ev.stopped:
                     self.stopped = ev.stopped
                 self.cond.notify_all()
+                newest = self.newest_group
+            self._see_group(newest)  # first: the agent's report for the view waits for it
             self._abort_older(ev.group_epoch, f"view {ev.epoch} installed")
         elif isinstance(ev, PlanReady):
             plan = ev.plan
             with self.cond:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = ev.at
-                self.newest_group = max(self.newest_group, plan.epoch)
+                self.newest_group = newest = max(self.newest_group, plan.epoch)
                 self.cond.notify_all()
+            self._see_group(newest)
             self._on_plan(plan)
         elif isinstance(ev, JobFinished):
             with self.cond:
@@ -155,8 +163,9 @@ class Follower:
         elif isinstance(ev, Unfenced):
             with self.cond:
                 self.fenced = ""
-                self.newest_group = max(self.newest_group, self.group_of.get(ev.epoch, ev.epoch))
+                self.newest_group = newest = max(self.newest_group, self.group_of.get(ev.epoch, ev.epoch))
                 self.cond.notify_all()
+            self._see_group(newest)
 
     def absorb_status(self, st: dict[str, Any], epoch: int) -> None:
         """What a ``status`` reply tells (the fallback to events): the newest view, whether it stopped
@@ -178,6 +187,8 @@ class Follower:
             if plan is not None and plan.epoch not in self.plans:
                 self.plans[plan.epoch] = plan
                 self.planned_at[plan.epoch] = time.monotonic()
+            newest = self.newest_group
+        self._see_group(newest)
 
     def plan_after(self, epoch: int, deadline: float, *, poll: Callable[[], object] | None = None) -> Plan | None:
         """The plan of the newest view after ``epoch``, once it is in (waits until ``deadline``, calling

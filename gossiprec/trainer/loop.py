@@ -201,10 +201,11 @@ class ResilientTrainer:
                                      device=config.device)
         self._peers = Peers(control, self.node, store_offset=config.store_offset,
                             donor_offset=config.donor_offset, timeout=config.timeout)
-        self._follower = Follower(control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
-                                  on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps))
         # a failed socket only marks the agent lost: the loop's next look at the follower recovers
         self._link = AgentLink(control, on_lost=lambda why: setattr(self._follower, "lost", why))
+        self._follower = Follower(control.path, self._closed, abort=self._abort, abort_older=self._abort_older,
+                                  on_plan=lambda plan: prepare_donation(plan, self.node, self._donor, self._snaps),
+                                  see_group=self._link.see_group)
         self._gate = OptimizerGate(self, snapshots=self._snaps, follower=self._follower, announce=self._announce,
                                    report=self._link.report, interrupted=self._interrupted,
                                    poll=lambda epoch: self._follower.poll_status(self.control, epoch),
@@ -305,8 +306,7 @@ class ResilientTrainer:
             else:
                 self._checks.expect("at the start", 0, overlap=False)  # the loop may still load a checkpoint
                 self._link.wait_for_spares(view, config.wait_for_spares, lambda: self._follower.trouble(self.epoch))
-        else:
-            # No group yet: it still has to apply its group's plan (a spare promoted before it came up, say).
+        else:  # no group yet: it still applies its group's plan (a spare promoted before it came up, say)
             self.install(self.identity.but(epoch=view.group_epoch - 1))
             self.groups = EpochGroups(self._peers.store_server, backend=config.backend, timeout=config.timeout,
                                       poll_interval=config.poll_interval, host=bind, keys=self.keys)
@@ -459,6 +459,7 @@ class ResilientTrainer:
         step = self.step + 1
         if self._redo.armed:
             self._redo.disarm()  # (a redone step without a collective)
+        self._link.finishing(step)  # before the commit reads the follower (see gossiprec.local.progress)
         self._commit_snapshot(step, verify=self._checks.checks_commit(step))
         now = time.monotonic()
         if self._last_commit_at is not None:
@@ -614,11 +615,10 @@ class ResilientTrainer:
         """Capture the objects as step ``step`` and tell the agent. ``verify``: copy everything now with
         checksums, and compare the state across replicas (and with the live tensors) at the next
         all-reduce of gradients."""
-        # a view change already known: the recovery comes before any optimizer step, so one copy can keep
-        # the previous step too (a plan whose reports lag a commit may name it)
+        # a view known (after commit()'s link.finishing, every view the agent reported for: gossiprec.local.progress)
+        # means a recovery before any optimizer step: one copy keeps the previous step too, which the plan may name
         snap = self._snaps.commit(step, checksum=verify, keep_previous=self._follower.trouble(self.epoch))
-        # (an unchecked commit: a comparison a recovery deferred may take it)
-        (self._checks.committed if verify else self._checks.commit_taken)(step, snap)
+        (self._checks.committed if verify else self._checks.commit_taken)(step, snap)  # (unchecked: a deferred check's)
         self.install(self.identity.but(step=step))
         self._gate.committed(step)
         older = self._snaps.kept_previous()
