@@ -83,3 +83,24 @@ def test_the_gates_look_ahead_waits_for_the_newest_views_plan() -> None:
     f.on_event(Fenced(2, "no quorum", 3.0))
     start = time.monotonic()
     assert f.plan_after(0, start + 30) is None and time.monotonic() - start < 10  # at once, not at the deadline
+
+
+def test_each_newer_group_is_told_once_the_loop_would_see_it_and_before_the_old_groups_are_aborted() -> None:
+    calls: list[tuple[str, int, bool]] = []
+    f: Follower
+
+    def seen(epoch: int) -> None:
+        calls.append(("seen", epoch, f.trouble(epoch - 1)))  # the loop's look already says so
+
+    f = Follower("/nonexistent.sock", threading.Event(), abort=lambda why: None,
+                 abort_older=lambda e, why: calls.append(("abort_older", e, True)), on_plan=lambda plan: None,
+                 see_group=seen)
+    f.on_event(_view(0, ("n0", "n1", "n2"), 1.0))
+    f.on_event(_view(1, ("n0", "n1", "n2", "s0"), 2.0))
+    assert calls[-2:] == [("seen", 1, True), ("abort_older", 1, True)], calls
+    f.on_event(ViewInstalled(2, "c2", ("n0", "n1", "n2"), ("s0",), (), False, True, 3.0, group_epoch=1))
+    assert calls[-2:] == [("seen", 1, True), ("abort_older", 1, True)], calls  # it kept the group: still 1
+    f.on_event(Unfenced(4, 9.0))
+    assert calls[-1][:2] == ("seen", 4), calls
+    f.absorb_status({"view": None}, 4)
+    assert calls[-1][:2] == ("seen", 4), calls
