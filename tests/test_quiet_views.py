@@ -126,3 +126,35 @@ def test_a_spare_joining_then_a_spare_leaving_interrupts_no_trainer(tmp_path: Pa
         assert t["view_members"] == ["n0", "n1", "n3"] and t["view_epoch"] >= 2, (node, t)  # joined, then left
     records = [p for p in tmp_path.glob("n[01].records") if p.read_text().strip()]
     assert not records, [p.read_text() for p in records]
+
+
+def test_a_member_that_catches_up_past_a_group_view_by_delta_reports_to_its_plan() -> None:
+    # n0 missed two decisions: n4 lost (s0 takes its rank: group view 1), then j0 joined (view 2 keeps group
+    # epoch 1). The delta brings it to view 2; it installs view 1 on the way, reports its state to view 1's
+    # plan and aggregates that plan, as the members that installed both do (its trainer waits for it)
+    from gossiprec.core.topology import JobTopology
+    from gossiprec.core.view import View, ViewMember
+    from gossiprec.core.wire import Report, ViewDelta, ViewRequest, encode_packet
+    from tests.test_node import _decide, make_node, sent_messages
+
+    names = ["n0", "n1", "n2", "n3", "n4"]
+    v0 = View.initial([*(ViewMember(n, n, "trainer", i) for i, n in enumerate(names)), ViewMember("s0", "s0", "spare", None)],
+                      JobTopology.ddp(5))
+    ahead, behind = make_node("n1", v0), make_node("n0", v0)
+    _decide(ahead, [_remove("n4")], 0.1)
+    _decide(ahead, [_join("j0")], 0.2)
+    assert ahead.view is not None and (ahead.view.epoch, ahead.view.group_epoch) == (2, 1)
+    ahead.take_sends()
+    ahead.receive(encode_packet([ViewRequest(0, v0.config_id, "n0", "n0")]), 0.3)
+    (delta,) = [m for a, m in sent_messages(ahead) if a == "n0"]
+    assert isinstance(delta, ViewDelta) and len(delta.steps) == 2
+    behind.take_events()
+    behind.take_sends()
+    behind.receive(encode_packet([delta]), 0.4, reliable=True)
+    assert behind.view == ahead.view
+    installed = [e for e in behind.take_events() if type(e).__name__ == "ViewInstalled"]
+    assert [(e.epoch, e.group_epoch, e.removed, e.joined) for e in installed] == [(1, 1, ("n4",), ()),
+                                                                                  (2, 1, (), ("j0",))]
+    assert behind.aggregates.view is not None and behind.aggregates.view.epoch == 1
+    reports = [m for _, m in sent_messages(behind) if isinstance(m, Report)]
+    assert reports and all(r.epoch == 1 for r in reports), reports

@@ -237,7 +237,7 @@ class CatchUp:
         if not self.trusted(msg, None):
             return
         views = [v]
-        changes: list[Any] = []
+        steps: list[list[Any]] = []
         for config, rows in msg.steps:
             prev = views[-1]
             changes = changes_from_rows(rows)
@@ -250,11 +250,21 @@ class CatchUp:
                 counters["rx_bad_view"] = counters.get("rx_bad_view", 0) + 1
                 return
             views.append(nv)
+            steps.append(changes)
         for (_, rows), old, new in zip(msg.steps, views, views[1:]):
             self.remember(old, new, rows)
-        node.install(views[-1], now, fast=False, decided_here=False,  # changes: the last step's
-                      removed=tuple(c.node for c in changes if c.kind == REMOVE),
-                      joined=tuple(c.node for c in changes if c.kind == JOIN))
+        last = views[-1]
+        # the last view's group view among those skipped is installed first, so that this member reports to
+        # its plan and aggregates it (the last view keeps it), as every member that installed it does
+        group = [i for i in range(1, len(views) - 1) if views[i].epoch == last.group_epoch]
+        for i in (*group, len(views) - 1):
+            at = node.view
+            if at is not None and at.epoch >= views[i].epoch:
+                continue  # (an install moved this member on already: an early decision it replayed)
+            changes = steps[i - 1]
+            node.install(views[i], now, fast=False, decided_here=False,
+                         removed=tuple(c.node for c in changes if c.kind == REMOVE),
+                         joined=tuple(c.node for c in changes if c.kind == JOIN))
 
     def on_view_state(self, msg: ViewState, now: float) -> None:
         node = self.node
