@@ -138,8 +138,8 @@ def test_a_member_that_catches_up_past_a_group_view_by_delta_reports_to_its_plan
     from tests.test_node import _decide, make_node, sent_messages
 
     names = ["n0", "n1", "n2", "n3", "n4"]
-    v0 = View.initial([*(ViewMember(n, n, "trainer", i) for i, n in enumerate(names)), ViewMember("s0", "s0", "spare", None)],
-                      JobTopology.ddp(5))
+    members = [*(ViewMember(n, n, "trainer", i) for i, n in enumerate(names)), ViewMember("s0", "s0", "spare", None)]
+    v0 = View.initial(members, JobTopology.ddp(5))
     ahead, behind = make_node("n1", v0), make_node("n0", v0)
     _decide(ahead, [_remove("n4")], 0.1)
     _decide(ahead, [_join("j0")], 0.2)
