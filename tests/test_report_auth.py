@@ -249,3 +249,54 @@ def test_a_forged_plan_digest_in_other_members_names_raises_no_mismatch(forgery:
         assert net.nodes[name].counters.get(counter) == 1, name
         assert set(net.nodes[name].aggregates.digests) == {bytes.fromhex(plans[name])}, name
     assert not [m for _, _, m in net.sent if getattr(m, "digest", None) == other]  # not relayed
+
+
+def test_a_member_without_the_plan_asks_for_the_claims_it_lacks_and_gets_only_those() -> None:
+    # a large view's gossip brings each member its N claims a few bundles per packet: a member still without
+    # the plan at an anti-entropy round asks a few members (ClaimsAsk: the bitmap of claims it holds) and
+    # each answers at once with the bundles of the claims it lacks (at most once per asker per round); an ask
+    # is its asker's signed word, so a key holder cannot point every member's answers at another member
+    from tests.test_node import sent_messages
+
+    net = SignedNet(NAMES)
+    _recovery(net)
+    n0 = net.nodes["n0"]
+    v = n0.view
+    assert v is not None and n0.aggregates.claims.keys() == {"n0", "n2"}
+    have = (1 << v.index("n0")).to_bytes(1, "little")  # type: ignore[operator]
+    from gossiprec.core.auth import sign_if
+
+    forged = sign_if(net.nodes["n2"].auth, wire.ClaimsAsk(v.epoch, v.config_id, "n3", have))  # n2's key, n3's name
+    n0.receive(encode_packet([forged]), net.now)
+    assert n0.counters["rx_claims_ask_refused"] == 1
+    ask = sign_if(net.nodes["n3"].auth, wire.ClaimsAsk(v.epoch, v.config_id, "n3", have))
+    n0.take_sends()
+    before = n0.counters.get("claims_answered", 0)  # (the members' own asks during the recovery)
+    n0.receive(encode_packet([ask]), net.now)
+    answers = [m for a, m in sent_messages(n0) if a == "n3" and isinstance(m, wire.ClaimBundle)]
+    assert answers and set().union(*(_authors(net, m) for m in answers)) >= {"n2"}, answers
+    assert n0.counters["claims_answered"] == before + 1
+    n0.receive(encode_packet([ask]), net.now + 0.01)  # the same round: not again
+    everyone = (1 << len(v)) - 1
+    n0.receive(encode_packet([wire.ClaimsAsk(v.epoch, v.config_id, "x9", b"\x00")]), net.now + 0.02)  # not a member
+    full = sign_if(net.nodes["n2"].auth, wire.ClaimsAsk(v.epoch, v.config_id, "n2", everyone.to_bytes(1, "little")))
+    n0.receive(encode_packet([full]), net.now + 0.5)  # lacks nothing: answered with nothing
+    assert n0.counters["claims_answered"] == before + 2
+    assert not [m for a, m in sent_messages(n0) if isinstance(m, wire.ClaimBundle) and a in ("n3", "x9", "n2")]
+
+
+def test_claims_gossip_lost_for_one_member_reach_it_by_its_asks() -> None:
+    # every claim on its way to the spare n3 is lost until 1.9 s, then only those answering its asks pass:
+    # it still gets the plan, from the answers
+    asked: set[str] = set()
+
+    def lose(src: str, dst: str, m: Message) -> bool:
+        if isinstance(m, wire.ClaimsAsk):
+            asked.add(dst)
+        return dst == "n3" and isinstance(m, (wire.StateClaim, wire.ClaimBundle)) and src not in asked
+
+    net = SignedNet(NAMES)
+    net.lose = lose
+    plans = _recovery(net)
+    assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
+    assert net.nodes["n3"].counters.get("claims_asked", 0) >= 1 and asked

@@ -54,7 +54,7 @@ from gossiprec.core.observer import Observer
 from gossiprec.core.port import NodePort
 from gossiprec.core.view import View
 from gossiprec.core.wire import (
-    PHASES, ClaimBundle, ConfirmBundle, Message, PlanConfirm, PlanDigest, Report, StateClaim, encode_message,
+    PHASES, ClaimBundle, ClaimsAsk, ConfirmBundle, Message, PlanConfirm, PlanDigest, Report, StateClaim, encode_message,
 )
 
 FINISHING = frozenset(PHASES.index(p) for p in ("communicate", "waiting", "optimizer"))
@@ -62,6 +62,9 @@ FINISHING = frozenset(PHASES.index(p) for p in ("communicate", "waiting", "optim
 
 UNSEEN_POLL = 0.001
 """Seconds between looks at a trainer that has not taken the view in yet (see :meth:`Aggregates._poll`)."""
+
+CLAIM_ASKS = 2
+"""Members a member without the plan asks for the claims it lacks, each anti-entropy round."""
 
 RECONFIRM_ASKS = 4
 """At most this many members whose confirm is missing are asked for it directly in each anti-entropy round."""
@@ -75,7 +78,7 @@ class Aggregates:
 
     __slots__ = ("node", "swim", "observer", "acfg", "view", "plan", "reports", "have", "need", "holders", "plan_hex",
                  "next_reagg", "reagg_gap", "digests", "held_until", "claims", "confirms", "chunk", "planned_at",
-                 "reconfirmed")
+                 "reconfirmed", "answered")
 
     def __init__(self, node: NodePort, swim: Membership, observer: Observer, acfg: AgreementConfig) -> None:
         self.node = node
@@ -108,6 +111,8 @@ class Aggregates:
         self.chunk = bundles.chunk_size(swim.config.mtu)
         """Members per signed bundle (see :mod:`~gossiprec.core.bundles`)."""
         self.planned_at: float | None = None
+        self.answered: dict[str, float] = {}
+        """When each member's last :class:`ClaimsAsk` was answered (one answer per member per round)."""
         self.reconfirmed = False
         """Whether our own confirm went straight to every member again, for a bundle that lacked it."""
 
@@ -115,6 +120,7 @@ class Aggregates:
         self.view = view
         self.plan = None
         self.planned_at = None
+        self.answered = {}
         self.reconfirmed = False
         self.held_until = None  # a report held for the last view is moot
         self.reports = {}
@@ -458,6 +464,8 @@ class Aggregates:
             for values, bits in self.reports.items():
                 for c in bundles.chunks(bits, self.chunk):
                     self.swim.broadcast(self._claim_key(values, c), self._claim_bundle(values, c), now)
+            if self.plan is None:
+                self._ask_claims(v)
         elif v.basis is not None:
             for (committed, inflight, size), bits in self.reports.items():
                 self.swim.broadcast(f"r|{committed}|{inflight}|{size}", Report(
@@ -499,13 +507,48 @@ class Aggregates:
                         node.send_to(s, Report(v.epoch, v.config_id, committed, inflight, size,
                                                 bits.to_bytes(nbytes, "little")))
 
-    def _send_claims(self, to: str) -> None:
-        """Every signed claim we hold, to member ``to``, in bundles, as few packets as fit the MTU."""
+    def _ask_claims(self, v: View) -> None:
+        """Ask a few random members for the claims we lack (a large view's gossip brings each member its
+        N claims a few bundles per packet, about linearly slower with N; an answer brings them at once)."""
+        node = self.node
+        have = 0
+        for bits in self.reports.values():
+            have |= bits
+        n = len(v)
+        if have == (1 << n) - 1 or n < 2:
+            return
+        ask = sign_if(node.auth, ClaimsAsk(v.epoch, v.config_id, node.name, have.to_bytes((n + 7) // 8, "little")))
+        me = v.index(node.name)
+        for idx in node.rng.sample(range(n), min(n, CLAIM_ASKS + 1)):
+            if idx != me:
+                node.send_to(v.members[idx].node, ask)
+        node.counters["claims_asked"] = node.counters.get("claims_asked", 0) + 1
+
+    def on_claims_ask(self, msg: ClaimsAsk, now: float) -> None:
+        """The claims we hold that ``msg.src`` lacks, in bundles (once per asker per ``reaggregate_first``)."""
+        v = self.view
+        if v is None or v.index(msg.src) is None or self.node.auth is None:
+            return
+        last = self.answered.get(msg.src)
+        if last is not None and now - last < self.acfg.reaggregate_first:
+            return
+        if not self.node.auth.check(msg.src, msg):
+            counters = self.node.counters
+            counters["rx_claims_ask_refused"] = counters.get("rx_claims_ask_refused", 0) + 1
+            return
+        self.answered[msg.src] = now
+        counters = self.node.counters
+        counters["claims_answered"] = counters.get("claims_answered", 0) + 1
+        self._send_claims(msg.src, ~int.from_bytes(msg.have, "little"))
+
+    def _send_claims(self, to: str, only: int = -1) -> None:
+        """Every signed claim we hold (of the members in ``only``: a bitmap, default all), to member ``to``,
+        in bundles, as few packets as fit the MTU."""
         budget = self.swim.config.mtu // 2  # room left for piggybacked news
         batch: list[Message] = []
         size = 0
         for values, bits in self.reports.items():
-            for c in bundles.chunks(bits, self.chunk):
+            for c in bundles.chunks(bits & only, self.chunk):
                 bundle = self._claim_bundle(values, c)
                 n = len(encode_message(bundle))
                 if batch and size + n > budget:

@@ -57,7 +57,7 @@ from gossiprec.core.overlay import Overlay
 from gossiprec.core.records import MemberInfo, ProgressInfo, RandomSource, Send
 from gossiprec.core.view import JOIN, REMOVE, Change, View
 from gossiprec.core.wire import (
-    ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, ClaimBundle, ConfirmBundle, Decided, Hello, JobDone,
+    ALIVE, LEFT, RESTARTED, Accept, Accepted, Alert, ClaimBundle, ClaimsAsk, ConfirmBundle, Decided, Hello, JobDone,
     JoinRequest, KeyClaim, Message, PlanConfirm, PlanDigest, Prepare, Promise, Proposal, Report, StateClaim,
     ViewDelta, ViewRequest, ViewState, Vote, VoteBundle, Votes,
 )
@@ -633,6 +633,7 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
     PlanDigest: (lambda n, m, now: n.aggregates.on_plan_digest(m, now), True),
     PlanConfirm: (lambda n, m, now: n.aggregates.on_plan_confirm(m, now), True),
     ClaimBundle: (lambda n, m, now: n.aggregates.on_claim_bundle(m, now), True),
+    ClaimsAsk: (lambda n, m, now: n.aggregates.on_claims_ask(m, now), False),
     ConfirmBundle: (lambda n, m, now: n.aggregates.on_confirm_bundle(m, now), True),
     Decided: (lambda n, m, now: n.decider.on_decided(m, now), True),  # (then a member outside asks to join)
     Votes: (lambda n, m, now: n.decider.on_votes(m, now), False),
@@ -646,7 +647,7 @@ _THIS_VIEW: dict[type, tuple[Handler, bool]] = {
 }
 """Messages of the current view: (handler, whether a member outside that view handles it too)."""
 
-_AGGREGATE = frozenset((Report, StateClaim, PlanDigest, PlanConfirm, ClaimBundle, ConfirmBundle))
+_AGGREGATE = frozenset((Report, StateClaim, PlanDigest, PlanConfirm, ClaimBundle, ClaimsAsk, ConfirmBundle))
 """Messages of the view aggregated (see :attr:`Aggregates.view <gossiprec.core.aggregate.Aggregates.view>`)."""
 
 _TIMER_HANDLERS: dict[int, Callable[[Node, float], None]] = {

@@ -26,7 +26,7 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
@@ -36,7 +36,8 @@ proof: :class:`BootHello` ... :class:`BootDecided`), 8 relays signed claims, con
 mean wait inside its collectives (:class:`Progress`, :class:`Ack` and push-pull rows ``wait_ms``: the straggler
 check, :mod:`gossiprec.core.stragglers`), 11 answers a bootstrap hello with only the rows the asker lacks
 (:class:`BootKnown` ``start``; :class:`BootHello` ``known`` counts the rows had from that seed), 12 carries a
-view's group epoch in its wire form (catch-up's views and ``config_id``: a view that left every group as it was)."""
+view's group epoch in its wire form (catch-up's views and ``config_id``: a view that left every group as it was),
+13 lets a member without the plan ask another for the signed claims it lacks (:class:`ClaimsAsk`)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
@@ -564,6 +565,21 @@ class VoteBundle(Message):
     first: int
     bitmap: bytes
     sigs: tuple[bytes, ...]
+
+
+@message(52, EPOCH, CFG, NAME, BITMAP, SIG)
+@value_class
+class ClaimsAsk(Message):
+    """``src``, still without the plan of ``epoch``, asks for the signed state claims it lacks: bit ``i`` of
+    ``have`` (over the view's sorted members) is set for each member whose claim it holds. The answer is
+    :class:`ClaimBundle` s of the claims the asked member holds and the asker does not. Signed by ``src``
+    (the answer goes to it: a key holder cannot point every member's answers at another)."""
+
+    epoch: int
+    config: str
+    src: str
+    have: bytes
+    sig: bytes = b""
 
 
 @message(34, EPOCH, STEP, NAME, SIG)
