@@ -33,7 +33,7 @@ from gossiprec.core import wire
 from gossiprec.core.auth import KeyBook
 from gossiprec.core.node import Node
 from gossiprec.core.events import PlanMismatch
-from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, encode_packet
+from gossiprec.core.wire import PHASES, Message, PlanDigest, Report, decode_packet, encode_packet
 from tests.support.signing import pinned_book, pins_of
 from tests.test_node import MiniNet
 
@@ -300,3 +300,31 @@ def test_claims_gossip_lost_for_one_member_reach_it_by_its_asks() -> None:
     plans = _recovery(net)
     assert set(plans) == {"n0", "n2", "n3"} and set(plans.values()) == {_honest_plan()}
     assert net.nodes["n3"].counters.get("claims_asked", 0) >= 1 and asked
+
+
+def test_an_answer_of_claims_is_bounded_in_packets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # an answer is a burst of datagrams: at 4,800 members every claim a member lacks would be ~270 of them,
+    # more than a stock receive buffer holds; it sends at most CLAIM_ANSWER_PACKETS (here 1), a random run
+    from gossiprec.core import aggregate
+    from gossiprec.core.auth import sign_if
+
+    net = SignedNet(NAMES)
+    _recovery(net)
+    n0 = net.nodes["n0"]
+    v = n0.view
+    assert v is not None and n0.aggregates.claims.keys() == {"n0", "n2"}
+    monkeypatch.setattr(n0.aggregates, "chunk", 1)  # a bundle per member
+    monkeypatch.setattr(aggregate, "encode_message", lambda m: bytes(1 << 16))  # (sized: a packet per bundle)
+    packets: list[set[str]] = []
+    for k in range(12):  # unbounded: two packets, each of one member's claim; bounded: one, either
+        monkeypatch.setattr(aggregate, "CLAIM_ANSWER_PACKETS", 2 if k == 0 else 1)
+        ask = sign_if(net.nodes["n3"].auth, wire.ClaimsAsk(v.epoch, v.config_id, "n3", b"\x00"))
+        n0.take_sends()
+        n0.receive(encode_packet([ask]), net.now + k)  # a round apart: answered each time
+        sends = [s for s in n0.take_sends() if s.addr == "n3"]
+        claims = [decode_packet(s.payload, 1 << 20)[0] for s in sends]  # (then piggybacked news, perhaps claims)
+        packets.append(set().union(*(_authors(net, m) for m in claims)))
+        assert len(sends) == (2 if k == 0 else 1), (k, sends)
+    assert packets[0] == {"n0", "n2"}
+    assert {frozenset(p) for p in packets[1:]} == {frozenset({"n0"}), frozenset({"n2"})}  # random runs: both
+    assert n0.counters["claims_answer_cut"] == 11

@@ -66,6 +66,11 @@ UNSEEN_POLL = 0.001
 CLAIM_ASKS = 2
 """Members a member without the plan asks for the claims it lacks, each anti-entropy round."""
 
+CLAIM_ANSWER_PACKETS = 64
+"""At most this many datagrams of claims to one member at once (an answer to its ask, or an observer's push):
+a stock Linux receive buffer (212 KB, doubled) holds about 180 datagrams of an MTU's size, and two answers
+may arrive together. A larger answer sends a random run of its packets; the rest comes with later asks."""
+
 RECONFIRM_ASKS = 4
 """At most this many members whose confirm is missing are asked for it directly in each anti-entropy round."""
 
@@ -542,9 +547,10 @@ class Aggregates:
         self._send_claims(msg.src, ~int.from_bytes(msg.have, "little"))
 
     def _send_claims(self, to: str, only: int = -1) -> None:
-        """Every signed claim we hold (of the members in ``only``: a bitmap, default all), to member ``to``,
-        in bundles, as few packets as fit the MTU."""
+        """The signed claims we hold (of the members in ``only``: a bitmap, default all), to member ``to``,
+        in bundles, as few packets as fit the MTU, at most :data:`CLAIM_ANSWER_PACKETS` of them."""
         budget = self.swim.config.mtu // 2  # room left for piggybacked news
+        batches: list[list[Message]] = []
         batch: list[Message] = []
         size = 0
         for values, bits in self.reports.items():
@@ -552,12 +558,20 @@ class Aggregates:
                 bundle = self._claim_bundle(values, c)
                 n = len(encode_message(bundle))
                 if batch and size + n > budget:
-                    self._send_batch(to, batch)
+                    batches.append(batch)
                     batch, size = [], 0
                 batch.append(bundle)
                 size += n
         if batch:
-            self._send_batch(to, batch)
+            batches.append(batch)
+        if len(batches) > CLAIM_ANSWER_PACKETS:
+            # a random run (wrapping around): two members answering one ask send mostly different claims
+            start = self.node.rng.randrange(len(batches))
+            batches = (batches[start:] + batches[:start])[:CLAIM_ANSWER_PACKETS]
+            counters = self.node.counters
+            counters["claims_answer_cut"] = counters.get("claims_answer_cut", 0) + 1
+        for b in batches:
+            self._send_batch(to, b)
 
     def _send_batch(self, to: str, batch: list[Message]) -> None:
         if self.node.spec_conflict:
