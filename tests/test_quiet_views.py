@@ -158,3 +158,41 @@ def test_a_member_that_catches_up_past_a_group_view_by_delta_reports_to_its_plan
     assert behind.aggregates.view is not None and behind.aggregates.view.epoch == 1
     reports = [m for _, m in sent_messages(behind) if isinstance(m, Report)]
     assert reports and all(r.epoch == 1 for r in reports), reports
+
+
+def test_a_member_that_catches_up_past_a_group_view_by_full_view_reports_to_its_plan() -> None:
+    # as above, but the answerer no longer remembers the change sets (more than MAX_DELTA_STEPS views behind):
+    # its full view 2 goes after its group view 1, in one message; n0 installs both in turn and reports to view
+    # 1's plan. A joiner asking gets view 2 alone (it holds no rank in view 1)
+    from gossiprec.core.topology import JobTopology
+    from gossiprec.core.view import View, ViewMember
+    from gossiprec.core.wire import JoinRequest, Report, ViewRequest, ViewState, decode_packet, encode_packet
+    from tests.test_node import CFG, _decide, make_node, sent_messages
+
+    names = ["n0", "n1", "n2", "n3", "n4"]
+    members = [*(ViewMember(n, n, "trainer", i) for i, n in enumerate(names)), ViewMember("s0", "s0", "spare", None)]
+    v0 = View.initial(members, JobTopology.ddp(5))
+    ahead, behind = make_node("n1", v0), make_node("n0", v0)
+    _decide(ahead, [_remove("n4")], 0.1)
+    v1 = ahead.view
+    _decide(ahead, [_join("j0")], 0.2)
+    assert ahead.view is not None and (ahead.view.epoch, ahead.view.group_epoch) == (2, 1)
+    ahead.catchup.history.clear()  # (as if the views since were more than it remembers)
+    ahead.take_sends()
+    ahead.receive(encode_packet([ViewRequest(0, v0.config_id, "n0", "n0")]), 0.3)
+    (send,) = [s for s in ahead.take_sends() if s.addr == "n0"]
+    news = [m for m in decode_packet(send.payload, CFG.max_stream) if isinstance(m, ViewState)]
+    assert [View.from_wire(m.view) for m in news] == [v1, ahead.view]  # the group view first
+    behind.take_events()
+    behind.take_sends()
+    behind.receive(send.payload, 0.4, reliable=True)
+    assert behind.view == ahead.view
+    installed = [e for e in behind.take_events() if type(e).__name__ == "ViewInstalled"]
+    assert [(e.epoch, e.group_epoch) for e in installed] == [(1, 1), (2, 1)]
+    assert behind.aggregates.view == v1
+    reports = [m for _, m in sent_messages(behind) if isinstance(m, Report)]
+    assert reports and all(r.epoch == 1 for r in reports), reports
+    ahead.receive(encode_packet([JoinRequest("j1", "j1", "", "", 0)]), 0.5)  # a joiner: the full view alone
+    (send,) = [s for s in ahead.take_sends() if s.addr == "j1"]
+    assert [View.from_wire(m.view) for m in decode_packet(send.payload, CFG.max_stream)
+            if isinstance(m, ViewState)] == [ahead.view]

@@ -8,7 +8,9 @@ of an older epoch (their sender missed a decision).
 - A member that hears of a later epoch asks two members SWIM holds alive (at most once per
   ``catchup_interval``). The answer replays the agreed change sets since the asker's view when the
   answerer remembers them all (the last ``MAX_DELTA_STEPS``), else it is the full view. A delta is
-  installed only if every step reproduces its config id.
+  installed only if every step reproduces its config id. A full view that kept an older view's groups
+  (a spare joined or left since) goes after that group view, so that the member installs both and
+  aggregates the group view's plan, as a delta's member does.
 - A member alerting in an older epoch gets the current view pushed to it (by a deterministic
   pseudo-random ~2K members, at most once per ``catchup_interval`` each: O(N) pushes, not O(N^2)); a
   member the decision removed learns so, and asks to join again.
@@ -27,7 +29,7 @@ of an older epoch (their sender missed a decision).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 from gossiprec.core import timers
 from gossiprec.core.auth import sign_if
@@ -49,11 +51,14 @@ class CatchUp:
     """The catch-up and join part of one :class:`~gossiprec.core.node.Node`."""
 
     __slots__ = ("node", "swim", "observer", "acfg", "hello_until", "history", "last_catchup", "pushed_view",
-                 "outsider_window", "_state", "after_removal", "join_asks")
+                 "outsider_window", "_state", "after_removal", "join_asks", "_group_view", "_group_state")
 
     def __init__(self, node: NodePort, swim: Membership, observer: Observer, acfg: AgreementConfig,
-                 now: float) -> None:
+                 now: float, group_view: Callable[[], View | None] = lambda: None) -> None:
         self.node = node
+        self._group_view = group_view
+        """The group view this node aggregates (``Aggregates.view``): what a full view that kept its groups
+        is sent with (see :meth:`send_news`)."""
         self.swim = swim
         self.observer = observer
         self.acfg = acfg
@@ -69,6 +74,8 @@ class CatchUp:
         """(start, count) of the current catchup_interval's pushes to names outside the view."""
         self._state: ViewState | None = None
         """Our signed full view, made once per view."""
+        self._group_state: ViewState | None = None
+        """Our signed full group view (see :meth:`group_state`), made once per group view."""
         self.after_removal = False
         """This member was removed from a view it held (not as a new process): it rejoins only once its
         trainer dropped its state (see the module notes)."""
@@ -160,9 +167,30 @@ class CatchUp:
             self._state = st
         return st
 
-    def send_news(self, addr: str, msg: ViewDelta | ViewState) -> None:
-        """View news on the stream, our key claim ahead of it (see :meth:`NodePort.key_claim`)."""
-        self.swim.send_addr(addr, msg, reliable=True, before=self.node.key_claim())
+    def group_state(self) -> ViewState | None:
+        """Our signed full group view, when our view kept an older view's groups and we hold that view."""
+        v, g = self.node.view, self._group_view()
+        if v is None or g is None or v.group_epoch == v.epoch or g.epoch != v.group_epoch:
+            return None
+        st = self._group_state
+        wire = self.view_wire(g)
+        if st is None or st.view is not wire:
+            st = ViewState(wire, self.node.name)
+            if self.node.auth is not None:
+                self.node.auth.sign(st)
+            self._group_state = st
+        return st
+
+    def send_news(self, addr: str, msg: ViewDelta | ViewState, *, group: bool = True) -> None:
+        """View news on the stream, our key claim ahead of it (see :meth:`NodePort.key_claim`). A full view
+        that kept an older view's groups goes after that group view, in the same message (``group``: to a
+        member, which may hold a rank in it; a joiner holds none): installing both in turn, the member
+        reports to the group view's plan and aggregates it (its trainer waits for that plan), as the
+        members that installed the group view do. (A delta carries the group view's changes already.)"""
+        before = self.node.key_claim()
+        if group and isinstance(msg, ViewState) and (g := self.group_state()) is not None:
+            before = (*before, g)
+        self.swim.send_addr(addr, msg, reliable=True, before=before)
 
     def trusted(self, msg: ViewDelta | ViewState, offered: View | None) -> bool:
         """Whether view news may be installed: with signatures on, only from a member of the view we
@@ -325,7 +353,7 @@ class CatchUp:
         if v is None or node.name not in v:
             return
         if msg.epoch != v.epoch or msg.node in v:
-            self.send_news(msg.addr, self.view_state())  # a joiner: all of it
+            self.send_news(msg.addr, self.view_state(), group=False)  # a joiner: all of it
             return
         self.observer.joining(msg, node.overlay(v), now)
 

@@ -143,7 +143,7 @@ class Node:
         obs = self.observer
         self.hangs: HangCheck = HangCheck(self, obs, swim, acfg)
         self.aggregates: Aggregates = Aggregates(self, swim, obs, acfg)
-        self.catchup: CatchUp = CatchUp(self, swim, obs, acfg, now)
+        self.catchup: CatchUp = CatchUp(self, swim, obs, acfg, now, group_view=lambda: self.aggregates.view)
         self.fencing: Fencing = Fencing(self, swim, obs, self.catchup, acfg, now)
         self.decider: Decider = Decider(self, swim, acfg)
         if view is not None:
