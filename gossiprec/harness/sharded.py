@@ -68,7 +68,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
                 trainer_args: Sequence[str] = (), extra_args: Mapping[str, Sequence[str]] | None = None,
                 hosts: Hosts | None = None, mesh: str | None = None, allow_shrink: bool = False,
                 min_replicas: int = 1, finish_ranks: int = RANKS, until_exit: bool = False,
-                stops: bool = False) -> dict[str, Any]:
+                stops: bool = False, protocol: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Run ``layout`` (``tp`` or ``hsdp``, :data:`~gossiprec.harness.sharded_trainer.LAYOUTS`) for
     ``steps`` steps with ``spares`` hot spares and ``faults``; see the module docstring for the result.
     ``timeout`` bounds the whole run (GossiprecError on expiry; the logs stay in the work directory);
@@ -83,7 +83,8 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
     ``allow_shrink``, ``min_replicas``: the job spec's; ``finish_ranks``: the ranks of the world the job
     ends with (fewer than the mesh's after a shrink); ``until_exit``: return once every process has
     ended, whether or not the ranks reported (a job that stops); ``stops``: the same, and the job is
-    expected to stop in good order (exit 75, say with no spare left), so 75 is no error."""
+    expected to stop in good order (exit 75, say with no spare left), so 75 is no error; ``protocol``: the
+    agents' agreement settings (``--protocol KEY=VALUE``, e.g. ``{"hang_floor": 4}``)."""
     from gossiprec.harness.sharded_trainer import LAYOUTS
 
     def say(msg: str) -> None:
@@ -103,7 +104,7 @@ def run_sharded(layout: str, steps: int, faults: Sequence[Fault] = (), *, spares
             for f in faults:
                 if f.node == node:
                     argv += ["--fault", f.spec()]
-            job.spawn(node, argv, agent_log_level=agent_log_level)
+            job.spawn(node, argv, agent_log_level=agent_log_level, protocol=protocol or {})
         deadline = time.monotonic() + timeout
         reports: dict[int, dict[str, Any]] = {}
         done_at: dict[str, float] = {}
