@@ -681,3 +681,25 @@ def test_a_2x2_mesh_shrink_drops_the_replica_group_of_the_lost_rank() -> None:
     assert plan.replica_groups == ((0,), (1,)) and plan.transfers == ()
     assert Job(JobTopology.grid(2, 2, allow_shrink=True, min_replicas=2)).elect(dead=[1]).action == "stop"
     assert Job(JobTopology.grid(2, 2)).elect(dead=[1]).action == "stop"
+
+
+def test_a_rank_that_holds_nothing_is_no_holder_of_step_0_once_the_job_has_trained() -> None:
+    """HSDP 2 x 2 in CI: shard 0's holders were lost, and the spare given rank 2 a view before never
+    received its state (its trainer reports step 0, no bytes). The plan once resumed the whole job at
+    step 0 from that spare ("resumes at step 0 from this rank, but it holds steps []") and made the live
+    holder of shard 1 receive it; it is a checkpoint plan: shard 0 has no holder. While no holder has
+    trained, step 0 with no bytes is still every rank's initial state (ranks that never committed)."""
+    topo = JobTopology.grid(2, 2)
+    prev = {0: "n0", 1: "n7", 2: "n6", 3: "n4"}  # n0 (rank 0) lost; n6 and n7 spares that took a rank
+    members = [Member("n4", "trainer", 3, "h4", "r0"), Member("n6", "trainer", 2, "h6", "r0"),
+               Member("n7", "trainer", 1, "h7", "r0"), Member("n8", "spare", None, "h8", "r0")]
+    reports = {"n4": StateReport("n4", 3, 6, 7, 100), "n6": StateReport("n6", 2, 0, None, 0),
+               "n7": StateReport("n7", 1, 0, None, 0)}
+    plan = elect(5, members, prev, reports, topo)
+    assert plan.action == "checkpoint" and plan.target_step is None, plan
+    assert plan.orphan_groups == ((0, 2),), plan
+    assert "group(s) [(0, 2)] have no surviving holder" in plan.reason, plan.reason
+    # nobody has trained: step 0 with no bytes is the initial state, and the job resumes there
+    fresh = {n: StateReport(n, r.rank, 0, None, 0) for n, r in ((m.node, m) for m in members[:3])}
+    plan = elect(5, members, prev, fresh, topo)
+    assert plan.action == "resume" and plan.target_step == 0, plan

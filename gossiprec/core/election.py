@@ -26,7 +26,8 @@ Steps, in order (ranks are *old* ranks until step 3, *new* ranks in the plan):
    ``min_replicas`` means ``stop``. Kept ranks are renumbered densely in ascending order (this keeps the
    grid layout ``rank = dp_index * tp_pp + shard``); survivors of dropped columns are *released*
    (they leave the trainer set but may still donate state during this recovery).
-4. **Target step.** A holder is a survivor (kept or released) with a usable report. It can serve its
+4. **Target step.** A holder is a survivor (kept or released) with a usable report (once some holder
+   reports a step above 0, a report of step 0 with no bytes is not one: it holds nothing). It can serve its
    ``committed_step`` and, when it reports one, its ``inflight_step`` (a step whose state is complete
    locally but not yet committed globally). The job resumes at ONE global step, because shards of
    different groups must come from the same step and replicas in a group must be bit-identical. So the
@@ -421,6 +422,11 @@ def elect(
         if prev[r] in reports and reports[prev[r]].node == prev[r] and reports[prev[r]].rank == r
     }
     ignored = len(survivors) - len(usable)
+    if any(rep.committed_step > 0 or rep.inflight_step is not None for rep in usable.values()):
+        # once a holder has trained, a report of step 0 with no bytes holds nothing (a spare given a rank
+        # that never received its state, a trainer that dropped it): the job's initial state only while
+        # every holder is still at step 0 (ranks that never committed, say after a view change at start-up)
+        usable = {r: rep for r, rep in usable.items() if rep.committed_step > 0 or rep.state_bytes > 0}
     groups = topology.replica_groups
     servable_by_group = [
         sorted({s for r in g if r in usable for s in usable[r].servable()}) for g in groups

@@ -26,7 +26,7 @@ from gossiprec.core.codec import (  # ``X as X``: re-exported, so every protocol
 )
 from gossiprec.errors import DecodeError
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 """Packets of another version are refused: 5 signs progress records (:class:`Progress`, push-pull rows), 6
 signs state reports and plan digests (:class:`StateClaim`, :class:`PlanConfirm`: one per member, where a key
 book is set), 7 signs the bootstrap (candidate rows with their keys, the seeds' answers, a decision's
@@ -37,7 +37,8 @@ mean wait inside its collectives (:class:`Progress`, :class:`Ack` and push-pull 
 check, :mod:`gossiprec.core.stragglers`), 11 answers a bootstrap hello with only the rows the asker lacks
 (:class:`BootKnown` ``start``; :class:`BootHello` ``known`` counts the rows had from that seed), 12 carries a
 view's group epoch in its wire form (catch-up's views and ``config_id``: a view that left every group as it was),
-13 lets a member without the plan ask another for the signed claims it lacks (:class:`ClaimsAsk`)."""
+13 lets a member without the plan ask another for the signed claims it lacks (:class:`ClaimsAsk`), 14 elects
+no holder from a report of step 0 with no bytes once another has trained (the same wire: the plans differ)."""
 MAX_NAME = 128
 MAX_ADDR = 300
 MAX_INCARNATION = 2**62
