@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gossiprec.core.node import Node
 from gossiprec.core.view import JOIN, REMOVE, Change
 from gossiprec.harness.job import LocalJob, read_int
 from gossiprec.harness.scenario import Action, run_scenario
@@ -128,22 +130,32 @@ def test_a_spare_joining_then_a_spare_leaving_interrupts_no_trainer(tmp_path: Pa
     assert not records, [p.read_text() for p in records]
 
 
-def test_a_member_that_catches_up_past_a_group_view_by_delta_reports_to_its_plan() -> None:
-    # n0 missed two decisions: n4 lost (s0 takes its rank: group view 1), then j0 joined (view 2 keeps group
-    # epoch 1). The delta brings it to view 2; it installs view 1 on the way, reports its state to view 1's
-    # plan and aggregates that plan, as the members that installed both do (its trainer waits for it)
+def _two_decisions_apart() -> tuple[Any, Any, Node, Node]:
+    """(view 0, view 1, n1, n0) of 5 ranks and a spare: n1 decided that n4 is lost (s0 takes its rank: group
+    view 1), then that j0 joins (view 2 keeps group epoch 1); n0 still holds view 0."""
     from gossiprec.core.topology import JobTopology
     from gossiprec.core.view import View, ViewMember
-    from gossiprec.core.wire import Report, ViewDelta, ViewRequest, encode_packet
-    from tests.test_node import _decide, make_node, sent_messages
+    from tests.test_node import _decide, make_node
 
     names = ["n0", "n1", "n2", "n3", "n4"]
     members = [*(ViewMember(n, n, "trainer", i) for i, n in enumerate(names)), ViewMember("s0", "s0", "spare", None)]
     v0 = View.initial(members, JobTopology.ddp(5))
     ahead, behind = make_node("n1", v0), make_node("n0", v0)
     _decide(ahead, [_remove("n4")], 0.1)
+    v1 = ahead.view
     _decide(ahead, [_join("j0")], 0.2)
     assert ahead.view is not None and (ahead.view.epoch, ahead.view.group_epoch) == (2, 1)
+    return v0, v1, ahead, behind
+
+
+def test_a_member_that_catches_up_past_a_group_view_by_delta_reports_to_its_plan() -> None:
+    # n0 missed two decisions: n4 lost (s0 takes its rank: group view 1), then j0 joined (view 2 keeps group
+    # epoch 1). The delta brings it to view 2; it installs view 1 on the way, reports its state to view 1's
+    # plan and aggregates that plan, as the members that installed both do (its trainer waits for it)
+    from gossiprec.core.wire import Report, ViewDelta, ViewRequest, encode_packet
+    from tests.test_node import sent_messages
+
+    v0, _, ahead, behind = _two_decisions_apart()
     ahead.take_sends()
     ahead.receive(encode_packet([ViewRequest(0, v0.config_id, "n0", "n0")]), 0.3)
     (delta,) = [m for a, m in sent_messages(ahead) if a == "n0"]
@@ -164,19 +176,11 @@ def test_a_member_that_catches_up_past_a_group_view_by_full_view_reports_to_its_
     # as above, but the answerer no longer remembers the change sets (more than MAX_DELTA_STEPS views behind):
     # its full view 2 goes after its group view 1, in one message; n0 installs both in turn and reports to view
     # 1's plan. A joiner asking gets view 2 alone (it holds no rank in view 1)
-    from gossiprec.core.topology import JobTopology
-    from gossiprec.core.view import View, ViewMember
+    from gossiprec.core.view import View
     from gossiprec.core.wire import JoinRequest, Report, ViewRequest, ViewState, decode_packet, encode_packet
-    from tests.test_node import CFG, _decide, make_node, sent_messages
+    from tests.test_node import CFG, sent_messages
 
-    names = ["n0", "n1", "n2", "n3", "n4"]
-    members = [*(ViewMember(n, n, "trainer", i) for i, n in enumerate(names)), ViewMember("s0", "s0", "spare", None)]
-    v0 = View.initial(members, JobTopology.ddp(5))
-    ahead, behind = make_node("n1", v0), make_node("n0", v0)
-    _decide(ahead, [_remove("n4")], 0.1)
-    v1 = ahead.view
-    _decide(ahead, [_join("j0")], 0.2)
-    assert ahead.view is not None and (ahead.view.epoch, ahead.view.group_epoch) == (2, 1)
+    v0, v1, ahead, behind = _two_decisions_apart()
     ahead.catchup.history.clear()  # (as if the views since were more than it remembers)
     ahead.take_sends()
     ahead.receive(encode_packet([ViewRequest(0, v0.config_id, "n0", "n0")]), 0.3)

@@ -158,27 +158,25 @@ class CatchUp:
         """Our view, whole, from us (signed where the cluster signs; made once per view)."""
         v = self.node.view
         assert v is not None
-        st = self._state
-        wire = self.view_wire(v)
-        if st is None or st.view is not wire:
-            st = ViewState(wire, self.node.name)
-            if self.node.auth is not None:
-                self.node.auth.sign(st)
-            self._state = st
-        return st
+        self._state = self._signed(v, self._state)
+        return self._state
 
     def group_state(self) -> ViewState | None:
         """Our signed full group view, when our view kept an older view's groups and we hold that view."""
         v, g = self.node.view, self._group_view()
         if v is None or g is None or v.group_epoch == v.epoch or g.epoch != v.group_epoch:
             return None
-        st = self._group_state
-        wire = self.view_wire(g)
-        if st is None or st.view is not wire:
-            st = ViewState(wire, self.node.name)
-            if self.node.auth is not None:
-                self.node.auth.sign(st)
-            self._group_state = st
+        self._group_state = self._signed(g, self._group_state)
+        return self._group_state
+
+    def _signed(self, v: View, made: ViewState | None) -> ViewState:
+        """View ``v`` whole, from us, signed where the cluster signs: ``made`` again when it is that view's."""
+        wire = self.view_wire(v)
+        if made is not None and made.view is wire:
+            return made
+        st = ViewState(wire, self.node.name)
+        if self.node.auth is not None:
+            self.node.auth.sign(st)
         return st
 
     def send_news(self, addr: str, msg: ViewDelta | ViewState, *, group: bool = True) -> None:
